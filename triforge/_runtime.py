@@ -1,0 +1,51 @@
+"""Where kernels run: compiled on a CUDA GPU, or through Triton's CPU interpreter.
+
+Imported first by ``triforge/__init__.py`` so that TRITON_INTERPRET is set before any
+``@triton.jit`` function in the package is defined.
+"""
+
+import os
+
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+
+if not HAS_CUDA and os.environ.get("TRITON_INTERPRET") is None:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def default_device() -> torch.device:
+    """The device triforge kernels run on in this process."""
+    return torch.device("cuda") if HAS_CUDA and not INTERPRET else torch.device("cpu")
+
+
+def device_name() -> str:
+    """A stable name for the device, used to key measured ceilings and results."""
+    if HAS_CUDA and not INTERPRET:
+        return torch.cuda.get_device_name()
+    return "cpu-interpreter"
+
+
+def arch() -> str:
+    """Config key for the tuned launch-config file: 'sm90' on Hopper, 'interpreter' on the CPU."""
+    if HAS_CUDA and not INTERPRET:
+        major, minor = torch.cuda.get_device_capability()
+        return f"sm{major}{minor}"
+    return "interpreter"
+
+
+def num_sms() -> int:
+    if HAS_CUDA and not INTERPRET:
+        return torch.cuda.get_device_properties(0).multi_processor_count
+    return 4
+
+
+def require_gpu(what: str) -> None:
+    """Raise a clear error for commands that only make sense on a GPU."""
+    if not (HAS_CUDA and not INTERPRET):
+        raise RuntimeError(
+            f"{what} needs a CUDA GPU; this process has none (kernels run through "
+            "Triton's CPU interpreter here, whose timings mean nothing)"
+        )

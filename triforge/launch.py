@@ -1,0 +1,98 @@
+"""Launch configs and compiled-kernel records.
+
+Tuned configs live in ``triforge/configs/<arch>.json`` (written by ``triforge tune --write``)::
+
+    {"kernels": {"rms_norm_fwd": {"block_n=4096,dtype=bf16": {"num_warps": 8, ...}}}}
+
+Launchers call :func:`config` with a key and a heuristic fallback; nothing is autotuned at run time.
+Each launch is recorded so the bench can report registers, spills and shared memory.
+"""
+
+import contextlib
+import functools
+import json
+from pathlib import Path
+
+import torch
+
+from triforge import _runtime
+
+CONFIG_DIR = Path(__file__).parent / "configs"
+
+# kernel name -> the CompiledKernel of its latest compiled launch
+_compiled: dict = {}
+
+
+def config_key(**fields) -> str:
+    return ",".join(f"{k}={fields[k]}" for k in sorted(fields))
+
+
+@functools.lru_cache(maxsize=None)
+def _table(arch: str) -> dict:
+    path = CONFIG_DIR / f"{arch}.json"
+    if not path.exists():
+        return {}
+    return json.loads(path.read_text()).get("kernels", {})
+
+
+def reload() -> None:
+    _table.cache_clear()
+
+
+def config(kernel: str, key: str, fallback: dict) -> dict:
+    """The tuned launch config for ``kernel`` at ``key`` on this arch, else ``fallback``."""
+    found = _table(_runtime.arch()).get(kernel, {}).get(key)
+    if found is None:
+        return dict(fallback)
+    merged = dict(fallback)
+    merged.update(found)
+    return merged
+
+
+def launch(kernel_name: str, jit_fn, grid, *args, **kwargs):
+    """Launch a Triton kernel and remember its compiled form (registers, spills, shared memory)."""
+    compiled = jit_fn[grid](*args, **kwargs)
+    if compiled is not None and not _runtime.INTERPRET:
+        _compiled[kernel_name] = compiled
+    return compiled
+
+
+def kernel_resources(kernel_name: str) -> dict | None:
+    """Registers per thread, spilled registers and shared memory bytes of the last launch."""
+    compiled = _compiled.get(kernel_name)
+    if compiled is None:
+        return None
+    meta = compiled.metadata
+    return {
+        "registers": getattr(compiled, "n_regs", None),
+        "spills": getattr(compiled, "n_spills", None),
+        "shared_bytes": getattr(meta, "shared", None),
+        "num_warps": getattr(meta, "num_warps", None),
+        "num_stages": getattr(meta, "num_stages", None),
+    }
+
+
+def recorded_kernels() -> list[str]:
+    return sorted(_compiled)
+
+
+_POISON = {"on": False}
+
+
+@contextlib.contextmanager
+def poisoned(enabled: bool = True):
+    """Within this block, launcher outputs are allocated filled with NaN (integers: -1)."""
+    old = _POISON["on"]
+    _POISON["on"] = enabled
+    try:
+        yield
+    finally:
+        _POISON["on"] = old
+
+
+def new_output(shape, dtype, device) -> torch.Tensor:
+    """Allocate a kernel output: uninitialised normally, NaN-filled under ``poisoned()``."""
+    if _POISON["on"]:
+        fill = float("nan") if dtype.is_floating_point else -1
+        return torch.full(shape, fill, dtype=dtype, device=device)
+    return torch.empty(shape, dtype=dtype, device=device)

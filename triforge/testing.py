@@ -1,0 +1,239 @@
+"""Parity: compare a kernel's output with a float64 reference, stage by stage.
+
+``compare`` gives one row per tensor; ``compare_stages`` walks named stages in order and stops
+at the first that fails, so a failure points at one stage. ``poisoned()`` (from triforge.launch) makes
+every output a launcher allocates start as NaN, so elements a kernel never writes cannot pass.
+"""
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from triforge.launch import new_output, poisoned
+
+
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """Pass when rel_rms <= rel_rms and no element has |got-ref| > atol*rms(ref) + rtol*|ref|."""
+
+    rel_rms: float
+    atol: float
+    rtol: float
+
+
+TOLERANCES = {
+    torch.float64: Tolerance(rel_rms=1e-10, atol=1e-9, rtol=1e-9),
+    torch.float32: Tolerance(rel_rms=1e-5, atol=2e-5, rtol=2e-5),
+    torch.float16: Tolerance(rel_rms=3e-3, atol=1e-2, rtol=1e-2),
+    torch.bfloat16: Tolerance(rel_rms=1e-2, atol=5e-2, rtol=5e-2),
+}
+
+
+def tolerance_for(dtype: torch.dtype) -> Tolerance:
+    """Tolerance for results computed from operands of ``dtype`` (the op's input dtype)."""
+    if dtype not in TOLERANCES:
+        raise ValueError(f"no tolerance defined for dtype {dtype}")
+    return TOLERANCES[dtype]
+
+
+@dataclass
+class CompareResult:
+    name: str
+    ok: bool
+    shape: tuple
+    max_abs: float
+    max_abs_at: tuple
+    mean_abs: float
+    rel_rms: float
+    n_over: int
+    nan_ref: int
+    inf_ref: int
+    nan_got: int
+    inf_got: int
+    tol: Tolerance
+    reason: str = ""
+    first_ref: list = field(default_factory=list)
+    first_got: list = field(default_factory=list)
+
+    def row(self) -> dict:
+        return {
+            "name": self.name,
+            "ok": self.ok,
+            "shape": list(self.shape),
+            "max_abs": self.max_abs,
+            "max_abs_at": list(self.max_abs_at),
+            "mean_abs": self.mean_abs,
+            "rel_rms": self.rel_rms,
+            "n_over": self.n_over,
+            "nan_inf_ref": [self.nan_ref, self.inf_ref],
+            "nan_inf_got": [self.nan_got, self.inf_got],
+            "reason": self.reason,
+        }
+
+    def line(self) -> str:
+        status = "PASS" if self.ok else "FAIL"
+        text = (
+            f"{status} {self.name:<28} max_abs={self.max_abs:.3e} at {self.max_abs_at} "
+            f"mean_abs={self.mean_abs:.3e} rel_rms={self.rel_rms:.3e} (tol {self.tol.rel_rms:.0e}) "
+            f"over_tol={self.n_over} nan/inf ref={self.nan_ref}/{self.inf_ref} got={self.nan_got}/{self.inf_got}"
+        )
+        if not self.ok:
+            text += f"\n     reason: {self.reason}\n     ref[:8]={self.first_ref}\n     got[:8]={self.first_got}"
+        return text
+
+
+def compare(name, ref, got, *, dtype=None, tol=None, verbose=True) -> CompareResult:
+    """Compare ``got`` with the float64 reference ``ref``; print and return one row.
+
+    ``dtype`` is the dtype the op computed from (it picks the tolerance; default got.dtype).
+    Non-finite values pass only where the reference has the same value (NaN never passes).
+    """
+    if tol is None:
+        tol = tolerance_for(dtype or got.dtype)
+    ref_d = ref.detach().to("cpu", torch.float64)
+    got_d = got.detach().to("cpu", torch.float64)
+    if ref_d.shape != got_d.shape:
+        result = CompareResult(
+            name, False, tuple(got_d.shape), math.inf, (), math.inf, math.inf, got_d.numel(),
+            0, 0, 0, 0, tol, reason=f"shape mismatch: ref {tuple(ref_d.shape)} vs got {tuple(got_d.shape)}",
+        )
+        if verbose:
+            print(result.line())
+        return result
+    nan_ref, inf_ref = int(ref_d.isnan().sum()), int(ref_d.isinf().sum())
+    nan_got, inf_got = int(got_d.isnan().sum()), int(got_d.isinf().sum())
+    finite = ref_d.isfinite() & got_d.isfinite()
+    diff = torch.where(finite, (got_d - ref_d).abs(), torch.zeros_like(ref_d))
+    scale = float(ref_d[ref_d.isfinite()].square().mean().sqrt()) if ref_d.isfinite().any() else 0.0
+    scale = scale if scale > 0 else 1.0
+    over = diff > tol.atol * scale + tol.rtol * ref_d.abs().nan_to_num(0.0, 0.0, 0.0)
+    # a non-finite got passes only where the reference holds the same infinity
+    bad_nonfinite = ~got_d.isfinite() & ~((got_d == ref_d) & ref_d.isinf())
+    bad_nonfinite |= ~ref_d.isfinite() & got_d.isfinite()
+    n_over = int(over.sum()) + int(bad_nonfinite.sum())
+    flat = int(diff.argmax()) if diff.numel() else 0
+    max_abs_at = tuple(int(i) for i in np.unravel_index(flat, tuple(diff.shape))) if diff.numel() else ()
+    ref_f = torch.where(finite, ref_d, torch.zeros_like(ref_d))
+    got_f = torch.where(finite, got_d, torch.zeros_like(got_d))
+    denom = float(ref_f.norm())
+    rel_rms = float((got_f - ref_f).norm()) / denom if denom > 0 else float((got_f - ref_f).norm())
+    reasons = []
+    if nan_got:
+        reasons.append(f"{nan_got} NaN in output")
+    if int(bad_nonfinite.sum()) - nan_got > 0:
+        reasons.append("non-finite values differ from the reference")
+    if rel_rms > tol.rel_rms:
+        reasons.append(f"rel_rms {rel_rms:.3e} > {tol.rel_rms:.0e}")
+    if int(over.sum()):
+        reasons.append(f"{int(over.sum())} elements over tolerance")
+    result = CompareResult(
+        name=name,
+        ok=not reasons,
+        shape=tuple(got_d.shape),
+        max_abs=float(diff.max()) if diff.numel() else 0.0,
+        max_abs_at=max_abs_at,
+        mean_abs=float(diff.mean()) if diff.numel() else 0.0,
+        rel_rms=rel_rms,
+        n_over=n_over,
+        nan_ref=nan_ref,
+        inf_ref=inf_ref,
+        nan_got=nan_got,
+        inf_got=inf_got,
+        tol=tol,
+        reason="; ".join(reasons),
+        first_ref=[round(v, 6) for v in ref_d.flatten()[:8].tolist()],
+        first_got=[round(v, 6) for v in got_d.flatten()[:8].tolist()],
+    )
+    if verbose:
+        print(result.line())
+    return result
+
+
+def compare_stages(ref_stages: dict, got_stages: dict, *, dtype, tols=None, prefix="", verbose=True):
+    """Compare named stages in the reference's order; stop at the first failing stage.
+
+    Returns (results, first_failing_stage_name_or_None). Stages after a failure are not compared.
+    """
+    results = []
+    for name, ref in ref_stages.items():
+        if name not in got_stages:
+            raise KeyError(f"kernel did not expose stage {name!r} (it exposes {list(got_stages)})")
+        tol = (tols or {}).get(name)
+        res = compare(prefix + name, ref, got_stages[name], dtype=dtype, tol=tol, verbose=verbose)
+        results.append(res)
+        if not res.ok:
+            return results, name
+    return results, None
+
+
+def dump_stages(directory, stages: dict) -> None:
+    """Write each stage as ``<dir>/<index>_<name>.npy`` (float64), in stage order."""
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    for i, (name, t) in enumerate(stages.items()):
+        np.save(d / f"{i:02d}_{name}.npy", t.detach().to("cpu", torch.float64).numpy())
+
+
+def load_dump(directory) -> dict:
+    d = Path(directory)
+    out = {}
+    for f in sorted(d.glob("*.npy")):
+        stem = f.stem
+        name = stem.split("_", 1)[1] if "_" in stem and stem.split("_", 1)[0].isdigit() else stem
+        out[name] = np.load(f)
+    return out
+
+
+def compare_dumps(ref_dir, got_dir, worst: int = 10) -> list[dict]:
+    """Per-stage max/mean diff and the ``worst`` largest differences between two dump folders."""
+    ref, got = load_dump(ref_dir), load_dump(got_dir)
+    rows = []
+    for name, r in ref.items():
+        if name not in got:
+            rows.append({"stage": name, "missing": True})
+            continue
+        g = got[name]
+        if r.shape != g.shape:
+            rows.append({"stage": name, "shape_mismatch": [list(r.shape), list(g.shape)]})
+            continue
+        diff = np.abs(g - r)
+        diff = np.where(np.isnan(diff), np.inf, diff)
+        order = np.argsort(diff, axis=None)[::-1][:worst]
+        rows.append(
+            {
+                "stage": name,
+                "shape": list(r.shape),
+                "max_diff": float(diff.max()) if diff.size else 0.0,
+                "mean_diff": float(np.mean(diff)) if diff.size else 0.0,
+                "nan_got": int(np.isnan(g).sum()),
+                "worst": [
+                    {
+                        "index": [int(i) for i in np.unravel_index(j, r.shape)],
+                        "ref": float(r.flat[j]),
+                        "got": float(g.flat[j]),
+                    }
+                    for j in order
+                ],
+            }
+        )
+    return rows
+
+
+__all__ = [
+    "Tolerance",
+    "TOLERANCES",
+    "tolerance_for",
+    "CompareResult",
+    "compare",
+    "compare_stages",
+    "dump_stages",
+    "load_dump",
+    "compare_dumps",
+    "poisoned",
+    "new_output",
+]
