@@ -42,10 +42,14 @@ def num_sms() -> int:
     return 4
 
 
+class GPURequiredError(RuntimeError):
+    """A command that only makes sense on a GPU ran without one."""
+
+
 def require_gpu(what: str) -> None:
     """Raise a clear error for commands that only make sense on a GPU."""
     if not (HAS_CUDA and not INTERPRET):
-        raise RuntimeError(
+        raise GPURequiredError(
             f"{what} needs a CUDA GPU; this process has none (kernels run through "
             "Triton's CPU interpreter here, whose timings mean nothing)"
         )

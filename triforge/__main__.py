@@ -1,0 +1,5 @@
+import sys
+
+from triforge.cli import main
+
+sys.exit(main())

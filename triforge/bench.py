@@ -1,0 +1,202 @@
+"""Timing against the roofline and the peers, in one process.
+
+- ``time_ms``: CUDA-event timing through ``triton.testing.do_bench`` (which flushes L2 before
+  every run); min / median / p95 / max / mean over all repeats.
+- ``peaks``: the device's measured ceilings (device-to-device copy, bf16 8192^3 matmul), cached
+  per device name.
+- ``bench_op``: an op's triforge kernels and its peers on the same inputs, forward and backward;
+  inputs rotate among several sets when one set would fit in L2. Timing only starts after the op
+  passes its parity check at the same shape.
+"""
+
+import datetime as _dt
+import json
+import math
+import os
+import subprocess
+from pathlib import Path
+
+import torch
+
+from triforge import _runtime, launch
+
+PEAKS_CACHE = Path(os.environ.get("TRIFORGE_CACHE", Path.home() / ".cache" / "triforge")) / "peaks.json"
+
+
+def time_ms(fn, *, warmup: int = 25, rep: int = 200) -> dict:
+    """Median and spread of ``fn``'s run time in ms (warmup and rep are milliseconds of running)."""
+    import triton.testing
+
+    times = triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="all")
+    times = sorted(float(t) for t in times)
+    n = len(times)
+    return {
+        "min_ms": times[0],
+        "median_ms": times[n // 2] if n % 2 else 0.5 * (times[n // 2 - 1] + times[n // 2]),
+        "p95_ms": times[min(n - 1, math.ceil(0.95 * n) - 1)],
+        "max_ms": times[-1],
+        "mean_ms": sum(times) / n,
+        "n": n,
+    }
+
+
+def measure_peaks() -> dict:
+    """Measure the copy bandwidth (bytes read + written) and the bf16 matmul rate."""
+    _runtime.require_gpu("triforge peaks")
+    n = 1 << 29  # 1 GiB of bf16
+    src = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    t_copy = time_ms(lambda: dst.copy_(src))["median_ms"]
+    del src, dst
+    m = 8192
+    a = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
+    t_mm = time_ms(lambda: a @ b)["median_ms"]
+    return {
+        "device": _runtime.device_name(),
+        "copy_tbps": 2 * n * 2 / (t_copy * 1e-3) / 1e12,
+        "matmul_bf16_tflops": 2 * m**3 / (t_mm * 1e-3) / 1e12,
+        "measured": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def peaks(force: bool = False) -> dict:
+    """Ceilings of this device: from the cache when present, else measured and cached."""
+    _runtime.require_gpu("triforge peaks")
+    name = _runtime.device_name()
+    cache = json.loads(PEAKS_CACHE.read_text()) if PEAKS_CACHE.exists() else {}
+    if force or name not in cache:
+        cache[name] = measure_peaks()
+        PEAKS_CACHE.parent.mkdir(parents=True, exist_ok=True)
+        PEAKS_CACHE.write_text(json.dumps(cache, indent=2))
+    return cache[name]
+
+
+def _tensors(inputs):
+    return [v for v in inputs.values() if isinstance(v, torch.Tensor)]
+
+
+def _input_sets(spec, dtype, n_sets, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return [spec.make_inputs("real", dtype, _runtime.default_device(), gen) for _ in range(n_sets)]
+
+
+def _rotation(spec, dtype, seed) -> list:
+    """Enough input sets that consecutive calls never find their data in L2."""
+    first = _input_sets(spec, dtype, 1, seed)
+    nbytes = sum(t.numel() * t.element_size() for t in _tensors(first[0]))
+    l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 * 2**20)
+    n_sets = min(8, max(1, math.ceil(4 * l2 / max(nbytes, 1))))
+    return first + _input_sets(spec, dtype, n_sets - 1, seed + 1)
+
+
+def _fwd_fn(impl, sets):
+    state = {"i": 0}
+
+    def run():
+        inputs = sets[state["i"] % len(sets)]
+        state["i"] += 1
+        return impl(**inputs)
+
+    return run
+
+
+def _bwd_fn(impl, spec, sets):
+    """Backward only: forward graphs are built once per set, then grads are replayed."""
+    prepared = []
+    for inputs in sets:
+        leaves = {k: (v.detach().clone().requires_grad_(True) if k in spec.grad_inputs else v) for k, v in inputs.items()}
+        outs = impl(**leaves)
+        grads = [torch.randn_like(o) for o in outs]
+        prepared.append((outs, [leaves[k] for k in spec.grad_inputs], grads))
+    state = {"i": 0}
+
+    def run():
+        outs, wrt, grads = prepared[state["i"] % len(prepared)]
+        state["i"] += 1
+        return torch.autograd.grad(outs, wrt, grads, retain_graph=True)
+
+    return run
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def bench_op(spec, *, dtype=torch.bfloat16, modes=("fwd", "bwd"), peers=True, seed=0, check=True) -> list[dict]:
+    """Rows for each mode and implementation (triforge first, then the peers)."""
+    from triforge.check import check_op
+
+    _runtime.require_gpu("triforge bench")
+    ceil = peaks()
+    if check:
+        verdict = check_op(spec, dtype, tier="real", seed=seed)
+        if not verdict.ok:
+            failed = verdict.error or verdict.failed_stage
+            return [{"op": spec.name, "mode": m, "impl": "triforge", "error": f"parity check failed: {failed}"} for m in modes]
+    sets = _rotation(spec, dtype, seed)
+    impls = {"triforge": spec.call}
+    if peers:
+        for name, build in spec.peers.items():
+            fn = build(sets[0])
+            if fn is not None:
+                impls[name] = fn
+    rows = []
+    for mode in modes:
+        if mode == "bwd" and not spec.grad_inputs:
+            continue
+        ours = None
+        for name, impl in impls.items():
+            row = {"op": spec.name, "mode": mode, "impl": name, "shape": spec.describe(sets[0]),
+                   "dtype": str(dtype).replace("torch.", ""), "n_input_sets": len(sets)}
+            try:
+                fn = _fwd_fn(impl, sets) if mode == "fwd" else _bwd_fn(impl, spec, sets)
+                launch._compiled.clear()
+                torch.cuda.reset_peak_memory_stats()
+                base = torch.cuda.memory_allocated()
+                fn()
+                torch.cuda.synchronize()
+                row["peak_mem_mb"] = (torch.cuda.max_memory_allocated() - base) / 2**20
+                if name == "triforge":
+                    row["kernels"] = {k: launch.kernel_resources(k) for k in launch.recorded_kernels()}
+                row.update(time_ms(fn))
+            except Exception as e:  # a peer that crashes or refuses the shape is reported, not fatal
+                row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+                rows.append(row)
+                continue
+            nbytes, flops = spec.bytes(sets[0], mode), spec.flops(sets[0], mode)
+            sec = row["median_ms"] * 1e-3
+            row["bytes"], row["flops"] = nbytes, flops
+            row["gbps"] = nbytes / sec / 1e9
+            row["tflops"] = flops / sec / 1e12
+            row["pct_copy"] = 100 * row["gbps"] / (ceil["copy_tbps"] * 1e3)
+            row["floor_ms"] = 1e3 * max(nbytes / (ceil["copy_tbps"] * 1e12), flops / (ceil["matmul_bf16_tflops"] * 1e12))
+            if name == "triforge":
+                ours = row["median_ms"]
+            row["triforge_speedup"] = (row["median_ms"] / ours) if ours else None
+            rows.append(row)
+        del ours
+    return rows
+
+
+def run_bench(specs, *, dtype=torch.bfloat16, modes=("fwd", "bwd"), peers=True, progress=None) -> dict:
+    rows = []
+    for spec in specs:
+        rows += bench_op(spec, dtype=dtype, modes=modes, peers=peers)
+        if progress is not None:
+            progress(spec.name)
+    return {
+        "device": _runtime.device_name(),
+        "arch": _runtime.arch(),
+        "commit": git_commit(),
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "triton": __import__("triton").__version__,
+        "peaks": peaks(),
+        "rows": rows,
+    }

@@ -1,0 +1,267 @@
+"""The ``triforge`` command: check, bench, tune, peaks, report, compare-dumps, list."""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+console = Console()
+
+DTYPES = {"fp32": "float32", "float32": "float32", "fp16": "float16", "float16": "float16", "bf16": "bfloat16", "bfloat16": "bfloat16"}
+
+
+def _dtype(name):
+    import torch
+
+    if name not in DTYPES:
+        raise argparse.ArgumentTypeError(f"unknown dtype {name!r}; use one of fp32, fp16, bf16")
+    return getattr(torch, DTYPES[name])
+
+
+def _progress():
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console)
+
+
+def cmd_check(args) -> int:
+    from triforge import _runtime, registry
+    from triforge.check import check_op
+
+    specs = registry.select(args.ops)
+    where = "Triton CPU interpreter" if _runtime.INTERPRET else _runtime.device_name()
+    table = Table(title=f"triforge check ({where}, seed {args.seed})")
+    for col in ("op", "dtype", "shape", "compared", "worst rel_rms", "status"):
+        table.add_column(col)
+    failures = []
+    jobs = [(s, d) for s in specs for d in (args.dtype or s.dtypes)]
+    with _progress() as prog:
+        task = prog.add_task("checking", total=len(jobs))
+        for spec, dtype in jobs:
+            prog.update(task, description=f"{spec.name} {str(dtype)[6:]}")
+            res = check_op(spec, dtype, tier=args.tier, seed=args.seed, dump_dir=args.dump, verbose=args.verbose)
+            worst = max((r.rel_rms for r in res.results), default=float("nan"))
+            if res.ok:
+                status = "[green]PASS[/green]"
+            elif res.error:
+                status = f"[red]ERROR[/red] {res.error[:80]}"
+            else:
+                status = f"[red]FAIL at {res.failed_stage}[/red]"
+            table.add_row(spec.name, res.dtype, res.shape, str(len(res.results)), f"{worst:.2e}", status)
+            if not res.ok:
+                failures.append(res)
+            prog.advance(task)
+    console.print(table)
+    for res in failures:
+        console.print(f"[red]{res.op} {res.dtype}[/red]: {res.error or ''}")
+        for r in res.results:
+            if not r.ok:
+                console.print("  " + r.line())
+    if args.dump:
+        console.print(f"stages written under {args.dump}/<op>-<dtype>/{{ref,got}}; compare with `triforge compare-dumps`")
+    console.print(f"{len(jobs) - len(failures)} passed, {len(failures)} failed")
+    return 1 if failures else 0
+
+
+def _bench_table(result):
+    table = Table(title=f"triforge bench — {result['device']} ({result['commit']})")
+    for col in ("op", "mode", "shape", "impl", "median ms", "GB/s", "% copy", "triforge speedup"):
+        table.add_column(col, justify="right" if col not in ("op", "mode", "impl", "shape") else "left")
+    for r in result["rows"]:
+        if "error" in r:
+            table.add_row(r["op"], r["mode"], r.get("shape", ""), r["impl"], f"[red]{r['error'][:60]}[/red]", "", "", "")
+            continue
+        sp = r.get("triforge_speedup")
+        table.add_row(r["op"], r["mode"], r["shape"], r["impl"], f"{r['median_ms']:.4f}", f"{r['gbps']:.0f}",
+                      f"{r['pct_copy']:.1f}", "-" if sp is None else f"{sp:.2f}x")
+    return table
+
+
+def cmd_bench(args) -> int:
+    from triforge import _runtime, bench, registry
+
+    _runtime.require_gpu("triforge bench")
+    specs = registry.select(args.ops)
+    modes = tuple(args.modes.split(","))
+    with _progress() as prog:
+        task = prog.add_task("benchmarking", total=len(specs))
+        result = bench.run_bench(specs, dtype=args.dtype, modes=modes, peers=not args.no_peers,
+                                 progress=lambda name: prog.advance(task))
+    console.print(_bench_table(result))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=2))
+        console.print(f"results written to {args.json}")
+    failed = [r for r in result["rows"] if r["impl"] == "triforge" and "error" in r]
+    return 1 if failed else 0
+
+
+def _parse_shape(text, names):
+    shape = {}
+    for part in text.split(","):
+        if "=" not in part:
+            raise SystemExit(f"--shape expects NAME=VALUE pairs like {','.join(n + '=...' for n in names)}, got {text!r}")
+        k, v = part.split("=", 1)
+        shape[k.strip()] = int(v)
+    missing = [n for n in names if n not in shape]
+    if missing:
+        raise SystemExit(f"--shape is missing {missing} (this kernel needs {list(names)})")
+    return shape
+
+
+def cmd_tune(args) -> int:
+    from triforge import _runtime, tune
+
+    if args.list or not args.kernel:
+        for name in tune.all_tunables():
+            t = tune.get(name)
+            console.print(f"{name}: shape {list(t.shape_names)} (default {t.default_shape}), space {t.space}")
+        return 0
+    _runtime.require_gpu("triforge tune")
+    t = tune.get(args.kernel)
+    shape = _parse_shape(args.shape, t.shape_names) if args.shape else dict(t.default_shape)
+    n = len(tune.grid(t.space))
+    with _progress() as prog:
+        task = prog.add_task(f"tuning {t.kernel}", total=n)
+        result = tune.tune(t, shape, args.dtype, top=args.top, progress=lambda: prog.advance(task))
+    table = Table(title=f"{t.kernel} at {shape} {result['dtype']} — {result['n_tried']} tried, {result['n_failed']} failed")
+    table.add_column("rank")
+    table.add_column("config")
+    table.add_column("median ms", justify="right")
+    for i, r in enumerate(result["top"], 1):
+        table.add_row(str(i), json.dumps(r["config"]), f"{r['ms']:.4f}")
+    console.print(table)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    if args.write:
+        console.print(f"best config written to {tune.write_config(result)}")
+    return 0 if result["best"] else 1
+
+
+def cmd_peaks(args) -> int:
+    from triforge import bench
+
+    p = bench.peaks(force=args.force)
+    console.print(f"{p['device']}: copy {p['copy_tbps']:.2f} TB/s (read + write), bf16 matmul {p['matmul_bf16_tflops']:.0f} TFLOP/s")
+    return 0
+
+
+def cmd_report(args) -> int:
+    from triforge import report
+
+    md, png = report.write_report(args.results, args.out)
+    console.print(f"wrote {md} and {png}")
+    return 0
+
+
+def cmd_compare_dumps(args) -> int:
+    from triforge.testing import compare_dumps
+
+    rows = compare_dumps(args.ref_dir, args.got_dir, worst=args.worst)
+    if not rows:
+        console.print(f"[red]no .npy stages found in {args.ref_dir}[/red]")
+        return 1
+    table = Table(title=f"{args.ref_dir} vs {args.got_dir}")
+    for col in ("stage", "shape", "max diff", "mean diff", "NaN in got"):
+        table.add_column(col)
+    bad = False
+    for r in rows:
+        if "max_diff" not in r:
+            bad = True
+            table.add_row(r["stage"], "[red]missing or shape mismatch[/red]", "", "", "")
+            continue
+        bad |= r["nan_got"] > 0
+        table.add_row(r["stage"], str(r["shape"]), f"{r['max_diff']:.3e}", f"{r['mean_diff']:.3e}", str(r["nan_got"]))
+    console.print(table)
+    for r in rows:
+        if r.get("worst"):
+            worst = ", ".join(f"{w['index']}: ref {w['ref']:.5g} got {w['got']:.5g}" for w in r["worst"])
+            console.print(f"[bold]{r['stage']}[/bold] worst: {worst}")
+    return 1 if bad else 0
+
+
+def cmd_list(args) -> int:
+    from triforge import registry, tune
+
+    table = Table(title="registered ops")
+    for col in ("op", "family", "outputs", "gradients", "peers"):
+        table.add_column(col)
+    for s in registry.all_ops():
+        table.add_row(s.name, s.family, ", ".join(s.outputs), ", ".join(s.grad_inputs) or "-", ", ".join(s.peers) or "-")
+    console.print(table)
+    console.print("tunable kernels: " + ", ".join(tune.all_tunables()))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="triforge", description="Fused Triton kernels: parity, benchmarks, tuning.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    c = sub.add_parser("check", help="parity of every op (stages, then gradients) against float64 references")
+    c.add_argument("ops", nargs="*", help="op or family names (default: all)")
+    c.add_argument("--dtype", type=_dtype, action="append", help="fp32, fp16 or bf16 (repeatable; default: all)")
+    c.add_argument("--tier", choices=("tiny", "real"), default=None, help="input sizes (default: tiny on CPU, real on GPU)")
+    c.add_argument("--seed", type=int, default=None, help="input seed (default: fresh each run)")
+    c.add_argument("--dump", metavar="DIR", help="write every stage of reference and kernel as .npy")
+    c.add_argument("--verbose", action="store_true", help="print every compared row")
+    c.set_defaults(func=cmd_check)
+
+    b = sub.add_parser("bench", help="time ops and peers on the GPU (GPU only)")
+    b.add_argument("ops", nargs="*")
+    b.add_argument("--json", metavar="FILE", help="write the results here (e.g. benchmarks/results/...json)")
+    b.add_argument("--dtype", type=_dtype, default="bf16")
+    b.add_argument("--modes", default="fwd,bwd")
+    b.add_argument("--no-peers", action="store_true")
+    b.set_defaults(func=cmd_bench)
+
+    t = sub.add_parser("tune", help="grid-search a kernel's launch parameters at one shape (GPU only)")
+    t.add_argument("kernel", nargs="?")
+    t.add_argument("--shape", help="e.g. M=65536,N=4096 (default: the kernel's default shape)")
+    t.add_argument("--dtype", type=_dtype, default="bf16")
+    t.add_argument("--top", type=int, default=5)
+    t.add_argument("--json", metavar="FILE")
+    t.add_argument("--write", action="store_true", help="store the best config in triforge/configs/<arch>.json")
+    t.add_argument("--list", action="store_true", help="list the tunable kernels")
+    t.set_defaults(func=cmd_tune)
+
+    k = sub.add_parser("peaks", help="measure the device's copy bandwidth and bf16 matmul rate (GPU only)")
+    k.add_argument("--force", action="store_true", help="re-measure even when cached")
+    k.set_defaults(func=cmd_peaks)
+
+    r = sub.add_parser("report", help="Markdown tables and a roofline PNG from bench results")
+    r.add_argument("results", nargs="+")
+    r.add_argument("--out", required=True)
+    r.set_defaults(func=cmd_report)
+
+    d = sub.add_parser("compare-dumps", help="per-stage diff of two --dump folders")
+    d.add_argument("ref_dir")
+    d.add_argument("got_dir")
+    d.add_argument("--worst", type=int, default=10)
+    d.set_defaults(func=cmd_compare_dumps)
+
+    ls = sub.add_parser("list", help="registered ops and tunable kernels")
+    ls.set_defaults(func=cmd_list)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    if getattr(args, "dtype", None) == "bf16":
+        args.dtype = _dtype("bf16")
+    if getattr(args, "seed", 0) is None:
+        import random
+
+        args.seed = random.SystemRandom().randrange(2**31)
+    from triforge._runtime import GPURequiredError
+
+    try:
+        return args.func(args)
+    except (GPURequiredError, KeyError) as e:
+        console.print(f"[red]error:[/red] {e.args[0] if e.args else e}")
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
