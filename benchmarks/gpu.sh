@@ -10,6 +10,8 @@ if ls .peers/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .peers/*.whl
 fi
 export PYTHONPATH=.:/tmp/site PYTHONUNBUFFERED=1 TRIFORGE_CACHE=/tmp/triforge-cache
+# the copy on the GPU machine has no .git: the caller writes the commit to .commit and carries it
+export TRIFORGE_COMMIT=${TRIFORGE_COMMIT:-$(cat .commit 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 STEPS=${*:-tests sanitize tune bench}
 OPS=${OPS:-}
 status=0

@@ -120,6 +120,9 @@ def _bwd_fn(impl, spec, sets):
 
 
 def git_commit() -> str:
+    """The commit being measured (TRIFORGE_COMMIT wins: the GPU machine's copy has no .git)."""
+    if os.environ.get("TRIFORGE_COMMIT"):
+        return os.environ["TRIFORGE_COMMIT"]
     try:
         return subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent, check=True

@@ -95,8 +95,8 @@ def compare(name, ref, got, *, dtype=None, tol=None, verbose=True) -> CompareRes
     """
     if tol is None:
         tol = tolerance_for(dtype or got.dtype)
-    ref_d = ref.detach().to("cpu", torch.float64)
-    got_d = got.detach().to("cpu", torch.float64)
+    ref_d = ref.detach().to(torch.float64)
+    got_d = got.detach().to(ref_d.device, torch.float64)
     if ref_d.shape != got_d.shape:
         result = CompareResult(
             name, False, tuple(got_d.shape), math.inf, (), math.inf, math.inf, got_d.numel(),
@@ -109,12 +109,13 @@ def compare(name, ref, got, *, dtype=None, tol=None, verbose=True) -> CompareRes
     nan_got, inf_got = int(got_d.isnan().sum()), int(got_d.isinf().sum())
     finite = ref_d.isfinite() & got_d.isfinite()
     diff = torch.where(finite, (got_d - ref_d).abs(), torch.zeros_like(ref_d))
-    scale = float(ref_d[ref_d.isfinite()].square().mean().sqrt()) if ref_d.isfinite().any() else 0.0
+    ref_fin = ref_d.isfinite()
+    scale = float(torch.where(ref_fin, ref_d, 0.0).square().sum() / ref_fin.sum().clamp(min=1)) ** 0.5
     scale = scale if scale > 0 else 1.0
     over = diff > tol.atol * scale + tol.rtol * ref_d.abs().nan_to_num(0.0, 0.0, 0.0)
     # a non-finite got passes only where the reference holds the same infinity
     bad_nonfinite = ~got_d.isfinite() & ~((got_d == ref_d) & ref_d.isinf())
-    bad_nonfinite |= ~ref_d.isfinite() & got_d.isfinite()
+    bad_nonfinite |= ~ref_fin & got_d.isfinite()
     n_over = int(over.sum()) + int(bad_nonfinite.sum())
     flat = int(diff.argmax()) if diff.numel() else 0
     max_abs_at = tuple(int(i) for i in np.unravel_index(flat, tuple(diff.shape))) if diff.numel() else ()
@@ -146,8 +147,8 @@ def compare(name, ref, got, *, dtype=None, tol=None, verbose=True) -> CompareRes
         inf_got=inf_got,
         tol=tol,
         reason="; ".join(reasons),
-        first_ref=[round(v, 6) for v in ref_d.flatten()[:8].tolist()],
-        first_got=[round(v, 6) for v in got_d.flatten()[:8].tolist()],
+        first_ref=[round(v, 6) for v in ref_d.flatten()[:8].cpu().tolist()],
+        first_got=[round(v, 6) for v in got_d.flatten()[:8].cpu().tolist()],
     )
     if verbose:
         print(result.line())
