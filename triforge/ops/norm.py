@@ -301,6 +301,14 @@ def _liger(inputs):
     return lambda x, weight, eps: (LigerRMSNormFunction.apply(x, weight, eps, 0.0, "llama"),)
 
 
+def _liger_fused_add(inputs):
+    try:
+        from liger_kernel.ops.fused_add_rms_norm import LigerFusedAddRMSNormFunction
+    except ImportError:
+        return None
+    return lambda x, weight, eps, residual: tuple(LigerFusedAddRMSNormFunction.apply(x, residual, weight, eps, 0.0, "llama"))
+
+
 def _torch_compile(inputs):
     def eager(x, weight, eps):
         xf = x.float()
@@ -363,5 +371,6 @@ register(OpSpec(
     grad_inputs=("x", "weight", "residual"),
     flops=_flops,
     bytes=lambda inputs, mode: _bytes(inputs, mode, residual=True),
+    peers={"liger": _liger_fused_add},
     describe=lambda inputs: "x".join(map(str, inputs["x"].shape)),
 ))
