@@ -153,6 +153,8 @@ def cmd_report(args) -> int:
 
     md, png = report.write_report(args.results, args.out)
     console.print(f"wrote {md} and {png}")
+    if args.readme:
+        console.print(f"updated {report.update_readme(args.results, args.readme)}")
     return 0
 
 
@@ -233,6 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("report", help="Markdown tables and a roofline PNG from bench results")
     r.add_argument("results", nargs="+")
     r.add_argument("--out", required=True)
+    r.add_argument("--readme", metavar="README", help="also regenerate the README's benchmark section")
     r.set_defaults(func=cmd_report)
 
     d = sub.add_parser("compare-dumps", help="per-stage diff of two --dump folders")
