@@ -1,0 +1,552 @@
+"""mHC-lite hyper-connection kernels as torch.library custom ops (forward + backward), n = 4 streams.
+
+    torch.ops.triforge.fused_rmsnorm_project(x_flat, W, eps) -> (proj, inv_rms)        K1
+    torch.ops.triforge.fused_pre_map(x_streams, h_pre) -> layer_input                  K3
+    torch.ops.triforge.fused_post_res(x_streams, layer_output, H_merged, h_post) -> x  K4
+
+K2 (the coefficients, 32 numbers per token) is plain PyTorch: ``coefficients``.
+"""
+
+from collections import OrderedDict
+
+import torch
+import triton
+
+from triforge import _runtime, launch
+from triforge.launch import new_output
+from triforge.ops._checks import check_same_device, check_tensor
+from triforge.ops.mhc.backward import mhc_post_res_bwd_kernel, mhc_pre_map_bwd_kernel, mhc_project_bwd_kernel
+from triforge.ops.mhc.forward import mhc_post_res_fwd_kernel, mhc_pre_map_fwd_kernel, mhc_project_fwd_kernel
+from triforge.ops.mhc.reference import (
+    EPS,
+    N_STREAMS,
+    coefficients_ref,
+    permutation_matrices,
+    post_res_ref,
+    pre_map_ref,
+    rmsnorm_project_ref,
+)
+from triforge.registry import OpSpec, register
+from triforge.tune import Tunable
+from triforge.tune import register as register_tunable
+
+N_PROJ = 2 * N_STREAMS + 24  # 32 logits per token for n = 4
+STREAM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+# ----------------------------------------------------------------------------- launch configs
+
+
+def _tag(dtype):
+    return {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
+
+
+_FALLBACK = {
+    "mhc_project_fwd": {"BLOCK_T": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3},
+    "mhc_project_bwd": {"BLOCK_T": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 2, "programs_per_sm": 4},
+    "mhc_pre_map_fwd": {"BLOCK_T": 4, "BLOCK_C": 256, "num_warps": 4},
+    "mhc_pre_map_bwd": {"BLOCK_T": 4, "BLOCK_C": 256, "num_warps": 4},
+    "mhc_post_res_fwd": {"BLOCK_T": 2, "BLOCK_C": 256, "num_warps": 4},
+    "mhc_post_res_bwd": {"BLOCK_T": 2, "BLOCK_C": 256, "num_warps": 4},
+}
+
+
+def _cfg(kernel, C, dtype):
+    fallback = dict(_FALLBACK[kernel])
+    if _runtime.INTERPRET:  # keep interpreter blocks small so odd sizes exercise masks and loops
+        fallback.update({k: 16 for k in ("BLOCK_T", "BLOCK_K") if k in fallback and kernel.startswith("mhc_project")})
+        fallback.update({"BLOCK_C": 32} if "BLOCK_C" in fallback else {})
+    bucket = "C" + str(triton.next_power_of_2(C))
+    return launch.config(kernel, launch.config_key(c=bucket, dtype=_tag(dtype)), fallback)
+
+
+def _split16(t, dtype):
+    """t (fp32) as hi + lo in a 16-bit dtype, keeping ~16 mantissa bits for a tensor-core dot."""
+    hi = t.to(dtype)
+    return hi, (t - hi.float()).to(dtype)
+
+
+# ----------------------------------------------------------------------------- launchers
+
+
+def project_fwd(x_flat, W, eps, cfg=None):
+    T, K = x_flat.shape
+    cfg = cfg or _cfg("mhc_project_fwd", K // N_STREAMS, x_flat.dtype)
+    split = x_flat.dtype != torch.float32
+    w_hi, w_lo = _split16(W.float(), x_flat.dtype) if split else (W.float().contiguous(),) * 2
+    proj = new_output((T, W.shape[0]), torch.float32, x_flat.device)
+    inv_rms = new_output((T,), torch.float32, x_flat.device)
+    launch.launch(
+        "mhc_project_fwd", mhc_project_fwd_kernel, (triton.cdiv(T, cfg["BLOCK_T"]),),
+        x_flat, w_hi, w_lo, proj, inv_rms, T, K, eps,
+        R=W.shape[0], BLOCK_T=cfg["BLOCK_T"], BLOCK_K=cfg["BLOCK_K"], SPLIT_W=split,
+        UPCAST=_runtime.INTERPRET and x_flat.dtype == torch.bfloat16,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    return proj, inv_rms
+
+
+def project_bwd(x_flat, W, proj, inv_rms, dproj, dinv, cfg=None):
+    T, K = x_flat.shape
+    R = W.shape[0]
+    cfg = cfg or _cfg("mhc_project_bwd", K // N_STREAMS, x_flat.dtype)
+    a = dproj.float() * inv_rms[:, None]
+    coef = inv_rms.square() * (dproj.float() * proj).sum(1)
+    if dinv is not None:
+        coef = coef + inv_rms.pow(3) * dinv.float()
+    coef = (coef / K).contiguous()
+    split = x_flat.dtype != torch.float32
+    if split:
+        a_hi, a_lo = _split16(a, x_flat.dtype)
+        w_hi, w_lo = _split16(W.float(), x_flat.dtype)
+    else:
+        a_hi = a_lo = a.contiguous()
+        w_hi = w_lo = W.float().contiguous()
+    n_k = triton.cdiv(K, cfg["BLOCK_K"])
+    n_t = triton.cdiv(T, cfg["BLOCK_T"])
+    splits = max(1, min(n_t, triton.cdiv(_runtime.num_sms() * cfg["programs_per_sm"], n_k)))
+    tokens_per_split = triton.cdiv(n_t, splits) * cfg["BLOCK_T"]
+    splits = triton.cdiv(T, tokens_per_split)
+    dx = new_output((T, K), x_flat.dtype, x_flat.device)
+    dw_part = new_output((splits, R, K), torch.float32, x_flat.device)
+    launch.launch(
+        "mhc_project_bwd", mhc_project_bwd_kernel, (n_k, splits),
+        x_flat, a_hi, a_lo, coef, w_hi, w_lo, dx, dw_part, T, K, tokens_per_split,
+        R=R, BLOCK_T=cfg["BLOCK_T"], BLOCK_K=cfg["BLOCK_K"], SPLIT=split,
+        UPCAST=_runtime.INTERPRET and x_flat.dtype == torch.bfloat16,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    return dx, dw_part.sum(0).to(W.dtype)
+
+
+def pre_map_fwd(x, h_pre, cfg=None):
+    T, _, C = x.shape
+    cfg = cfg or _cfg("mhc_pre_map_fwd", C, x.dtype)
+    y = new_output((T, C), x.dtype, x.device)
+    grid = (triton.cdiv(T, cfg["BLOCK_T"]), triton.cdiv(C, cfg["BLOCK_C"]))
+    launch.launch("mhc_pre_map_fwd", mhc_pre_map_fwd_kernel, grid, x, h_pre, y, T, C,
+                  BLOCK_T=cfg["BLOCK_T"], BLOCK_C=cfg["BLOCK_C"], num_warps=cfg["num_warps"])
+    return y
+
+
+def pre_map_bwd(dy, x, h_pre, cfg=None):
+    T, _, C = x.shape
+    cfg = cfg or _cfg("mhc_pre_map_bwd", C, x.dtype)
+    dx = new_output((T, N_STREAMS, C), x.dtype, x.device)
+    dh = new_output((T, N_STREAMS), torch.float32, x.device)
+    launch.launch("mhc_pre_map_bwd", mhc_pre_map_bwd_kernel, (triton.cdiv(T, cfg["BLOCK_T"]),), dy, x, h_pre, dx, dh, T, C,
+                  BLOCK_T=cfg["BLOCK_T"], BLOCK_C=cfg["BLOCK_C"], num_warps=cfg["num_warps"])
+    return dx, dh
+
+
+def post_res_fwd(x, f, H, h_post, cfg=None):
+    T, _, C = x.shape
+    cfg = cfg or _cfg("mhc_post_res_fwd", C, x.dtype)
+    y = new_output((T, N_STREAMS, C), x.dtype, x.device)
+    grid = (triton.cdiv(T, cfg["BLOCK_T"]), triton.cdiv(C, cfg["BLOCK_C"]))
+    launch.launch("mhc_post_res_fwd", mhc_post_res_fwd_kernel, grid, x, f, H, h_post, y, T, C,
+                  BLOCK_T=cfg["BLOCK_T"], BLOCK_C=cfg["BLOCK_C"], num_warps=cfg["num_warps"])
+    return y
+
+
+def post_res_bwd(g, x, f, H, h_post, cfg=None):
+    T, _, C = x.shape
+    cfg = cfg or _cfg("mhc_post_res_bwd", C, x.dtype)
+    dx = new_output((T, N_STREAMS, C), x.dtype, x.device)
+    df = new_output((T, C), f.dtype, x.device)
+    dH = new_output((T, N_STREAMS, N_STREAMS), torch.float32, x.device)
+    dhp = new_output((T, N_STREAMS), torch.float32, x.device)
+    launch.launch("mhc_post_res_bwd", mhc_post_res_bwd_kernel, (triton.cdiv(T, cfg["BLOCK_T"]),),
+                  g, x, f, H, h_post, dx, df, dH, dhp, T, C,
+                  BLOCK_T=cfg["BLOCK_T"], BLOCK_C=cfg["BLOCK_C"], num_warps=cfg["num_warps"])
+    return dx, df, dH, dhp
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def _check_streams(name, x, ndim):
+    check_tensor(name, x, dtypes=STREAM_DTYPES, ndim=ndim)
+    if ndim == 3 and x.shape[1] != N_STREAMS:
+        raise ValueError(f"{name} must be [T, {N_STREAMS}, C]: the kernels are specialised for n = {N_STREAMS} streams, got shape {tuple(x.shape)}")
+
+
+def _check_coeff(name, t, shape):
+    check_tensor(name, t, dtypes=(torch.float32,))
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
+
+
+def _check_contiguous(name, x):
+    if not x.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (the stream kernels read [T, n, C] rows directly); call .contiguous()")
+
+
+def _validate_project(x_flat, W, eps):
+    _check_streams("x_flat", x_flat, 2)
+    check_tensor("W", W, dtypes=(torch.float32,), ndim=2)
+    if W.shape[1] != x_flat.shape[1]:
+        raise ValueError(f"W must be [{N_PROJ}, {x_flat.shape[1]}] to match x_flat's n*C = {x_flat.shape[1]}, got {tuple(W.shape)}")
+    if W.shape[0] not in (16, 32, 64):
+        raise ValueError(f"W must have {N_PROJ} rows (2n + n! for n = 4), got {W.shape[0]}")
+    if x_flat.shape[1] % N_STREAMS:
+        raise ValueError(f"x_flat's width must be n*C with n = {N_STREAMS}, got {x_flat.shape[1]}")
+    if not eps > 0:
+        raise ValueError(f"eps must be positive, got {eps}")
+    check_same_device(x_flat=x_flat, W=W)
+
+
+def _validate_pre_map(x, h_pre):
+    _check_streams("x_streams", x, 3)
+    _check_coeff("h_pre", h_pre, (x.shape[0], N_STREAMS))
+    check_same_device(x_streams=x, h_pre=h_pre)
+
+
+def _validate_post_res(x, f, H, h_post):
+    _check_streams("x_streams", x, 3)
+    T, _, C = x.shape
+    _check_streams("layer_output", f, 2)
+    if tuple(f.shape) != (T, C):
+        raise ValueError(f"layer_output must be [T, C] = {(T, C)} to match x_streams, got {tuple(f.shape)}")
+    if f.dtype != x.dtype:
+        raise TypeError(f"layer_output must have x_streams' dtype {x.dtype}, got {f.dtype}")
+    _check_coeff("H_merged", H, (T, N_STREAMS, N_STREAMS))
+    _check_coeff("h_post", h_post, (T, N_STREAMS))
+    check_same_device(x_streams=x, layer_output=f, H_merged=H, h_post=h_post)
+
+
+# ----------------------------------------------------------------------------- custom ops + autograd
+
+
+@torch.library.custom_op("triforge::fused_rmsnorm_project", mutates_args=())
+def fused_rmsnorm_project_op(x_flat: torch.Tensor, W: torch.Tensor, eps: float = EPS) -> tuple[torch.Tensor, torch.Tensor]:
+    _validate_project(x_flat, W, eps)
+    return project_fwd(x_flat.contiguous(), W.contiguous(), eps)
+
+
+@fused_rmsnorm_project_op.register_fake
+def _(x_flat, W, eps=EPS):
+    T = x_flat.shape[0]
+    return x_flat.new_empty((T, W.shape[0]), dtype=torch.float32), x_flat.new_empty((T,), dtype=torch.float32)
+
+
+@torch.library.custom_op("triforge::fused_rmsnorm_project_bwd", mutates_args=())
+def _project_bwd_op(
+    x_flat: torch.Tensor, W: torch.Tensor, proj: torch.Tensor, inv_rms: torch.Tensor,
+    dproj: torch.Tensor, dinv: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    dinv = dinv.contiguous() if dinv is not None else None
+    return project_bwd(x_flat.contiguous(), W.contiguous(), proj.contiguous(), inv_rms.contiguous(), dproj.contiguous(), dinv)
+
+
+@_project_bwd_op.register_fake
+def _(x_flat, W, proj, inv_rms, dproj, dinv):
+    return x_flat.new_empty(x_flat.shape), W.new_empty(W.shape)
+
+
+def _project_setup(ctx, inputs, output):
+    x_flat, W, _ = inputs
+    ctx.save_for_backward(x_flat, W, *output)
+
+
+def _project_backward(ctx, dproj, dinv):
+    x_flat, W, proj, inv_rms = ctx.saved_tensors
+    if dproj is None:
+        dproj = torch.zeros_like(proj)
+    dx, dW = torch.ops.triforge.fused_rmsnorm_project_bwd(x_flat, W, proj, inv_rms, dproj, dinv)
+    return dx, dW, None
+
+
+fused_rmsnorm_project_op.register_autograd(_project_backward, setup_context=_project_setup)
+
+
+@torch.library.custom_op("triforge::fused_pre_map", mutates_args=())
+def fused_pre_map_op(x_streams: torch.Tensor, h_pre: torch.Tensor) -> torch.Tensor:
+    _validate_pre_map(x_streams, h_pre)
+    return pre_map_fwd(x_streams.contiguous(), h_pre.contiguous())
+
+
+@fused_pre_map_op.register_fake
+def _(x_streams, h_pre):
+    return x_streams.new_empty((x_streams.shape[0], x_streams.shape[2]))
+
+
+@torch.library.custom_op("triforge::fused_pre_map_bwd", mutates_args=())
+def _pre_map_bwd_op(dy: torch.Tensor, x_streams: torch.Tensor, h_pre: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return pre_map_bwd(dy.contiguous(), x_streams.contiguous(), h_pre.contiguous())
+
+
+@_pre_map_bwd_op.register_fake
+def _(dy, x_streams, h_pre):
+    return x_streams.new_empty(x_streams.shape), h_pre.new_empty(h_pre.shape)
+
+
+def _pre_map_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _pre_map_backward(ctx, dy):
+    x, h_pre = ctx.saved_tensors
+    return torch.ops.triforge.fused_pre_map_bwd(dy, x, h_pre)
+
+
+fused_pre_map_op.register_autograd(_pre_map_backward, setup_context=_pre_map_setup)
+
+
+@torch.library.custom_op("triforge::fused_post_res", mutates_args=())
+def fused_post_res_op(
+    x_streams: torch.Tensor, layer_output: torch.Tensor, H_merged: torch.Tensor, h_post: torch.Tensor
+) -> torch.Tensor:
+    _validate_post_res(x_streams, layer_output, H_merged, h_post)
+    return post_res_fwd(x_streams.contiguous(), layer_output.contiguous(), H_merged.contiguous(), h_post.contiguous())
+
+
+@fused_post_res_op.register_fake
+def _(x_streams, layer_output, H_merged, h_post):
+    return x_streams.new_empty(x_streams.shape)
+
+
+@torch.library.custom_op("triforge::fused_post_res_bwd", mutates_args=())
+def _post_res_bwd_op(
+    g: torch.Tensor, x_streams: torch.Tensor, layer_output: torch.Tensor, H_merged: torch.Tensor, h_post: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return post_res_bwd(g.contiguous(), x_streams.contiguous(), layer_output.contiguous(), H_merged.contiguous(), h_post.contiguous())
+
+
+@_post_res_bwd_op.register_fake
+def _(g, x_streams, layer_output, H_merged, h_post):
+    return (x_streams.new_empty(x_streams.shape), layer_output.new_empty(layer_output.shape),
+            H_merged.new_empty(H_merged.shape), h_post.new_empty(h_post.shape))
+
+
+def _post_res_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _post_res_backward(ctx, g):
+    return torch.ops.triforge.fused_post_res_bwd(g, *ctx.saved_tensors)
+
+
+fused_post_res_op.register_autograd(_post_res_backward, setup_context=_post_res_setup)
+
+
+# ----------------------------------------------------------------------------- public API
+
+
+def fused_rmsnorm_project(x_flat, W, eps: float = EPS):
+    """K1: x_flat [T, n*C] (bf16/fp16/fp32), W [32, n*C] fp32 -> (proj [T, 32] fp32, inv_rms [T] fp32)."""
+    _validate_project(x_flat, W, eps)
+    _check_contiguous("x_flat", x_flat)
+    return torch.ops.triforge.fused_rmsnorm_project(x_flat, W, eps)
+
+
+def fused_pre_map(x_streams, h_pre):
+    """K3: x_streams [T, 4, C], h_pre [T, 4] fp32 -> layer input [T, C] in the streams' dtype."""
+    _validate_pre_map(x_streams, h_pre)
+    _check_contiguous("x_streams", x_streams)
+    return torch.ops.triforge.fused_pre_map(x_streams, h_pre)
+
+
+def fused_post_res(x_streams, layer_output, H_merged, h_post):
+    """K4: sum_j H[t, i, j] x[t, j, :] + h_post[t, i] layer_output[t, :] -> [T, 4, C]."""
+    _validate_post_res(x_streams, layer_output, H_merged, h_post)
+    _check_contiguous("x_streams", x_streams)
+    return torch.ops.triforge.fused_post_res(x_streams, layer_output, H_merged, h_post)
+
+
+def coefficients(proj, alpha_pre, alpha_post, alpha_res, b_pre, b_post, b_res):
+    """K2 in PyTorch: (h_pre [T, 4], h_post [T, 4], H_res [T, 4, 4]) from proj [T, 32]."""
+    return coefficients_ref(proj, alpha_pre, alpha_post, alpha_res, b_pre, b_post, b_res, N_STREAMS)
+
+
+# ----------------------------------------------------------------------------- registry
+
+
+def _shape(tier):
+    if isinstance(tier, dict):
+        return tier["T"], tier["C"]
+    return {"tiny": (37, 40), "real": (65536, 2560)}[tier]
+
+
+def _streams(tier, dtype, device, gen):
+    T, C = _shape(tier)
+    return T, C, torch.randn(T, N_STREAMS, C, generator=gen).to(device=device, dtype=dtype)
+
+
+def _inputs_project(tier, dtype, device, gen):
+    T, C, x = _streams(tier, dtype, device, gen)
+    W = (torch.randn(N_PROJ, N_STREAMS * C, generator=gen) / (N_STREAMS * C) ** 0.5).to(device)
+    return {"x_flat": x.view(T, N_STREAMS * C), "W": W}
+
+
+def _random_coeffs(T, device, gen):
+    h_pre = torch.sigmoid(torch.randn(T, N_STREAMS, generator=gen))
+    h_post = 2 * torch.sigmoid(torch.randn(T, N_STREAMS, generator=gen))
+    a = torch.softmax(torch.randn(T, 24, generator=gen), -1)
+    H = torch.einsum("tk,kij->tij", a, permutation_matrices()) - h_post[:, :, None] * h_pre[:, None, :]
+    return h_pre.to(device), h_post.to(device), H.contiguous().to(device)
+
+
+def _inputs_pre_map(tier, dtype, device, gen):
+    T, C, x = _streams(tier, dtype, device, gen)
+    h_pre, _, _ = _random_coeffs(T, device, gen)
+    return {"x_streams": x, "h_pre": h_pre}
+
+
+def _inputs_post_res(tier, dtype, device, gen):
+    T, C, x = _streams(tier, dtype, device, gen)
+    _, h_post, H = _random_coeffs(T, device, gen)
+    f = torch.randn(T, C, generator=gen).to(device=device, dtype=dtype)
+    return {"x_streams": x, "layer_output": f, "H_merged": H, "h_post": h_post}
+
+
+def _tc(inputs):
+    x = inputs.get("x_streams", inputs.get("x_flat"))
+    T = x.shape[0]
+    C = x.shape[-1] if x.dim() == 3 else x.shape[1] // N_STREAMS
+    return T, C, x.element_size()
+
+
+def _bytes_project(inputs, mode):
+    T, C, e = _tc(inputs)
+    stream = T * N_STREAMS * C * e
+    return stream + T * (N_PROJ + 1) * 4 if mode == "fwd" else 2 * stream + T * (N_PROJ + 1) * 4
+
+
+def _bytes_pre_map(inputs, mode):
+    T, C, e = _tc(inputs)
+    return T * C * e * (5 if mode == "fwd" else 9) + T * N_STREAMS * 4
+
+
+def _bytes_post_res(inputs, mode):
+    T, C, e = _tc(inputs)
+    coeff = T * (N_STREAMS * N_STREAMS + N_STREAMS) * 4
+    return T * C * e * (9 if mode == "fwd" else 14) + coeff
+
+
+def _eager_project(x_flat, W):
+    xf = x_flat.float()
+    return rmsnorm_project_ref(xf, W)
+
+
+def _compile_peer_project(inputs):
+    compiled = torch.compile(_eager_project)
+    return lambda x_flat, W: tuple(compiled(x_flat, W))
+
+
+def _compile_peer_pre_map(inputs):
+    def eager(x_streams, h_pre):
+        return (h_pre[:, :, None] * x_streams.float()).sum(1).to(x_streams.dtype)
+
+    compiled = torch.compile(eager)
+    return lambda x_streams, h_pre: (compiled(x_streams, h_pre),)
+
+
+def _eager_post_res(x_streams, layer_output, H_merged, h_post):
+    out = torch.einsum("tij,tjc->tic", H_merged, x_streams.float()) + h_post[:, :, None] * layer_output.float()[:, None, :]
+    return out.to(x_streams.dtype)
+
+
+def _compile_peer_post_res(inputs):
+    compiled = torch.compile(_eager_post_res)
+    return lambda **kw: (compiled(**kw),)
+
+
+def _eager_peer_post_res(inputs):
+    return lambda **kw: (_eager_post_res(**kw),)
+
+
+def _describe(inputs):
+    T, C, _ = _tc(inputs)
+    return f"T={T} C={C} n=4"
+
+
+def _tunable(kernel, space, build):
+    def setup(shape, dtype, device):
+        gen = torch.Generator().manual_seed(0)
+        tier = {"T": shape["T"], "C": shape["C"]}
+        run = build(tier, dtype, device, gen)
+        bucket = "C" + str(triton.next_power_of_2(shape["C"]))
+        return run, launch.config_key(c=bucket, dtype=_tag(dtype))
+
+    register_tunable(Tunable(kernel=kernel, space=space, setup=setup, shape_names=("T", "C"),
+                             default_shape={"T": 65536, "C": 2560}))
+
+
+def _run_project_fwd(tier, dtype, device, gen):
+    i = _inputs_project(tier, dtype, device, gen)
+    return lambda cfg: project_fwd(i["x_flat"], i["W"], EPS, cfg)
+
+
+def _run_project_bwd(tier, dtype, device, gen):
+    i = _inputs_project(tier, dtype, device, gen)
+    proj, inv = project_fwd(i["x_flat"], i["W"], EPS)
+    dproj = torch.randn_like(proj)
+    return lambda cfg: project_bwd(i["x_flat"], i["W"], proj, inv, dproj, None, cfg)
+
+
+def _run_pre_map(kind):
+    def build(tier, dtype, device, gen):
+        i = _inputs_pre_map(tier, dtype, device, gen)
+        if kind == "fwd":
+            return lambda cfg: pre_map_fwd(i["x_streams"], i["h_pre"], cfg)
+        dy = torch.randn(i["x_streams"].shape[0], i["x_streams"].shape[2], device=device, dtype=dtype)
+        return lambda cfg: pre_map_bwd(dy, i["x_streams"], i["h_pre"], cfg)
+
+    return build
+
+
+def _run_post_res(kind):
+    def build(tier, dtype, device, gen):
+        i = _inputs_post_res(tier, dtype, device, gen)
+        args = (i["x_streams"], i["layer_output"], i["H_merged"], i["h_post"])
+        if kind == "fwd":
+            return lambda cfg: post_res_fwd(*args, cfg)
+        g = torch.randn_like(i["x_streams"])
+        return lambda cfg: post_res_bwd(g, *args, cfg)
+
+    return build
+
+
+_ROW_SPACE = {"BLOCK_T": [1, 2, 4, 8], "BLOCK_C": [128, 256, 512, 1024], "num_warps": [2, 4, 8]}
+_tunable("mhc_project_fwd", {"BLOCK_T": [32, 64, 128], "BLOCK_K": [64, 128, 256], "num_warps": [4, 8], "num_stages": [2, 3, 4]}, _run_project_fwd)
+_tunable("mhc_project_bwd", {"BLOCK_T": [32, 64], "BLOCK_K": [64, 128], "num_warps": [4, 8], "num_stages": [1, 2, 3],
+                             "programs_per_sm": [1, 2, 4]}, _run_project_bwd)
+_tunable("mhc_pre_map_fwd", _ROW_SPACE, _run_pre_map("fwd"))
+_tunable("mhc_pre_map_bwd", _ROW_SPACE, _run_pre_map("bwd"))
+_tunable("mhc_post_res_fwd", _ROW_SPACE, _run_post_res("fwd"))
+_tunable("mhc_post_res_bwd", _ROW_SPACE, _run_post_res("bwd"))
+
+
+def _project_ref(x_flat, W):
+    proj, inv_rms = rmsnorm_project_ref(x_flat, W)
+    return OrderedDict(inv_rms=inv_rms, proj=proj)
+
+
+def _project_stages(x_flat, W):
+    proj, inv_rms = fused_rmsnorm_project(x_flat, W)
+    return OrderedDict(inv_rms=inv_rms, proj=proj)
+
+
+register(OpSpec(
+    name="mhc_project", family="mhc", make_inputs=_inputs_project, reference=_project_ref, stages=_project_stages,
+    call=lambda x_flat, W: fused_rmsnorm_project(x_flat, W), outputs=("proj", "inv_rms"), grad_inputs=("x_flat", "W"),
+    flops=lambda i, mode: 2 * i["x_flat"].numel() * N_PROJ * (1 if mode == "fwd" else 2),
+    bytes=_bytes_project, peers={"torch.compile": _compile_peer_project}, describe=_describe,
+))
+register(OpSpec(
+    name="mhc_pre_map", family="mhc", make_inputs=_inputs_pre_map,
+    reference=lambda x_streams, h_pre: OrderedDict(y=pre_map_ref(x_streams, h_pre)),
+    stages=lambda x_streams, h_pre: OrderedDict(y=fused_pre_map(x_streams, h_pre)),
+    call=lambda x_streams, h_pre: (fused_pre_map(x_streams, h_pre),), outputs=("y",), grad_inputs=("x_streams", "h_pre"),
+    flops=lambda i, mode: 2 * i["x_streams"].numel() * (1 if mode == "fwd" else 2),
+    bytes=_bytes_pre_map, peers={"torch.compile": _compile_peer_pre_map}, describe=_describe,
+))
+register(OpSpec(
+    name="mhc_post_res", family="mhc", make_inputs=_inputs_post_res,
+    reference=lambda x_streams, layer_output, H_merged, h_post: OrderedDict(y=post_res_ref(x_streams, layer_output, H_merged, h_post)),
+    stages=lambda **kw: OrderedDict(y=fused_post_res(**kw)),
+    call=lambda **kw: (fused_post_res(**kw),), outputs=("y",),
+    grad_inputs=("x_streams", "layer_output", "H_merged", "h_post"),
+    flops=lambda i, mode: 10 * i["x_streams"].numel() * (1 if mode == "fwd" else 2),
+    bytes=_bytes_post_res, peers={"torch.compile": _compile_peer_post_res, "eager": _eager_peer_post_res}, describe=_describe,
+))

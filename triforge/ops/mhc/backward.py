@@ -1,0 +1,163 @@
+"""mHC-lite backward kernels (n = 4 streams).
+
+K1: with a = inv_rms * dproj and coef = (inv_rms^2 sum_r dproj*proj + inv_rms^3 d_inv_rms) / K,
+    dx = a W - coef * x  and  dW = a^T x; one pass over x gives both (dW as per-split partials).
+K3: dx[t, j, c] = h_pre[t, j] dy[t, c];  dh_pre[t, j] = sum_c dy[t, c] x[t, j, c].
+K4: dx[t, j, c] = sum_i H[t, i, j] g[t, i, c];  dF[t, c] = sum_i h_post[t, i] g[t, i, c];
+    dH[t, i, j] = sum_c g[t, i, c] x[t, j, c];  dh_post[t, i] = sum_c g[t, i, c] F[t, c].
+"""
+
+import triton
+import triton.language as tl
+
+from triforge.ops.mhc.forward import dot16
+
+
+@triton.jit
+def mhc_project_bwd_kernel(
+    x_ptr,  # [T, K] streams flattened
+    a_hi_ptr,  # [T, R] inv_rms * dproj, in x's dtype (fp32 when x is fp32)
+    a_lo_ptr,  # [T, R] remainder a - a_hi (read when SPLIT)
+    coef_ptr,  # [T] fp32
+    w_hi_ptr,  # [R, K] W in x's dtype (fp32 when x is fp32)
+    w_lo_ptr,  # [R, K] W - w_hi (read when SPLIT)
+    dx_ptr,  # [T, K] x's dtype
+    dw_part_ptr,  # [S, R, K] fp32: dW summed over this program's run of tokens
+    T,
+    K,
+    tokens_per_split,
+    R: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    i_k, i_s = tl.program_id(0), tl.program_id(1)
+    o_k = i_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    m_k = o_k < K
+    o_r = tl.arange(0, R)
+    o_w = o_r[:, None] * K + o_k[None, :]
+    b_w_hi = tl.load(w_hi_ptr + o_w, mask=m_k[None, :], other=0.0)
+    if SPLIT:
+        b_w_lo = tl.load(w_lo_ptr + o_w, mask=m_k[None, :], other=0.0)
+    b_dw = tl.zeros([R, BLOCK_K], dtype=tl.float32)
+    t_start = i_s * tokens_per_split
+    t_end = tl.minimum(t_start + tokens_per_split, T)
+    for t0 in range(t_start, t_end, BLOCK_T):
+        o_t = t0 + tl.arange(0, BLOCK_T)
+        m_t = o_t < t_end
+        o_t64 = o_t.to(tl.int64)
+        m_tk = m_t[:, None] & m_k[None, :]
+        o_x = o_t64[:, None] * K + o_k[None, :]
+        b_x = tl.load(x_ptr + o_x, mask=m_tk, other=0.0)
+        o_a = o_t64[:, None] * R + o_r[None, :]
+        b_a_hi = tl.load(a_hi_ptr + o_a, mask=m_t[:, None], other=0.0)
+        b_coef = tl.load(coef_ptr + o_t, mask=m_t, other=0.0)
+        if SPLIT:
+            b_a_lo = tl.load(a_lo_ptr + o_a, mask=m_t[:, None], other=0.0)
+            b_dx = dot16(b_a_hi, b_w_hi, tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32), UPCAST)
+            b_dx = dot16(b_a_hi, b_w_lo, b_dx, UPCAST)
+            b_dx = dot16(b_a_lo, b_w_hi, b_dx, UPCAST)
+            b_dw = dot16(tl.trans(b_a_hi), b_x, b_dw, UPCAST)
+            b_dw = dot16(tl.trans(b_a_lo), b_x, b_dw, UPCAST)
+        else:
+            b_dx = tl.dot(b_a_hi, b_w_hi, input_precision="tf32x3")
+            b_dw = tl.dot(tl.trans(b_a_hi), b_x, b_dw, input_precision="tf32x3")
+        b_dx -= b_coef[:, None] * b_x.to(tl.float32)
+        tl.store(dx_ptr + o_x, b_dx.to(dx_ptr.dtype.element_ty), mask=m_tk)
+    tl.store(dw_part_ptr + i_s.to(tl.int64) * R * K + o_w, b_dw, mask=m_k[None, :])
+
+
+@triton.jit
+def mhc_pre_map_bwd_kernel(
+    dy_ptr,  # [T, C] grad of the layer input
+    x_ptr,  # [T, 4, C]
+    h_ptr,  # [T, 4] fp32 h_pre
+    dx_ptr,  # [T, 4, C] x's dtype
+    dh_ptr,  # [T, 4] fp32
+    T,
+    C,
+    BLOCK_T: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    i_t = tl.program_id(0)
+    o_t = i_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    o_j = tl.arange(0, 4)
+    m_t = o_t < T
+    o_t64 = o_t.to(tl.int64)
+    b_h = tl.load(h_ptr + o_t64[:, None] * 4 + o_j[None, :], mask=m_t[:, None], other=0.0)
+    b_dh = tl.zeros([BLOCK_T, 4], dtype=tl.float32)
+    for c0 in range(0, C, BLOCK_C):
+        o_c = c0 + tl.arange(0, BLOCK_C)
+        m_c = o_c < C
+        b_dy = tl.load(dy_ptr + o_t64[:, None] * C + o_c[None, :], mask=m_t[:, None] & m_c[None, :], other=0.0)
+        b_dy = b_dy.to(tl.float32)
+        o_x = o_t64[:, None, None] * 4 * C + o_j[None, :, None] * C + o_c[None, None, :]
+        m_x = m_t[:, None, None] & m_c[None, None, :]
+        b_x = tl.load(x_ptr + o_x, mask=m_x, other=0.0).to(tl.float32)
+        b_dh += tl.sum(b_x * b_dy[:, None, :], axis=2)
+        tl.store(dx_ptr + o_x, (b_h[:, :, None] * b_dy[:, None, :]).to(dx_ptr.dtype.element_ty), mask=m_x)
+    tl.store(dh_ptr + o_t64[:, None] * 4 + o_j[None, :], b_dh, mask=m_t[:, None])
+
+
+@triton.jit
+def _post_res_bwd_column(
+    g, x_ptr, dx_ptr, H_ptr, o_t64, o_c, m_t, m_tc, C, j: tl.constexpr,
+):
+    """For stream j: store dx[:, j] = sum_i H[:, i, j] g[:, i]; return sum_c g[:, i] x[:, j] ([BLOCK_T, 4])."""
+    o_i = tl.arange(0, 4)
+    b_Hj = tl.load(H_ptr + o_t64[:, None] * 16 + o_i[None, :] * 4 + j, mask=m_t[:, None], other=0.0)
+    o_x = o_t64[:, None] * 4 * C + j * C + o_c[None, :]
+    b_xj = tl.load(x_ptr + o_x, mask=m_tc, other=0.0).to(tl.float32)
+    tl.store(dx_ptr + o_x, tl.sum(b_Hj[:, :, None] * g, axis=1).to(dx_ptr.dtype.element_ty), mask=m_tc)
+    return tl.sum(g * b_xj[:, None, :], axis=2)
+
+
+@triton.jit
+def mhc_post_res_bwd_kernel(
+    g_ptr,  # [T, 4, C] grad of the new streams
+    x_ptr,  # [T, 4, C]
+    f_ptr,  # [T, C] layer output
+    H_ptr,  # [T, 4, 4] fp32
+    hp_ptr,  # [T, 4] fp32
+    dx_ptr,  # [T, 4, C] x's dtype
+    df_ptr,  # [T, C] layer output's dtype
+    dH_ptr,  # [T, 4, 4] fp32
+    dhp_ptr,  # [T, 4] fp32
+    T,
+    C,
+    BLOCK_T: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    i_t = tl.program_id(0)
+    o_t = i_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    o_i = tl.arange(0, 4)
+    m_t = o_t < T
+    o_t64 = o_t.to(tl.int64)
+    b_hp = tl.load(hp_ptr + o_t64[:, None] * 4 + o_i[None, :], mask=m_t[:, None], other=0.0)
+    # dH[:, :, j] accumulated as four [BLOCK_T, 4] columns
+    b_dH0 = tl.zeros([BLOCK_T, 4], dtype=tl.float32)
+    b_dH1 = tl.zeros([BLOCK_T, 4], dtype=tl.float32)
+    b_dH2 = tl.zeros([BLOCK_T, 4], dtype=tl.float32)
+    b_dH3 = tl.zeros([BLOCK_T, 4], dtype=tl.float32)
+    b_dhp = tl.zeros([BLOCK_T, 4], dtype=tl.float32)
+    for c0 in range(0, C, BLOCK_C):
+        o_c = c0 + tl.arange(0, BLOCK_C)
+        m_c = o_c < C
+        m_tc = m_t[:, None] & m_c[None, :]
+        o_g = o_t64[:, None, None] * 4 * C + o_i[None, :, None] * C + o_c[None, None, :]
+        b_g = tl.load(g_ptr + o_g, mask=m_t[:, None, None] & m_c[None, None, :], other=0.0).to(tl.float32)
+        o_f = o_t64[:, None] * C + o_c[None, :]
+        b_f = tl.load(f_ptr + o_f, mask=m_tc, other=0.0).to(tl.float32)
+        tl.store(df_ptr + o_f, tl.sum(b_hp[:, :, None] * b_g, axis=1).to(df_ptr.dtype.element_ty), mask=m_tc)
+        b_dhp += tl.sum(b_g * b_f[:, None, :], axis=2)
+        b_dH0 += _post_res_bwd_column(b_g, x_ptr, dx_ptr, H_ptr, o_t64, o_c, m_t, m_tc, C, 0)
+        b_dH1 += _post_res_bwd_column(b_g, x_ptr, dx_ptr, H_ptr, o_t64, o_c, m_t, m_tc, C, 1)
+        b_dH2 += _post_res_bwd_column(b_g, x_ptr, dx_ptr, H_ptr, o_t64, o_c, m_t, m_tc, C, 2)
+        b_dH3 += _post_res_bwd_column(b_g, x_ptr, dx_ptr, H_ptr, o_t64, o_c, m_t, m_tc, C, 3)
+    tl.store(dhp_ptr + o_t64[:, None] * 4 + o_i[None, :], b_dhp, mask=m_t[:, None])
+    o_dH = o_t64[:, None] * 16 + o_i[None, :] * 4
+    tl.store(dH_ptr + o_dH + 0, b_dH0, mask=m_t[:, None])
+    tl.store(dH_ptr + o_dH + 1, b_dH1, mask=m_t[:, None])
+    tl.store(dH_ptr + o_dH + 2, b_dH2, mask=m_t[:, None])
+    tl.store(dH_ptr + o_dH + 3, b_dH3, mask=m_t[:, None])

@@ -1,0 +1,118 @@
+"""mHC-lite forward kernels: K1 fused RMSNorm + projection, K3 pre-map, K4 post-res (n = 4 streams)."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def dot16(a, b, acc, UPCAST: tl.constexpr):
+    """acc + a @ b for 16-bit a, b. UPCAST computes it in fp32: Triton 3.6's CPU interpreter
+    multiplies bf16 operands of tl.dot wrongly (the products are exact in fp32 either way)."""
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
+def mhc_project_fwd_kernel(
+    x_ptr,  # [T, K] streams flattened (K = n*C), bf16/fp16/fp32
+    w_hi_ptr,  # [R, K] W rounded to x's dtype (fp32 when x is fp32)
+    w_lo_ptr,  # [R, K] W - w_hi in x's dtype (read when SPLIT_W)
+    proj_ptr,  # [T, R] fp32
+    inv_rms_ptr,  # [T] fp32
+    T,
+    K,
+    eps,
+    R: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_W: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    i_t = tl.program_id(0)
+    o_t = i_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    m_t = o_t < T
+    o_r = tl.arange(0, R)
+    p_x = x_ptr + o_t.to(tl.int64)[:, None] * K
+    b_acc = tl.zeros([BLOCK_T, R], dtype=tl.float32)
+    b_ss = tl.zeros([BLOCK_T], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        o_k = k0 + tl.arange(0, BLOCK_K)
+        m_k = o_k < K
+        b_x = tl.load(p_x + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
+        b_xf = b_x.to(tl.float32)
+        b_ss += tl.sum(b_xf * b_xf, axis=1)
+        o_w = o_r[None, :] * K + o_k[:, None]  # [BLOCK_K, R]: W^T tile
+        b_w = tl.load(w_hi_ptr + o_w, mask=m_k[:, None], other=0.0)
+        if SPLIT_W:
+            # 16-bit x times W split into two 16-bit parts: ~16 mantissa bits of W kept
+            b_acc = dot16(b_x, b_w, b_acc, UPCAST)
+            b_acc = dot16(b_x, tl.load(w_lo_ptr + o_w, mask=m_k[:, None], other=0.0), b_acc, UPCAST)
+        else:
+            b_acc = tl.dot(b_xf, b_w, b_acc, input_precision="tf32x3")
+    b_inv = tl.rsqrt(b_ss / K + eps)
+    tl.store(inv_rms_ptr + o_t, b_inv, mask=m_t)
+    o_p = o_t.to(tl.int64)[:, None] * R + o_r[None, :]
+    tl.store(proj_ptr + o_p, b_acc * b_inv[:, None], mask=m_t[:, None])
+
+
+@triton.jit
+def mhc_pre_map_fwd_kernel(
+    x_ptr,  # [T, 4, C] streams
+    h_ptr,  # [T, 4] fp32 h_pre
+    y_ptr,  # [T, C] layer input, x's dtype
+    T,
+    C,
+    BLOCK_T: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    i_t, i_c = tl.program_id(0), tl.program_id(1)
+    o_t = i_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    o_j = tl.arange(0, 4)
+    o_c = i_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    m_t, m_c = o_t < T, o_c < C
+    o_t64 = o_t.to(tl.int64)
+    b_h = tl.load(h_ptr + o_t64[:, None] * 4 + o_j[None, :], mask=m_t[:, None], other=0.0)
+    m_x = m_t[:, None, None] & m_c[None, None, :]
+    o_x = o_t64[:, None, None] * 4 * C + o_j[None, :, None] * C + o_c[None, None, :]
+    b_x = tl.load(x_ptr + o_x, mask=m_x, other=0.0).to(tl.float32)
+    b_y = tl.sum(b_h[:, :, None] * b_x, axis=1)
+    tl.store(y_ptr + o_t64[:, None] * C + o_c[None, :], b_y.to(y_ptr.dtype.element_ty), mask=m_t[:, None] & m_c[None, :])
+
+
+@triton.jit
+def _column(H_ptr, o_t64, m_t, j: tl.constexpr):
+    """H[t, :, j] as a [BLOCK_T, 4] tile."""
+    o_i = tl.arange(0, 4)
+    return tl.load(H_ptr + o_t64[:, None] * 16 + o_i[None, :] * 4 + j, mask=m_t[:, None], other=0.0)
+
+
+@triton.jit
+def mhc_post_res_fwd_kernel(
+    x_ptr,  # [T, 4, C] streams
+    f_ptr,  # [T, C] layer output, x's dtype
+    H_ptr,  # [T, 4, 4] fp32 H_merged
+    hp_ptr,  # [T, 4] fp32 h_post
+    y_ptr,  # [T, 4, C] new streams, x's dtype
+    T,
+    C,
+    BLOCK_T: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    i_t, i_c = tl.program_id(0), tl.program_id(1)
+    o_t = i_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    o_i = tl.arange(0, 4)
+    o_c = i_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    m_t, m_c = o_t < T, o_c < C
+    o_t64 = o_t.to(tl.int64)
+    m_tc = m_t[:, None] & m_c[None, :]
+    p_x = x_ptr + o_t64[:, None] * 4 * C + o_c[None, :]
+    b_f = tl.load(f_ptr + o_t64[:, None] * C + o_c[None, :], mask=m_tc, other=0.0).to(tl.float32)
+    b_hp = tl.load(hp_ptr + o_t64[:, None] * 4 + o_i[None, :], mask=m_t[:, None], other=0.0)
+    b_y = b_hp[:, :, None] * b_f[:, None, :]
+    b_y += _column(H_ptr, o_t64, m_t, 0)[:, :, None] * tl.load(p_x, mask=m_tc, other=0.0).to(tl.float32)[:, None, :]
+    b_y += _column(H_ptr, o_t64, m_t, 1)[:, :, None] * tl.load(p_x + C, mask=m_tc, other=0.0).to(tl.float32)[:, None, :]
+    b_y += _column(H_ptr, o_t64, m_t, 2)[:, :, None] * tl.load(p_x + 2 * C, mask=m_tc, other=0.0).to(tl.float32)[:, None, :]
+    b_y += _column(H_ptr, o_t64, m_t, 3)[:, :, None] * tl.load(p_x + 3 * C, mask=m_tc, other=0.0).to(tl.float32)[:, None, :]
+    o_y = o_t64[:, None, None] * 4 * C + o_i[None, :, None] * C + o_c[None, None, :]
+    tl.store(y_ptr + o_y, b_y.to(y_ptr.dtype.element_ty), mask=m_t[:, None, None] & m_c[None, None, :])
