@@ -1,0 +1,672 @@
+"""The harness itself: compare / compare_stages / poisoning / dumps (triforge.testing), check_op
+(triforge.check), the grid tuner (triforge.tune) and launch-config lookup (triforge.launch).
+
+Each test here must be able to fail: the harness is what every kernel test trusts.
+"""
+
+import dataclasses
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import triforge  # noqa: F401  (sets TRITON_INTERPRET before the test kernels below are defined)
+import triton
+import triton.language as tl
+
+from triforge import _runtime, launch, registry, tune
+from triforge.check import check_op
+from triforge.ops.norm import rms_norm_stages
+from triforge.testing import (
+    TOLERANCES,
+    Tolerance,
+    compare,
+    compare_dumps,
+    compare_stages,
+    dump_stages,
+    load_dump,
+    new_output,
+    poisoned,
+    tolerance_for,
+)
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+DTYPE_IDS = ["fp32", "fp16", "bf16"]
+
+ROW_FIELDS = {
+    "name", "ok", "shape", "max_abs", "max_abs_at", "mean_abs", "rel_rms", "n_over",
+    "nan_inf_ref", "nan_inf_got", "reason",
+}
+
+
+def _ref(shape, gen):
+    return torch.randn(shape, generator=gen, dtype=torch.float64) + 0.5
+
+
+def _rms(t):
+    return float(t.square().mean().sqrt())
+
+
+# ----------------------------------------------------------------------------- compare: passing
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_compare_passes_on_equal_and_on_rounding(dtype, gen):
+    ref = _ref((17, 33), gen)
+    r = compare("same", ref, ref.clone(), dtype=dtype, verbose=False)
+    assert r.ok and r.max_abs == 0 and r.rel_rms == 0 and r.n_over == 0 and r.reason == ""
+    # the reference rounded to the dtype is within that dtype's tolerance
+    r = compare("rounded", ref, ref.to(dtype), verbose=False)
+    assert r.ok, r.line()
+    assert r.tol == tolerance_for(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_compare_passes_small_perturbation(dtype, gen):
+    tol = TOLERANCES[dtype]
+    ref = _ref((64, 40), gen)
+    a = 0.5 * min(tol.rtol, tol.rel_rms)
+    rel = (torch.rand(ref.shape, generator=gen, dtype=torch.float64) * 2 - 1) * a
+    got = ref * (1 + rel)
+    r = compare("small", ref, got, tol=tol, verbose=False)
+    assert r.ok, r.line()
+    assert 0 < r.rel_rms <= a
+    assert r.max_abs == pytest.approx(float((got - ref).abs().max()))
+
+
+def test_compare_fails_on_rel_rms_only(gen):
+    ref = _ref((50, 50), gen)
+    tol = Tolerance(rel_rms=1e-3, atol=1.0, rtol=1.0)  # elementwise bound too loose to trip
+    r = compare("scaled", ref, ref * 1.01, tol=tol, verbose=False)
+    assert not r.ok
+    assert r.rel_rms == pytest.approx(0.01, rel=1e-6)
+    assert r.n_over == 0
+    assert "rel_rms" in r.reason and "over tolerance" not in r.reason
+
+
+@pytest.mark.parametrize("shape", [(10000,), (40, 250), (8, 25, 50)], ids=["1d", "2d", "3d"])
+def test_compare_fails_on_single_element_and_locates_it(shape, gen):
+    ref = _ref(shape, gen)
+    tol = Tolerance(rel_rms=1.0, atol=1e-3, rtol=0.0)  # rel_rms bound too loose to trip
+    got = ref.clone()
+    flat = int(torch.randint(0, ref.numel(), (1,), generator=gen))
+    idx = tuple(int(i) for i in np.unravel_index(flat, shape))
+    delta = 0.05 * _rms(ref)
+    got[idx] += delta
+    r = compare("one", ref, got, tol=tol, verbose=False)
+    assert not r.ok
+    assert r.n_over == 1
+    assert r.max_abs_at == idx
+    assert r.max_abs == pytest.approx(delta, rel=1e-9)
+    assert r.reason == "1 elements over tolerance"
+    assert r.row()["max_abs_at"] == list(idx)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_compare_default_tolerance_catches_an_element_error(dtype, gen):
+    """One element off by 3x the dtype's elementwise bound fails with the dtype's own tolerance."""
+    tol = TOLERANCES[dtype]
+    ref = _ref((64, 64), gen)
+    got = ref.clone()
+    i, j = 5, 7
+    got[i, j] += 3 * (tol.atol * _rms(ref) + tol.rtol * abs(float(ref[i, j])))
+    r = compare("elt", ref, got, tol=tol, verbose=False)
+    assert not r.ok and r.n_over == 1 and r.max_abs_at == (i, j)
+
+
+def test_compare_dtype_argument_picks_the_tolerance(gen):
+    """fp32 storage of a bf16-accurate result passes when told it came from bf16, fails as fp32."""
+    ref = _ref((32, 32), gen)
+    got = ref.to(torch.bfloat16).to(torch.float32)
+    assert compare("as_bf16", ref, got, dtype=torch.bfloat16, verbose=False).ok
+    assert not compare("as_fp32", ref, got, verbose=False).ok
+    assert not compare("as_fp32", ref, got, dtype=torch.float32, verbose=False).ok
+
+
+def test_tolerance_for_unknown_dtype():
+    with pytest.raises(ValueError, match="int32"):
+        tolerance_for(torch.int32)
+
+
+# ----------------------------------------------------------------------------- compare: non-finite
+
+
+def test_compare_single_nan_in_got_fails(gen):
+    ref = _ref((20, 30), gen)
+    got = ref.clone()
+    got[3, 4] = float("nan")
+    r = compare("nan", ref, got, verbose=False)
+    assert not r.ok
+    assert r.nan_got == 1 and r.nan_ref == 0
+    assert "NaN" in r.reason
+    assert r.row()["nan_inf_got"] == [1, 0]
+
+
+def test_compare_nan_never_passes_even_where_ref_is_nan(gen):
+    """Documented rule: non-finite values pass only where the reference holds the same infinity;
+    NaN never passes, not even against a NaN in the reference."""
+    ref = _ref((20, 30), gen)
+    ref[1, 2] = float("nan")
+    got = ref.clone()
+    r = compare("nan_both", ref, got, verbose=False)
+    assert not r.ok
+    assert r.nan_ref == 1 and r.nan_got == 1
+    assert r.row()["nan_inf_ref"] == [1, 0]
+
+
+def test_compare_finite_got_where_ref_is_nonfinite_fails(gen):
+    for bad in (float("nan"), float("inf")):
+        ref = _ref((10, 10), gen)
+        ref[0, 0] = bad
+        got = ref.clone()
+        got[0, 0] = 1.0
+        r = compare("finite_vs_nonfinite", ref, got, verbose=False)
+        assert not r.ok, bad
+        assert "non-finite" in r.reason
+
+
+@pytest.mark.parametrize("value", [float("inf"), -float("inf")], ids=["+inf", "-inf"])
+def test_compare_inf_in_got_where_ref_finite_fails(value, gen):
+    ref = _ref((10, 10), gen)
+    got = ref.clone()
+    got[9, 9] = value
+    r = compare("inf", ref, got, verbose=False)
+    assert not r.ok
+    assert r.inf_got == 1 and r.nan_got == 0
+    assert "non-finite" in r.reason
+    assert r.n_over >= 1
+
+
+def test_compare_same_infinity_passes_and_opposite_fails(gen):
+    ref = _ref((10, 10), gen)
+    ref[2, 3] = float("inf")
+    ref[4, 5] = -float("inf")
+    got = ref.clone()
+    r = compare("same_inf", ref, got, verbose=False)
+    assert r.ok, r.line()
+    assert r.inf_ref == 2 and r.inf_got == 2
+    got[2, 3] = -float("inf")
+    r = compare("opposite_inf", ref, got, verbose=False)
+    assert not r.ok and "non-finite" in r.reason
+
+
+# ----------------------------------------------------------------------------- compare: shapes, rows
+
+
+@pytest.mark.parametrize("got_shape", [(4, 5), (6, 4), (4, 1), (24,), (4, 6, 1), ()], ids=str)
+def test_compare_shape_mismatch_fails(got_shape, gen):
+    """Any shape other than the reference's fails, broadcastable or not, even with equal numel."""
+    ref = _ref((4, 6), gen)
+    got = ref.reshape(got_shape) if math.prod(got_shape) == ref.numel() else _ref(got_shape, gen)
+    r = compare("shape", ref, got, verbose=False)
+    assert not r.ok
+    assert "shape mismatch" in r.reason
+    assert r.row()["shape"] == list(got_shape)
+
+
+def test_compare_row_fields(gen):
+    ref = _ref((3, 4), gen)
+    got = ref.clone()
+    got[2, 1] += 1.0
+    r = compare("row", ref, got, verbose=False)
+    row = r.row()
+    assert set(row) == ROW_FIELDS
+    assert row["name"] == "row" and row["ok"] is False
+    assert row["shape"] == [3, 4]
+    assert row["max_abs_at"] == [2, 1]
+    assert row["max_abs"] == pytest.approx(1.0)
+    assert row["mean_abs"] == pytest.approx(1.0 / 12)
+    assert row["n_over"] == 1
+    assert row["nan_inf_ref"] == [0, 0] and row["nan_inf_got"] == [0, 0]
+    assert row["reason"] == r.reason != ""
+    json.dumps(row)  # rows go to JSON reports
+    assert "FAIL" in r.line() and "reason" in r.line()
+    assert compare("ok", ref, ref, verbose=False).line().startswith("PASS")
+
+
+def test_compare_verbose_prints_the_line(gen, capsys):
+    ref = _ref((3, 4), gen)
+    r = compare("printed", ref, ref, verbose=True)
+    assert capsys.readouterr().out.strip() == r.line()
+
+
+# ----------------------------------------------------------------------------- poisoning
+
+
+@pytest.mark.parametrize(
+    "dtype,fill",
+    [(torch.float32, "nan"), (torch.float16, "nan"), (torch.bfloat16, "nan"), (torch.int32, -1), (torch.int64, -1), (torch.int8, -1)],
+)
+def test_poisoned_new_output(dtype, fill):
+    assert launch._POISON["on"] is False
+    with poisoned():
+        t = new_output((3, 5), dtype, "cpu")
+    assert t.shape == (3, 5) and t.dtype == dtype
+    if fill == "nan":
+        assert t.isnan().all()
+    else:
+        assert (t == fill).all()
+    assert launch._POISON["on"] is False
+
+
+def test_poisoned_restores_after_exception_and_nests():
+    with pytest.raises(RuntimeError):
+        with poisoned():
+            assert launch._POISON["on"] is True
+            raise RuntimeError("boom")
+    assert launch._POISON["on"] is False
+    with poisoned():
+        with poisoned(False):
+            assert launch._POISON["on"] is False
+            assert new_output((4,), torch.int64, "cpu").shape == (4,)
+        assert launch._POISON["on"] is True
+        assert new_output((4,), torch.float32, "cpu").isnan().all()
+    assert launch._POISON["on"] is False
+
+
+@triton.jit
+def _copy_prefix_kernel(x_ptr, y_ptr, N, n_write, BLOCK: tl.constexpr):
+    o = tl.arange(0, BLOCK)
+    m = (o < N) & (o < n_write)
+    tl.store(y_ptr + o, tl.load(x_ptr + o, mask=m, other=0.0), mask=m)
+
+
+def _copy_launcher(x, n_write):
+    """A launcher in the package's style: output from new_output, kernel writes n_write elements."""
+    N = x.numel()
+    y = new_output((N,), x.dtype, x.device)
+    launch.launch("test_copy_prefix", _copy_prefix_kernel, (1,), x, y, N, n_write, BLOCK=triton.next_power_of_2(N))
+    return y
+
+
+def test_poisoning_catches_a_kernel_that_skips_half_its_output(gen):
+    N = 100
+    x = _ref((N,), gen).float()
+    with poisoned():
+        good = _copy_launcher(x, N)
+        broken = _copy_launcher(x, N // 2)
+    assert compare("full_copy", x.double(), good, verbose=False).ok
+    r = compare("half_copy", x.double(), broken, verbose=False)
+    assert not r.ok
+    assert r.nan_got == N - N // 2
+    assert torch.equal(broken[: N // 2], x[: N // 2])  # the written half is right: only poisoning catches it
+
+
+# ----------------------------------------------------------------------------- compare_stages
+
+
+def _stages(gen):
+    return {"a": _ref((4, 5), gen), "b": _ref((4,), gen), "c": _ref((4, 5), gen)}
+
+
+def test_compare_stages_all_pass(gen):
+    ref = _stages(gen)
+    got = {k: v.float() for k, v in ref.items()}
+    results, failed = compare_stages(ref, got, dtype=torch.float32, prefix="fwd.", verbose=False)
+    assert failed is None
+    assert [r.name for r in results] == ["fwd.a", "fwd.b", "fwd.c"]
+    assert all(r.ok for r in results)
+
+
+def test_compare_stages_stops_at_first_failure(gen):
+    ref = _stages(gen)
+    got = {"a": ref["a"].float(), "b": ref["b"].float() * 1.1}  # "c" is absent: comparing it would raise
+    results, failed = compare_stages(ref, got, dtype=torch.float32, verbose=False)
+    assert failed == "b"
+    assert [r.name for r in results] == ["a", "b"]
+    assert results[0].ok and not results[1].ok
+
+
+def test_compare_stages_follows_reference_order(gen):
+    ref = _stages(gen)
+    got = {"c": ref["c"] * 2, "b": ref["b"].clone(), "a": ref["a"] * 2}  # a and c both wrong
+    results, failed = compare_stages(ref, got, dtype=torch.float32, verbose=False)
+    assert failed == "a" and len(results) == 1
+
+
+def test_compare_stages_missing_stage_raises(gen):
+    ref = _stages(gen)
+    got = {"a": ref["a"].clone(), "c": ref["c"].clone()}
+    with pytest.raises(KeyError, match="'b'"):
+        compare_stages(ref, got, dtype=torch.float32, verbose=False)
+
+
+def test_compare_stages_per_stage_tolerance(gen):
+    ref = _stages(gen)
+    got = {k: v.clone() for k, v in ref.items()}
+    got["b"] = got["b"] * 1.001
+    loose = {"b": Tolerance(rel_rms=1e-2, atol=1e-2, rtol=1e-2)}
+    _, failed = compare_stages(ref, got, dtype=torch.float32, verbose=False)
+    assert failed == "b"
+    results, failed = compare_stages(ref, got, dtype=torch.float32, tols=loose, verbose=False)
+    assert failed is None and len(results) == 3
+    assert results[1].tol == loose["b"] and results[0].tol == TOLERANCES[torch.float32]
+
+
+# ----------------------------------------------------------------------------- dumps
+
+
+def test_dump_load_roundtrip(tmp_path, gen):
+    stages = {
+        "h": _ref((3, 4), gen).to(torch.bfloat16),
+        "rstd": _ref((3,), gen).float(),
+        "d_x": _ref((3, 4), gen),  # a name with an underscore
+        "y": _ref((2, 3, 4), gen).half(),
+    }
+    dump_stages(tmp_path / "d", stages)
+    files = sorted(p.name for p in (tmp_path / "d").iterdir())
+    assert files == ["00_h.npy", "01_rstd.npy", "02_d_x.npy", "03_y.npy"]
+    loaded = load_dump(tmp_path / "d")
+    assert list(loaded) == list(stages)
+    for k, t in stages.items():
+        assert loaded[k].dtype == np.float64
+        np.testing.assert_array_equal(loaded[k], t.double().numpy())
+
+
+def test_compare_dumps_reports_worst_and_max(tmp_path, gen):
+    ref = {"a": _ref((6, 7), gen), "b": _ref((5,), gen)}
+    got = {k: v.clone() for k, v in ref.items()}
+    bumps = {(1, 2): 0.5, (4, 6): -2.0, (0, 0): 1.0}  # |diff| order: (4,6), (0,0), (1,2)
+    for idx, d in bumps.items():
+        got["a"][idx] += d
+    dump_stages(tmp_path / "ref", ref)
+    dump_stages(tmp_path / "got", got)
+    rows = compare_dumps(tmp_path / "ref", tmp_path / "got", worst=3)
+    assert [r["stage"] for r in rows] == ["a", "b"]
+    a, b = rows
+    assert a["shape"] == [6, 7]
+    assert a["max_diff"] == pytest.approx(2.0)
+    assert a["mean_diff"] == pytest.approx(3.5 / 42)
+    assert a["nan_got"] == 0
+    assert [w["index"] for w in a["worst"]] == [[4, 6], [0, 0], [1, 2]]
+    for w in a["worst"]:
+        i = tuple(w["index"])
+        assert w["ref"] == pytest.approx(float(ref["a"][i]))
+        assert w["got"] == pytest.approx(float(got["a"][i]))
+    assert b["max_diff"] == 0 and b["mean_diff"] == 0
+    json.dumps(rows)
+
+
+def test_compare_dumps_nan_missing_and_shape(tmp_path, gen):
+    ref = {"a": _ref((4, 4), gen), "b": _ref((3,), gen), "c": _ref((2, 2), gen)}
+    got = {"a": ref["a"].clone(), "c": _ref((4,), gen)}
+    got["a"][3, 1] = float("nan")
+    got["a"][0, 0] += 100.0
+    dump_stages(tmp_path / "ref", ref)
+    dump_stages(tmp_path / "got", got)
+    rows = {r["stage"]: r for r in compare_dumps(tmp_path / "ref", tmp_path / "got", worst=2)}
+    assert rows["a"]["nan_got"] == 1
+    assert rows["a"]["max_diff"] == math.inf  # a NaN is the worst difference there is
+    assert [w["index"] for w in rows["a"]["worst"]] == [[3, 1], [0, 0]]
+    assert rows["b"] == {"stage": "b", "missing": True}
+    assert rows["c"] == {"stage": "c", "shape_mismatch": [[2, 2], [4]]}
+
+
+# ----------------------------------------------------------------------------- check_op
+
+
+def _perturbed_stages(stage, factor):
+    def stages(**inputs):
+        out = rms_norm_stages(**inputs)
+        out[stage] = out[stage] * factor
+        return out
+
+    return stages
+
+
+def _seed(gen):
+    return int(torch.randint(0, 2**31 - 1, (1,), generator=gen))
+
+
+def test_check_op_passes_on_registered_rms_norm(gen):
+    res = check_op(registry.get("rms_norm"), torch.float32, seed=_seed(gen))
+    assert res.ok and res.failed_stage is None and res.error is None
+    assert [r.name for r in res.results] == ["fwd.rstd", "fwd.y", "bwd.dx", "bwd.dweight"]
+
+
+def test_check_op_wrong_rstd_stops_there(gen):
+    spec = dataclasses.replace(registry.get("rms_norm"), stages=_perturbed_stages("rstd", 1.01))
+    res = check_op(spec, torch.float32, seed=_seed(gen))
+    assert not res.ok
+    assert res.error is None
+    assert res.failed_stage == "rstd"
+    assert [r.name for r in res.results] == ["fwd.rstd"]  # y, and the gradients, never compared
+
+
+def test_check_op_wrong_y_reports_y(gen):
+    spec = dataclasses.replace(registry.get("rms_norm"), stages=_perturbed_stages("y", 1.01))
+    res = check_op(spec, torch.float32, seed=_seed(gen))
+    assert not res.ok and res.failed_stage == "y"
+    assert [r.name for r in res.results] == ["fwd.rstd", "fwd.y"]
+    assert res.results[0].ok
+
+
+def test_check_op_wrong_gradient_reports_first_bad_grad(gen):
+    from triforge.ops.norm import rms_norm
+
+    spec = dataclasses.replace(registry.get("rms_norm"), call=lambda x, weight, eps: (rms_norm(x, weight, eps) * 1.1,))
+    res = check_op(spec, torch.float32, seed=_seed(gen))
+    assert not res.ok and res.error is None
+    assert res.failed_stage == "dx"
+    # forward stages passed; every gradient was still compared and reported
+    assert [r.name for r in res.results] == ["fwd.rstd", "fwd.y", "bwd.dx", "bwd.dweight"]
+    assert [r.ok for r in res.results] == [True, True, False, False]
+
+
+def test_check_op_kernel_raising_is_an_error(gen):
+    def boom(**inputs):
+        raise RuntimeError("kernel exploded")
+
+    spec = dataclasses.replace(registry.get("rms_norm"), stages=boom)
+    res = check_op(spec, torch.float32, seed=_seed(gen))
+    assert res.ok is False
+    assert res.error == "RuntimeError: kernel exploded"
+    assert res.results == []
+
+
+def test_check_op_unwritten_output_is_caught_by_poisoning(gen):
+    """A stage buffer the 'kernel' never fills (new_output, as launchers allocate) fails the check."""
+    def stages(**inputs):
+        out = rms_norm_stages(**inputs)
+        y = new_output(out["y"].shape, out["y"].dtype, out["y"].device)
+        y[: y.shape[0] // 2] = out["y"][: y.shape[0] // 2]
+        out["y"] = y
+        return out
+
+    spec = dataclasses.replace(registry.get("rms_norm"), stages=stages)
+    res = check_op(spec, torch.float32, seed=_seed(gen))
+    assert not res.ok and res.failed_stage == "y"
+    assert res.results[-1].nan_got > 0
+
+
+def test_check_op_dump_dir(tmp_path, gen):
+    res = check_op(registry.get("rms_norm"), torch.float32, seed=_seed(gen), dump_dir=tmp_path)
+    assert res.ok
+    rows = compare_dumps(tmp_path / "rms_norm-float32" / "ref", tmp_path / "rms_norm-float32" / "got")
+    assert [r["stage"] for r in rows] == ["rstd", "y"]
+    assert all(r["max_diff"] < 1e-4 for r in rows)
+
+
+# ----------------------------------------------------------------------------- tune
+
+
+def test_grid_enumerates_the_product():
+    g = tune.grid({"a": [1, 2], "b": ["x", "y", "z"]})
+    assert g == [
+        {"a": 1, "b": "x"}, {"a": 1, "b": "y"}, {"a": 1, "b": "z"},
+        {"a": 2, "b": "x"}, {"a": 2, "b": "y"}, {"a": 2, "b": "z"},
+    ]
+    assert tune.grid({"a": [3]}) == [{"a": 3}]
+    assert tune.grid({}) == [{}]
+    assert tune.grid({"a": [1, 2], "b": []}) == []
+    assert len(tune.grid({"p": [1, 2, 3], "q": [1, 2], "r": [1, 2, 3, 4]})) == 24
+
+
+def _fake_tunable(fail_p=3, calls=None):
+    """p in 1..4, q in {10, 20}; 'time' = cost(cfg); configs with p == fail_p raise in run()."""
+    last = {}
+    seen = calls if calls is not None else []
+
+    def setup(shape, dtype, device):
+        seen.append(("setup", dict(shape), dtype, device))
+
+        def run(cfg):
+            if cfg["p"] == fail_p:
+                raise ValueError(f"p={fail_p} exceeds resources\nsecond line of the message")
+            last["cfg"] = dict(cfg)
+
+        return run, f"fake-key-{shape['M']}"
+
+    def timer(fn):
+        last.pop("cfg", None)
+        fn()
+        cfg = last["cfg"]  # the config the timed function actually ran
+        return cost(cfg)
+
+    t = tune.Tunable(kernel="fake_kernel", space={"p": [1, 2, 3, 4], "q": [10, 20]}, setup=setup, shape_names=("M",))
+    return t, timer
+
+
+def cost(cfg):
+    return abs(cfg["p"] - 2.4) * 10 + cfg["q"] / 10
+
+
+def test_tune_picks_best_sorts_top_and_counts_failures():
+    calls = []
+    t, timer = _fake_tunable(calls=calls)
+    res = tune.tune(t, {"M": 7}, torch.float16, top=3, timer=timer)
+    expected = sorted(
+        ({"config": c, "ms": cost(c)} for c in tune.grid(t.space) if c["p"] != 3), key=lambda r: r["ms"]
+    )
+    assert res["best"] == expected[0] == {"config": {"p": 2, "q": 10}, "ms": cost({"p": 2, "q": 10})}
+    assert res["top"] == expected[:3]
+    assert [r["ms"] for r in res["top"]] == sorted(r["ms"] for r in res["top"])
+    assert res["n_tried"] == 8 and res["n_failed"] == 2
+    assert sorted(f["config"]["q"] for f in res["failed"]) == [10, 20]
+    assert all(f["config"]["p"] == 3 for f in res["failed"])
+    assert all(f["error"] == "ValueError: p=3 exceeds resources" for f in res["failed"])  # first line only
+    assert res["key"] == "fake-key-7" and res["kernel"] == "fake_kernel"
+    assert res["shape"] == {"M": 7} and res["dtype"] == "float16" and res["arch"] == _runtime.arch()
+    assert calls == [("setup", {"M": 7}, torch.float16, _runtime.default_device())]
+
+
+def test_tune_top_longer_than_results_and_all_failing():
+    t, timer = _fake_tunable()
+    res = tune.tune(t, {"M": 1}, torch.float32, top=100, timer=timer)
+    assert len(res["top"]) == 6
+    t_bad = dataclasses.replace(t, space={"p": [3], "q": [10, 20]})
+    res = tune.tune(t_bad, {"M": 1}, torch.float32, timer=timer)
+    assert res["best"] is None and res["top"] == [] and res["n_failed"] == 2 == res["n_tried"]
+    with pytest.raises(ValueError, match="fake_kernel"):
+        tune.write_config(res)
+
+
+def test_tune_counts_timer_failures_and_calls_progress():
+    t, timer = _fake_tunable(fail_p=None)
+    ticks = []
+
+    def flaky_timer(fn):
+        ms = timer(fn)
+        if ms > 15:
+            raise RuntimeError("timeout")
+        return ms
+
+    res = tune.tune(t, {"M": 1}, torch.float32, timer=flaky_timer, progress=lambda: ticks.append(1))
+    assert len(ticks) == 8
+    assert res["n_failed"] == sum(cost(c) > 15 for c in tune.grid(t.space)) > 0
+    assert all(r["ms"] <= 15 for r in res["top"])
+
+
+@pytest.fixture
+def config_dir(tmp_path, monkeypatch):
+    d = tmp_path / "configs"
+    d.mkdir()
+    monkeypatch.setattr(launch, "CONFIG_DIR", d)
+    launch.reload()
+    yield d
+    launch.reload()
+
+
+def test_write_config_then_launch_config_returns_it(config_dir, monkeypatch):
+    arch = "sm_test_arch_0"
+    monkeypatch.setattr(_runtime, "arch", lambda: arch)
+    t, timer = _fake_tunable()
+    res = tune.tune(t, {"M": 5}, torch.float32, timer=timer)
+    assert res["arch"] == arch
+    fallback = {"p": 99, "q": 99, "extra": "kept"}
+    assert launch.config("fake_kernel", "fake-key-5", fallback) == fallback  # nothing written yet
+
+    path = tune.write_config(res)
+    assert path == str(config_dir / f"{arch}.json")
+    data = json.loads((config_dir / f"{arch}.json").read_text())
+    assert data["kernels"] == {"fake_kernel": {"fake-key-5": {"p": 2, "q": 10}}}
+    assert data["provenance"]["fake_kernel[fake-key-5]"]["ms"] == res["best"]["ms"]
+
+    # tuned values override the fallback, keys the file lacks come from the fallback
+    assert launch.config("fake_kernel", "fake-key-5", fallback) == {"p": 2, "q": 10, "extra": "kept"}
+    assert launch.config("fake_kernel", "other-key", fallback) == fallback
+    assert launch.config("other_kernel", "fake-key-5", fallback) == fallback
+
+    # a second write keeps the first entry
+    res2 = tune.tune(t, {"M": 6}, torch.float32, timer=lambda fn: -timer(fn))  # now the worst is best
+    tune.write_config(res2)
+    assert launch.config("fake_kernel", "fake-key-5", {}) == {"p": 2, "q": 10}
+    assert launch.config("fake_kernel", "fake-key-6", {}) == res2["best"]["config"]
+
+
+def test_write_config_explicit_arch_is_not_this_arch(config_dir):
+    t, timer = _fake_tunable()
+    res = tune.tune(t, {"M": 5}, torch.float32, timer=timer)
+    tune.write_config(res, arch="some_other_arch")
+    assert (config_dir / "some_other_arch.json").exists()
+    assert launch.config("fake_kernel", "fake-key-5", {"p": 0}) == {"p": 0}
+
+
+def test_launch_config_falls_back_to_heuristic(config_dir):
+    fallback = {"num_warps": 4, "ROWS": 8}
+    got = launch.config("rms_norm_fwd", launch.config_key(block_n=512, dtype="fp32"), fallback)
+    assert got == fallback
+    got["num_warps"] = 1  # a copy: the caller's heuristic is not mutated
+    assert fallback == {"num_warps": 4, "ROWS": 8}
+    # a file for this arch that lacks the key also falls back
+    (config_dir / f"{_runtime.arch()}.json").write_text(json.dumps({"kernels": {"rms_norm_fwd": {"block_n=1024,dtype=fp32": {"ROWS": 1}}}}))
+    launch.reload()
+    assert launch.config("rms_norm_fwd", "block_n=512,dtype=fp32", fallback) == fallback
+    assert launch.config("rms_norm_fwd", "block_n=1024,dtype=fp32", fallback) == {"num_warps": 4, "ROWS": 1}
+
+
+def test_config_key_is_sorted_and_stable():
+    assert launch.config_key(dtype="bf16", block_n=4096) == "block_n=4096,dtype=bf16"
+    assert launch.config_key(block_n=4096, dtype="bf16") == launch.config_key(dtype="bf16", block_n=4096)
+
+
+def test_real_tunable_config_reaches_the_launcher(config_dir, monkeypatch):
+    """Tune the registered rms_norm_fwd grid with a fake timer, write it, and see the launcher use it."""
+    from triforge.ops.norm import rms_norm
+
+    t = tune.get("rms_norm_fwd")
+    t = dataclasses.replace(t, space={"num_warps": [1, 4], "ROWS": [1, 2, 4]})
+    res = tune.tune(t, {"M": 5, "N": 40}, torch.float32, timer=lambda fn: (fn(), 1.0)[1])
+    assert res["n_failed"] == 0 and res["n_tried"] == 6
+    assert res["key"] == launch.config_key(block_n=64, dtype="fp32")
+    res["best"] = {"config": {"num_warps": 1, "ROWS": 2}, "ms": 1.0}
+    tune.write_config(res)
+
+    seen = []
+    real_launch = launch.launch
+
+    def spy(name, fn, grid, *args, **kwargs):
+        seen.append((name, grid, kwargs))
+        return real_launch(name, fn, grid, *args, **kwargs)
+
+    monkeypatch.setattr(launch, "launch", spy)
+    x, w = torch.randn(5, 40) + 0.1, torch.rand(40) + 0.5
+    with poisoned():
+        y = rms_norm(x, w)
+    assert seen[0][0] == "rms_norm_fwd"
+    assert seen[0][2]["ROWS"] == 2 and seen[0][2]["num_warps"] == 1
+    assert seen[0][1] == (3,)  # cdiv(M=5, ROWS=2) programs
+    ref = x.double() * torch.rsqrt(x.double().square().mean(-1, keepdim=True) + 1e-6) * w.double()
+    assert compare("y", ref, y, verbose=False).ok
