@@ -193,7 +193,7 @@ def load_dump(directory) -> dict:
 def compare_dumps(ref_dir, got_dir, worst: int = 10) -> list[dict]:
     """Per-stage max/mean diff and the ``worst`` largest differences between two dump folders."""
     ref, got = load_dump(ref_dir), load_dump(got_dir)
-    rows = []
+    rows = [{"stage": name, "missing_in_ref": True} for name in got if name not in ref]
     for name, r in ref.items():
         if name not in got:
             rows.append({"stage": name, "missing": True})

@@ -96,7 +96,7 @@ def write_config(result: dict, arch: str | None = None) -> str:
     path = launch.CONFIG_DIR / f"{arch}.json"
     data = json.loads(path.read_text()) if path.exists() else {"arch": arch, "kernels": {}}
     entry = dict(result["best"]["config"])
-    data["kernels"].setdefault(result["kernel"], {})[result["key"]] = entry
+    data.setdefault("kernels", {}).setdefault(result["kernel"], {})[result["key"]] = entry
     data.setdefault("provenance", {})[f"{result['kernel']}[{result['key']}]"] = {
         "device": result["device"],
         "shape": result["shape"],

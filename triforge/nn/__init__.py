@@ -1,5 +1,6 @@
 """nn.Module wrappers over triforge ops, drop-in for their Hugging Face counterparts."""
 
+from triforge.nn.mhc import MHCLiteBlock, expand_streams, reduce_streams
 from triforge.nn.norm import RMSNorm, patch_hf_rmsnorm
 
-__all__ = ["RMSNorm", "patch_hf_rmsnorm"]
+__all__ = ["RMSNorm", "patch_hf_rmsnorm", "MHCLiteBlock", "expand_streams", "reduce_streams"]

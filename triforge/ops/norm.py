@@ -213,8 +213,6 @@ def _fwd_setup(ctx, inputs, output):
 
 def _fwd_backward(ctx, dy, dh, drstd):
     xn, weight, rstd = ctx.saved_tensors
-    if dy is None:
-        dy = torch.zeros(xn.shape, dtype=torch.promote_types(xn.dtype, weight.dtype), device=xn.device)
     dh = dh if ctx.has_residual else None
     dx, dw = torch.ops.triforge.rms_norm_bwd(dy, xn, weight, rstd, dh)
     return dx, dw, (dx if ctx.has_residual else None), None
@@ -232,7 +230,9 @@ def _validate(x, weight, eps, residual):
     if weight.shape[0] != x.shape[-1]:
         raise ValueError(f"weight must have shape ({x.shape[-1]},) to match x's last dimension, got {tuple(weight.shape)}")
     check_row_width("x", x.shape[-1])
-    if not isinstance(eps, (int, float)) or not eps >= 0:
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+        raise TypeError(f"eps must be a float, got {type(eps).__name__}")
+    if not eps >= 0:
         raise ValueError(f"eps must be a non-negative number, got {eps!r}")
     if residual is not None:
         check_tensor("residual", residual)
