@@ -88,3 +88,42 @@ def test_report_regenerates_readme_section(tmp_path):
     text = readme.read_text()
     assert text.startswith("intro\n") and text.endswith("outro\n") and "old" not in text
     assert "| rms_norm | fwd | 65536x4096 | bfloat16 | triforge | 0.4000 |" in text
+
+
+def test_trace_summarises_kernels_against_their_byte_model(tmp_path, capsys):
+    from triforge import trace
+
+    events = [
+        {"ph": "X", "cat": "user_annotation", "name": "triforge::mhc_post_res_fwd_kernel bytes=3000000000", "ts": 0, "dur": 5},
+        {"ph": "X", "cat": "kernel", "name": "mhc_post_res_fwd_kernel", "ts": 1, "dur": 1000.0},
+        {"ph": "X", "cat": "user_annotation", "name": "triforge::mhc_post_res_fwd_kernel bytes=3000000000", "ts": 2000, "dur": 5},
+        {"ph": "X", "cat": "kernel", "name": "mhc_post_res_fwd_kernel", "ts": 2001, "dur": 1000.0},
+        {"ph": "X", "cat": "kernel", "name": "ampere_bf16_gemm", "ts": 3000, "dur": 4000.0},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 2999, "dur": 4001.0},
+    ]
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    rows = trace.summarize(path, copy_tbps=3.0)
+    assert [r["kernel"] for r in rows] == ["ampere_bf16_gemm", "mhc_post_res_fwd_kernel"]
+    ours = rows[1]
+    assert ours["calls"] == 2 and ours["total_us"] == 2000.0 and ours["triforge"]
+    assert abs(ours["gbps"] - 3000.0) < 1e-6 and abs(ours["pct_copy"] - 100.0) < 1e-6
+    assert not rows[0]["triforge"] and "gbps" not in rows[0]
+    assert main(["trace", str(path), "--copy-tbps", "3.0"]) == 0
+    assert "mhc_post_res_fwd_kernel" in capsys.readouterr().out
+    empty = tmp_path / "empty.json"
+    empty.write_text(json.dumps({"traceEvents": events[-1:]}))
+    assert main(["trace", str(empty)]) == 1
+
+
+def test_launch_annotates_bytes_while_profiling():
+    import torch
+
+    from triforge.ops.norm import rms_norm
+
+    x = torch.randn(5, 64)
+    w = torch.randn(64)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        rms_norm(x, w)
+    names = [e.name for e in prof.events()]
+    assert f"triforge::rms_norm_fwd_kernel bytes={2 * 5 * 64 * 4 + 4 * 5}" in names

@@ -76,18 +76,23 @@ def _tensors(inputs):
     return [v for v in inputs.values() if isinstance(v, torch.Tensor)]
 
 
-def _input_sets(spec, dtype, n_sets, seed):
+def _input_sets(spec, dtype, n_sets, seed, tier="real"):
     gen = torch.Generator().manual_seed(seed)
-    return [spec.make_inputs("real", dtype, _runtime.default_device(), gen) for _ in range(n_sets)]
+    try:
+        return [spec.make_inputs(tier, dtype, _runtime.default_device(), gen) for _ in range(n_sets)]
+    except (KeyError, TypeError) as e:
+        if isinstance(tier, dict):
+            raise ValueError(f"op {spec.name} does not take a shape {tier}: {e}") from e
+        raise
 
 
-def _rotation(spec, dtype, seed) -> list:
+def _rotation(spec, dtype, seed, tier="real") -> list:
     """Enough input sets that consecutive calls never find their data in L2."""
-    first = _input_sets(spec, dtype, 1, seed)
+    first = _input_sets(spec, dtype, 1, seed, tier)
     nbytes = sum(t.numel() * t.element_size() for t in _tensors(first[0]))
     l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 * 2**20)
     n_sets = min(8, max(1, math.ceil(4 * l2 / max(nbytes, 1))))
-    return first + _input_sets(spec, dtype, n_sets - 1, seed + 1)
+    return first + _input_sets(spec, dtype, n_sets - 1, seed + 1, tier)
 
 
 def _fwd_fn(impl, sets):
@@ -131,18 +136,22 @@ def git_commit() -> str:
         return "unknown"
 
 
-def bench_op(spec, *, dtype=torch.bfloat16, modes=("fwd", "bwd"), peers=True, seed=0, check=True) -> list[dict]:
-    """Rows for each mode and implementation (triforge first, then the peers)."""
+def bench_op(spec, *, dtype=torch.bfloat16, modes=("fwd", "bwd"), peers=True, seed=0, check=True, shape=None) -> list[dict]:
+    """Rows for each mode and implementation (triforge first, then the peers).
+
+    ``shape`` (e.g. {"T": 65536, "C": 1024}) replaces the op's real-tier shape where the op takes one.
+    """
+    tier = shape or "real"
     from triforge.check import check_op
 
     _runtime.require_gpu("triforge bench")
     ceil = peaks()
     if check:
-        verdict = check_op(spec, dtype, tier="real", seed=seed)
+        verdict = check_op(spec, dtype, tier=tier, seed=seed)
         if not verdict.ok:
             failed = verdict.error or verdict.failed_stage
             return [{"op": spec.name, "mode": m, "impl": "triforge", "error": f"parity check failed: {failed}"} for m in modes]
-    sets = _rotation(spec, dtype, seed)
+    sets = _rotation(spec, dtype, seed, tier)
     impls = {"triforge": spec.call}
     if peers:
         for name, build in spec.peers.items():
@@ -187,12 +196,43 @@ def bench_op(spec, *, dtype=torch.bfloat16, modes=("fwd", "bwd"), peers=True, se
     return rows
 
 
-def run_bench(specs, *, dtype=torch.bfloat16, modes=("fwd", "bwd"), peers=True, progress=None) -> dict:
+def family_totals(specs, rows) -> list[dict]:
+    """For each family of several ops: every kernel's time and bytes summed, per implementation
+    that ran them all (the layer's forward + backward against the copy ceiling)."""
+    ceil = peaks()
+    out = []
+    by_family = {}
+    for spec in specs:
+        by_family.setdefault(spec.family, []).append(spec.name)
+    for family, names in by_family.items():
+        if len(names) < 2:
+            continue
+        fam_rows = [r for r in rows if r["op"] in names and "error" not in r]
+        for impl in dict.fromkeys(r["impl"] for r in fam_rows):
+            mine = [r for r in fam_rows if r["impl"] == impl]
+            wanted = {(r["op"], r["mode"]) for r in fam_rows if r["impl"] == "triforge"}
+            if {(r["op"], r["mode"]) for r in mine} != wanted:
+                continue  # this peer does not cover every kernel of the family
+            ms = sum(r["median_ms"] for r in mine)
+            nbytes = sum(r["bytes"] for r in mine)
+            flops = sum(r["flops"] for r in mine)
+            out.append({"op": f"{family} total", "mode": "+".join(sorted({r["mode"] for r in mine})), "impl": impl,
+                        "shape": mine[0]["shape"], "dtype": mine[0]["dtype"], "median_ms": ms, "bytes": nbytes,
+                        "flops": flops, "gbps": nbytes / (ms * 1e-3) / 1e9, "tflops": flops / (ms * 1e-3) / 1e12,
+                        "pct_copy": 100 * nbytes / (ms * 1e-3) / (ceil["copy_tbps"] * 1e12)})
+    for r in out:
+        ours = next(o["median_ms"] for o in out if o["op"] == r["op"] and o["impl"] == "triforge")
+        r["triforge_speedup"] = r["median_ms"] / ours
+    return out
+
+
+def run_bench(specs, *, dtype=torch.bfloat16, modes=("fwd", "bwd"), peers=True, progress=None, shape=None) -> dict:
     rows = []
     for spec in specs:
-        rows += bench_op(spec, dtype=dtype, modes=modes, peers=peers)
+        rows += bench_op(spec, dtype=dtype, modes=modes, peers=peers, shape=shape)
         if progress is not None:
             progress(spec.name)
+    rows += family_totals(specs, rows)
     return {
         "device": _runtime.device_name(),
         "arch": _runtime.arch(),
@@ -201,5 +241,6 @@ def run_bench(specs, *, dtype=torch.bfloat16, modes=("fwd", "bwd"), peers=True, 
         "torch": torch.__version__,
         "triton": __import__("triton").__version__,
         "peaks": peaks(),
+        "shape": shape,
         "rows": rows,
     }

@@ -88,7 +88,7 @@ def cmd_bench(args) -> int:
     with _progress() as prog:
         task = prog.add_task("benchmarking", total=len(specs))
         result = bench.run_bench(specs, dtype=args.dtype, modes=modes, peers=not args.no_peers,
-                                 progress=lambda name: prog.advance(task))
+                                 progress=lambda name: prog.advance(task), shape=args.shape_dims or None)
     console.print(_bench_table(result))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
@@ -120,8 +120,22 @@ def cmd_tune(args) -> int:
             console.print(f"{name}: shape {list(t.shape_names)} (default {t.default_shape}), space {t.space}")
         return 0
     _runtime.require_gpu("triforge tune")
-    t = tune.get(args.kernel)
-    shape = _parse_shape(args.shape, t.shape_names) if args.shape else dict(t.default_shape)
+    kernels = [k for k in tune.all_tunables() if k == args.kernel or k.startswith(args.kernel + "_")]
+    if not kernels:
+        raise KeyError(f"unknown tunable kernel or family {args.kernel!r}; known: {', '.join(tune.all_tunables())}")
+    status = 0
+    for name in kernels:
+        status |= _tune_one(args, tune.get(name))
+    return status
+
+
+def _tune_one(args, t) -> int:
+    from triforge import tune
+
+    shape = dict(t.default_shape)
+    if args.shape:
+        shape = _parse_shape(args.shape, t.shape_names)
+    shape.update(args.shape_dims)
     n = len(tune.grid(t.space))
     with _progress() as prog:
         task = prog.add_task(f"tuning {t.kernel}", total=n)
@@ -134,7 +148,11 @@ def cmd_tune(args) -> int:
         table.add_row(str(i), json.dumps(r["config"]), f"{r['ms']:.4f}")
     console.print(table)
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
+        path = Path(args.json)
+        if path.suffix != ".json" or path.is_dir():
+            path.mkdir(parents=True, exist_ok=True)
+            path = path / f"tune-{t.kernel}.json"
+        path.write_text(json.dumps(result, indent=2))
     if args.write:
         console.print(f"best config written to {tune.write_config(result)}")
     return 0 if result["best"] else 1
@@ -184,6 +202,31 @@ def cmd_compare_dumps(args) -> int:
     return 1 if bad else 0
 
 
+def cmd_trace(args) -> int:
+    import json as _json
+
+    from triforge import trace
+    from triforge.bench import PEAKS_CACHE
+
+    copy_tbps = args.copy_tbps
+    if copy_tbps is None and PEAKS_CACHE.exists():
+        cached = list(_json.loads(PEAKS_CACHE.read_text()).values())
+        copy_tbps = cached[0]["copy_tbps"] if len(cached) == 1 else None
+    rows = trace.summarize(args.trace, copy_tbps)
+    if not rows:
+        console.print(f"[red]no GPU kernel events in {args.trace}[/red] (profile with ProfilerActivity.CUDA)")
+        return 1
+    table = Table(title=f"{args.trace}: {len(rows)} kernels" + (f", copy ceiling {copy_tbps:.2f} TB/s" if copy_tbps else ""))
+    for col in ("kernel", "calls", "total ms", "mean us", "GB/s", "% copy"):
+        table.add_column(col, justify="left" if col == "kernel" else "right")
+    for r in rows[: args.top]:
+        name = ("[bold]" + r["kernel"][:60] + "[/bold]") if r["triforge"] else r["kernel"][:60]
+        table.add_row(name, str(r["calls"]), f"{r['total_us'] / 1e3:.3f}", f"{r['mean_us']:.1f}",
+                      f"{r['gbps']:.0f}" if "gbps" in r else "", f"{r['pct_copy']:.1f}" if "pct_copy" in r else "")
+    console.print(table)
+    return 0
+
+
 def cmd_list(args) -> int:
     from triforge import registry, tune
 
@@ -219,11 +262,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.set_defaults(func=cmd_bench)
 
     t = sub.add_parser("tune", help="grid-search a kernel's launch parameters at one shape (GPU only)")
-    t.add_argument("kernel", nargs="?")
+    t.add_argument("kernel", nargs="?", help="a kernel, or a family prefix (e.g. mhc) to tune each of its kernels")
     t.add_argument("--shape", help="e.g. M=65536,N=4096 (default: the kernel's default shape)")
     t.add_argument("--dtype", type=_dtype, default="bf16")
     t.add_argument("--top", type=int, default=5)
-    t.add_argument("--json", metavar="FILE")
+    t.add_argument("--json", metavar="FILE", help="a .json file, or a folder for one file per kernel")
     t.add_argument("--write", action="store_true", help="store the best config in triforge/configs/<arch>.json")
     t.add_argument("--list", action="store_true", help="list the tunable kernels")
     t.set_defaults(func=cmd_tune)
@@ -244,13 +287,34 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--worst", type=int, default=10)
     d.set_defaults(func=cmd_compare_dumps)
 
+    tr = sub.add_parser("trace", help="summarise a torch.profiler Chrome trace per kernel (ours against their byte model)")
+    tr.add_argument("trace")
+    tr.add_argument("--copy-tbps", type=float, default=None, help="copy ceiling for the efficiency column (default: the cached peaks)")
+    tr.add_argument("--top", type=int, default=30)
+    tr.set_defaults(func=cmd_trace)
+
     ls = sub.add_parser("list", help="registered ops and tunable kernels")
     ls.set_defaults(func=cmd_list)
     return p
 
 
+def _shape_dims(extra) -> dict:
+    """Leftover ``--T 65536 --C 2560`` style arguments as a shape dict."""
+    dims, it = {}, iter(extra)
+    for flag in it:
+        value = next(it, None)
+        if not flag.startswith("--") or value is None or not value.lstrip("-").isdigit():
+            raise SystemExit(f"unrecognised arguments: {' '.join(extra)} (shape dimensions go as --T 65536 --C 2560)")
+        dims[flag[2:]] = int(value)
+    return dims
+
+
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.command not in ("bench", "tune"):
+        parser.error(f"unrecognised arguments: {' '.join(extra)}")
+    args.shape_dims = _shape_dims(extra)
     if getattr(args, "dtype", None) == "bf16":
         args.dtype = _dtype("bf16")
     if getattr(args, "seed", 0) is None:

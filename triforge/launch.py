@@ -49,9 +49,18 @@ def config(kernel: str, key: str, fallback: dict) -> dict:
     return merged
 
 
-def launch(kernel_name: str, jit_fn, grid, *args, **kwargs):
-    """Launch a Triton kernel and remember its compiled form (registers, spills, shared memory)."""
-    compiled = jit_fn[grid](*args, **kwargs)
+def launch(kernel_name: str, jit_fn, grid, *args, nbytes: int | None = None, **kwargs):
+    """Launch a Triton kernel and remember its compiled form (registers, spills, shared memory).
+
+    ``nbytes`` is the launch's byte model; while torch.profiler records, the launch is annotated
+    ``triforge::<jit function name> bytes=<nbytes>`` for ``triforge trace``.
+    """
+    if nbytes is not None and torch.autograd.profiler._is_profiler_enabled:
+        name = getattr(jit_fn, "__name__", kernel_name)
+        with torch.profiler.record_function(f"triforge::{name} bytes={int(nbytes)}"):
+            compiled = jit_fn[grid](*args, **kwargs)
+    else:
+        compiled = jit_fn[grid](*args, **kwargs)
     if compiled is not None and not _runtime.INTERPRET:
         _compiled[kernel_name] = compiled
     return compiled

@@ -147,6 +147,7 @@ def rms_norm_fwd(x, weight, residual, eps, cfg=None):
     launch.launch(
         "rms_norm_fwd", rms_norm_fwd_kernel, (triton.cdiv(M, rows),),
         x, residual if residual is not None else x, weight, y, h, rstd, M, N, eps,
+        nbytes=(2 if residual is None else 4) * x.numel() * x.element_size() + 4 * M,
         BLOCK_N=block_n, ROWS=rows, HAS_RESIDUAL=residual is not None, num_warps=cfg["num_warps"],
     )
     return y, h, rstd
@@ -165,6 +166,7 @@ def rms_norm_bwd(dy, x, weight, rstd, dh, cfg=None):
     launch.launch(
         "rms_norm_bwd", rms_norm_bwd_kernel, (n_programs,),
         dy, x, weight, rstd, dh if dh is not None else dy, dx, dw_part, M, N, rows_per_program,
+        nbytes=(3 if dh is None else 4) * x.numel() * x.element_size() + 4 * M + 4 * n_programs * N,
         BLOCK_N=block_n, HAS_DH=dh is not None, num_warps=cfg["num_warps"],
     )
     return dx, dw_part.sum(0).to(weight.dtype)

@@ -78,6 +78,7 @@ def project_fwd(x_flat, W, eps, cfg=None):
     launch.launch(
         "mhc_project_fwd", mhc_project_fwd_kernel, (triton.cdiv(T, cfg["BLOCK_T"]),),
         x_flat, w_hi, w_lo, proj, inv_rms, T, K, eps,
+        nbytes=x_flat.numel() * x_flat.element_size() + T * (W.shape[0] + 1) * 4,
         R=W.shape[0], BLOCK_T=cfg["BLOCK_T"], BLOCK_K=cfg["BLOCK_K"], SPLIT_W=split,
         UPCAST=_runtime.INTERPRET and x_flat.dtype == torch.bfloat16,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
@@ -111,6 +112,7 @@ def project_bwd(x_flat, W, proj, inv_rms, dproj, dinv, cfg=None):
     launch.launch(
         "mhc_project_bwd", mhc_project_bwd_kernel, (n_k, splits),
         x_flat, a_hi, a_lo, coef, w_hi, w_lo, dx, dw_part, T, K, tokens_per_split,
+        nbytes=2 * x_flat.numel() * x_flat.element_size() + T * (R + 1) * 4,
         R=R, BLOCK_T=cfg["BLOCK_T"], BLOCK_K=cfg["BLOCK_K"], SPLIT=split,
         UPCAST=_runtime.INTERPRET and x_flat.dtype == torch.bfloat16,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
@@ -124,6 +126,7 @@ def pre_map_fwd(x, h_pre, cfg=None):
     y = new_output((T, C), x.dtype, x.device)
     grid = (triton.cdiv(T, cfg["BLOCK_T"]), triton.cdiv(C, cfg["BLOCK_C"]))
     launch.launch("mhc_pre_map_fwd", mhc_pre_map_fwd_kernel, grid, x, h_pre, y, T, C,
+                  nbytes=5 * T * C * x.element_size() + 16 * T,
                   BLOCK_T=cfg["BLOCK_T"], BLOCK_C=cfg["BLOCK_C"], num_warps=cfg["num_warps"])
     return y
 
@@ -134,6 +137,7 @@ def pre_map_bwd(dy, x, h_pre, cfg=None):
     dx = new_output((T, N_STREAMS, C), x.dtype, x.device)
     dh = new_output((T, N_STREAMS), torch.float32, x.device)
     launch.launch("mhc_pre_map_bwd", mhc_pre_map_bwd_kernel, (triton.cdiv(T, cfg["BLOCK_T"]),), dy, x, h_pre, dx, dh, T, C,
+                  nbytes=9 * T * C * x.element_size() + 32 * T,
                   BLOCK_T=cfg["BLOCK_T"], BLOCK_C=cfg["BLOCK_C"], num_warps=cfg["num_warps"])
     return dx, dh
 
@@ -144,6 +148,7 @@ def post_res_fwd(x, f, H, h_post, cfg=None):
     y = new_output((T, N_STREAMS, C), x.dtype, x.device)
     grid = (triton.cdiv(T, cfg["BLOCK_T"]), triton.cdiv(C, cfg["BLOCK_C"]))
     launch.launch("mhc_post_res_fwd", mhc_post_res_fwd_kernel, grid, x, f, H, h_post, y, T, C,
+                  nbytes=9 * T * C * x.element_size() + 80 * T,
                   BLOCK_T=cfg["BLOCK_T"], BLOCK_C=cfg["BLOCK_C"], num_warps=cfg["num_warps"])
     return y
 
@@ -156,7 +161,7 @@ def post_res_bwd(g, x, f, H, h_post, cfg=None):
     dH = new_output((T, N_STREAMS, N_STREAMS), torch.float32, x.device)
     dhp = new_output((T, N_STREAMS), torch.float32, x.device)
     launch.launch("mhc_post_res_bwd", mhc_post_res_bwd_kernel, (triton.cdiv(T, cfg["BLOCK_T"]),),
-                  g, x, f, H, h_post, dx, df, dH, dhp, T, C,
+                  g, x, f, H, h_post, dx, df, dH, dhp, T, C, nbytes=14 * T * C * x.element_size() + 160 * T,
                   BLOCK_T=cfg["BLOCK_T"], BLOCK_C=cfg["BLOCK_C"], num_warps=cfg["num_warps"])
     return dx, df, dH, dhp
 
