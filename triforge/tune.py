@@ -56,7 +56,7 @@ def tune(tunable: Tunable, shape: dict, dtype: torch.dtype, *, top: int = 5, tim
     if timer is None:
         from triforge.bench import time_ms
 
-        timer = lambda fn: time_ms(fn)["median_ms"]  # noqa: E731
+        timer = lambda fn: time_ms(fn, warmup=10, rep=60)["median_ms"]  # noqa: E731
     device = _runtime.default_device()
     run, key = tunable.setup(shape, dtype, device)
     timed, failed = [], []
