@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call on the lent GPU: peers, compiled tests, sanitizer, peaks, tuning, benchmark, report.
 #   benchmarks/gpu.sh [STEP...]   steps: tests sanitize tune bench (default: all)
-#   TESTS="tests/x.py" limits the tests step; OPS="rms_norm swiglu" limits tune/bench/sanitize to those ops; results land in $OUT.
+#   Each step runs under a time limit (TESTS_S, SANITIZE_S, TUNE_S, BENCH_S seconds) so one call fits the lease.
+#   TESTS="tests/x.py" limits the tests step; TUNE="mhc swiglu" limits tuning to those kernel prefixes; OPS="rms_norm swiglu" limits tune/bench/sanitize to those ops; results land in $OUT.
 set -uo pipefail
 FINAL=${OUT:-/tmp/triforge-out}
 OUT=/tmp/triforge-work
@@ -21,21 +22,24 @@ python3 -m triforge peaks | tee -a "$OUT/gpu.txt"
 for step in $STEPS; do
   case $step in
     tests)
-      python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests} 2>&1 | tee "$OUT/tests.log" | tail -25 || status=1
+      timeout ${TESTS_S:-300} python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests} 2>&1 | tee "$OUT/tests.log" | tail -25 || status=1
       [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
     sanitize)
-      compute-sanitizer --tool memcheck --print-limit 20 python3 -m triforge check --tier tiny --seed 1 $OPS > "$OUT/sanitize.log" 2>&1 || status=1
+      timeout ${SANITIZE_S:-240} compute-sanitizer --tool memcheck --print-limit 20 python3 -m triforge check --tier tiny --seed 1 $OPS > "$OUT/sanitize.log" 2>&1 || status=1
       tail -5 "$OUT/sanitize.log" ;;
     tune)
+      SECONDS=0
       for k in $(python3 -c 'from triforge import tune; print(" ".join(tune.all_tunables()))'); do
-        if [ -n "$OPS" ] && ! echo "$k" | grep -qE "^($(echo $OPS | tr ' ' '|'))"; then continue; fi
-        python3 -m triforge tune "$k" --write --top 3 --json "$OUT/tune-$k.json" 2>&1 | tail -8
+        sel=${TUNE:-$OPS}
+        if [ -n "$sel" ] && ! echo "$k" | grep -qE "^($(echo $sel | tr ' ' '|'))"; then continue; fi
+        if [ $SECONDS -ge ${TUNE_S:-300} ]; then echo "tune: time is up, $k not tuned"; continue; fi
+        python3 -m triforge tune "$k" --write --top 3 --json "$OUT/tune-$k.json" 2>&1 | tail -6
       done
       ;;
     bench)
       f="$OUT/bench-$(date -u +%Y-%m-%d).json"
-      python3 -m triforge bench $OPS --json "$f" || status=1
-      python3 -m triforge report "$f" --out "$OUT/report" && cp "$OUT/report/report.md" "$OUT/report.md" && cp "$OUT/report/roofline.png" "$OUT/roofline.png" ;;
+      timeout ${BENCH_S:-420} python3 -m triforge bench $OPS --json "$f" || status=1
+      [ -f "$f" ] && python3 -m triforge report "$f" --out "$OUT/report" && cp "$OUT/report/report.md" "$OUT/report.md" && cp "$OUT/report/roofline.png" "$OUT/roofline.png" ;;
   esac
 done
 # the device returns at most 8 files: one archive of everything, plus the files read first

@@ -1,8 +1,26 @@
 """triforge: fused Triton kernels for LLM layers, each with a golden reference, parity check and benchmark."""
 
 from triforge import _runtime  # noqa: F401  (sets TRITON_INTERPRET before any kernel is defined)
+from triforge import nn  # noqa: F401
+from triforge.ops.mhc import coefficients as mhc_coefficients
+from triforge.ops.mhc import fused_post_res, fused_pre_map, fused_rmsnorm_project
 from triforge.ops.norm import rms_norm
+from triforge.ops.rope import apply_rotary, apply_rotary_qk
+from triforge.ops.softmax import softmax
+from triforge.ops.swiglu import swiglu
 
 __version__ = "0.1.0"
 
-__all__ = ["rms_norm", "__version__"]
+__all__ = [
+    "rms_norm",
+    "swiglu",
+    "apply_rotary",
+    "apply_rotary_qk",
+    "softmax",
+    "fused_rmsnorm_project",
+    "fused_pre_map",
+    "fused_post_res",
+    "mhc_coefficients",
+    "nn",
+    "__version__",
+]

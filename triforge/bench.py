@@ -226,13 +226,21 @@ def family_totals(specs, rows) -> list[dict]:
     return out
 
 
-def run_bench(specs, *, dtype=torch.bfloat16, modes=("fwd", "bwd"), peers=True, progress=None, shape=None) -> dict:
+def run_bench(specs, *, dtype=torch.bfloat16, modes=("fwd", "bwd"), peers=True, progress=None, shape=None,
+              on_partial=None) -> dict:
+    """Every op's rows plus family totals; ``on_partial(result)`` sees the result after each op."""
     rows = []
     for spec in specs:
         rows += bench_op(spec, dtype=dtype, modes=modes, peers=peers, shape=shape)
         if progress is not None:
             progress(spec.name)
+        if on_partial is not None:
+            on_partial(_result(rows, shape))
     rows += family_totals(specs, rows)
+    return _result(rows, shape)
+
+
+def _result(rows, shape) -> dict:
     return {
         "device": _runtime.device_name(),
         "arch": _runtime.arch(),

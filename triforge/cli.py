@@ -85,14 +85,20 @@ def cmd_bench(args) -> int:
     _runtime.require_gpu("triforge bench")
     specs = registry.select(args.ops)
     modes = tuple(args.modes.split(","))
+
+    def save(result):
+        if args.json:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps(result, indent=2))
+
     with _progress() as prog:
         task = prog.add_task("benchmarking", total=len(specs))
         result = bench.run_bench(specs, dtype=args.dtype, modes=modes, peers=not args.no_peers,
-                                 progress=lambda name: prog.advance(task), shape=args.shape_dims or None)
+                                 progress=lambda name: prog.advance(task), shape=args.shape_dims or None,
+                                 on_partial=save)
     console.print(_bench_table(result))
+    save(result)
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=2))
         console.print(f"results written to {args.json}")
     failed = [r for r in result["rows"] if r["impl"] == "triforge" and "error" in r]
     return 1 if failed else 0
