@@ -219,6 +219,7 @@ def softmax_fwd(x, store_stages=False, cfg=None, looped=None):
     """
     M, N = x.shape
     y = new_output((M, N), x.dtype, x.device)
+    nbytes = 2 * x.numel() * x.element_size() + (8 * M if store_stages else 0)  # DRAM-ideal: x read once
     if store_stages:
         row_max = new_output((M,), torch.float32, x.device)
         row_sum = new_output((M,), torch.float32, x.device)
@@ -232,6 +233,7 @@ def softmax_fwd(x, store_stages=False, cfg=None, looped=None):
         launch.launch(
             "softmax_fwd_looped", softmax_fwd_looped_kernel, (M,),
             x, y, max_arg, sum_arg, M, N,
+            nbytes=nbytes,
             BLOCK_N=cfg["BLOCK_N"], STORE_STAGES=store_stages, num_warps=cfg["num_warps"],
         )
     else:
@@ -241,6 +243,7 @@ def softmax_fwd(x, store_stages=False, cfg=None, looped=None):
         launch.launch(
             "softmax_fwd", softmax_fwd_kernel, (triton.cdiv(M, rows),),
             x, y, max_arg, sum_arg, M, N,
+            nbytes=nbytes,
             BLOCK_N=block_n, ROWS=rows, STORE_STAGES=store_stages, num_warps=cfg["num_warps"],
         )
     return y, row_max, row_sum
@@ -253,11 +256,13 @@ def softmax_bwd(dy, x, row_max, row_sum, cfg=None, looped=None):
     """
     M, N = x.shape
     dx = new_output((M, N), x.dtype, x.device)
+    nbytes = 3 * x.numel() * x.element_size() + 8 * M  # DRAM-ideal: x, dy read once
     if _use_looped(N, looped):
         cfg = cfg or _looped_config("softmax_bwd_looped", x.dtype)
         launch.launch(
             "softmax_bwd_looped", softmax_bwd_looped_kernel, (M,),
             dy, x, row_max, row_sum, dx, M, N,
+            nbytes=nbytes,
             BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"],
         )
     else:
@@ -267,6 +272,7 @@ def softmax_bwd(dy, x, row_max, row_sum, cfg=None, looped=None):
         launch.launch(
             "softmax_bwd", softmax_bwd_kernel, (triton.cdiv(M, rows),),
             dy, x, row_max, row_sum, dx, M, N,
+            nbytes=nbytes,
             BLOCK_N=block_n, ROWS=rows, num_warps=cfg["num_warps"],
         )
     return dx

@@ -100,6 +100,7 @@ def swiglu_fwd(gate, up, cfg=None):
     launch.launch(
         "swiglu_fwd", swiglu_fwd_kernel, (triton.cdiv(numel, block),),
         gate, up, y, numel,
+        nbytes=3 * numel * gate.element_size(),
         BLOCK=block, num_warps=cfg["num_warps"],
     )
     return y
@@ -115,6 +116,7 @@ def swiglu_bwd(dy, gate, up, cfg=None):
     launch.launch(
         "swiglu_bwd", swiglu_bwd_kernel, (triton.cdiv(numel, block),),
         dy, gate, up, dg, du, numel,
+        nbytes=5 * numel * gate.element_size(),
         BLOCK=block, num_warps=cfg["num_warps"],
     )
     return dg, du
