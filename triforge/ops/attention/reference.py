@@ -1,0 +1,80 @@
+"""Exact attention in plain PyTorch: the golden reference (run it in float64).
+
+Layout follows flash-attn: q [B, Sq, H, D], k/v [B, Sk, Hkv, D] with H a multiple of Hkv (query
+head h reads key/value head h // (H // Hkv)). Causal masking is bottom-right aligned as in
+flash-attn: query i sees keys j <= i + (Sk - Sq). A query row that sees no key returns 0 and its
+log-sum-exp is -inf (never NaN).
+"""
+
+from collections import OrderedDict
+
+import torch
+
+
+def _expand_kv(t, n_heads):
+    return t.repeat_interleave(n_heads // t.shape[2], dim=2)
+
+
+def causal_mask(Sq: int, Sk: int, device=None) -> torch.Tensor:
+    """[Sq, Sk] bool, True where query i may see key j (bottom-right aligned)."""
+    i = torch.arange(Sq, device=device)[:, None]
+    j = torch.arange(Sk, device=device)[None, :]
+    return j <= i + (Sk - Sq)
+
+
+def attention_ref(q, k, v, causal: bool = False, softmax_scale: float | None = None, key_mask=None):
+    """Returns stages: lse [B, H, Sq] (natural log) and o [B, Sq, H, D].
+
+    ``key_mask`` [B, Sq, Sk] bool (optional) further restricts which keys each query sees.
+    """
+    B, Sq, H, D = q.shape
+    Sk = k.shape[1]
+    scale = D**-0.5 if softmax_scale is None else softmax_scale
+    k, v = _expand_kv(k, H), _expand_kv(v, H)
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    allowed = torch.ones(Sq, Sk, dtype=torch.bool, device=q.device)
+    if causal:
+        allowed = causal_mask(Sq, Sk, q.device)
+    allowed = allowed.expand(B, 1, Sq, Sk)
+    if key_mask is not None:
+        allowed = allowed & key_mask[:, None]
+    s = s.masked_fill(~allowed, float("-inf"))
+    m = s.amax(-1, keepdim=True)
+    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)  # rows that see nothing: no exp(-inf - -inf)
+    p = torch.exp(s - m)
+    l = p.sum(-1, keepdim=True)
+    o = torch.einsum("bhqk,bkhd->bqhd", p / torch.where(l == 0, torch.ones_like(l), l), v)
+    lse = torch.where(l == 0, torch.full_like(l, float("-inf")), m + torch.log(torch.where(l == 0, torch.ones_like(l), l)))
+    return OrderedDict(lse=lse.squeeze(-1), o=o)
+
+
+def varlen_attention_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=False, softmax_scale=None):
+    """Packed sequences: q [Tq, H, D], k/v [Tk, Hkv, D]; each sequence attended on its own.
+    Returns stages lse [H, Tq] and o [Tq, H, D]."""
+    outs, lses = [], []
+    for i in range(len(cu_seqlens_q) - 1):
+        qs, qe = int(cu_seqlens_q[i]), int(cu_seqlens_q[i + 1])
+        ks, ke = int(cu_seqlens_k[i]), int(cu_seqlens_k[i + 1])
+        st = attention_ref(q[None, qs:qe], k[None, ks:ke], v[None, ks:ke], causal, softmax_scale)
+        outs.append(st["o"][0])
+        lses.append(st["lse"][0])
+    return OrderedDict(lse=torch.cat(lses, dim=1), o=torch.cat(outs, dim=0))
+
+
+def kvcache_attention_ref(q, k_cache, v_cache, cache_seqlens, k=None, v=None, causal=True, softmax_scale=None):
+    """Decode against a cache [B, S_max, Hkv, D]: new k/v [B, Sq, Hkv, D] (optional) are placed at
+    cache_seqlens[b] and each batch row attends over its first cache_seqlens[b] + Sq keys.
+    Returns (stages {lse, o}, updated k_cache, updated v_cache) without touching the inputs."""
+    k_cache, v_cache = k_cache.clone(), v_cache.clone()
+    B, Sq = q.shape[:2]
+    outs, lses = [], []
+    for b in range(B):
+        n = int(cache_seqlens[b])
+        if k is not None:
+            k_cache[b, n : n + k.shape[1]] = k[b]
+            v_cache[b, n : n + v.shape[1]] = v[b]
+            n += k.shape[1]
+        st = attention_ref(q[b : b + 1], k_cache[b : b + 1, :n], v_cache[b : b + 1, :n], causal, softmax_scale)
+        outs.append(st["o"])
+        lses.append(st["lse"])
+    return OrderedDict(lse=torch.cat(lses), o=torch.cat(outs)), k_cache, v_cache
