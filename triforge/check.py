@@ -57,16 +57,16 @@ def check_op(spec, dtype, *, tier=None, seed=0, dump_dir=None, verbose=False) ->
             return out
         ref_in = {k: (_grad_leaf(_to64(v)) if k in spec.grad_inputs else _to64(v)) for k, v in inputs.items()}
         got_in = {k: (_grad_leaf(v) if k in spec.grad_inputs else v) for k, v in inputs.items()}
-        ref_stages = spec.reference(**ref_in)
-        ref_outs = [ref_stages[n] for n in spec.outputs]
-        gen_g = torch.Generator().manual_seed(seed + 1)
-        grads_out = [torch.randn(o.shape, generator=gen_g, dtype=torch.float64).to(device) for o in ref_outs]
-        ref_grads = torch.autograd.grad(ref_outs, [ref_in[k] for k in spec.grad_inputs], grads_out)
         with poisoned():
             got_outs = spec.call(**got_in)
-            got_grads = torch.autograd.grad(
-                got_outs, [got_in[k] for k in spec.grad_inputs], [g.to(o.dtype) for g, o in zip(grads_out, got_outs)]
-            )
+        # both sides get the same upstream gradient: drawn in float64, rounded to each output's dtype
+        gen_g = torch.Generator().manual_seed(seed + 1)
+        grads_out = [torch.randn(o.shape, generator=gen_g, dtype=torch.float64).to(o.device, o.dtype) for o in got_outs]
+        ref_stages = spec.reference(**ref_in)
+        ref_outs = [ref_stages[n] for n in spec.outputs]
+        ref_grads = torch.autograd.grad(ref_outs, [ref_in[k] for k in spec.grad_inputs], [g.double() for g in grads_out])
+        with poisoned():
+            got_grads = torch.autograd.grad(got_outs, [got_in[k] for k in spec.grad_inputs], grads_out)
         tol = tolerance_for(dtype)
         for k, rg, gg in zip(spec.grad_inputs, ref_grads, got_grads):
             res = compare(f"bwd.d{k}", rg, gg, dtype=dtype, tol=spec.stage_tols.get(f"d{k}", tol), verbose=verbose)
