@@ -1,0 +1,431 @@
+"""KV-cache decode (``flash_attn_with_kvcache``, flash-decoding split + merge kernels) against the
+float64 golden reference ``kvcache_attention_ref``: o and lse, the in-place cache append (bitwise),
+GQA, Sq > 1 with bottom-right causal alignment, forced split counts (1, 2, more splits than key
+blocks: empty splits), decode equal to full attention over the cached prefix, step-by-step decoding,
+the registered op through ``check_op``, torch.compile, opcheck, and input validation.
+
+Every kernel call runs under ``poisoned()``: o, lse and the split partials start as NaN, so an element
+the kernels never write (or a merge that reads an empty split's partial output) fails the comparison.
+Under the interpreter the split kernel uses 16-key blocks, so caches of 40-80 rows run multi-block
+loops, partial blocks and splits past the end of short rows.
+"""
+
+import pytest
+import torch
+
+import triforge  # noqa: F401  (sets TRITON_INTERPRET before triton kernels are defined)
+from triforge import registry
+from triforge.check import check_op
+from triforge.launch import poisoned
+from triforge.ops.attention import decode
+from triforge.ops.attention.decode import choose_num_splits, flash_attn_with_kvcache, sdpa_decode
+from triforge.ops.attention.reference import attention_ref, kvcache_attention_ref
+from triforge.testing import compare
+
+DTYPE_IDS = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _randn(shape, dtype, gen, scale=1.0):
+    return (scale * torch.randn(shape, generator=gen, dtype=torch.float64)).to(dtype)
+
+
+def _inputs(gen, *, B=3, Sq=1, H=4, Hkv=2, D=64, S=48, Sn=1, dtype=torch.float16, seqlens=None, q_scale=1.0):
+    """Random q, caches (random past the lengths too), new k/v (Sn > 0) and int32 lengths."""
+    q = _randn((B, Sq, H, D), dtype, gen, q_scale)
+    kc = _randn((B, S, Hkv, D), dtype, gen)
+    vc = _randn((B, S, Hkv, D), dtype, gen)
+    k = _randn((B, Sn, Hkv, D), dtype, gen) if Sn else None
+    v = _randn((B, Sn, Hkv, D), dtype, gen) if Sn else None
+    if seqlens is None:
+        seqlens = torch.randint(0, S - Sn + 1, (B,), generator=gen)
+    seqlens = torch.as_tensor(seqlens, dtype=torch.int32)
+    return q, kc, vc, seqlens, k, v
+
+
+def _d(t):
+    return None if t is None else t.to(torch.float64)
+
+
+def _assert_ok(res):
+    assert res.ok, res.line()
+
+
+def _run_and_check(q, kc, vc, seqlens, k, v, *, causal=True, num_splits=0, softmax_scale=None):
+    """Kernel (poisoned outputs) vs the float64 reference: o, lse, and the caches bitwise."""
+    dtype = q.dtype
+    ref, ref_kc, ref_vc = kvcache_attention_ref(_d(q), _d(kc), _d(vc), seqlens, _d(k), _d(v), causal, softmax_scale)
+    kc0, vc0 = kc.clone(), vc.clone()
+    with poisoned():
+        o, lse = flash_attn_with_kvcache(q, kc, vc, seqlens, k, v, causal=causal, softmax_scale=softmax_scale,
+                                         return_lse=True, num_splits=num_splits)
+    assert o.shape == q.shape and o.dtype == dtype
+    assert lse.shape == (q.shape[0], q.shape[2], q.shape[1]) and lse.dtype == torch.float32
+    _assert_ok(compare("lse", ref["lse"], lse, dtype=dtype, verbose=False))
+    _assert_ok(compare("o", ref["o"], o, dtype=dtype, verbose=False))
+    # the append writes exactly the new rows, bit for bit, and nothing else
+    exp_kc, exp_vc = kc0.clone(), vc0.clone()
+    if k is not None:
+        for b in range(q.shape[0]):
+            n = int(seqlens[b])
+            exp_kc[b, n : n + k.shape[1]] = k[b]
+            exp_vc[b, n : n + k.shape[1]] = v[b]
+    assert torch.equal(kc, exp_kc) and torch.equal(vc, exp_vc)
+    assert torch.equal(kc, ref_kc.to(dtype)) and torch.equal(vc, ref_vc.to(dtype))
+    return o, lse
+
+
+def _lengths(gen, B, S, Sn, Sq):
+    """Row lengths covering 1 and the fullest cache S - Sn, the rest random."""
+    lens = [1, S - Sn] + torch.randint(1, S - Sn + 1, (max(0, B - 2),), generator=gen).tolist()
+    return lens[:B]
+
+
+# ----------------------------------------------------------------------------- parity
+
+
+def _cases():
+    """(dtype, D, G, Sq, Sn, num_splits): each value of every factor appears with each dtype, and
+    every G with Sq 1 and 3, with and without new k/v (a covering design, not the full grid)."""
+    rows = [
+        # dtype, D, G, Sq, Sn, splits
+        (torch.float16, 64, 1, 1, 1, 1),
+        (torch.float16, 128, 2, 1, 0, 2),
+        (torch.float16, 64, 4, 3, 3, 0),
+        (torch.float16, 128, 1, 3, 0, 9),
+        (torch.float16, 64, 2, 3, 1, 2),
+        (torch.float16, 128, 4, 1, 2, 9),
+        (torch.bfloat16, 128, 1, 1, 1, 0),
+        (torch.bfloat16, 64, 2, 1, 0, 9),
+        (torch.bfloat16, 128, 4, 3, 3, 1),
+        (torch.bfloat16, 64, 1, 3, 0, 2),
+        (torch.bfloat16, 128, 2, 3, 3, 9),
+        (torch.bfloat16, 64, 4, 1, 0, 1),
+    ]
+    return [
+        pytest.param(dt, D, G, Sq, Sn, ns, id=f"{DTYPE_IDS[dt]}-D{D}-G{G}-Sq{Sq}-Sn{Sn}-splits{ns}")
+        for dt, D, G, Sq, Sn, ns in rows
+    ]
+
+
+@pytest.mark.parametrize("dtype,D,G,Sq,Sn,num_splits", _cases())
+def test_matches_reference(dtype, D, G, Sq, Sn, num_splits, gen):
+    """S = 40 rows: 3 key blocks of 16 at most, so 9 splits leave most splits empty; row lengths
+    include 1 and S - Sn (a full cache after the append)."""
+    B, S, Hkv = 3, 40, 2
+    seqlens = _lengths(gen, B, S, Sn, Sq)
+    _run_and_check(*_inputs(gen, B=B, Sq=Sq, H=G * Hkv, Hkv=Hkv, D=D, S=S, Sn=Sn, dtype=dtype, seqlens=seqlens),
+                   num_splits=num_splits)
+
+
+def test_fp32(gen):
+    _run_and_check(*_inputs(gen, B=2, Sq=2, H=4, Hkv=2, D=64, S=40, Sn=2, dtype=torch.float32), num_splits=3)
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "noncausal"])
+def test_sq_gt_new_tokens(causal, gen):
+    """Sq = 4 queries, 1 new token: the first queries stop causally inside the cached keys; one row
+    has fewer keys than queries (queries that see nothing: o = 0, lse = -inf)."""
+    inputs = _inputs(gen, B=3, Sq=4, H=4, Hkv=2, D=64, S=40, Sn=1, dtype=torch.float16, seqlens=[1, 20, 39])
+    o, lse = _run_and_check(*inputs, causal=causal, num_splits=2)
+    if causal:
+        # row 0: 2 keys, 4 queries: queries 0 and 1 see no key
+        assert torch.isneginf(lse[0, :, :2]).all() and (o[0, :2] == 0).all()
+        assert torch.isfinite(lse[0, :, 2:]).all()
+
+
+def test_empty_rows_without_new_tokens(gen):
+    """A row with cache_seqlens 0 and no new k/v attends to nothing: o = 0, lse = -inf, no NaN.
+    (kvcache_attention_ref cannot take a row with zero keys: amax over an empty dim; the non-empty
+    row is checked against it, the empty rows against the documented 0 / -inf.)"""
+    q, kc, vc, sl, _, _ = _inputs(gen, B=3, Sq=1, H=4, Hkv=1, D=64, S=40, Sn=0, dtype=torch.bfloat16,
+                                  seqlens=[0, 17, 0])
+    with poisoned():
+        o, lse = flash_attn_with_kvcache(q, kc, vc, sl, return_lse=True, num_splits=3)
+    assert (o[0] == 0).all() and (o[2] == 0).all() and torch.isneginf(lse[[0, 2]]).all()
+    ref, _, _ = kvcache_attention_ref(_d(q[1:2]), _d(kc[1:2]), _d(vc[1:2]), sl[1:2])
+    _assert_ok(compare("lse", ref["lse"], lse[1:2], dtype=q.dtype, verbose=False))
+    _assert_ok(compare("o", ref["o"], o[1:2], dtype=q.dtype, verbose=False))
+
+
+def test_only_new_tokens(gen):
+    """cache_seqlens 0 with new k/v: the new tokens are the whole context (split 0 alone sees keys)."""
+    _run_and_check(*_inputs(gen, B=2, Sq=3, H=8, Hkv=2, D=128, S=40, Sn=3, dtype=torch.float16, seqlens=[0, 0]),
+                   num_splits=4)
+
+
+def test_many_new_tokens(gen):
+    """Sn = 20 new tokens: more than one 16-row block of new keys, appended and attended."""
+    _run_and_check(*_inputs(gen, B=2, Sq=2, H=2, Hkv=2, D=64, S=48, Sn=20, dtype=torch.float16, seqlens=[5, 28]),
+                   num_splits=2)
+
+
+def test_large_scores_stay_finite(gen):
+    """|q.k| * scale ~ 1e4 (lse in the thousands): the online max and the merge keep everything finite and right."""
+    q, kc, vc, sl, k, v = _inputs(gen, B=2, Sq=1, H=4, Hkv=2, D=64, S=40, Sn=1, dtype=torch.float16, q_scale=3000.0)
+    o, lse = _run_and_check(q, kc, vc, sl, k, v, num_splits=3)
+    assert torch.isfinite(o).all() and torch.isfinite(lse).all() and lse.abs().max() > 1e3
+
+
+def test_softmax_scale_and_python_int_lengths(gen):
+    q, kc, vc, _, k, v = _inputs(gen, B=2, Sq=2, H=4, Hkv=2, D=64, S=40, Sn=2, dtype=torch.float16)
+    _run_and_check(q, kc, vc, torch.full((2,), 23, dtype=torch.int32), k, v, softmax_scale=0.3, num_splits=2)
+    # a Python int means the same length for every row
+    q, kc, vc, _, k, v = _inputs(gen, B=2, Sq=2, H=4, Hkv=2, D=64, S=40, Sn=2, dtype=torch.float16)
+    ref, _, _ = kvcache_attention_ref(_d(q), _d(kc), _d(vc), [23, 23], _d(k), _d(v), True, 0.3)
+    with poisoned():
+        o = flash_attn_with_kvcache(q, kc, vc, 23, k, v, softmax_scale=0.3)
+    _assert_ok(compare("o", ref["o"], o, dtype=q.dtype, verbose=False))
+
+
+def test_strided_caches(gen):
+    """Caches that are views (every other kv head of a larger buffer): strides are honoured and the
+    append lands in the underlying buffer."""
+    B, S, D = 2, 40, 64
+    big_k = _randn((B, S, 4, D), torch.float16, gen)
+    big_v = _randn((B, S, 4, D), torch.float16, gen)
+    kc, vc = big_k[:, :, ::2], big_v[:, :, ::2]
+    assert not kc.is_contiguous()
+    q = _randn((B, 1, 4, D), torch.float16, gen)
+    k, v = _randn((B, 1, 2, D), torch.float16, gen), _randn((B, 1, 2, D), torch.float16, gen)
+    sl = torch.tensor([7, 39], dtype=torch.int32)
+    untouched_k = big_k[:, :, 1::2].clone()
+    _run_and_check(q, kc, vc, sl, k, v, num_splits=2)
+    assert torch.equal(big_k[:, :, ::2], kc) and torch.equal(big_k[:, :, 1::2], untouched_k)
+
+
+def test_deterministic(gen):
+    q, kc, vc, sl, _, _ = _inputs(gen, B=2, Sq=1, H=8, Hkv=2, D=64, S=48, Sn=0, dtype=torch.bfloat16)
+    o1, l1 = flash_attn_with_kvcache(q, kc, vc, sl, return_lse=True, num_splits=3)
+    o2, l2 = flash_attn_with_kvcache(q, kc, vc, sl, return_lse=True, num_splits=3)
+    assert torch.equal(o1, o2) and torch.equal(l1, l2)
+
+
+# ----------------------------------------------------------------------------- decode vs full attention
+
+
+@pytest.mark.parametrize("Sq", [1, 3])
+def test_equals_full_attention_over_prefix(Sq, gen):
+    """No new tokens, every row n keys: decode == attention_ref(q, k_cache[:, :n], v_cache[:, :n])."""
+    B, S, n = 2, 48, 37
+    q, kc, vc, _, _, _ = _inputs(gen, B=B, Sq=Sq, H=4, Hkv=2, D=64, S=S, Sn=0, dtype=torch.float16)
+    ref = attention_ref(_d(q), _d(kc[:, :n]), _d(vc[:, :n]), causal=True)
+    with poisoned():
+        o, lse = flash_attn_with_kvcache(q, kc, vc, torch.full((B,), n, dtype=torch.int32), causal=True,
+                                         return_lse=True, num_splits=2)
+    _assert_ok(compare("lse", ref["lse"], lse, dtype=q.dtype, verbose=False))
+    _assert_ok(compare("o", ref["o"], o, dtype=q.dtype, verbose=False))
+
+
+def test_decode_steps_equal_full_attention(gen):
+    """Prompt in the cache, then one token at a time (k/v appended by the kernel): at every step
+    each row's output equals attention over its whole sequence so far."""
+    B, S, H, Hkv, D, steps = 2, 40, 4, 2, 64, 5
+    dtype = torch.float16
+    prompt = [6, 17]
+    seq_k = _randn((B, S, Hkv, D), dtype, gen)  # the sequence's keys/values, position by position
+    seq_v = _randn((B, S, Hkv, D), dtype, gen)
+    kc, vc = _randn((B, S, Hkv, D), dtype, gen), _randn((B, S, Hkv, D), dtype, gen)  # garbage past the lengths
+    for b, n in enumerate(prompt):
+        kc[b, :n], vc[b, :n] = seq_k[b, :n], seq_v[b, :n]
+    lens = torch.tensor(prompt, dtype=torch.int32)
+    for _ in range(steps):
+        q = _randn((B, 1, H, D), dtype, gen)
+        k_new = torch.stack([seq_k[b, int(lens[b])] for b in range(B)])[:, None]
+        v_new = torch.stack([seq_v[b, int(lens[b])] for b in range(B)])[:, None]
+        with poisoned():
+            o, lse = flash_attn_with_kvcache(q, kc, vc, lens, k_new, v_new, return_lse=True, num_splits=2)
+        for b in range(B):
+            n = int(lens[b]) + 1
+            ref = attention_ref(_d(q[b : b + 1]), _d(seq_k[b : b + 1, :n]), _d(seq_v[b : b + 1, :n]), causal=True)
+            _assert_ok(compare("lse", ref["lse"], lse[b : b + 1], dtype=dtype, verbose=False))
+            _assert_ok(compare("o", ref["o"], o[b : b + 1], dtype=dtype, verbose=False))
+            assert torch.equal(kc[b, :n], seq_k[b, :n]) and torch.equal(vc[b, :n], seq_v[b, :n])
+        lens = lens + 1
+
+
+# ----------------------------------------------------------------------------- split count policy
+
+
+def test_choose_num_splits():
+    # batch-1 decode on a 132-SM H100: ~3-4 programs per SM
+    s = choose_num_splits(1, 2, 32768, 1, 64, 4, 2, num_sms=132)
+    assert s == 256 and 1 * 2 * s >= 132 * 3
+    # big batches need no splitting
+    assert choose_num_splits(64, 8, 4096, 1, 64, 4, 2, num_sms=132) == 2
+    assert choose_num_splits(512, 8, 4096, 1, 64, 4, 2, num_sms=132) == 1
+    # short caches keep min_blocks_per_split blocks a split
+    assert choose_num_splits(1, 1, 256, 1, 64, 4, 2, num_sms=132) == 2
+    assert choose_num_splits(1, 1, 10, 1, 64, 4, 2, num_sms=132) == 1
+    # never past MAX_SPLITS
+    assert choose_num_splits(1, 1, 1 << 20, 1, 64, 8, 1, num_sms=132) == decode.MAX_SPLITS
+
+
+def test_heuristic_split_count_runs(gen):
+    """num_splits = 0 (heuristic) on a longer cache: several splits under the interpreter's 4 'SMs'."""
+    B, S = 1, 80
+    assert choose_num_splits(B, 2, S, 1, 16, 4, 1) > 1
+    _run_and_check(*_inputs(gen, B=B, Sq=1, H=8, Hkv=2, D=64, S=S, Sn=1, dtype=torch.bfloat16, seqlens=[77]))
+
+
+# ----------------------------------------------------------------------------- registry, peers, compile
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=["fp16", "bf16", "fp32"])
+def test_registered_op_passes_check(dtype):
+    spec = registry.get("flash_decode")
+    assert spec.family == "attention_decode" and spec.outputs == ("o",) and spec.grad_inputs == ()
+    res = check_op(spec, dtype, tier="tiny", seed=int(torch.randint(0, 2**31, (1,))))
+    assert res.ok, (res.error, [r.line() for r in res.results])
+    assert [r.name for r in res.results] == ["fwd.lse", "fwd.o"]
+
+
+def test_registry_shapes_and_models():
+    spec = registry.get("flash_decode")
+    gen = torch.Generator().manual_seed(1)
+    tiny = spec.make_inputs("tiny", torch.float16, "cpu", gen)
+    assert tiny["q"].shape == (3, 1, 4, 64) and tiny["k_cache"].shape == (3, 80, 2, 64)
+    assert tiny["k"].shape == (3, 1, 2, 64) and tiny["cache_seqlens"].dtype == torch.int32
+    assert 1 <= int(tiny["cache_seqlens"].min()) and int(tiny["cache_seqlens"].max()) <= 70
+    dims = {"B": 2, "S": 64, "H": 4, "Hkv": 1, "D": 128}
+    small = spec.make_inputs(dims, torch.bfloat16, "cpu", gen)
+    assert small["q"].shape == (2, 1, 4, 128) and small["k_cache"].shape == (2, 64, 1, 128)
+    assert small["cache_seqlens"].tolist() == [63, 63]
+    e = 2
+    kv = 2 * (2 * 64) * 1 * 128 * e  # every row attends 63 cached + 1 new keys, K and V
+    assert spec.bytes(small, "fwd") == kv + 2 * (2 * 1) * 1 * 128 * e + 2 * 2 * 4 * 128 * e
+    assert spec.flops(small, "fwd") == 4 * 4 * 1 * 128 * (2 * 64)
+    assert "B=2 S=64 H=4 Hkv=1 D=128" in spec.describe(small)
+    assert set(spec.peers) == {"sdpa"}
+    if not torch.cuda.is_available():
+        assert spec.peers["sdpa"](small) is None
+    from triforge import tune
+
+    assert "flash_decode_split" in tune.all_tunables()
+
+
+def test_sdpa_peer_math(gen):
+    """The peer's PyTorch decode (used on the GPU) agrees with the reference, appends included."""
+    q, kc, vc, sl, k, v = _inputs(gen, B=3, Sq=2, H=4, Hkv=2, D=64, S=40, Sn=2, dtype=torch.float32,
+                                  seqlens=[3, 20, 38])
+    ref, ref_kc, _ = kvcache_attention_ref(_d(q), _d(kc), _d(vc), sl, _d(k), _d(v), True)
+    (o,) = sdpa_decode(q, kc, vc, sl, k, v, causal=True, s_used=40)
+    _assert_ok(compare("o", ref["o"], o, dtype=torch.float32, verbose=False))
+    assert torch.equal(kc, ref_kc.float())
+
+
+def test_torch_compile_fullgraph(gen):
+    """Both custom ops trace in one graph; the in-place append survives functionalization."""
+    q, kc, vc, sl, k, v = _inputs(gen, B=2, Sq=1, H=4, Hkv=2, D=64, S=40, Sn=1, dtype=torch.float16,
+                                  seqlens=[5, 30])
+    ref, ref_kc, ref_vc = kvcache_attention_ref(_d(q), _d(kc), _d(vc), sl, _d(k), _d(v), True)
+    ref_read = kvcache_attention_ref(_d(q), ref_kc, ref_vc, sl + 1, causal=True)[0]
+
+    def step(q, kc, vc, sl, k, v):
+        o1 = flash_attn_with_kvcache(q, kc, vc, sl, k, v, num_splits=2)
+        o2 = flash_attn_with_kvcache(q, kc, vc, sl + 1, num_splits=2)  # reads the appended rows
+        return o1, o2
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    o1, o2 = compiled(q, kc, vc, sl, k, v)
+    _assert_ok(compare("o_append", ref["o"], o1, dtype=q.dtype, verbose=False))
+    _assert_ok(compare("o_read", ref_read["o"], o2, dtype=q.dtype, verbose=False))
+    assert torch.equal(kc, ref_kc.to(kc.dtype)) and torch.equal(vc, ref_vc.to(vc.dtype))
+
+
+def test_custom_ops_pass_opcheck(gen):
+    q, kc, vc, sl, k, v = _inputs(gen, B=2, Sq=1, H=4, Hkv=2, D=64, S=32, Sn=1, dtype=torch.float16,
+                                  seqlens=[3, 20])
+    torch.library.opcheck(torch.ops.triforge.flash_attn_with_kvcache.default, (q, kc, vc, sl, k, v, True, 0.125, 2))
+    torch.library.opcheck(torch.ops.triforge.flash_attn_kvcache.default, (q, kc, vc, sl, True, 0.125, 2))
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def _bad_cases():
+    g = torch.Generator().manual_seed(0)
+
+    def t(shape, dtype=torch.float16):
+        return torch.randn(shape, generator=g).to(dtype)
+
+    q, kc, vc = t((2, 1, 4, 64)), t((2, 16, 2, 64)), t((2, 16, 2, 64))
+    k, v = t((2, 1, 2, 64)), t((2, 1, 2, 64))
+    sl = torch.tensor([3, 5], dtype=torch.int32)
+    base = dict(q=q, k_cache=kc, v_cache=vc, cache_seqlens=sl)
+    cases = [
+        ("q-head-dim-96", dict(base, q=t((2, 1, 4, 96)), k_cache=t((2, 16, 2, 96)), v_cache=t((2, 16, 2, 96))),
+         ValueError, "head_dim"),
+        ("q-head-dim-32", dict(base, q=t((2, 1, 4, 32)), k_cache=t((2, 16, 2, 32)), v_cache=t((2, 16, 2, 32))),
+         ValueError, "head_dim"),
+        ("q-float64", dict(base, q=q.double()), TypeError, "q"),
+        ("q-int", dict(base, q=torch.ones(2, 1, 4, 64, dtype=torch.int32)), TypeError, "q"),
+        ("q-3d", dict(base, q=t((2, 4, 64))), ValueError, "q"),
+        ("q-list", dict(base, q=[[1.0]]), TypeError, "q"),
+        ("q-empty", dict(base, q=t((2, 0, 4, 64))), ValueError, "q"),
+        ("k_cache-empty", dict(base, k_cache=t((2, 0, 2, 64)), v_cache=t((2, 0, 2, 64))), ValueError, "k_cache"),
+        ("k_cache-dtype", dict(base, k_cache=kc.bfloat16()), TypeError, "k_cache"),
+        ("v_cache-dtype", dict(base, v_cache=vc.float()), TypeError, "v_cache"),
+        ("k_cache-batch", dict(base, k_cache=t((3, 16, 2, 64)), v_cache=t((3, 16, 2, 64))), ValueError, "k_cache"),
+        ("k_cache-head-dim", dict(base, k_cache=t((2, 16, 2, 128)), v_cache=t((2, 16, 2, 128))), ValueError, "k_cache"),
+        ("v_cache-shape", dict(base, v_cache=t((2, 15, 2, 64))), ValueError, "v_cache"),
+        ("kv-heads-dont-divide", dict(base, k_cache=t((2, 16, 3, 64)), v_cache=t((2, 16, 3, 64))), ValueError,
+         "kv heads"),
+        ("k_cache-strided-last-dim", dict(base, k_cache=t((2, 16, 2, 128))[..., ::2]), ValueError, "k_cache"),
+        ("k-without-v", dict(base, k=k), ValueError, "k and v"),
+        ("v-without-k", dict(base, v=v), ValueError, "k and v"),
+        ("k-heads", dict(base, k=t((2, 1, 4, 64)), v=t((2, 1, 4, 64))), ValueError, "k must be"),
+        ("k-batch", dict(base, k=t((1, 1, 2, 64)), v=t((1, 1, 2, 64))), ValueError, "k must be"),
+        ("k-dtype", dict(base, k=k.bfloat16(), v=v), TypeError, "k must"),
+        ("v-dtype", dict(base, k=k, v=v.bfloat16()), TypeError, "v must"),
+        ("v-shape", dict(base, k=k, v=t((2, 2, 2, 64))), ValueError, "v must"),
+        ("k-empty", dict(base, k=t((2, 0, 2, 64)), v=t((2, 0, 2, 64))), ValueError, "k must"),
+        ("cache_seqlens-int64", dict(base, cache_seqlens=sl.long()), TypeError, "cache_seqlens"),
+        ("cache_seqlens-float", dict(base, cache_seqlens=sl.float()), TypeError, "cache_seqlens"),
+        ("cache_seqlens-shape", dict(base, cache_seqlens=torch.tensor([3], dtype=torch.int32)), ValueError,
+         "cache_seqlens"),
+        ("cache_seqlens-2d", dict(base, cache_seqlens=sl[:, None]), ValueError, "cache_seqlens"),
+        ("cache_seqlens-list", dict(base, cache_seqlens=[3, 5]), TypeError, "cache_seqlens"),
+        ("cache_seqlens-bool", dict(base, cache_seqlens=True), TypeError, "cache_seqlens"),
+        ("cache_seqlens-negative", dict(base, cache_seqlens=torch.tensor([3, -1], dtype=torch.int32)), ValueError,
+         "cache_seqlens"),
+        ("cache_seqlens-negative-int", dict(base, cache_seqlens=-2), ValueError, "cache_seqlens"),
+        ("cache-overflow", dict(base, cache_seqlens=torch.tensor([3, 17], dtype=torch.int32)), ValueError,
+         "cache_seqlens"),
+        ("cache-overflow-append", dict(base, cache_seqlens=torch.tensor([16, 2], dtype=torch.int32), k=k, v=v),
+         ValueError, "cache_seqlens"),
+        ("cache-overflow-int", dict(base, cache_seqlens=16, k=k, v=v), ValueError, "cache_seqlens"),
+        ("causal-int", dict(base, causal=1), TypeError, "causal"),
+        ("softmax_scale-str", dict(base, softmax_scale="0.1"), TypeError, "softmax_scale"),
+        ("softmax_scale-nan", dict(base, softmax_scale=float("nan")), ValueError, "softmax_scale"),
+        ("num_splits-negative", dict(base, num_splits=-1), ValueError, "num_splits"),
+        ("num_splits-too-many", dict(base, num_splits=decode.MAX_SPLITS + 1), ValueError, "num_splits"),
+        ("num_splits-float", dict(base, num_splits=2.0), TypeError, "num_splits"),
+    ]
+    return [pytest.param(kw, exc, match, id=name) for name, kw, exc, match in cases]
+
+
+@pytest.mark.parametrize("kwargs,exc,match", _bad_cases())
+def test_bad_input(kwargs, exc, match):
+    caches = [kwargs["k_cache"].clone(), kwargs["v_cache"].clone()]
+    with pytest.raises(exc, match=match):
+        flash_attn_with_kvcache(**kwargs)
+    # nothing was written into the caches
+    assert torch.equal(kwargs["k_cache"], caches[0]) and torch.equal(kwargs["v_cache"], caches[1])
+
+
+def test_overflow_caught_by_the_op_itself(gen):
+    """The custom op checks the lengths too (a direct call or a compiled graph skips the wrapper)."""
+    q, kc, vc, _, k, v = _inputs(gen, B=2, Sq=1, H=4, Hkv=2, D=64, S=16, Sn=2, dtype=torch.float16)
+    with pytest.raises(ValueError, match="cache_seqlens"):
+        torch.ops.triforge.flash_attn_with_kvcache(q, kc, vc, torch.tensor([15, 0], dtype=torch.int32), k, v,
+                                                   True, 0.125, 0)
+
+
+def test_cache_seqlens_device(gen):
+    """cache_seqlens on another device than q (the meta device stands in for one here)."""
+    q, kc, vc, sl, _, _ = _inputs(gen, Sn=0)
+    with pytest.raises(ValueError, match="cache_seqlens"):
+        flash_attn_with_kvcache(q, kc, vc, sl.to("meta"))

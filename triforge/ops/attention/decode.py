@@ -1,0 +1,678 @@
+"""KV-cache decode attention (flash-decoding), flash-attn's ``flash_attn_with_kvcache``.
+
+    q [B, Sq, H, D], k_cache / v_cache [B, S_max, Hkv, D], cache_seqlens int32 [B]
+    (optional) k / v [B, Sn, Hkv, D]: written in place at cache rows cache_seqlens[b] .. + Sn
+    row b attends over its first n_b = cache_seqlens[b] + Sn keys; with causal, query i sees
+    key j <= i + n_b - Sq (bottom-right aligned, as flash-attn); a query that sees no key gives 0
+    and lse -inf.
+
+Two kernels:
+
+1. ``flash_decode_split_kernel``, grid (NUM_SPLITS, B * Hkv, row blocks). The cached keys of row b
+   are cut into NUM_SPLITS chunks (a whole number of BLOCK_N blocks each); a program takes one chunk
+   of one (batch, kv head) for all the query rows that read that kv head: the G = H / Hkv query
+   heads times the Sq queries form the rows of one tile, so each K/V byte is read once per group.
+   It writes the unnormalised partial output acc [rows, D] (fp32), the running max m (log2 domain)
+   and the sum l. The new tokens k/v (when given) belong to split 0: its programs read them from
+   k/v, attend to them and store them into the caches (no other program reads those rows, so the
+   write races with nothing, and the append costs no extra launch). A split with no visible key
+   writes m = -inf, l = 0 and skips acc.
+2. ``flash_decode_merge_kernel``, one program per (batch, query head, query): log-sum-exp merge of
+   the splits into o [B, Sq, H, D] (q's dtype) and lse [B, H, Sq] (fp32, natural log). Empty
+   splits get weight 0 without ever computing exp(-inf - -inf); their acc is never loaded.
+
+NUM_SPLITS comes from the cache capacity S_max (not the lengths: no device sync for it) and the
+batch: about ``programs_per_sm`` programs per SM (tunable), at least ``min_blocks_per_split`` key
+blocks per split, at most MAX_SPLITS; ``num_splits > 0`` forces it (as in flash-attn).
+
+Checking that cache_seqlens + Sn fits S_max reads cache_seqlens on the host: with a tensor
+cache_seqlens on the GPU, every call syncs once (a Python int costs nothing).
+"""
+
+import math
+from collections import OrderedDict
+
+import torch
+import triton
+import triton.language as tl
+
+from triforge import _runtime, launch
+from triforge.launch import new_output
+from triforge.ops._checks import check_same_device, check_tensor
+from triforge.ops.attention.reference import kvcache_attention_ref
+from triforge.registry import OpSpec, register
+from triforge.tune import Tunable
+from triforge.tune import register as register_tunable
+
+HEAD_DIMS = (64, 128)
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_SPLITS = 256
+MAX_BLOCK_M = 64  # query rows (G * Sq) per tile; more rows take more programs along grid axis 2
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+# ----------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _mma(a, b, acc, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    """acc + a @ b. UPCAST (bf16 in Triton 3.6's interpreter, which multiplies bf16 dot operands
+    wrongly) and IEEE (fp32 inputs: no tf32 rounding) run the dot in full fp32."""
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        if IEEE:
+            return tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _attend_block(
+    b_q, b_k, b_v, o_pos, m_n, lim, b_m, b_l, b_acc, qk_scale,
+    CAUSAL: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+):
+    """One key block: online softmax in the log2 domain. o_pos [BLOCK_N] key positions, m_n the
+    keys that exist, lim [BLOCK_M] the last key each row may see (causal)."""
+    b_s = _mma(b_q, tl.trans(b_k), tl.zeros([b_q.shape[0], b_k.shape[0]], dtype=tl.float32), UPCAST, IEEE)
+    b_s = b_s * qk_scale
+    valid = m_n[None, :]
+    if CAUSAL:
+        valid = valid & (o_pos[None, :] <= lim[:, None])
+    b_s = tl.where(valid, b_s, float("-inf"))
+    m_new = tl.maximum(b_m, tl.max(b_s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that saw nothing yet: no -inf - -inf
+    alpha = tl.exp2(b_m - m_safe)
+    b_p = tl.exp2(b_s - m_safe[:, None])
+    b_l = b_l * alpha + tl.sum(b_p, 1)
+    b_acc = _mma(b_p.to(b_v.dtype), b_v, b_acc * alpha[:, None], UPCAST, IEEE)
+    return m_new, b_l, b_acc
+
+
+@triton.jit
+def flash_decode_split_kernel(
+    q_ptr,  # [B, Sq, H, D]
+    kc_ptr,  # [B, S_max, Hkv, D] key cache (rows cache_seqlens[b] .. + Sn written when APPEND)
+    vc_ptr,  # [B, S_max, Hkv, D] value cache
+    kn_ptr,  # [B, Sn, Hkv, D] new keys (read when APPEND)
+    vn_ptr,  # [B, Sn, Hkv, D] new values (read when APPEND)
+    seqlens_ptr,  # [B] int32 cached lengths before the append
+    acc_ptr,  # [B * Hkv, NUM_SPLITS, M_ROWS, D] fp32 unnormalised partial outputs
+    m_ptr,  # [B * Hkv, NUM_SPLITS, M_ROWS] fp32 running max (log2 domain), -inf when empty
+    l_ptr,  # [B * Hkv, NUM_SPLITS, M_ROWS] fp32 sum of exp2(s - m)
+    stride_qb, stride_qs, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_knb, stride_kns, stride_knh,
+    stride_vnb, stride_vns, stride_vnh,
+    Sq,
+    S_new,  # new tokens per row (0 without APPEND)
+    M_ROWS,  # G * Sq query rows per (batch, kv head)
+    NUM_SPLITS,
+    qk_scale,  # softmax_scale * log2(e)
+    HKV: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_NEW: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    APPEND: tl.constexpr,
+    UPCAST: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    i_s = tl.program_id(0)
+    i_bg = tl.program_id(1)
+    i_mb = tl.program_id(2)
+    i_b = (i_bg // HKV).to(tl.int64)
+    i_g = (i_bg % HKV).to(tl.int64)
+    n_cache = tl.load(seqlens_ptr + i_b)
+    n_total = n_cache + S_new
+
+    # query rows: row r is query position r // GROUP of head i_g * GROUP + r % GROUP
+    o_r = i_mb * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_r = o_r < M_ROWS
+    o_qi = o_r // GROUP
+    o_h = i_g * GROUP + (o_r % GROUP)
+    o_d = tl.arange(0, HEAD_DIM)
+    p_q = q_ptr + i_b * stride_qb + o_qi.to(tl.int64)[:, None] * stride_qs + o_h[:, None] * stride_qh + o_d[None, :]
+    b_q = tl.load(p_q, mask=m_r[:, None], other=0.0)
+    lim = o_qi + (n_total - Sq)  # causal: row sees key j iff j <= lim
+
+    b_m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    b_l = tl.zeros([BLOCK_M], dtype=tl.float32)
+    b_acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+
+    # this split's share of the cached keys: a whole number of blocks, splits past the end are empty
+    chunk = tl.cdiv(tl.cdiv(n_cache, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = i_s * chunk
+    hi = tl.minimum(lo + chunk, n_cache)
+    p_k = kc_ptr + i_b * stride_kb + i_g * stride_kh
+    p_v = vc_ptr + i_b * stride_vb + i_g * stride_vh
+    o_n = tl.arange(0, BLOCK_N)
+    for start in range(lo, hi, BLOCK_N):
+        o_pos = start + o_n
+        m_n = o_pos < hi
+        o_pos64 = o_pos.to(tl.int64)
+        b_k = tl.load(p_k + o_pos64[:, None] * stride_ks + o_d[None, :], mask=m_n[:, None], other=0.0)
+        b_v = tl.load(p_v + o_pos64[:, None] * stride_vs + o_d[None, :], mask=m_n[:, None], other=0.0)
+        b_m, b_l, b_acc = _attend_block(b_q, b_k, b_v, o_pos, m_n, lim, b_m, b_l, b_acc, qk_scale, CAUSAL, UPCAST, IEEE)
+
+    if APPEND:
+        # split 0 owns the new tokens: attend to them and write them into the caches
+        n_new = tl.where(i_s == 0, S_new, 0)
+        p_kn = kn_ptr + i_b * stride_knb + i_g * stride_knh
+        p_vn = vn_ptr + i_b * stride_vnb + i_g * stride_vnh
+        o_t0 = tl.arange(0, BLOCK_NEW)
+        for t0 in range(0, n_new, BLOCK_NEW):
+            o_t = t0 + o_t0
+            m_t = o_t < S_new
+            o_t64 = o_t.to(tl.int64)
+            b_k = tl.load(p_kn + o_t64[:, None] * stride_kns + o_d[None, :], mask=m_t[:, None], other=0.0)
+            b_v = tl.load(p_vn + o_t64[:, None] * stride_vns + o_d[None, :], mask=m_t[:, None], other=0.0)
+            o_pos = n_cache + o_t
+            o_pos64 = o_pos.to(tl.int64)
+            tl.store(p_k + o_pos64[:, None] * stride_ks + o_d[None, :], b_k, mask=m_t[:, None])
+            tl.store(p_v + o_pos64[:, None] * stride_vs + o_d[None, :], b_v, mask=m_t[:, None])
+            b_m, b_l, b_acc = _attend_block(
+                b_q, b_k, b_v, o_pos, m_t, lim, b_m, b_l, b_acc, qk_scale, CAUSAL, UPCAST, IEEE
+            )
+
+    o_part = (i_bg.to(tl.int64) * NUM_SPLITS + i_s) * M_ROWS + o_r
+    tl.store(m_ptr + o_part, b_m, mask=m_r)
+    tl.store(l_ptr + o_part, b_l, mask=m_r)
+    seen = b_m > float("-inf")
+    tl.store(acc_ptr + o_part[:, None] * HEAD_DIM + o_d[None, :], b_acc, mask=(m_r & seen)[:, None])
+
+
+@triton.jit
+def flash_decode_merge_kernel(
+    acc_ptr,  # [B * Hkv, NUM_SPLITS, M_ROWS, D] fp32
+    m_ptr,  # [B * Hkv, NUM_SPLITS, M_ROWS] fp32 (log2 domain)
+    l_ptr,  # [B * Hkv, NUM_SPLITS, M_ROWS] fp32
+    o_ptr,  # [B, Sq, H, D] q's dtype
+    lse_ptr,  # [B, H, Sq] fp32, natural log
+    stride_ob, stride_os, stride_oh,
+    Sq,
+    M_ROWS,
+    NUM_SPLITS,
+    H: tl.constexpr,
+    HKV: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    i_bg = pid // M_ROWS
+    i_r = pid % M_ROWS
+    i_b = (i_bg // HKV).to(tl.int64)
+    i_h = (i_bg % HKV) * GROUP + i_r % GROUP
+    i_q = i_r // GROUP
+    o_d = tl.arange(0, HEAD_DIM)
+    o_s0 = tl.arange(0, BLOCK_S)
+    base = i_bg.to(tl.int64) * NUM_SPLITS
+
+    b_mx = tl.full([1], float("-inf"), dtype=tl.float32)
+    b_l = tl.zeros([1], dtype=tl.float32)
+    b_acc = tl.zeros([HEAD_DIM], dtype=tl.float32)
+    for s0 in range(0, NUM_SPLITS, BLOCK_S):
+        o_s = s0 + o_s0
+        m_s = o_s < NUM_SPLITS
+        o_part = (base + o_s) * M_ROWS + i_r
+        b_ms = tl.load(m_ptr + o_part, mask=m_s, other=float("-inf"))
+        b_ls = tl.load(l_ptr + o_part, mask=m_s, other=0.0)
+        seen = b_ms > float("-inf")
+        b_os = tl.load(acc_ptr + o_part[:, None] * HEAD_DIM + o_d[None, :], mask=seen[:, None], other=0.0)
+        m_new = tl.maximum(b_mx, tl.max(b_ms, 0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(b_mx - m_safe)
+        b_w = tl.exp2(b_ms - m_safe)  # 0 for empty splits (m = -inf, m_safe finite)
+        b_l = b_l * alpha + tl.sum(b_w * b_ls, 0)
+        b_acc = b_acc * alpha + tl.sum(b_w[:, None] * b_os, 0)
+        b_mx = m_new
+
+    has = b_l > 0
+    b_o = tl.where(has, b_acc / tl.where(has, b_l, 1.0), 0.0)
+    b_lse = tl.where(has, (b_mx + tl.log2(tl.where(has, b_l, 1.0))) * 0.6931471805599453, float("-inf"))
+    tl.store(o_ptr + i_b * stride_ob + tl.cast(i_q, tl.int64) * stride_os + tl.cast(i_h, tl.int64) * stride_oh + o_d,
+             b_o.to(o_ptr.dtype.element_ty))
+    tl.store(lse_ptr + (i_b * H + i_h) * Sq + i_q + tl.arange(0, 1), b_lse)
+
+
+# ----------------------------------------------------------------------------- launch configs
+
+
+def _dtype_tag(dtype) -> str:
+    return {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
+
+
+def _block_m(m_rows: int) -> int:
+    return max(16, min(MAX_BLOCK_M, triton.next_power_of_2(m_rows)))
+
+
+def _split_key(D, dtype, block_m):
+    return launch.config_key(d=D, dtype=_dtype_tag(dtype), rows=block_m)
+
+
+def _split_config(D, dtype, block_m):
+    if _runtime.INTERPRET:  # small key blocks: short test caches still run multi-block loops
+        fallback = {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1, "programs_per_sm": 4, "min_blocks_per_split": 1}
+    elif dtype == torch.float32:  # fp32 dots run on FMA units (ieee): smaller tiles, no spills
+        fallback = {"BLOCK_N": 32, "num_warps": 8, "num_stages": 2, "programs_per_sm": 4, "min_blocks_per_split": 2}
+    else:
+        # sm90 compile (ptxas): ~100 registers, 70 KB shared memory -> 3 programs per SM resident
+        fallback = {
+            "BLOCK_N": 64 if D >= 128 else 128,
+            "num_warps": 4,
+            "num_stages": 3,
+            "programs_per_sm": 3,
+            "min_blocks_per_split": 2,
+        }
+    return launch.config("flash_decode_split", _split_key(D, dtype, block_m), fallback)
+
+
+def _merge_config(D, dtype):
+    fallback = {"BLOCK_S": 4 if _runtime.INTERPRET else 16, "num_warps": 4 if D >= 128 else 2}
+    return launch.config("flash_decode_merge", launch.config_key(d=D, dtype=_dtype_tag(dtype)), fallback)
+
+
+def choose_num_splits(B, Hkv, S_max, row_blocks, block_n, programs_per_sm, min_blocks_per_split, num_sms=None):
+    """Splits per (batch, kv head) so the split kernel runs ~programs_per_sm programs per SM,
+    each split keeping at least min_blocks_per_split key blocks of the cache capacity S_max."""
+    num_sms = num_sms or _runtime.num_sms()
+    programs = B * Hkv * row_blocks
+    want = triton.cdiv(num_sms * programs_per_sm, programs)
+    most = max(1, triton.cdiv(S_max, block_n) // max(1, min_blocks_per_split))
+    return max(1, min(want, most, MAX_SPLITS))
+
+
+# ----------------------------------------------------------------------------- launcher
+
+
+def flash_decode_fwd(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax_scale, num_splits=0, cfg=None,
+                     merge_cfg=None):
+    """Launch both kernels. q, k, v contiguous; caches with unit last stride (written in place when
+    k/v are given); cache_seqlens int32 [B]. Returns (o [B, Sq, H, D], lse [B, H, Sq] fp32)."""
+    B, Sq, H, D = q.shape
+    S_max, Hkv = k_cache.shape[1], k_cache.shape[2]
+    G = H // Hkv
+    m_rows = G * Sq
+    block_m = _block_m(m_rows)
+    row_blocks = triton.cdiv(m_rows, block_m)
+    cfg = cfg or _split_config(D, q.dtype, block_m)
+    merge_cfg = merge_cfg or _merge_config(D, q.dtype)
+    append = k is not None
+    S_new = k.shape[1] if append else 0
+    block_n = cfg["BLOCK_N"]
+    if num_splits <= 0:
+        num_splits = choose_num_splits(B, Hkv, S_max, row_blocks, block_n, cfg["programs_per_sm"],
+                                       cfg["min_blocks_per_split"])
+    dev = q.device
+    acc = new_output((B * Hkv, num_splits, m_rows, D), torch.float32, dev)
+    m_part = new_output((B * Hkv, num_splits, m_rows), torch.float32, dev)
+    l_part = new_output((B * Hkv, num_splits, m_rows), torch.float32, dev)
+    o = new_output((B, Sq, H, D), q.dtype, dev)
+    lse = new_output((B, H, Sq), torch.float32, dev)
+    kn, vn = (k, v) if append else (k_cache, v_cache)
+    e = q.element_size()
+    # byte model: the cached rows up to S_max at most (lengths are on the device), new rows read + written
+    kv_bytes = 2 * B * S_max * Hkv * D * e + 4 * B * S_new * Hkv * D * e
+    launch.launch(
+        "flash_decode_split", flash_decode_split_kernel, (num_splits, B * Hkv, row_blocks),
+        q, k_cache, v_cache, kn, vn, cache_seqlens, acc, m_part, l_part,
+        q.stride(0), q.stride(1), q.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        kn.stride(0), kn.stride(1), kn.stride(2),
+        vn.stride(0), vn.stride(1), vn.stride(2),
+        Sq, S_new, m_rows, num_splits, float(softmax_scale) * LOG2E,
+        nbytes=kv_bytes + q.numel() * e + acc.numel() * 4 + 8 * m_part.numel(),
+        HKV=Hkv, GROUP=G, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_NEW=max(16, min(block_n, triton.next_power_of_2(max(S_new, 1)))),
+        CAUSAL=bool(causal) and Sq > 1, APPEND=append,
+        UPCAST=_runtime.INTERPRET and q.dtype == torch.bfloat16, IEEE=q.dtype == torch.float32,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    launch.launch(
+        "flash_decode_merge", flash_decode_merge_kernel, (B * Hkv * m_rows,),
+        acc, m_part, l_part, o, lse, o.stride(0), o.stride(1), o.stride(2), Sq, m_rows, num_splits,
+        nbytes=acc.numel() * 4 + 8 * m_part.numel() + o.numel() * e + lse.numel() * 4,
+        H=H, HKV=Hkv, GROUP=G, HEAD_DIM=D, BLOCK_S=merge_cfg["BLOCK_S"], num_warps=merge_cfg["num_warps"],
+    )
+    return o, lse
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def _validate(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax_scale, num_splits):
+    """Static checks (shapes, dtypes, devices); returns the new-token count."""
+    check_tensor("q", q, dtypes=DTYPES, ndim=4)
+    check_tensor("k_cache", k_cache, dtypes=DTYPES, ndim=4)
+    check_tensor("v_cache", v_cache, dtypes=DTYPES, ndim=4)
+    B, Sq, H, D = q.shape
+    if D not in HEAD_DIMS:
+        raise ValueError(f"q has head_dim {D}; flash_attn_with_kvcache supports head_dim in {HEAD_DIMS}")
+    if k_cache.dtype != q.dtype:
+        raise TypeError(f"k_cache must have q's dtype ({q.dtype}), got {k_cache.dtype}")
+    if v_cache.dtype != q.dtype:
+        raise TypeError(f"v_cache must have q's dtype ({q.dtype}), got {v_cache.dtype}")
+    if k_cache.shape[0] != B or k_cache.shape[3] != D:
+        raise ValueError(
+            f"k_cache must be [B, S_max, Hkv, D] with B = {B} and D = {D} to match q {tuple(q.shape)}, "
+            f"got {tuple(k_cache.shape)}"
+        )
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"v_cache must have k_cache's shape {tuple(k_cache.shape)}, got {tuple(v_cache.shape)}")
+    Hkv = k_cache.shape[2]
+    if H % Hkv:
+        raise ValueError(f"k_cache has {Hkv} kv heads, which must divide q's {H} heads")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must have a contiguous last dimension (stride 1), got strides {t.stride()}")
+    S_new = 0
+    if (k is None) != (v is None):
+        raise ValueError("k and v must be given together (the new keys and values), or neither")
+    if k is not None:
+        check_tensor("k", k, dtypes=DTYPES, ndim=4)
+        check_tensor("v", v, dtypes=DTYPES, ndim=4)
+        if k.dtype != q.dtype:
+            raise TypeError(f"k must have q's dtype ({q.dtype}), got {k.dtype}")
+        if v.dtype != q.dtype:
+            raise TypeError(f"v must have q's dtype ({q.dtype}), got {v.dtype}")
+        if k.shape[0] != B or k.shape[2] != Hkv or k.shape[3] != D:
+            raise ValueError(
+                f"k must be [B, Sn, Hkv, D] = [{B}, Sn, {Hkv}, {D}] to match q and k_cache, got {tuple(k.shape)}"
+            )
+        if v.shape != k.shape:
+            raise ValueError(f"v must have k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
+        S_new = k.shape[1]
+    check_same_device(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v)
+    S_max = k_cache.shape[1]
+    if isinstance(cache_seqlens, torch.Tensor):
+        if cache_seqlens.dtype != torch.int32:
+            raise TypeError(f"cache_seqlens must be an int32 tensor, got {cache_seqlens.dtype}")
+        if tuple(cache_seqlens.shape) != (B,):
+            raise ValueError(f"cache_seqlens must have shape ({B},) (one length per batch row), got {tuple(cache_seqlens.shape)}")
+        if cache_seqlens.device != q.device:
+            raise ValueError(f"cache_seqlens is on {cache_seqlens.device} but q is on {q.device}; they must share a device")
+    elif isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
+        if not 0 <= cache_seqlens <= S_max - S_new:
+            raise ValueError(
+                f"cache_seqlens = {cache_seqlens} plus {S_new} new tokens must lie in [0, S_max = {S_max}] "
+                f"(the cache length k_cache.shape[1])"
+            )
+    else:
+        raise TypeError(f"cache_seqlens must be an int32 tensor [B] or a Python int, got {type(cache_seqlens).__name__}")
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    if softmax_scale is not None:
+        if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
+            raise TypeError(f"softmax_scale must be a float or None, got {type(softmax_scale).__name__}")
+        if not math.isfinite(softmax_scale):
+            raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int):
+        raise TypeError(f"num_splits must be an int (0: heuristic), got {type(num_splits).__name__}")
+    if not 0 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits must lie in [0, {MAX_SPLITS}] (0: heuristic), got {num_splits}")
+    return S_new
+
+
+def _check_lengths(cache_seqlens, S_new, S_max):
+    """cache_seqlens + S_new within [0, S_max]: reads the lengths on the host (one device sync)."""
+    lo, hi = (int(x) for x in torch.aminmax(cache_seqlens))
+    if lo < 0:
+        raise ValueError(f"cache_seqlens must be non-negative, got a minimum of {lo}")
+    if hi + S_new > S_max:
+        raise ValueError(
+            f"cache_seqlens + new tokens overflow the cache: max(cache_seqlens) = {hi} plus {S_new} new "
+            f"token(s) > S_max = {S_max} (k_cache.shape[1])"
+        )
+
+
+# ----------------------------------------------------------------------------- custom ops
+
+
+def _run(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax_scale, num_splits):
+    S_new = _validate(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax_scale, num_splits)
+    _check_lengths(cache_seqlens, S_new, k_cache.shape[1])
+    k = k.contiguous() if k is not None else None
+    v = v.contiguous() if v is not None else None
+    return flash_decode_fwd(q.contiguous(), k_cache, v_cache, cache_seqlens.contiguous(), k, v, causal,
+                            softmax_scale, num_splits)
+
+
+def _fake(q, cache_seqlens):
+    B, Sq, H, D = q.shape
+    return q.new_empty((B, Sq, H, D)), q.new_empty((B, H, Sq), dtype=torch.float32)
+
+
+@torch.library.custom_op("triforge::flash_attn_with_kvcache", mutates_args=("k_cache", "v_cache"))
+def _kvcache_append_op(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torch.Tensor,
+    k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: float, num_splits: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Append k/v into the caches at cache_seqlens (in place), then attend: (o, lse)."""
+    return _run(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax_scale, num_splits)
+
+
+@_kvcache_append_op.register_fake
+def _(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax_scale, num_splits):
+    return _fake(q, cache_seqlens)
+
+
+@torch.library.custom_op("triforge::flash_attn_kvcache", mutates_args=())
+def _kvcache_op(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torch.Tensor,
+    causal: bool, softmax_scale: float, num_splits: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attend over the cached prefix only (nothing written): (o, lse)."""
+    return _run(q, k_cache, v_cache, cache_seqlens, None, None, causal, softmax_scale, num_splits)
+
+
+@_kvcache_op.register_fake
+def _(q, k_cache, v_cache, cache_seqlens, causal, softmax_scale, num_splits):
+    return _fake(q, cache_seqlens)
+
+
+# ----------------------------------------------------------------------------- public API
+
+
+def flash_attn_with_kvcache(
+    q, k_cache, v_cache, cache_seqlens, k=None, v=None, causal: bool = True, softmax_scale=None,
+    return_lse: bool = False, num_splits: int = 0,
+):
+    """Decode attention against a KV cache (flash-attn's ``flash_attn_with_kvcache``, forward only).
+
+    q [B, Sq, H, D] (Sq small, typically 1); k_cache, v_cache [B, S_max, Hkv, D] with Hkv dividing H;
+    cache_seqlens int32 [B] (or a Python int for every row): the cached length of each row. When
+    k, v [B, Sn, Hkv, D] are given they are written into the caches IN PLACE at rows
+    cache_seqlens[b] .. cache_seqlens[b] + Sn - 1 before attending. Row b attends over its first
+    cache_seqlens[b] + Sn keys, with bottom-right causal alignment when ``causal`` and Sq > 1.
+    fp16, bf16 or fp32; head_dim 64 or 128. ``softmax_scale`` defaults to D ** -0.5;
+    ``num_splits`` > 0 forces the KV split count (0: heuristic).
+
+    Returns o [B, Sq, H, D] in q's dtype, and with ``return_lse`` also lse [B, H, Sq] (fp32,
+    natural log; -inf for a query that sees no key, whose o is 0).
+
+    A tensor cache_seqlens is read on the host to check that cache_seqlens + Sn <= S_max (and >= 0):
+    one device sync per call.
+    """
+    S_new = _validate(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax_scale, num_splits)
+    scale = float(q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale)
+    if not isinstance(cache_seqlens, torch.Tensor):
+        cache_seqlens = torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32, device=q.device)
+    elif not torch.compiler.is_compiling():
+        _check_lengths(cache_seqlens, S_new, k_cache.shape[1])  # early, before the op (which checks again)
+    if k is not None:
+        o, lse = torch.ops.triforge.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, k, v, causal, scale,
+                                                            num_splits)
+    else:
+        o, lse = torch.ops.triforge.flash_attn_kvcache(q, k_cache, v_cache, cache_seqlens, causal, scale, num_splits)
+    return (o, lse) if return_lse else o
+
+
+# ----------------------------------------------------------------------------- registry
+
+_REAL = {"B": 1, "S": 32768, "H": 16, "Hkv": 2, "D": 128, "Sq": 1, "Sn": 1}
+
+
+def _randn(shape, dtype, device, gen):
+    """Standard normal values; big device tensors are drawn on the device (seeded from gen)."""
+    if torch.device(device).type == "cuda":
+        g = torch.Generator(device=device)
+        g.manual_seed(int(torch.randint(0, 2**62, (1,), generator=gen)))
+        return torch.randn(shape, generator=g, device=device, dtype=torch.float32).to(dtype)
+    return torch.randn(shape, generator=gen, dtype=torch.float32).to(device=device, dtype=dtype)
+
+
+def _make_inputs(tier, dtype, device, gen):
+    if tier == "tiny":
+        B, S, H, Hkv, D, Sq, Sn = 3, 80, 4, 2, 64, 1, 1
+        seqlens = torch.randint(1, 71, (B,), generator=gen, dtype=torch.int32)
+    else:
+        dims = dict(_REAL)
+        if isinstance(tier, dict):
+            dims.update(tier)
+        elif tier != "real":
+            raise KeyError(f"unknown tier {tier!r}")
+        B, S, H, Hkv, D, Sq, Sn = (int(dims[n]) for n in ("B", "S", "H", "Hkv", "D", "Sq", "Sn"))
+        seqlens = torch.full((B,), S - Sn, dtype=torch.int32)  # a full cache after the append
+    inputs = {
+        "q": _randn((B, Sq, H, D), dtype, device, gen),
+        "k_cache": _randn((B, S, Hkv, D), dtype, device, gen),  # random past the lengths too: must be ignored
+        "v_cache": _randn((B, S, Hkv, D), dtype, device, gen),
+        "cache_seqlens": seqlens.to(device),
+    }
+    if Sn:
+        inputs["k"] = _randn((B, Sn, Hkv, D), dtype, device, gen)
+        inputs["v"] = _randn((B, Sn, Hkv, D), dtype, device, gen)
+    return inputs
+
+
+def _reference(q, k_cache, v_cache, cache_seqlens, k=None, v=None):
+    """kvcache_attention_ref one batch row at a time (it clones the caches it is given)."""
+    lses, outs = [], []
+    for b in range(q.shape[0]):
+        sl = slice(b, b + 1)
+        st, _, _ = kvcache_attention_ref(
+            q[sl], k_cache[sl], v_cache[sl], cache_seqlens[sl],
+            None if k is None else k[sl], None if v is None else v[sl], causal=True,
+        )
+        lses.append(st["lse"])
+        outs.append(st["o"])
+    return OrderedDict(lse=torch.cat(lses), o=torch.cat(outs))
+
+
+def _stages(q, k_cache, v_cache, cache_seqlens, k=None, v=None):
+    o, lse = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, k, v, causal=True, return_lse=True)
+    return OrderedDict(lse=lse, o=o)
+
+
+def _keys(inputs):
+    """Keys attended, summed over the batch (reads the lengths on the host)."""
+    k = inputs.get("k")
+    n = int(inputs["cache_seqlens"].to(torch.int64).sum())
+    return n + (0 if k is None else k.shape[0] * k.shape[1])
+
+
+def _bytes(inputs, mode):
+    q, kc = inputs["q"], inputs["k_cache"]
+    Hkv, D, e = kc.shape[2], kc.shape[3], kc.element_size()
+    k = inputs.get("k")
+    new_rows = 0 if k is None else k.shape[0] * k.shape[1]
+    # K/V rows attended (cached rows from the caches, new rows from k/v), the new rows written to the
+    # caches, q read and o written
+    return 2 * _keys(inputs) * Hkv * D * e + 2 * new_rows * Hkv * D * e + 2 * q.numel() * e
+
+
+def _flops(inputs, mode):
+    B, Sq, H, D = inputs["q"].shape
+    return 4 * H * Sq * D * _keys(inputs)
+
+
+def sdpa_decode(q, k_cache, v_cache, cache_seqlens, k=None, v=None, causal=True, softmax_scale=None, s_used=None):
+    """The same decode step in PyTorch: index_put the new rows, then one batched SDPA over the first
+    ``s_used`` cache rows (default S_max) with a [B, 1, Sq, s_used] boolean mask. Returns (o,)."""
+    B, Sq, H, D = q.shape
+    S_max = k_cache.shape[1]
+    s_used = S_max if s_used is None else s_used
+    n = cache_seqlens.to(torch.int64)
+    if k is not None:
+        pos = n[:, None] + torch.arange(k.shape[1], device=q.device)
+        b_idx = torch.arange(B, device=q.device)[:, None]
+        k_cache[b_idx, pos] = k
+        v_cache[b_idx, pos] = v
+        n = n + k.shape[1]
+    j = torch.arange(s_used, device=q.device)
+    mask = j[None, None, :] < n[:, None, None]  # [B, 1, s_used]
+    if causal and Sq > 1:
+        i = torch.arange(Sq, device=q.device)
+        mask = mask & (j[None, None, :] <= i[None, :, None] + n[:, None, None] - Sq)
+    o = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), k_cache[:, :s_used].transpose(1, 2), v_cache[:, :s_used].transpose(1, 2),
+        attn_mask=mask[:, None].expand(B, 1, Sq, s_used), scale=softmax_scale, enable_gqa=True,
+    )
+    return (o.transpose(1, 2),)
+
+
+def _sdpa_peer(inputs):
+    if not torch.cuda.is_available():
+        return None
+    k = inputs.get("k")
+    s_used = int(inputs["cache_seqlens"].max()) + (0 if k is None else k.shape[1])
+
+    def run(q, k_cache, v_cache, cache_seqlens, k=None, v=None):
+        return sdpa_decode(q, k_cache, v_cache, cache_seqlens, k, v, causal=True, s_used=s_used)
+
+    return run
+
+
+def _describe(inputs):
+    B, Sq, H, D = inputs["q"].shape
+    S, Hkv = inputs["k_cache"].shape[1:3]
+    k = inputs.get("k")
+    return f"B={B} S={S} H={H} Hkv={Hkv} D={D} Sq={Sq} Sn={0 if k is None else k.shape[1]}"
+
+
+def _tune_setup(shape, dtype, device):
+    gen = torch.Generator().manual_seed(0)
+    inputs = _make_inputs(dict(shape), dtype, device, gen)
+    q, kc, vc, sl, k, v = (inputs.get(n) for n in ("q", "k_cache", "v_cache", "cache_seqlens", "k", "v"))
+    B, Sq, H, D = q.shape
+    block_m = _block_m(H // kc.shape[2] * Sq)
+    scale = D**-0.5
+    return (lambda cfg: flash_decode_fwd(q, kc, vc, sl, k, v, True, scale, 0, cfg)), _split_key(D, dtype, block_m)
+
+
+register_tunable(Tunable(
+    kernel="flash_decode_split",
+    space={
+        "BLOCK_N": [32, 64, 128],
+        "num_warps": [2, 4, 8],
+        "num_stages": [2, 3, 4],
+        "programs_per_sm": [1, 2, 3, 4, 8],
+        "min_blocks_per_split": [2],
+    },
+    setup=_tune_setup, shape_names=("B", "S", "H", "Hkv", "D"), default_shape={k: _REAL[k] for k in ("B", "S", "H", "Hkv", "D")},
+))
+
+register(OpSpec(
+    name="flash_decode",
+    family="attention_decode",
+    make_inputs=_make_inputs,
+    reference=_reference,
+    stages=_stages,
+    call=lambda q, k_cache, v_cache, cache_seqlens, k=None, v=None: (
+        flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, k, v, causal=True),
+    ),
+    outputs=("o",),
+    grad_inputs=(),
+    flops=_flops,
+    bytes=_bytes,
+    peers={"sdpa": _sdpa_peer},
+    dtypes=(torch.float16, torch.bfloat16, torch.float32),
+    describe=_describe,
+))
+
+__all__ = ["flash_attn_with_kvcache", "choose_num_splits", "sdpa_decode"]
