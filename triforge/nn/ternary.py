@@ -1,0 +1,78 @@
+"""TernaryLinear: an nn.Linear replacement holding bit-sliced ternary weights (see triforge.ops.ternary)."""
+
+import torch
+from torch import nn
+
+from triforge.ops.ternary import matmul
+from triforge.ops.ternary.tensor import TernaryTensor, WORD_BITS
+
+
+class TernaryLinear(nn.Module):
+    """y = x @ (scales * trits)^T + bias, trits in {-1, 0, 1}.
+
+    The planes ``plus`` / ``minus`` (int32 [out_features, ceil(in_features / 32)]) and ``scales`` (fp32) are
+    buffers, so ``.to()``, ``state_dict()`` and ``load_state_dict()`` carry them; ``bias`` is a Parameter.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, per_row: bool = True,
+                 device=None, dtype=None):
+        super().__init__()
+        if in_features < 1 or out_features < 1:
+            raise ValueError(f"in_features and out_features must be >= 1, got {in_features}, {out_features}")
+        self.in_features = int(in_features)
+        self.out_features = int(out_features)
+        kw = -(-self.in_features // WORD_BITS)
+        self.register_buffer("plus", torch.zeros(out_features, kw, dtype=torch.int32, device=device))
+        self.register_buffer("minus", torch.zeros(out_features, kw, dtype=torch.int32, device=device))
+        self.register_buffer("scales", torch.ones(out_features if per_row else 1, dtype=torch.float32, device=device))
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(out_features, device=device, dtype=dtype or torch.float32))
+        else:
+            self.register_parameter("bias", None)
+        self._tt = None
+
+    @classmethod
+    def from_ternary(cls, tt: TernaryTensor, bias: torch.Tensor | None = None) -> "TernaryLinear":
+        if not isinstance(tt, TernaryTensor):
+            raise TypeError(f"tt must be a TernaryTensor, got {type(tt).__name__}")
+        m = cls(tt.in_features, tt.out_features, bias=bias is not None, per_row=tt.per_row, device=tt.device,
+                dtype=bias.dtype if bias is not None else None)
+        m.plus, m.minus, m.scales = tt.plus, tt.minus, tt.scales
+        if bias is not None:
+            m.bias = nn.Parameter(bias.detach().clone().to(tt.device), requires_grad=bias.requires_grad)
+        m._tt = tt
+        return m
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, method: str = "absmean", per_row: bool = True) -> "TernaryLinear":
+        """Quantize ``linear.weight`` with ``method`` ("twn" or "absmean"); the bias is copied unchanged."""
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"linear must be an nn.Linear, got {type(linear).__name__}")
+        tt = TernaryTensor.from_float(linear.weight.detach(), method=method, per_row=per_row)
+        bias = linear.bias.detach() if linear.bias is not None else None
+        return cls.from_ternary(tt, bias)
+
+    @property
+    def ternary(self) -> TernaryTensor:
+        """A TernaryTensor over the current buffers (its sparsity metadata is cached between calls)."""
+        tt = self._tt
+        if tt is None or tt.plus is not self.plus or tt.minus is not self.minus or tt.scales is not self.scales:
+            tt = TernaryTensor(self.plus, self.minus, self.scales, (self.out_features, self.in_features),
+                               validate=False)
+            self._tt = tt
+        return tt
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        super()._load_from_state_dict(*args, **kwargs)
+        self._tt = None  # buffers were overwritten in place: metadata is stale
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return matmul(x, self.ternary, self.bias)
+
+    def extra_repr(self) -> str:
+        tt = self.ternary
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"bits_per_weight={tt.bits_per_weight():.3f}, sparsity={tt.sparsity():.3f}")
+
+
+__all__ = ["TernaryLinear"]

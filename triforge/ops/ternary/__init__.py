@@ -1,0 +1,178 @@
+"""Ternary (1.58-bit) weights: bit-sliced storage, quantizers, reference arithmetic, matmul and attention scores.
+
+``matmul(x, tt, bias=None)``: float activations [..., in_features] times a ``TernaryTensor`` -> [..., out_features]
+in x's dtype. Today it runs by dense expansion in PyTorch (``_matmul_dense``); ``_dispatch`` is where the GPU
+kernels (``kernels.py``: decode GEMV with split-K, tiled GEMM, both skipping inactive chunks) plug in.
+"""
+
+import torch
+
+from triforge.ops._checks import FLOAT_DTYPES, _dtype_names
+from triforge.ops.ternary.quantize import METHODS, quantize, quantize_absmean, quantize_twn
+from triforge.ops.ternary.tensor import CHUNK_COLS, SparsityMetadata, TernaryTensor, popcount32
+
+_ATTN_BLOCK_ELEMS = 1 << 23
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def _check_ternary(name: str, t) -> None:
+    if not isinstance(t, TernaryTensor):
+        raise TypeError(f"{name} must be a TernaryTensor, got {type(t).__name__}")
+
+
+def _check_activation(name: str, x, in_features: int, device) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must have dtype in ({_dtype_names(FLOAT_DTYPES)}), got {x.dtype}")
+    if x.dim() < 1:
+        raise ValueError(f"{name} must have at least 1 dimension [..., in_features], got shape {tuple(x.shape)}")
+    if x.shape[-1] != in_features:
+        raise ValueError(
+            f"{name} must have a last dimension of in_features={in_features}, got shape {tuple(x.shape)}"
+        )
+    if x.device != device:
+        raise ValueError(f"{name} is on {x.device} but the ternary weights are on {device}; they must share a device")
+
+
+def _check_bias(bias, out_features: int, device) -> None:
+    if bias is None:
+        return
+    if not isinstance(bias, torch.Tensor):
+        raise TypeError(f"bias must be a torch.Tensor or None, got {type(bias).__name__}")
+    if not bias.is_floating_point():
+        raise TypeError(f"bias must be a floating-point tensor, got dtype {bias.dtype}")
+    if tuple(bias.shape) != (out_features,):
+        raise ValueError(f"bias must have shape ({out_features},) (out_features), got {tuple(bias.shape)}")
+    if bias.device != device:
+        raise ValueError(f"bias is on {bias.device} but the ternary weights are on {device}; they must share a device")
+
+
+# ----------------------------------------------------------------------------- matmul
+
+
+def _matmul_dense(x2d: torch.Tensor, tt: TernaryTensor, bias=None) -> torch.Tensor:
+    """x2d [M, K] @ (scales * trits)^T (+ bias) by dense expansion to x's dtype; [M, N] in x's dtype."""
+    y = x2d @ tt.to_float(x2d.dtype).T
+    if bias is not None:
+        y = y + bias.to(x2d.dtype)
+    return y
+
+
+def _dispatch(x2d: torch.Tensor, tt: TernaryTensor):
+    """Pick the implementation for this call: a callable (x2d, tt, bias) -> y2d.
+
+    The GPU kernels plug in here: choose by device (CUDA), batch size M = x2d.shape[0] (decode GEMV with
+    split-K for small M, tiled tensor-core GEMM otherwise), and ``tt.sparsity_metadata()`` (chunk skipping),
+    falling back to dense expansion wherever a kernel would be slower than fp16 cuBLAS. Until the kernels are
+    wired, every call runs ``_matmul_dense``.
+    """
+    return _matmul_dense
+
+
+def matmul(x: torch.Tensor, tt: TernaryTensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., in_features] (fp16/bf16/fp32) @ ternary weights^T (+ bias) -> [..., out_features] in x's dtype."""
+    _check_ternary("tt", tt)
+    _check_activation("x", x, tt.in_features, tt.device)
+    _check_bias(bias, tt.out_features, tt.device)
+    lead = x.shape[:-1]
+    x2d = x.reshape(-1, tt.in_features)
+    if x2d.shape[0] == 0:
+        return x.new_empty(*lead, tt.out_features)
+    y = _dispatch(x2d, tt)(x2d, tt, bias)
+    return y.reshape(*lead, tt.out_features)
+
+
+# ----------------------------------------------------------------------------- attention scores (experimental)
+
+
+def _popcount_dot(a_plus, a_minus, b_plus, b_minus) -> torch.Tensor:
+    """int64 [A, B]: ternary row dot products a_i . b_j from word planes [A, KW] and [B, KW]."""
+    na, kw = a_plus.shape
+    nb = b_plus.shape[0]
+    out = torch.empty((na, nb), dtype=torch.int64, device=a_plus.device)
+    rows = max(1, _ATTN_BLOCK_ELEMS // max(1, nb * kw))
+    bp, bm = b_plus[None], b_minus[None]
+    for r0 in range(0, na, rows):
+        r1 = min(na, r0 + rows)
+        ap, am = a_plus[r0:r1, None], a_minus[r0:r1, None]
+        same = popcount32(ap & bp).sum(-1) + popcount32(am & bm).sum(-1)
+        diff = popcount32(ap & bm).sum(-1) + popcount32(am & bp).sum(-1)
+        out[r0:r1] = same - diff
+    return out
+
+
+def ternary_attention_scores(q_t: TernaryTensor, k_t: TernaryTensor, causal: bool = False) -> torch.Tensor:
+    """Experimental. Scores [Tq, Tk] fp32 of ternary rows q_t [Tq, D] and k_t [Tk, D]:
+
+        s[i, j] = scale_q[i] * scale_k[j] * (popc(q+ & k+) + popc(q- & k-) - popc(q+ & k-) - popc(q- & k+))
+
+    the integer part exact. ``causal`` zeroes j > i (requires Tq == Tk; no bottom-right alignment).
+    """
+    _check_ternary("q_t", q_t)
+    _check_ternary("k_t", k_t)
+    if q_t.in_features != k_t.in_features:
+        raise ValueError(f"k_t must have the head dimension of q_t ({q_t.in_features}), got {k_t.in_features}")
+    if q_t.device != k_t.device:
+        raise ValueError(f"k_t is on {k_t.device} but q_t is on {q_t.device}; they must share a device")
+    tq, tk = q_t.out_features, k_t.out_features
+    if causal and tq != tk:
+        raise ValueError(f"causal=True needs as many queries as keys (q_t has {tq} rows, k_t has {tk})")
+    dots = _popcount_dot(q_t.plus, q_t.minus, k_t.plus, k_t.minus)
+    s = dots.to(torch.float32) * q_t.row_scales()[:, None] * k_t.row_scales()[None, :]
+    if causal:
+        s = torch.tril(s)
+    return s
+
+
+def hybrid_attention_scores(q: torch.Tensor, k: torch.Tensor, threshold: float = 0.5, method: str = "absmean",
+                            causal: bool = False, return_path: bool = False):
+    """Experimental. Q K^T [Tq, Tk] choosing the ternary or float path by sparsity.
+
+    q [Tq, D] and k [Tk, D] are ternarized per row with ``method``; when both ternary tensors have
+    sparsity >= ``threshold`` the scores come from ``ternary_attention_scores`` (an approximation of
+    q @ k^T), otherwise from float q @ k^T in fp32. Returned in q's dtype (and the path, "ternary" or
+    "float", when ``return_path``). ``causal`` zeroes j > i on both paths.
+    """
+    for name, t in (("q", q), ("k", k)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"{name} must have dtype in ({_dtype_names(FLOAT_DTYPES)}), got {t.dtype}")
+        if t.dim() != 2 or t.numel() == 0:
+            raise ValueError(f"{name} must be a non-empty 2-D tensor [T, D], got shape {tuple(t.shape)}")
+    if k.shape[1] != q.shape[1]:
+        raise ValueError(f"k must have the head dimension of q ({q.shape[1]}), got shape {tuple(k.shape)}")
+    if k.device != q.device:
+        raise ValueError(f"k is on {k.device} but q is on {q.device}; they must share a device")
+    if not 0.0 <= float(threshold) <= 1.0:
+        raise ValueError(f"threshold must be in [0, 1], got {threshold}")
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if causal and q.shape[0] != k.shape[0]:
+        raise ValueError(f"causal=True needs as many queries as keys (q has {q.shape[0]} rows, k has {k.shape[0]})")
+    q_t = TernaryTensor.from_float(q, method=method, per_row=True)
+    k_t = TernaryTensor.from_float(k, method=method, per_row=True)
+    if min(q_t.sparsity(), k_t.sparsity()) >= threshold:
+        s, path = ternary_attention_scores(q_t, k_t, causal=causal), "ternary"
+    else:
+        s, path = q.float() @ k.float().T, "float"
+        if causal:
+            s = torch.tril(s)
+    s = s.to(q.dtype)
+    return (s, path) if return_path else s
+
+
+__all__ = [
+    "TernaryTensor",
+    "SparsityMetadata",
+    "CHUNK_COLS",
+    "matmul",
+    "quantize",
+    "quantize_twn",
+    "quantize_absmean",
+    "ternary_attention_scores",
+    "hybrid_attention_scores",
+]
