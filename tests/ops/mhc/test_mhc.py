@@ -1,0 +1,523 @@
+"""mHC-lite ops (``triforge.ops.mhc``): K1 fused RMSNorm + projection, K2 coefficients, K3 pre-map and
+K4 post-res against the float64 reference, forward and every gradient; the registered ops through
+``check_op``; torch.library.opcheck of the custom ops; input validation.
+
+Every kernel call runs under ``poisoned()``: outputs start as NaN, so an element the kernel never
+writes fails the comparison. Under the interpreter the project kernel uses 16-wide T/K blocks and the
+stream kernels 32-wide C blocks (BLOCK_T 4 for pre-map, 2 for post-res), so T in {1, 17, 63} and
+C in {1, 24, 40, 100} hit partial blocks, masks and multi-iteration loops.
+"""
+
+import math
+
+import pytest
+import torch
+
+import triforge  # noqa: F401  (sets TRITON_INTERPRET before triton kernels are defined)
+import triforge.ops.mhc  # noqa: F401  (registers mhc_project, mhc_pre_map, mhc_post_res)
+from triforge import registry
+from triforge.check import check_op
+from triforge.launch import poisoned
+from triforge.ops.mhc import (
+    N_PROJ,
+    coefficients,
+    fused_post_res,
+    fused_pre_map,
+    fused_rmsnorm_project,
+)
+from triforge.ops.mhc.reference import permutation_matrices, post_res_ref, pre_map_ref, rmsnorm_project_ref
+from triforge.testing import compare
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+DTYPE_IDS = ["fp32", "fp16", "bf16"]
+TS = [1, 17, 63]
+CS = [1, 24, 40, 100]
+
+
+def _cases():
+    """All 12 (T, C) pairs, each in one dtype, such that every dtype sees every T and every C:
+    dtype d gets the pairs (TS[i], CS[j]) with (i + j) % 3 == d (a Latin design; the full
+    3 x 12 grid would cost ~3x the interpreter time for little extra coverage)."""
+    out = []
+    for d, dtype in enumerate(DTYPES):
+        for i, T in enumerate(TS):
+            for j, C in enumerate(CS):
+                if (i + j) % 3 == d:
+                    out.append(pytest.param(dtype, T, C, id=f"{DTYPE_IDS[d]}-T{T}-C{C}"))
+    return out
+
+
+CASES = _cases()
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _x(shape, dtype, gen, scale=1.0):
+    return (scale * torch.randn(shape, generator=gen, dtype=torch.float64)).to(dtype)
+
+
+def _W(C, gen, rows=N_PROJ):
+    return (torch.randn(rows, 4 * C, generator=gen, dtype=torch.float64) / (4 * C) ** 0.5).float()
+
+
+def _to64(t):
+    return t.detach().to(torch.float64)
+
+
+def _assert_ok(*results):
+    for r in results:
+        assert r.ok, r.line()
+
+
+def _leaf(t):
+    return t.detach().clone().requires_grad_(True)
+
+
+def _grads(outs, leaves, upstream):
+    """autograd.grad with unused leaves given zero gradients (compare needs a tensor)."""
+    gs = torch.autograd.grad(outs, leaves, upstream, allow_unused=True)
+    return [torch.zeros_like(l) if g is None else g for g, l in zip(gs, leaves)]
+
+
+# ----------------------------------------------------------------------------- K1: RMSNorm + projection
+
+
+def _check_project(x_flat, W, gen, *, eps=1e-6, use=("proj", "inv")):
+    """Forward and (dx, dW) of the project op against float64 autograd through the reference,
+    with a random upstream gradient on the outputs named in ``use``."""
+    dtype = x_flat.dtype
+    T = x_flat.shape[0]
+    upstream = {"proj": _x((T, N_PROJ), torch.float32, gen), "inv": _x((T,), torch.float32, gen)}
+
+    x64, W64 = _leaf(_to64(x_flat)), _leaf(_to64(W))
+    p64, i64 = rmsnorm_project_ref(x64, W64, eps)
+    named64 = {"proj": p64, "inv": i64}
+    ref_dx, ref_dW = _grads([named64[k] for k in use], [x64, W64], [_to64(upstream[k]) for k in use])
+
+    xk, Wk = _leaf(x_flat), _leaf(W)
+    with poisoned():
+        proj, inv = fused_rmsnorm_project(xk, Wk, eps)
+        named = {"proj": proj, "inv": inv}
+        dx, dW = _grads([named[k] for k in use], [xk, Wk], [upstream[k] for k in use])
+
+    assert proj.shape == (T, N_PROJ) and proj.dtype == torch.float32
+    assert inv.shape == (T,) and inv.dtype == torch.float32
+    assert dx.shape == x_flat.shape and dx.dtype == dtype
+    assert dW.shape == W.shape and dW.dtype == torch.float32
+    _assert_ok(
+        compare("proj", p64, proj, dtype=dtype, verbose=False),
+        compare("inv_rms", i64, inv, dtype=dtype, verbose=False),
+        compare("dx", ref_dx, dx, dtype=dtype, verbose=False),
+        compare("dW", ref_dW, dW, dtype=dtype, verbose=False),
+    )
+    return dx, dW
+
+
+@pytest.mark.parametrize("dtype,T,C", CASES)
+def test_project_forward_and_gradients(dtype, T, C, gen):
+    """Both outputs used downstream (d inv_rms != 0): the inv_rms^3 term of dx is exercised."""
+    _check_project(_x((T, 4 * C), dtype, gen), _W(C, gen), gen)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("use", [("proj",), ("inv",)], ids=["proj-only", "inv-only"])
+def test_project_gradients_one_output_used(use, dtype, gen):
+    """Only proj used (autograd hands the backward d inv_rms = None), or only inv_rms (d proj = None:
+    dW must be exactly zero and dx is the pure RMS term)."""
+    T, C = 17, 24
+    dx, dW = _check_project(_x((T, 4 * C), dtype, gen), _W(C, gen), gen, use=use)
+    if use == ("inv",):
+        assert torch.count_nonzero(dW) == 0
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("scale,eps", [(1e-3, 1e-6), (30.0, 1e-6), (1.0, 0.5)], ids=["small-x", "large-x", "large-eps"])
+def test_project_scales_and_eps(scale, eps, dtype, gen):
+    """x at 1e-3 (eps is 1/1000 of the mean square: an ignored eps shows in fp32), x at 30 (x^2 summed
+    in fp32, the 16-bit split of inv_rms * dproj still in range) and eps comparable to the mean square."""
+    T, C = 17, 40
+    _check_project(_x((T, 4 * C), dtype, gen, scale), _W(C, gen), gen, eps=eps)
+
+
+def test_project_w_is_used_in_full_precision(gen):
+    """With 16-bit streams W is split into hi + lo 16-bit parts: proj keeps ~16 mantissa bits of W,
+    far more than a plain cast of W to bf16 (2^-8) would give."""
+    T, C = 17, 40
+    x = _x((T, 4 * C), torch.bfloat16, gen)
+    W = _W(C, gen)
+    p64, _ = rmsnorm_project_ref(_to64(x), _to64(W))
+    with poisoned():
+        proj, _ = fused_rmsnorm_project(x, W)
+    rel = float((proj.double() - p64).norm() / p64.norm())
+    assert rel < 1e-4, rel
+
+
+# ----------------------------------------------------------------------------- K3: pre-map
+
+
+@pytest.mark.parametrize("dtype,T,C", CASES)
+def test_pre_map_forward_and_gradients(dtype, T, C, gen):
+    x = _x((T, 4, C), dtype, gen)
+    h = _x((T, 4), torch.float32, gen)  # any real weights (signs included), not only sigmoid outputs
+    dy = _x((T, C), dtype, gen)
+
+    x64, h64 = _leaf(_to64(x)), _leaf(_to64(h))
+    y64 = pre_map_ref(x64, h64)
+    ref_dx, ref_dh = torch.autograd.grad(y64, [x64, h64], _to64(dy))
+
+    xk, hk = _leaf(x), _leaf(h)
+    with poisoned():
+        y = fused_pre_map(xk, hk)
+        dx, dh = torch.autograd.grad(y, [xk, hk], dy)
+    assert y.shape == (T, C) and y.dtype == dtype
+    assert dx.shape == x.shape and dx.dtype == dtype
+    assert dh.shape == h.shape and dh.dtype == torch.float32
+    _assert_ok(
+        compare("y", y64, y, dtype=dtype, verbose=False),
+        compare("dx", ref_dx, dx, dtype=dtype, verbose=False),
+        compare("dh_pre", ref_dh, dh, dtype=dtype, verbose=False),
+    )
+
+
+# ----------------------------------------------------------------------------- K4: post-res
+
+
+def _post_res_inputs(T, C, dtype, gen):
+    x = _x((T, 4, C), dtype, gen)
+    f = _x((T, C), dtype, gen)
+    H = _x((T, 4, 4), torch.float32, gen)  # a general (non-symmetric) matrix: a transposed H fails
+    hp = _x((T, 4), torch.float32, gen)
+    return x, f, H, hp
+
+
+@pytest.mark.parametrize("dtype,T,C", CASES)
+def test_post_res_forward_and_gradients(dtype, T, C, gen):
+    x, f, H, hp = _post_res_inputs(T, C, dtype, gen)
+    g = _x((T, 4, C), dtype, gen)
+
+    leaves64 = [_leaf(_to64(t)) for t in (x, f, H, hp)]
+    y64 = post_res_ref(*leaves64)
+    ref = torch.autograd.grad(y64, leaves64, _to64(g))
+
+    leaves = [_leaf(t) for t in (x, f, H, hp)]
+    with poisoned():
+        y = fused_post_res(*leaves)
+        got = torch.autograd.grad(y, leaves, g)
+    assert y.shape == x.shape and y.dtype == dtype
+    for name, t, gt in zip(("dx", "dlayer_output", "dH", "dh_post"), (x, f, H, hp), got):
+        assert gt.shape == t.shape and gt.dtype == t.dtype, name
+    _assert_ok(compare("y", y64, y, dtype=dtype, verbose=False))
+    for name, r, gt in zip(("dx", "dlayer_output", "dH", "dh_post"), ref, got):
+        _assert_ok(compare(name, r, gt, dtype=dtype, verbose=False))
+
+
+def test_post_res_noncontiguous_coefficients_and_layer_output(gen):
+    """Only x_streams must be contiguous: a transposed layer_output / H_merged / h_post is accepted
+    and read correctly (the op makes them contiguous)."""
+    T, C = 17, 24
+    x, f, H, hp = _post_res_inputs(T, C, torch.float32, gen)
+    f_nc = f.t().contiguous().t()
+    H_nc = H.transpose(1, 2).contiguous().transpose(1, 2)
+    hp_nc = hp.t().contiguous().t()
+    assert not (f_nc.is_contiguous() or H_nc.is_contiguous() or hp_nc.is_contiguous())
+    with poisoned():
+        y = fused_post_res(x, f_nc, H_nc, hp_nc)
+    _assert_ok(compare("y", post_res_ref(_to64(x), _to64(f), _to64(H), _to64(hp)), y, verbose=False))
+
+
+def test_noncontiguous_upstream_gradients(gen):
+    """Upstream gradients that are expanded / transposed views reach the backward kernels intact."""
+    T, C = 17, 24
+    x = _x((T, 4, C), torch.float32, gen)
+    h = _x((T, 4), torch.float32, gen)
+    dy = _x((C, T), torch.float32, gen).t()  # transposed view
+    xk, hk = _leaf(x), _leaf(h)
+    with poisoned():
+        y = fused_pre_map(xk, hk)
+        dx, dh = torch.autograd.grad(y, [xk, hk], dy)
+    x64, h64 = _leaf(_to64(x)), _leaf(_to64(h))
+    rdx, rdh = torch.autograd.grad(pre_map_ref(x64, h64), [x64, h64], _to64(dy))
+    _assert_ok(compare("dx", rdx, dx, verbose=False), compare("dh", rdh, dh, verbose=False))
+
+    x, f, H, hp = _post_res_inputs(T, C, torch.float32, gen)
+    g = _x((T, C), torch.float32, gen)[:, None, :].expand(T, 4, C)  # stride 0 over the streams
+    leaves = [_leaf(t) for t in (x, f, H, hp)]
+    with poisoned():
+        got = torch.autograd.grad(fused_post_res(*leaves), leaves, g)
+    leaves64 = [_leaf(_to64(t)) for t in (x, f, H, hp)]
+    ref = torch.autograd.grad(post_res_ref(*leaves64), leaves64, _to64(g))
+    for name, r, gt in zip(("dx", "df", "dH", "dh_post"), ref, got):
+        _assert_ok(compare(name, r, gt, verbose=False))
+
+
+# ----------------------------------------------------------------------------- K2: coefficients
+
+
+def _random_coeff_params(gen):
+    return dict(
+        alpha_pre=torch.rand((), generator=gen) * 2,
+        alpha_post=torch.rand((), generator=gen) * 2,
+        alpha_res=torch.rand((), generator=gen) * 2,
+        b_pre=torch.randn(4, generator=gen),
+        b_post=torch.randn(4, generator=gen),
+        b_res=torch.randn(24, generator=gen) * 3,
+    )
+
+
+def _assert_coefficient_ranges(h_pre, h_post, H, T):
+    assert h_pre.shape == (T, 4) and h_post.shape == (T, 4) and H.shape == (T, 4, 4)
+    assert ((h_pre > 0) & (h_pre < 1)).all()
+    assert ((h_post > 0) & (h_post < 2)).all()
+    assert ((H >= 0) & (H <= 1 + 1e-6)).all()  # a sum of 6 softmax weights: 1 + an ulp at most
+    ones = torch.ones(T, 4, dtype=H.dtype)
+    torch.testing.assert_close(H.sum(-1), ones, rtol=0, atol=1e-5)  # rows
+    torch.testing.assert_close(H.sum(-2), ones, rtol=0, atol=1e-5)  # columns
+
+
+def test_coefficients_ranges_and_doubly_stochastic(gen):
+    T = 29
+    # logits within ~+-12: fp32 sigmoid is still strictly inside (0, 1) (it rounds to 1 above ~16.6)
+    proj = _x((T, N_PROJ), torch.float32, gen, scale=1.5)
+    params = _random_coeff_params(gen)
+    h_pre, h_post, H = coefficients(proj, **params)
+    _assert_coefficient_ranges(h_pre, h_post, H, T)
+    # and they are what the definition says, in float64
+    p = {k: _to64(v) for k, v in params.items()}
+    P = permutation_matrices(dtype=torch.float64)
+    a = torch.softmax(p["alpha_res"] * _to64(proj)[:, 8:] + p["b_res"], -1)
+    _assert_ok(
+        compare("h_pre", torch.sigmoid(p["alpha_pre"] * _to64(proj)[:, :4] + p["b_pre"]), h_pre, verbose=False),
+        compare("h_post", 2 * torch.sigmoid(p["alpha_post"] * _to64(proj)[:, 4:8] + p["b_post"]), h_post, verbose=False),
+        compare("H_res", torch.einsum("tk,kij->tij", a, P), H, verbose=False),
+    )
+
+
+def test_coefficients_saturated_logits_stay_in_range(gen):
+    """Logits of +-60: sigmoid / softmax saturate, and H_res stays a (near-)permutation matrix."""
+    T = 9
+    proj = 60.0 * torch.sign(_x((T, N_PROJ), torch.float32, gen))
+    params = _random_coeff_params(gen)
+    params.update(alpha_pre=torch.tensor(1.0), alpha_post=torch.tensor(1.0), alpha_res=torch.tensor(1.0))
+    h_pre, h_post, H = coefficients(proj, **params)
+    assert ((h_pre >= 0) & (h_pre <= 1)).all() and ((h_post >= 0) & (h_post <= 2)).all()
+    assert H.isfinite().all() and ((H >= 0) & (H <= 1 + 1e-6)).all()
+    ones = torch.ones(T, 4)
+    torch.testing.assert_close(H.sum(-1), ones, rtol=0, atol=1e-5)
+    torch.testing.assert_close(H.sum(-2), ones, rtol=0, atol=1e-5)
+
+
+def test_permutation_matrices():
+    P = permutation_matrices()
+    assert P.shape == (24, 4, 4)
+    torch.testing.assert_close(P[0], torch.eye(4), rtol=0, atol=0)
+    assert (P.sum(-1) == 1).all() and (P.sum(-2) == 1).all()
+    assert len({tuple(p.flatten().tolist()) for p in P}) == 24  # all distinct
+
+
+def test_coefficients_at_block_init(gen):
+    """At MHCLiteBlock's init W = 0, so proj = 0: h_pre = sigmoid(b_pre) = sigmoid([1, -1, -1, -1]),
+    h_post = 2 sigmoid([1, -1, -1, -1]) and H_res ~ identity (off-identity permutation logits -8)."""
+    from triforge.nn.mhc import MHCLiteBlock
+
+    T, C = 7, 24
+    block = MHCLiteBlock(torch.nn.Identity(), C)
+    assert torch.count_nonzero(block.W) == 0
+    x = _x((T, 4 * C), torch.float32, gen)
+    with poisoned():
+        proj, _ = fused_rmsnorm_project(x, block.W.detach())
+    assert torch.count_nonzero(proj) == 0
+    with torch.no_grad():
+        h_pre, h_post, H = coefficients(proj, block.alpha_pre, block.alpha_post, block.alpha_res,
+                                        block.b_pre, block.b_post, block.b_res)
+    _assert_coefficient_ranges(h_pre, h_post, H, T)
+    b = torch.tensor([1.0, -1.0, -1.0, -1.0])
+    torch.testing.assert_close(h_pre, torch.sigmoid(b).expand(T, 4), rtol=0, atol=1e-7)
+    torch.testing.assert_close(h_post, (2 * torch.sigmoid(b)).expand(T, 4), rtol=0, atol=1e-7)
+    # softmax over 24 logits (0, -8 x 23): the identity weighs a0, every other permutation ak.
+    # Each off-diagonal (i, j) is hit by 3! = 6 permutations, each diagonal entry by the identity + 5.
+    z = 1 + 23 * math.exp(-8)
+    a0, ak = 1 / z, math.exp(-8) / z
+    expected = (a0 + 5 * ak) * torch.eye(4) + 6 * ak * (1 - torch.eye(4))
+    torch.testing.assert_close(H, expected.expand(T, 4, 4), rtol=0, atol=1e-6)
+    assert (H.diagonal(dim1=-2, dim2=-1) > 0.99).all() and (H - torch.eye(4)).abs().max() < 0.01
+
+
+# ----------------------------------------------------------------------------- registry / opcheck
+
+
+def _mhc_cases():
+    return [(registry._OPS[name], dt) for name in ("mhc_project", "mhc_pre_map", "mhc_post_res") for dt in DTYPES]
+
+
+@pytest.mark.parametrize(
+    "spec,dtype", _mhc_cases(), ids=[f"{s.name}-{str(d).replace('torch.', '')}" for s, d in _mhc_cases()]
+)
+def test_registered_mhc_ops_pass_check(spec, dtype, gen):
+    seed = int(torch.randint(0, 2**31 - 1, (1,), generator=gen))
+    result = check_op(spec, dtype, seed=seed)
+    assert result.error is None, result.error
+    assert result.ok, f"seed {seed}\n" + "\n".join(r.line() for r in result.results)
+    names = [r.name for r in result.results]
+    fwd = [n.removeprefix("fwd.") for n in names if n.startswith("fwd.")]
+    assert set(spec.outputs) <= set(fwd)
+    assert names == [f"fwd.{n}" for n in fwd] + [f"bwd.d{k}" for k in spec.grad_inputs]
+
+
+def test_mhc_ops_registered():
+    assert {"mhc_project", "mhc_pre_map", "mhc_post_res"} <= set(registry._OPS)
+    assert all(registry._OPS[n].family == "mhc" for n in ("mhc_project", "mhc_pre_map", "mhc_post_res"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_custom_ops_pass_opcheck(dtype, gen):
+    """torch.library.opcheck: schema, fakes, autograd registration and AOT dispatch of all six ops."""
+    T, C = 5, 8
+    x = _x((T, 4, C), dtype, gen)
+    W = _W(C, gen)
+    h = _x((T, 4), torch.float32, gen)
+    f = _x((T, C), dtype, gen)
+    H = _x((T, 4, 4), torch.float32, gen)
+    ops = torch.ops.triforge
+    torch.library.opcheck(ops.fused_rmsnorm_project.default,
+                          (x.view(T, 4 * C).clone().requires_grad_(), W.clone().requires_grad_(), 1e-6))
+    torch.library.opcheck(ops.fused_pre_map.default, (x.clone().requires_grad_(), h.clone().requires_grad_()))
+    torch.library.opcheck(ops.fused_post_res.default, tuple(t.clone().requires_grad_() for t in (x, f, H, h)))
+    proj, inv = ops.fused_rmsnorm_project(x.view(T, 4 * C), W, 1e-6)
+    dproj, dinv = _x((T, N_PROJ), torch.float32, gen), _x((T,), torch.float32, gen)
+    torch.library.opcheck(ops.fused_rmsnorm_project_bwd.default, (x.view(T, 4 * C), W, proj, inv, dproj, dinv))
+    torch.library.opcheck(ops.fused_rmsnorm_project_bwd.default, (x.view(T, 4 * C), W, proj, inv, dproj, None))
+    torch.library.opcheck(ops.fused_pre_map_bwd.default, (f, x, h))
+    torch.library.opcheck(ops.fused_post_res_bwd.default, (_x((T, 4, C), dtype, gen), x, f, H, h))
+
+
+def test_torch_compile_ops_fullgraph_dynamic(gen):
+    """The fakes follow symbolic shapes: one compiled graph of all three ops serves several T."""
+    C = 24
+
+    def f(x, W, b):
+        T = x.shape[0]
+        proj, inv = fused_rmsnorm_project(x.view(T, 4 * C), W)
+        h_pre, h_post, H = coefficients(proj, 1.0, 1.0, 1.0, b[:4], b[4:8], b[8:])
+        y = fused_pre_map(x, h_pre.contiguous())
+        return fused_post_res(x, torch.tanh(y), H.contiguous(), h_post.contiguous()) * inv[:, None, None]
+
+    cf = torch.compile(f, fullgraph=True, backend="aot_eager", dynamic=True)
+    W, b = _W(C, gen), _x((N_PROJ,), torch.float32, gen)
+    for T in (3, 17, 2):
+        x = _x((T, 4, C), torch.float32, gen)
+        leaves = [_leaf(x), _leaf(W), _leaf(b)]
+        g = _x((T, 4, C), torch.float32, gen)
+        with poisoned():
+            out = cf(*leaves)
+            grads = torch.autograd.grad(out, leaves, g)
+        leaves64 = [_leaf(_to64(t)) for t in (x, W, b)]
+        x64, W64, b64 = leaves64
+        p64, i64 = rmsnorm_project_ref(x64.view(T, 4 * C), W64)
+        hp, hq, H64 = coefficients(p64, 1.0, 1.0, 1.0, b64[:4], b64[4:8], b64[8:])
+        out64 = post_res_ref(x64, torch.tanh(pre_map_ref(x64, hp)), H64, hq) * i64[:, None, None]
+        ref = torch.autograd.grad(out64, leaves64, _to64(g))
+        _assert_ok(compare("out", out64, out, verbose=False))
+        for name, r, gt in zip(("dx", "dW", "db"), ref, grads):
+            _assert_ok(compare(name, r, gt, verbose=False))
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def _bad_cases():
+    T, C = 5, 8
+
+    def xs(shape=(T, 4, C), dtype=torch.float32):
+        return torch.randn(shape).to(dtype)
+
+    def co(shape, dtype=torch.float32):
+        return torch.randn(shape).to(dtype)
+
+    W = lambda shape=(N_PROJ, 4 * C), dtype=torch.float32: torch.randn(shape).to(dtype)  # noqa: E731
+    transposed = torch.randn(T, C, 4).transpose(1, 2)  # [T, 4, C], not contiguous
+    post = lambda **kw: dict(dict(x_streams=xs(), layer_output=xs((T, C)), H_merged=co((T, 4, 4)), h_post=co((T, 4))), **kw)  # noqa: E731
+    pre = lambda **kw: dict(dict(x_streams=xs(), h_pre=co((T, 4))), **kw)  # noqa: E731
+    proj = lambda **kw: dict(dict(x_flat=xs((T, 4 * C)), W=W()), **kw)  # noqa: E731
+    P, R, K = fused_post_res, fused_pre_map, fused_rmsnorm_project
+    return [
+        # n != 4
+        ("pre-3-streams", R, pre(x_streams=xs((T, 3, C)), h_pre=co((T, 3))), ValueError, "x_streams"),
+        ("post-3-streams", P, post(x_streams=xs((T, 3, C))), ValueError, "x_streams"),
+        ("pre-2d-streams", R, pre(x_streams=xs((T, 4 * C))), ValueError, "x_streams"),
+        ("project-width-not-4C", K, dict(x_flat=xs((T, 10)), W=W((N_PROJ, 10))), ValueError, "x_flat"),
+        # mismatched T / C
+        ("pre-h_pre-T", R, pre(h_pre=co((T + 1, 4))), ValueError, "h_pre"),
+        ("pre-h_pre-n", R, pre(h_pre=co((T, 3))), ValueError, "h_pre"),
+        ("pre-h_pre-1d", R, pre(h_pre=co((4,))), ValueError, "h_pre"),
+        ("post-layer_output-T", P, post(layer_output=xs((T + 1, C))), ValueError, "layer_output"),
+        ("post-layer_output-C", P, post(layer_output=xs((T, C + 1))), ValueError, "layer_output"),
+        ("post-layer_output-3d", P, post(layer_output=xs((T, 1, C))), ValueError, "layer_output"),
+        ("post-H_merged-T", P, post(H_merged=co((T + 1, 4, 4))), ValueError, "H_merged"),
+        ("post-H_merged-n", P, post(H_merged=co((T, 4, 3))), ValueError, "H_merged"),
+        ("post-h_post-T", P, post(h_post=co((T - 1, 4))), ValueError, "h_post"),
+        ("post-h_post-n", P, post(h_post=co((T, 5))), ValueError, "h_post"),
+        # dtypes
+        ("pre-fp64-streams", R, pre(x_streams=xs(dtype=torch.float64)), TypeError, "x_streams"),
+        ("post-fp64-streams", P, post(x_streams=xs(dtype=torch.float64), layer_output=xs((T, C), torch.float64)), TypeError, "x_streams"),
+        ("project-fp64-x", K, proj(x_flat=xs((T, 4 * C), torch.float64)), TypeError, "x_flat"),
+        ("pre-int-streams", R, pre(x_streams=torch.ones(T, 4, C, dtype=torch.int32)), TypeError, "x_streams"),
+        ("pre-bf16-h_pre", R, pre(h_pre=co((T, 4), torch.bfloat16)), TypeError, "h_pre"),
+        ("post-bf16-H_merged", P, post(H_merged=co((T, 4, 4), torch.bfloat16)), TypeError, "H_merged"),
+        ("post-bf16-h_post", P, post(h_post=co((T, 4), torch.bfloat16)), TypeError, "h_post"),
+        ("post-fp64-h_post", P, post(h_post=co((T, 4), torch.float64)), TypeError, "h_post"),
+        ("post-layer_output-dtype", P, post(x_streams=xs(dtype=torch.bfloat16)), TypeError, "layer_output"),
+        ("project-fp16-W", K, proj(W=W(dtype=torch.float16)), TypeError, "W"),
+        ("project-bf16-W", K, proj(x_flat=xs((T, 4 * C), torch.bfloat16), W=W(dtype=torch.bfloat16)), TypeError, "W"),
+        ("pre-list-h_pre", R, pre(h_pre=[[0.5] * 4] * T), TypeError, "h_pre"),
+        # non-contiguous streams
+        ("pre-transposed-streams", R, pre(x_streams=transposed), ValueError, "x_streams"),
+        ("post-transposed-streams", P, post(x_streams=transposed), ValueError, "x_streams"),
+        ("project-transposed-x", K, proj(x_flat=torch.randn(4 * C, T).t()), ValueError, "x_flat"),
+        # W shape
+        ("project-W-cols", K, proj(W=W((N_PROJ, 4 * C + 4))), ValueError, "W"),
+        ("project-W-rows-33", K, proj(W=W((N_PROJ + 1, 4 * C))), ValueError, "W"),
+        ("project-W-rows-31", K, proj(W=W((N_PROJ - 1, 4 * C))), ValueError, "W"),
+        ("project-W-1d", K, proj(W=W((4 * C,))), ValueError, "W"),
+        ("project-W-3d", K, proj(W=W((1, N_PROJ, 4 * C))), ValueError, "W"),
+        # eps
+        ("project-zero-eps", K, proj(eps=0.0), ValueError, "eps"),
+        ("project-negative-eps", K, proj(eps=-1e-6), ValueError, "eps"),
+        ("project-nan-eps", K, proj(eps=float("nan")), ValueError, "eps"),
+        # empty
+        ("pre-empty", R, pre(x_streams=xs((0, 4, C)), h_pre=co((0, 4))), ValueError, "x_streams"),
+    ]
+
+
+_BAD = _bad_cases()
+
+
+@pytest.mark.parametrize("fn,kwargs,exc,arg", [c[1:] for c in _BAD], ids=[c[0] for c in _BAD])
+def test_bad_input_names_the_argument(fn, kwargs, exc, arg):
+    with pytest.raises(exc, match=rf"^{arg}\b"):
+        fn(**kwargs)
+
+
+@pytest.mark.parametrize("rows", [16, 64])
+@pytest.mark.xfail(
+    strict=True,
+    reason="triforge/ops/mhc/__init__.py _validate_project: `W.shape[0] not in (16, 32, 64)` accepts "
+    "W with 16 or 64 rows although the public contract (docstring: W [32, n*C]) and the check's own "
+    "error message ('W must have 32 rows (2n + n! for n = 4)') require exactly 32",
+)
+def test_project_rejects_w_with_16_or_64_rows(rows, gen):
+    C = 8
+    with pytest.raises(ValueError, match=r"^W\b"):
+        fused_rmsnorm_project(_x((5, 4 * C), torch.float32, gen), _W(C, gen, rows=rows))
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="triforge/ops/mhc/__init__.py _validate_project: `if not eps > 0` on a str eps raises "
+    "TypeError(\"'>' not supported between instances of 'str' and 'int'\"), which does not name eps "
+    "(triforge/ops/_checks.py: every error names the argument)",
+)
+def test_project_str_eps_names_the_argument(gen):
+    C = 8
+    with pytest.raises((TypeError, ValueError), match=r"^eps\b"):
+        fused_rmsnorm_project(_x((5, 4 * C), torch.float32, gen), _W(C, gen), "1e-6")
