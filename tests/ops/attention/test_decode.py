@@ -162,6 +162,13 @@ def test_many_new_tokens(gen):
                    num_splits=2)
 
 
+def test_many_query_rows(gen):
+    """G * Sq = 8 * 9 = 72 query rows per kv head: two row blocks (64 rows a tile) share each split,
+    and only the first writes the new rows."""
+    _run_and_check(*_inputs(gen, B=2, Sq=9, H=16, Hkv=2, D=64, S=40, Sn=9, dtype=torch.float16, seqlens=[0, 31]),
+                   num_splits=2)
+
+
 def test_large_scores_stay_finite(gen):
     """|q.k| * scale ~ 1e4 (lse in the thousands): the online max and the merge keep everything finite and right."""
     q, kc, vc, sl, k, v = _inputs(gen, B=2, Sq=1, H=4, Hkv=2, D=64, S=40, Sn=1, dtype=torch.float16, q_scale=3000.0)
@@ -429,3 +436,125 @@ def test_cache_seqlens_device(gen):
     q, kc, vc, sl, _, _ = _inputs(gen, Sn=0)
     with pytest.raises(ValueError, match="cache_seqlens"):
         flash_attn_with_kvcache(q, kc, vc, sl.to("meta"))
+
+
+# ----------------------------------------------------------------------------- compiled for sm90 (no GPU needed)
+
+_SM90_COMPILE = r'''
+import json, os, re, subprocess, sys, tempfile
+os.environ["TRITON_INTERPRET"] = "0"  # real @triton.jit kernels, compiled for sm90 without a device
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler.compiler import ASTSource
+from triforge.ops.attention import decode as dec
+
+PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+
+
+def compile_(fn, ptrs, floats, consts, cfg):
+    names = fn.arg_names
+    sig = {n: ("constexpr" if n in consts else ptrs.get(n, "fp32" if n in floats else "i32")) for n in names}
+    # as a launch specialises them: pointers and strides divisible by 16
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if n in ptrs or n.startswith("stride")}
+    k = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", 90, 32),
+                       options=cfg)
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(k.asm["ptx"])
+    out = subprocess.run([PTXAS, "-v", "--gpu-name", "sm_90a", f.name, "-o", os.devnull], capture_output=True,
+                         text=True, check=True)
+    txt = out.stdout + out.stderr
+    return {"regs": int(re.search(r"Used (\d+) registers", txt).group(1)),
+            "spills": int(re.search(r"(\d+) bytes spill stores", txt).group(1)),
+            "cp_async": k.asm["ptx"].count("cp.async."), "shared": k.metadata.shared}
+
+
+rows = []
+for dtype, D, G, Sq, append, causal in json.loads(sys.argv[1]):
+    dtype = getattr(torch, dtype)
+    t = TYPES[dtype]
+    m_rows = G * Sq
+    bm = dec._block_m(m_rows)
+    sc = dec._split_config(D, dtype, bm)
+    ptrs = {n: "*" + t for n in ("q_ptr", "kc_ptr", "vc_ptr", "kn_ptr", "vn_ptr")}
+    ptrs.update({"acc_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32", "seqlens_ptr": "*i32"})
+    consts = dict(HKV=2, GROUP=G, HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=sc["BLOCK_N"], BLOCK_NEW=16, CAUSAL=causal,
+                  APPEND=append, UPCAST=False, IEEE=dtype == torch.float32)
+    r = compile_(dec.flash_decode_split_kernel, ptrs, ("qk_scale",), consts,
+                 {"num_warps": sc["num_warps"], "num_stages": sc["num_stages"]})
+    rows.append(dict(r, kernel="split", dtype=t, D=D, G=G, Sq=Sq))
+    mc = dec._merge_config(D, dtype)
+    ptrs = {"acc_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32", "o_ptr": "*" + t, "lse_ptr": "*fp32"}
+    consts = dict(H=2 * G, HKV=2, GROUP=G, HEAD_DIM=D, BLOCK_S=mc["BLOCK_S"])
+    r = compile_(dec.flash_decode_merge_kernel, ptrs, (), consts, {"num_warps": mc["num_warps"], "num_stages": 1})
+    rows.append(dict(r, kernel="merge", dtype=t, D=D, G=G, Sq=Sq))
+print("RESULT" + json.dumps(rows))
+'''
+
+
+def test_kernels_compile_for_sm90_without_spills():
+    """The kernels as the H100 would build them (TRITON_INTERPRET=0, sm90 target, the launch configs'
+    fallbacks, ptxas from the triton wheel): they compile, spill nothing, and the 16-bit split kernel's
+    K/V loads are software-pipelined (cp.async). The interpreter never compiles them; this does."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    import triton
+
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    if not os.path.exists(ptxas):
+        pytest.skip("triton's bundled ptxas is not installed")
+    cases = [
+        ("bfloat16", 128, 8, 1, True, False),
+        ("float16", 64, 1, 3, False, True),
+        ("bfloat16", 64, 4, 16, True, True),
+        ("float32", 128, 2, 1, True, False),
+    ]
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    out = subprocess.run([sys.executable, "-c", _SM90_COMPILE, json.dumps(cases)], capture_output=True, text=True,
+                         env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = json.loads(out.stdout.split("RESULT", 1)[1])
+    for r in rows:
+        assert r["spills"] == 0, r
+        if r["kernel"] == "split" and r["dtype"] != "fp32":
+            assert r["cp_async"] > 0, r
+            assert r["shared"] <= 120 * 1024, r
+
+
+# ----------------------------------------------------------------------------- compiled, on the GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("B,S,Sq", [(1, 4096, 1), (8, 4096, 1), (3, 2048, 4)])
+def test_gpu_heuristic_splits(B, S, Sq, dtype, gen):
+    """Compiled kernels at decode shapes with the heuristic split count, random row lengths."""
+    q, kc, vc, sl, k, v = _inputs(gen, B=B, Sq=Sq, H=16, Hkv=2, D=128, S=S, Sn=Sq, dtype=dtype)
+    _run_and_check(*(t.cuda() if t is not None else None for t in (q, kc, vc, sl, k, v)))
+
+
+@pytest.mark.gpu
+def test_gpu_cache_past_2gib(gen):
+    """A cache of more than 2**31 bytes: the last row's keys (and its appended token) lie past
+    2 GiB from the base pointer, so 32-bit address arithmetic would read or write elsewhere."""
+    B, S, Hkv, D = 4, 270000, 8, 128
+    dtype = torch.bfloat16
+    kc = torch.randn(B, S, Hkv, D, device="cuda", dtype=dtype)
+    vc = torch.randn(B, S, Hkv, D, device="cuda", dtype=dtype)
+    assert kc.numel() * kc.element_size() > 2**31
+    q = torch.randn(B, 1, Hkv, D, device="cuda", dtype=dtype)
+    k = torch.randn(B, 1, Hkv, D, device="cuda", dtype=dtype)
+    v = torch.randn(B, 1, Hkv, D, device="cuda", dtype=dtype)
+    sl = torch.tensor([5, 100, 1000, S - 1], dtype=torch.int32, device="cuda")
+    with poisoned():
+        o, lse = flash_attn_with_kvcache(q, kc, vc, sl, k, v, return_lse=True)
+    assert torch.equal(kc[3, S - 1], k[3, 0]) and torch.equal(vc[3, S - 1], v[3, 0])
+    b = slice(3, 4)
+    ref, _, _ = kvcache_attention_ref(_d(q[b]), _d(kc[b]), _d(vc[b]), sl[b], _d(k[b]), _d(v[b]))
+    _assert_ok(compare("lse", ref["lse"], lse[b], dtype=dtype, verbose=False))
+    _assert_ok(compare("o", ref["o"], o[b], dtype=dtype, verbose=False))

@@ -172,8 +172,9 @@ def flash_decode_split_kernel(
             b_v = tl.load(p_vn + o_t64[:, None] * stride_vns + o_d[None, :], mask=m_t[:, None], other=0.0)
             o_pos = n_cache + o_t
             o_pos64 = o_pos.to(tl.int64)
-            tl.store(p_k + o_pos64[:, None] * stride_ks + o_d[None, :], b_k, mask=m_t[:, None])
-            tl.store(p_v + o_pos64[:, None] * stride_vs + o_d[None, :], b_v, mask=m_t[:, None])
+            m_w = (m_t & (i_mb == 0))[:, None]  # one writer per row even with several row blocks
+            tl.store(p_k + o_pos64[:, None] * stride_ks + o_d[None, :], b_k, mask=m_w)
+            tl.store(p_v + o_pos64[:, None] * stride_vs + o_d[None, :], b_v, mask=m_w)
             b_m, b_l, b_acc = _attend_block(
                 b_q, b_k, b_v, o_pos, m_t, lim, b_m, b_l, b_acc, qk_scale, CAUSAL, UPCAST, IEEE
             )
