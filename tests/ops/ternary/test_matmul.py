@@ -1,0 +1,146 @@
+"""triforge.ternary.matmul and the ternary attention scores against float64 dense expansion."""
+
+import pytest
+import torch
+
+from triforge.launch import poisoned
+from triforge.ops.ternary.reference import attention_scores_ref, matmul_dense_ref
+from triforge.ops.ternary.tensor import CHUNK_COLS
+from triforge.ternary import TernaryTensor, hybrid_attention_scores, matmul, ternary_attention_scores
+from triforge.testing import compare
+
+from .test_tensor import random_scales, random_trits
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+IDS = ["fp32", "fp16", "bf16"]
+
+
+def _x(shape, dtype, device, gen):
+    return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+@pytest.mark.parametrize("k", [1, 31, 33, 100, 2049])
+def test_matmul_vs_dense_f64(k, dtype, device, gen):
+    n = 24
+    tt = TernaryTensor.from_trits(random_trits(n, k, gen), random_scales(n, gen)).to(device)
+    x = _x((3, 5, k), dtype, device, gen)
+    bias = _x((n,), dtype, device, gen)
+    with poisoned():
+        y = matmul(x, tt, bias)
+    assert y.dtype == dtype and y.shape == (3, 5, n)
+    # reference from the same (rounded) operands: scales * trits rounded to dtype, as the dense path expands
+    ref = x.double() @ tt.to_float(dtype).double().T + bias.double()
+    assert compare(f"ternary matmul k={k}", ref, y, dtype=dtype).ok
+    if dtype == torch.float32:
+        assert compare(f"ternary matmul vs f64 k={k}", matmul_dense_ref(x, tt, bias), y, dtype=dtype).ok
+
+
+@pytest.mark.parametrize("m", [1, 4, 16, 64])
+def test_matmul_sparse_zero_rows_and_chunks(m, device, gen):
+    n, k = 40, 3 * CHUNK_COLS + 77
+    trits = random_trits(n, k, gen, sparsity=0.95)
+    trits[5] = 0
+    trits[17] = 0
+    trits[:, CHUNK_COLS : 2 * CHUNK_COLS] = 0
+    trits[:20, 2 * CHUNK_COLS :] = 0
+    tt = TernaryTensor.from_trits(trits, random_scales(n, gen)).to(device)
+    assert tt.sparsity() > 0.9
+    md = tt.sparsity_metadata()
+    assert not md.is_chunk_active(0, 1) and not md.is_chunk_active(3, 2)
+    x = _x((m, k), torch.float32, device, gen)
+    y = matmul(x, tt)
+    assert compare(f"sparse ternary matmul m={m}", matmul_dense_ref(x, tt), y, dtype=torch.float32).ok
+    assert bool((y[:, 5] == 0).all()) and bool((y[:, 17] == 0).all())
+
+
+@pytest.mark.parametrize("method", ["twn", "absmean"])
+@pytest.mark.parametrize("per_row", [True, False], ids=["per_row", "per_tensor"])
+def test_matmul_quantized_weights(method, per_row, device, gen):
+    w = torch.randn(33, 257, generator=gen)
+    w[4] = 0
+    tt = TernaryTensor.from_float(w, method=method, per_row=per_row).to(device)
+    x = _x((7, 257), torch.bfloat16, device, gen)
+    y = matmul(x, tt)
+    assert compare("quantized ternary matmul", x.double() @ tt.to_float(torch.bfloat16).double().T, y,
+                   dtype=torch.bfloat16).ok
+
+
+def test_matmul_bad_input(device, gen):
+    tt = TernaryTensor.from_trits(random_trits(8, 40, gen), torch.ones(8)).to(device)
+    x = _x((2, 40), torch.float32, device, gen)
+    with pytest.raises(ValueError, match="x"):
+        matmul(_x((2, 41), torch.float32, device, gen), tt)
+    with pytest.raises(TypeError, match="x"):
+        matmul(x.double(), tt)
+    with pytest.raises(TypeError, match="x"):
+        matmul(x.to(torch.int32), tt)
+    with pytest.raises(TypeError, match="x"):
+        matmul(x.tolist(), tt)
+    with pytest.raises(TypeError, match="tt"):
+        matmul(x, tt.to_float())
+    with pytest.raises(ValueError, match="bias"):
+        matmul(x, tt, torch.ones(7, device=device))
+    with pytest.raises(TypeError, match="bias"):
+        matmul(x, tt, torch.ones(8, dtype=torch.int32, device=device))
+    with pytest.raises(ValueError, match="x"):
+        matmul(x.to("meta"), tt)
+    assert matmul(x[:0], tt).shape == (0, 8)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d", [1, 33, 64, 128])
+def test_ternary_attention_scores_vs_dense(d, causal, gen):
+    t = 19
+    q_t = TernaryTensor.from_trits(random_trits(t, d, gen, sparsity=0.6), random_scales(t, gen))
+    k_t = TernaryTensor.from_trits(random_trits(t, d, gen, sparsity=0.6), random_scales(t, gen))
+    s = ternary_attention_scores(q_t, k_t, causal=causal)
+    assert s.dtype == torch.float32 and s.shape == (t, t)
+    assert compare(f"ternary scores d={d} causal={causal}", attention_scores_ref(q_t, k_t, causal), s,
+                   dtype=torch.float32).ok
+    # the integer part is exact
+    ints = q_t.trits().long() @ k_t.trits().long().T
+    if causal:
+        ints = torch.tril(ints)
+        assert bool((s.triu(1) == 0).all())
+    unit_q = TernaryTensor(q_t.plus, q_t.minus, torch.ones(1), q_t.shape)
+    unit_k = TernaryTensor(k_t.plus, k_t.minus, torch.ones(1), k_t.shape)
+    assert torch.equal(ternary_attention_scores(unit_q, unit_k, causal=causal).long(), ints)
+
+
+def test_ternary_attention_rectangular_and_errors(gen):
+    q_t = TernaryTensor.from_float(torch.randn(5, 64, generator=gen))
+    k_t = TernaryTensor.from_float(torch.randn(9, 64, generator=gen))
+    s = ternary_attention_scores(q_t, k_t)
+    assert compare("ternary scores 5x9", attention_scores_ref(q_t, k_t), s, dtype=torch.float32).ok
+    with pytest.raises(ValueError, match="causal"):
+        ternary_attention_scores(q_t, k_t, causal=True)
+    with pytest.raises(ValueError, match="k_t"):
+        ternary_attention_scores(q_t, TernaryTensor.from_float(torch.randn(5, 32, generator=gen)))
+    with pytest.raises(TypeError, match="q_t"):
+        ternary_attention_scores(torch.randn(5, 64), k_t)
+
+
+def test_hybrid_attention_paths(gen):
+    q = torch.randn(12, 64, generator=gen)
+    k = torch.randn(12, 64, generator=gen)
+    s, path = hybrid_attention_scores(q, k, threshold=1.0, return_path=True)
+    assert path == "float"
+    assert compare("hybrid float path", q.double() @ k.double().T, s, dtype=torch.float32).ok
+    s, path = hybrid_attention_scores(q, k, threshold=0.0, causal=True, return_path=True)
+    assert path == "ternary"
+    q_t, k_t = TernaryTensor.from_float(q), TernaryTensor.from_float(k)
+    assert compare("hybrid ternary path", attention_scores_ref(q_t, k_t, causal=True), s, dtype=torch.float32).ok
+    # sparse (mostly tiny) rows take the ternary path at the default threshold
+    qs = torch.randn(12, 64, generator=gen) * (torch.rand(12, 64, generator=gen) < 0.1)
+    ks = torch.randn(12, 64, generator=gen) * (torch.rand(12, 64, generator=gen) < 0.1)
+    s, path = hybrid_attention_scores(qs.half(), ks.half(), return_path=True)
+    assert path == "ternary" and s.dtype == torch.float16
+    with pytest.raises(ValueError, match="k"):
+        hybrid_attention_scores(q, k[:, :32])
+    with pytest.raises(TypeError, match="q"):
+        hybrid_attention_scores(q.double(), k)
+    with pytest.raises(ValueError, match="threshold"):
+        hybrid_attention_scores(q, k, threshold=2.0)
+    with pytest.raises(ValueError, match="method"):
+        hybrid_attention_scores(q, k, method="sign")
