@@ -71,11 +71,13 @@ class MHCLiteBlock(nn.Module):
         cdt = torch.promote_types(x.dtype, torch.float32)  # the torch backend's compute dtype
         if self.backend == "triton":
             x = x.contiguous()
-            proj, _ = fused_rmsnorm_project(x.view(T, n * C), self.W, self.eps)
+            proj, _ = fused_rmsnorm_project(x.view(T, n * C), self.W.float(), self.eps)
         else:
             proj, _ = rmsnorm_project_ref(x.reshape(T, n * C).to(cdt), self.W.to(cdt), self.eps)
         h_pre, h_post, H = coefficients(proj, self.alpha_pre, self.alpha_post, self.alpha_res,
                                         self.b_pre, self.b_post, self.b_res)
+        if self.backend == "triton":  # the kernels take fp32 coefficients whatever the parameters' dtype
+            h_pre, h_post, H = h_pre.float(), h_post.float(), H.float()
         if self.layer_has_residual:
             H = H - h_post[:, :, None] * h_pre[:, None, :]
         if self.backend == "triton":

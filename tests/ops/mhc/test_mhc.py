@@ -499,24 +499,12 @@ def test_bad_input_names_the_argument(fn, kwargs, exc, arg):
 
 
 @pytest.mark.parametrize("rows", [16, 64])
-@pytest.mark.xfail(
-    strict=True,
-    reason="triforge/ops/mhc/__init__.py _validate_project: `W.shape[0] not in (16, 32, 64)` accepts "
-    "W with 16 or 64 rows although the public contract (docstring: W [32, n*C]) and the check's own "
-    "error message ('W must have 32 rows (2n + n! for n = 4)') require exactly 32",
-)
 def test_project_rejects_w_with_16_or_64_rows(rows, gen):
     C = 8
     with pytest.raises(ValueError, match=r"^W\b"):
         fused_rmsnorm_project(_x((5, 4 * C), torch.float32, gen), _W(C, gen, rows=rows))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="triforge/ops/mhc/__init__.py _validate_project: `if not eps > 0` on a str eps raises "
-    "TypeError(\"'>' not supported between instances of 'str' and 'int'\"), which does not name eps "
-    "(triforge/ops/_checks.py: every error names the argument)",
-)
 def test_project_str_eps_names_the_argument(gen):
     C = 8
     with pytest.raises((TypeError, ValueError), match=r"^eps\b"):

@@ -402,3 +402,18 @@ def test_block_triton_rejects_fp64_streams(gen):
     blk = MHCLiteBlock(nn.Identity(), C).double()
     with pytest.raises(TypeError, match=r"^x_flat\b"):
         blk(_x((3, 4, C), gen, torch.float64))
+
+
+def test_block_cast_to_bf16_runs_on_both_backends():
+    """After .bfloat16() the parameters are bf16; the triton backend still feeds its kernels fp32 W and coefficients."""
+    C = 24
+    block = MHCLiteBlock(torch.nn.Linear(C, C), C).bfloat16()
+    torch.nn.init.normal_(block.W, std=0.02)
+    ref = copy.deepcopy(block)
+    ref.backend = "torch"
+    x = expand_streams(torch.randn(2, 5, C)).bfloat16()
+    with poisoned():
+        got = block(x)
+    want = ref(x)
+    assert got.dtype == torch.bfloat16
+    assert compare("bf16 block triton vs torch", want.double(), got, dtype=torch.bfloat16).ok

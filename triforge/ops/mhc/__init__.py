@@ -191,10 +191,12 @@ def _validate_project(x_flat, W, eps):
     check_tensor("W", W, dtypes=(torch.float32,), ndim=2)
     if W.shape[1] != x_flat.shape[1]:
         raise ValueError(f"W must be [{N_PROJ}, {x_flat.shape[1]}] to match x_flat's n*C = {x_flat.shape[1]}, got {tuple(W.shape)}")
-    if W.shape[0] not in (16, 32, 64):
+    if W.shape[0] != N_PROJ:
         raise ValueError(f"W must have {N_PROJ} rows (2n + n! for n = 4), got {W.shape[0]}")
     if x_flat.shape[1] % N_STREAMS:
         raise ValueError(f"x_flat's width must be n*C with n = {N_STREAMS}, got {x_flat.shape[1]}")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+        raise TypeError(f"eps must be a float, got {type(eps).__name__}")
     if not eps > 0:
         raise ValueError(f"eps must be positive, got {eps}")
     check_same_device(x_flat=x_flat, W=W)
