@@ -345,8 +345,8 @@ def test_torch_compile_fullgraph(gen):
 def test_custom_ops_pass_opcheck(gen):
     q, kc, vc, sl, k, v = _inputs(gen, B=2, Sq=1, H=4, Hkv=2, D=64, S=32, Sn=1, dtype=torch.float16,
                                   seqlens=[3, 20])
-    torch.library.opcheck(torch.ops.triforge.flash_attn_with_kvcache.default, (q, kc, vc, sl, k, v, True, 0.125, 2))
-    torch.library.opcheck(torch.ops.triforge.flash_attn_kvcache.default, (q, kc, vc, sl, True, 0.125, 2))
+    torch.library.opcheck(torch.ops.triforge.flash_attn_with_kvcache.default, (q, kc, vc, sl, k, v, True, 0.125, 2, True))
+    torch.library.opcheck(torch.ops.triforge.flash_attn_kvcache.default, (q, kc, vc, sl, True, 0.125, 2, False))
 
 
 # ----------------------------------------------------------------------------- bad input
@@ -410,6 +410,9 @@ def _bad_cases():
         ("num_splits-negative", dict(base, num_splits=-1), ValueError, "num_splits"),
         ("num_splits-too-many", dict(base, num_splits=decode.MAX_SPLITS + 1), ValueError, "num_splits"),
         ("num_splits-float", dict(base, num_splits=2.0), TypeError, "num_splits"),
+        ("check_lengths-int", dict(base, check_lengths=0), TypeError, "check_lengths"),
+        ("k-longer-than-cache", dict(base, cache_seqlens=0, k=t((2, 17, 2, 64)), v=t((2, 17, 2, 64))), ValueError,
+         "k has 17 new tokens"),
     ]
     return [pytest.param(kw, exc, match, id=name) for name, kw, exc, match in cases]
 
@@ -428,7 +431,28 @@ def test_overflow_caught_by_the_op_itself(gen):
     q, kc, vc, _, k, v = _inputs(gen, B=2, Sq=1, H=4, Hkv=2, D=64, S=16, Sn=2, dtype=torch.float16)
     with pytest.raises(ValueError, match="cache_seqlens"):
         torch.ops.triforge.flash_attn_with_kvcache(q, kc, vc, torch.tensor([15, 0], dtype=torch.int32), k, v,
-                                                   True, 0.125, 0)
+                                                   True, 0.125, 0, True)
+
+
+def test_unchecked_lengths_stay_inside_the_cache(gen):
+    """check_lengths=False (no host sync): out-of-range lengths are clamped into [0, S_max - Sn] by
+    the kernel, so nothing outside the caches is read or written; in-range rows stay exact."""
+    B, S, Sn, D = 3, 32, 2, 64
+    big_k, big_v = _randn((B, S + 8, 2, D), torch.float16, gen), _randn((B, S + 8, 2, D), torch.float16, gen)
+    kc, vc = big_k[:, :S], big_v[:, :S]  # the caches are the first S rows of larger buffers
+    tail_k, tail_v = big_k[:, S:].clone(), big_v[:, S:].clone()
+    q = _randn((B, 1, 4, D), torch.float16, gen)
+    k, v = _randn((B, Sn, 2, D), torch.float16, gen), _randn((B, Sn, 2, D), torch.float16, gen)
+    sl = torch.tensor([40, -5, 11], dtype=torch.int32)  # overflow, negative, fine
+    with poisoned():
+        o = flash_attn_with_kvcache(q, kc, vc, sl, k, v, num_splits=2, check_lengths=False)
+    assert torch.equal(big_k[:, S:], tail_k) and torch.equal(big_v[:, S:], tail_v)
+    assert torch.isfinite(o).all()
+    # clamped: row 0 appends at S - Sn, row 1 at 0
+    assert torch.equal(kc[0, S - Sn :], k[0]) and torch.equal(kc[1, :Sn], k[1])
+    ref, _, _ = kvcache_attention_ref(_d(q[2:]), _d(kc[2:]), _d(vc[2:]), sl[2:] + Sn)  # row 2 holds its append
+    _assert_ok(compare("o", ref["o"], o[2:], dtype=q.dtype, verbose=False))
+    assert torch.equal(kc[2, 11 : 11 + Sn], k[2])
 
 
 def test_cache_seqlens_device(gen):

@@ -26,7 +26,9 @@ batch: about ``programs_per_sm`` programs per SM (tunable), at least ``min_block
 blocks per split, at most MAX_SPLITS; ``num_splits > 0`` forces it (as in flash-attn).
 
 Checking that cache_seqlens + Sn fits S_max reads cache_seqlens on the host: with a tensor
-cache_seqlens on the GPU, every call syncs once (a Python int costs nothing).
+cache_seqlens on the GPU, every call syncs once (a Python int costs nothing). ``check_lengths=False``
+skips that (no sync, CUDA-graph capturable); the split kernel clamps every length into
+[0, S_max - Sn] either way, so it never reads or writes outside the caches.
 """
 
 import math
@@ -107,6 +109,7 @@ def flash_decode_split_kernel(
     stride_vnb, stride_vns, stride_vnh,
     Sq,
     S_new,  # new tokens per row (0 without APPEND)
+    S_max,  # cache rows
     M_ROWS,  # G * Sq query rows per (batch, kv head)
     NUM_SPLITS,
     qk_scale,  # softmax_scale * log2(e)
@@ -126,7 +129,8 @@ def flash_decode_split_kernel(
     i_mb = tl.program_id(2)
     i_b = (i_bg // HKV).to(tl.int64)
     i_g = (i_bg % HKV).to(tl.int64)
-    n_cache = tl.load(seqlens_ptr + i_b)
+    # clamped into the cache, so unchecked lengths (check_lengths=False) never address outside it
+    n_cache = tl.minimum(tl.maximum(tl.load(seqlens_ptr + i_b), 0), S_max - S_new)
     n_total = n_cache + S_new
 
     # query rows: row r is query position r // GROUP of head i_g * GROUP + r % GROUP
@@ -326,7 +330,7 @@ def flash_decode_fwd(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax_s
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         kn.stride(0), kn.stride(1), kn.stride(2),
         vn.stride(0), vn.stride(1), vn.stride(2),
-        Sq, S_new, m_rows, num_splits, float(softmax_scale) * LOG2E,
+        Sq, S_new, S_max, m_rows, num_splits, float(softmax_scale) * LOG2E,
         nbytes=kv_bytes + q.numel() * e + acc.numel() * 4 + 8 * m_part.numel(),
         HKV=Hkv, GROUP=G, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_NEW=max(16, min(block_n, triton.next_power_of_2(max(S_new, 1)))),
@@ -388,6 +392,8 @@ def _validate(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax_scale, n
         if v.shape != k.shape:
             raise ValueError(f"v must have k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
         S_new = k.shape[1]
+        if S_new > k_cache.shape[1]:
+            raise ValueError(f"k has {S_new} new tokens, more than the cache holds (S_max = {k_cache.shape[1]})")
     check_same_device(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v)
     S_max = k_cache.shape[1]
     if isinstance(cache_seqlens, torch.Tensor):
@@ -434,9 +440,10 @@ def _check_lengths(cache_seqlens, S_new, S_max):
 # ----------------------------------------------------------------------------- custom ops
 
 
-def _run(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax_scale, num_splits):
+def _run(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax_scale, num_splits, check_lengths):
     S_new = _validate(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax_scale, num_splits)
-    _check_lengths(cache_seqlens, S_new, k_cache.shape[1])
+    if check_lengths:
+        _check_lengths(cache_seqlens, S_new, k_cache.shape[1])
     k = k.contiguous() if k is not None else None
     v = v.contiguous() if v is not None else None
     return flash_decode_fwd(q.contiguous(), k_cache, v_cache, cache_seqlens.contiguous(), k, v, causal,
@@ -451,28 +458,28 @@ def _fake(q, cache_seqlens):
 @torch.library.custom_op("triforge::flash_attn_with_kvcache", mutates_args=("k_cache", "v_cache"))
 def _kvcache_append_op(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torch.Tensor,
-    k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: float, num_splits: int,
+    k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: float, num_splits: int, check_lengths: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Append k/v into the caches at cache_seqlens (in place), then attend: (o, lse)."""
-    return _run(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax_scale, num_splits)
+    return _run(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax_scale, num_splits, check_lengths)
 
 
 @_kvcache_append_op.register_fake
-def _(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax_scale, num_splits):
+def _(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax_scale, num_splits, check_lengths):
     return _fake(q, cache_seqlens)
 
 
 @torch.library.custom_op("triforge::flash_attn_kvcache", mutates_args=())
 def _kvcache_op(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torch.Tensor,
-    causal: bool, softmax_scale: float, num_splits: int,
+    causal: bool, softmax_scale: float, num_splits: int, check_lengths: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attend over the cached prefix only (nothing written): (o, lse)."""
-    return _run(q, k_cache, v_cache, cache_seqlens, None, None, causal, softmax_scale, num_splits)
+    return _run(q, k_cache, v_cache, cache_seqlens, None, None, causal, softmax_scale, num_splits, check_lengths)
 
 
 @_kvcache_op.register_fake
-def _(q, k_cache, v_cache, cache_seqlens, causal, softmax_scale, num_splits):
+def _(q, k_cache, v_cache, cache_seqlens, causal, softmax_scale, num_splits, check_lengths):
     return _fake(q, cache_seqlens)
 
 
@@ -481,7 +488,7 @@ def _(q, k_cache, v_cache, cache_seqlens, causal, softmax_scale, num_splits):
 
 def flash_attn_with_kvcache(
     q, k_cache, v_cache, cache_seqlens, k=None, v=None, causal: bool = True, softmax_scale=None,
-    return_lse: bool = False, num_splits: int = 0,
+    return_lse: bool = False, num_splits: int = 0, check_lengths: bool = True,
 ):
     """Decode attention against a KV cache (flash-attn's ``flash_attn_with_kvcache``, forward only).
 
@@ -496,20 +503,26 @@ def flash_attn_with_kvcache(
     Returns o [B, Sq, H, D] in q's dtype, and with ``return_lse`` also lse [B, H, Sq] (fp32,
     natural log; -inf for a query that sees no key, whose o is 0).
 
-    A tensor cache_seqlens is read on the host to check that cache_seqlens + Sn <= S_max (and >= 0):
-    one device sync per call.
+    A tensor cache_seqlens is read on the host to check that 0 <= cache_seqlens and
+    cache_seqlens + Sn <= S_max: one device sync per call. ``check_lengths=False`` skips it (no sync,
+    CUDA-graph capturable); the kernel then clamps each length into [0, S_max - Sn], so memory
+    outside the caches is never touched, but a row whose length was out of range gets a meaningless
+    result (and its new rows land at the end of the cache).
     """
     S_new = _validate(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax_scale, num_splits)
+    if not isinstance(check_lengths, bool):
+        raise TypeError(f"check_lengths must be a bool, got {type(check_lengths).__name__}")
     scale = float(q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale)
     if not isinstance(cache_seqlens, torch.Tensor):
         cache_seqlens = torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32, device=q.device)
-    elif not torch.compiler.is_compiling():
+    elif check_lengths and not torch.compiler.is_compiling():
         _check_lengths(cache_seqlens, S_new, k_cache.shape[1])  # early, before the op (which checks again)
     if k is not None:
         o, lse = torch.ops.triforge.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, k, v, causal, scale,
-                                                            num_splits)
+                                                            num_splits, bool(check_lengths))
     else:
-        o, lse = torch.ops.triforge.flash_attn_kvcache(q, k_cache, v_cache, cache_seqlens, causal, scale, num_splits)
+        o, lse = torch.ops.triforge.flash_attn_kvcache(q, k_cache, v_cache, cache_seqlens, causal, scale, num_splits,
+                                                       bool(check_lengths))
     return (o, lse) if return_lse else o
 
 
@@ -664,8 +677,10 @@ register(OpSpec(
     make_inputs=_make_inputs,
     reference=_reference,
     stages=_stages,
+    # timed calls skip the host-side length check (a device sync per call, which would time the
+    # host round trip; the peer checks nothing either); check_op's stages keep it
     call=lambda q, k_cache, v_cache, cache_seqlens, k=None, v=None: (
-        flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, k, v, causal=True),
+        flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, k, v, causal=True, check_lengths=False),
     ),
     outputs=("o",),
     grad_inputs=(),
