@@ -23,6 +23,14 @@ CONFIG_DIR = Path(__file__).parent / "configs"
 _compiled: dict = {}
 
 
+_DTYPE_TAGS = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+def dtype_tag(dtype: torch.dtype) -> str:
+    """Short dtype name used in config keys: fp32, fp16, bf16."""
+    return _DTYPE_TAGS[dtype]
+
+
 def config_key(**fields) -> str:
     return ",".join(f"{k}={fields[k]}" for k in sorted(fields))
 

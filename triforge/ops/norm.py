@@ -117,9 +117,6 @@ def rms_norm_bwd_kernel(
 # ----------------------------------------------------------------------------- launchers
 
 
-def _dtype_tag(dtype) -> str:
-    return {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
-
 
 def _warps_for(block_n: int) -> int:
     return 4 if block_n <= 1024 else 8 if block_n <= 4096 else 16
@@ -127,12 +124,12 @@ def _warps_for(block_n: int) -> int:
 
 def _fwd_config(block_n, dtype):
     fallback = {"num_warps": _warps_for(block_n), "ROWS": max(1, min(16, 2048 // block_n))}
-    return launch.config("rms_norm_fwd", launch.config_key(block_n=block_n, dtype=_dtype_tag(dtype)), fallback)
+    return launch.config("rms_norm_fwd", launch.config_key(block_n=block_n, dtype=launch.dtype_tag(dtype)), fallback)
 
 
 def _bwd_config(block_n, dtype):
     fallback = {"num_warps": _warps_for(block_n), "programs_per_sm": 4}
-    return launch.config("rms_norm_bwd", launch.config_key(block_n=block_n, dtype=_dtype_tag(dtype)), fallback)
+    return launch.config("rms_norm_bwd", launch.config_key(block_n=block_n, dtype=launch.dtype_tag(dtype)), fallback)
 
 
 def rms_norm_fwd(x, weight, residual, eps, cfg=None):
@@ -326,7 +323,7 @@ def _tune_setup(kind):
         x = torch.randn(M, N, device=device, dtype=dtype)
         w = torch.randn(N, device=device, dtype=dtype)
         block_n = triton.next_power_of_2(N)
-        key = launch.config_key(block_n=block_n, dtype=_dtype_tag(dtype))
+        key = launch.config_key(block_n=block_n, dtype=launch.dtype_tag(dtype))
         if kind == "fwd":
             return (lambda cfg: rms_norm_fwd(x, w, None, 1e-6, cfg)), key
         _, _, rstd = rms_norm_fwd(x, w, None, 1e-6)

@@ -137,9 +137,6 @@ _TILE = 4096
 MAX_HEAD_DIM = 8192
 
 
-def _dtype_tag(dtype) -> str:
-    return {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
-
 
 def _blocks(hq, hk, d):
     block_d = triton.next_power_of_2(d // 2)
@@ -156,7 +153,7 @@ def _config(kind, block_hq, block_hk, block_d, dtype):
     per_pos = max(block_hq, block_hk) * block_d
     rows = max(1, min(8, (4096 if _runtime.INTERPRET else 512) // per_pos))  # a power of two
     fallback = {"num_warps": 4, "ROWS": rows}
-    key = launch.config_key(block_hq=block_hq, block_hk=block_hk, block_d=block_d, dtype=_dtype_tag(dtype))
+    key = launch.config_key(block_hq=block_hq, block_hk=block_hk, block_d=block_d, dtype=launch.dtype_tag(dtype))
     return launch.config(f"rope_{kind}", key, fallback)
 
 
@@ -442,7 +439,7 @@ def _tune_setup(kind):
         k = torch.randn(B, T, HK, D, device=device, dtype=dtype)
         cos, sin = hf_cos_sin(T, D, dtype=dtype, device=device)
         block_hq, block_hk, block_d = _blocks(HQ, HK, D)
-        key = launch.config_key(block_hq=block_hq, block_hk=block_hk, block_d=block_d, dtype=_dtype_tag(dtype))
+        key = launch.config_key(block_hq=block_hq, block_hk=block_hk, block_d=block_d, dtype=launch.dtype_tag(dtype))
         return (lambda cfg: rope_launch(q, k, cos, sin, backward=kind == "bwd", cfg=cfg)), key
 
     return setup

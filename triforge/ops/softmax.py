@@ -189,9 +189,6 @@ def softmax_bwd_looped_kernel(
 # ----------------------------------------------------------------------------- launchers
 
 
-def _dtype_tag(dtype) -> str:
-    return {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
-
 
 def _warps_for(block_n: int) -> int:
     return 4 if block_n <= 1024 else 8 if block_n <= 4096 else 16
@@ -199,12 +196,12 @@ def _warps_for(block_n: int) -> int:
 
 def _row_config(kernel, block_n, dtype):
     fallback = {"num_warps": _warps_for(block_n), "ROWS": max(1, min(16, 2048 // block_n))}
-    return launch.config(kernel, launch.config_key(block_n=block_n, dtype=_dtype_tag(dtype)), fallback)
+    return launch.config(kernel, launch.config_key(block_n=block_n, dtype=launch.dtype_tag(dtype)), fallback)
 
 
 def _looped_config(kernel, dtype):
     fallback = {"BLOCK_N": 4096, "num_warps": 8}
-    return launch.config(kernel, launch.config_key(dtype=_dtype_tag(dtype)), fallback)
+    return launch.config(kernel, launch.config_key(dtype=launch.dtype_tag(dtype)), fallback)
 
 
 def _use_looped(N, looped):
@@ -411,9 +408,9 @@ def _tune_setup(kind, looped):
         M, N = shape["M"], shape["N"]
         x = torch.randn(M, N, device=device, dtype=dtype)
         if looped:
-            key = launch.config_key(dtype=_dtype_tag(dtype))
+            key = launch.config_key(dtype=launch.dtype_tag(dtype))
         else:
-            key = launch.config_key(block_n=triton.next_power_of_2(N), dtype=_dtype_tag(dtype))
+            key = launch.config_key(block_n=triton.next_power_of_2(N), dtype=launch.dtype_tag(dtype))
         if kind == "fwd":
             return (lambda cfg: softmax_fwd(x, False, cfg, looped=looped)), key
         _, row_max, row_sum = softmax_fwd(x, True, looped=looped)

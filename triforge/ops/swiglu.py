@@ -77,18 +77,15 @@ def swiglu_bwd_kernel(
 # ----------------------------------------------------------------------------- launchers
 
 
-def _dtype_tag(dtype) -> str:
-    return {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
-
 
 def _fwd_config(dtype):
     fallback = {"BLOCK": 2048, "num_warps": 8}
-    return launch.config("swiglu_fwd", launch.config_key(dtype=_dtype_tag(dtype)), fallback)
+    return launch.config("swiglu_fwd", launch.config_key(dtype=launch.dtype_tag(dtype)), fallback)
 
 
 def _bwd_config(dtype):
     fallback = {"BLOCK": 2048, "num_warps": 8}
-    return launch.config("swiglu_bwd", launch.config_key(dtype=_dtype_tag(dtype)), fallback)
+    return launch.config("swiglu_bwd", launch.config_key(dtype=launch.dtype_tag(dtype)), fallback)
 
 
 def swiglu_fwd(gate, up, cfg=None):
@@ -228,7 +225,7 @@ def _tune_setup(kind):
         M, N = shape["M"], shape["N"]
         gate = torch.randn(M, N, device=device, dtype=dtype)
         up = torch.randn(M, N, device=device, dtype=dtype)
-        key = launch.config_key(dtype=_dtype_tag(dtype))
+        key = launch.config_key(dtype=launch.dtype_tag(dtype))
         if kind == "fwd":
             return (lambda cfg: swiglu_fwd(gate, up, cfg)), key
         dy = torch.randn_like(gate)

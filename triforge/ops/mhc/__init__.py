@@ -36,9 +36,6 @@ STREAM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # ----------------------------------------------------------------------------- launch configs
 
 
-def _tag(dtype):
-    return {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
-
 
 _FALLBACK = {
     "mhc_project_fwd": {"BLOCK_T": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3},
@@ -56,7 +53,7 @@ def _cfg(kernel, C, dtype):
         fallback.update({k: 16 for k in ("BLOCK_T", "BLOCK_K") if k in fallback and kernel.startswith("mhc_project")})
         fallback.update({"BLOCK_C": 32} if "BLOCK_C" in fallback else {})
     bucket = "C" + str(triton.next_power_of_2(C))
-    return launch.config(kernel, launch.config_key(c=bucket, dtype=_tag(dtype)), fallback)
+    return launch.config(kernel, launch.config_key(c=bucket, dtype=launch.dtype_tag(dtype)), fallback)
 
 
 def _split16(t, dtype):
@@ -473,7 +470,7 @@ def _tunable(kernel, space, build):
         tier = {"T": shape["T"], "C": shape["C"]}
         run = build(tier, dtype, device, gen)
         bucket = "C" + str(triton.next_power_of_2(shape["C"]))
-        return run, launch.config_key(c=bucket, dtype=_tag(dtype))
+        return run, launch.config_key(c=bucket, dtype=launch.dtype_tag(dtype))
 
     register_tunable(Tunable(kernel=kernel, space=space, setup=setup, shape_names=("T", "C"),
                              default_shape={"T": 65536, "C": 2560}))
