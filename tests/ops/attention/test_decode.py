@@ -345,7 +345,8 @@ def test_torch_compile_fullgraph(gen):
 def test_custom_ops_pass_opcheck(gen):
     q, kc, vc, sl, k, v = _inputs(gen, B=2, Sq=1, H=4, Hkv=2, D=64, S=32, Sn=1, dtype=torch.float16,
                                   seqlens=[3, 20])
-    torch.library.opcheck(torch.ops.triforge.flash_attn_with_kvcache.default, (q, kc, vc, sl, k, v, True, 0.125, 2, True))
+    append = torch.ops.triforge.flash_attn_with_kvcache.default
+    torch.library.opcheck(append, (q, kc, vc, sl, k, v, True, 0.125, 2, True))
     torch.library.opcheck(torch.ops.triforge.flash_attn_kvcache.default, (q, kc, vc, sl, True, 0.125, 2, False))
 
 

@@ -21,6 +21,13 @@ Two kernels:
    the splits into o [B, Sq, H, D] (q's dtype) and lse [B, H, Sq] (fp32, natural log). Empty
    splits get weight 0 without ever computing exp(-inf - -inf); their acc is never loaded.
 
+Custom ops (the public function picks one; both trace under torch.compile(fullgraph=True)):
+
+    torch.ops.triforge.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, k, v, causal,
+        softmax_scale, num_splits, check_lengths) -> (o, lse)     mutates k_cache, v_cache (the append)
+    torch.ops.triforge.flash_attn_kvcache(q, k_cache, v_cache, cache_seqlens, causal,
+        softmax_scale, num_splits, check_lengths) -> (o, lse)     no new tokens, mutates nothing
+
 NUM_SPLITS comes from the cache capacity S_max (not the lengths: no device sync for it) and the
 batch: about ``programs_per_sm`` programs per SM (tunable), at least ``min_blocks_per_split`` key
 blocks per split, at most MAX_SPLITS; ``num_splits > 0`` forces it (as in flash-attn).
@@ -400,9 +407,13 @@ def _validate(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax_scale, n
         if cache_seqlens.dtype != torch.int32:
             raise TypeError(f"cache_seqlens must be an int32 tensor, got {cache_seqlens.dtype}")
         if tuple(cache_seqlens.shape) != (B,):
-            raise ValueError(f"cache_seqlens must have shape ({B},) (one length per batch row), got {tuple(cache_seqlens.shape)}")
+            raise ValueError(
+                f"cache_seqlens must have shape ({B},) (one length per batch row), got {tuple(cache_seqlens.shape)}"
+            )
         if cache_seqlens.device != q.device:
-            raise ValueError(f"cache_seqlens is on {cache_seqlens.device} but q is on {q.device}; they must share a device")
+            raise ValueError(
+                f"cache_seqlens is on {cache_seqlens.device} but q is on {q.device}; they must share a device"
+            )
     elif isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
         if not 0 <= cache_seqlens <= S_max - S_new:
             raise ValueError(
@@ -410,7 +421,9 @@ def _validate(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax_scale, n
                 f"(the cache length k_cache.shape[1])"
             )
     else:
-        raise TypeError(f"cache_seqlens must be an int32 tensor [B] or a Python int, got {type(cache_seqlens).__name__}")
+        raise TypeError(
+            f"cache_seqlens must be an int32 tensor [B] or a Python int, got {type(cache_seqlens).__name__}"
+        )
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
     if softmax_scale is not None:
@@ -668,7 +681,9 @@ register_tunable(Tunable(
         "programs_per_sm": [1, 2, 3, 4, 8],
         "min_blocks_per_split": [2],
     },
-    setup=_tune_setup, shape_names=("B", "S", "H", "Hkv", "D"), default_shape={k: _REAL[k] for k in ("B", "S", "H", "Hkv", "D")},
+    setup=_tune_setup,
+    shape_names=("B", "S", "H", "Hkv", "D"),
+    default_shape={k: _REAL[k] for k in ("B", "S", "H", "Hkv", "D")},
 ))
 
 register(OpSpec(
