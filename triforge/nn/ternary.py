@@ -62,6 +62,14 @@ class TernaryLinear(nn.Module):
             self._tt = tt
         return tt
 
+    def _apply(self, fn, recurse=True):
+        scales = self.scales
+        super()._apply(fn, recurse)
+        if self.scales.dtype != torch.float32:
+            # module.to(dtype) / .half() cast floating buffers: keep the fp32 scales exact (moved only)
+            self.scales = scales.to(self.scales.device)
+        return self
+
     def _load_from_state_dict(self, *args, **kwargs):
         super()._load_from_state_dict(*args, **kwargs)
         self._tt = None  # buffers were overwritten in place: metadata is stale

@@ -52,6 +52,17 @@ def test_buffers_state_dict_and_to(tmp_path, device, gen):
     assert moved.plus.device.type == device.type and moved.ternary.device.type == device.type
     half = copy.deepcopy(tl).to(torch.float16)  # buffers keep their integer / fp32 dtypes
     assert half.plus.dtype == torch.int32 and half.bias.dtype == torch.float16
+    assert half.scales.dtype == torch.float32 and torch.equal(half.scales, tl.scales.to(half.scales.device))
+    xh = torch.randn(4, 70, generator=gen).to(device=half.plus.device, dtype=torch.float16)
+    assert half(xh).dtype == torch.float16
+
+
+def test_public_module_exports():
+    import triforge.ternary as T
+
+    for name in ("TernaryTensor", "SparsityMetadata", "matmul", "quantize_model", "quantize_twn", "quantize_absmean",
+                 "ternary_attention_scores", "hybrid_attention_scores", "TernaryLinear"):
+        assert name in T.__all__ and getattr(T, name) is not None
 
 
 def _tiny_qwen2():
