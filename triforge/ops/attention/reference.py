@@ -29,6 +29,9 @@ def attention_ref(q, k, v, causal: bool = False, softmax_scale: float | None = N
     """
     B, Sq, H, D = q.shape
     Sk = k.shape[1]
+    if Sk == 0:  # nothing to attend to: every row returns 0 with lse -inf
+        lse = torch.full((B, H, Sq), float("-inf"), dtype=q.dtype, device=q.device)
+        return OrderedDict(lse=lse, o=torch.zeros(B, Sq, H, v.shape[-1], dtype=q.dtype, device=q.device) + 0 * q.sum())
     scale = D**-0.5 if softmax_scale is None else softmax_scale
     k, v = _expand_kv(k, H), _expand_kv(v, H)
     s = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
