@@ -1,0 +1,529 @@
+"""Exact attention, flash-attn's API and layout: q [B, Sq, H, D], k/v [B, Sk, Hkv, D] (H % Hkv == 0).
+
+    flash_attn_func(q, k, v, causal=False, softmax_scale=None, return_lse=False) -> o (, lse)
+
+Forward and backward are FlashAttention-2 Triton kernels (forward.py, backward.py) wrapped as
+torch.library custom ops with fakes and autograd:
+
+    torch.ops.triforge.flash_attn_fwd(q, k, v, causal, softmax_scale) -> (o, lse [B, H, Sq] fp32)
+    torch.ops.triforge.flash_attn_bwd(do, q, k, v, o, lse, dlse, causal, softmax_scale) -> (dq, dk, dv)
+
+Causal masking is bottom-right aligned (query i sees keys j <= i + Sk - Sq); a query row that sees
+no key returns 0 and lse = -inf, and gets zero gradients.
+"""
+
+import math
+from collections import OrderedDict
+
+import torch
+import torch.utils.checkpoint
+import triton
+
+from triforge import _runtime, launch
+from triforge.launch import new_output
+from triforge.ops._checks import check_same_device, check_same_dtype, check_tensor
+from triforge.ops.attention.backward import (
+    flash_attn_bwd_dkdv_kernel,
+    flash_attn_bwd_dq_kernel,
+    flash_attn_bwd_preprocess_kernel,
+)
+from triforge.ops.attention.forward import LOG2E, flash_attn_fwd_kernel
+from triforge.ops.attention.reference import attention_ref, causal_mask, kvcache_attention_ref, varlen_attention_ref
+from triforge.registry import OpSpec, register
+from triforge.tune import Tunable
+from triforge.tune import register as register_tunable
+
+HEAD_DIMS = (32, 64, 128, 256)
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+# ----------------------------------------------------------------------------- launch configs
+
+
+def _tag(dtype) -> str:
+    return {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
+
+
+# H100 fallbacks (FlashAttention-2 style tiles; `triforge tune` can replace them per arch):
+# - forward: 128 query rows per program keep the K/V stream's reuse high; 64-key tiles keep the
+#   fp32 score tile (128x64) and the fp32 accumulator (128xD) in registers: 4 warps for D <= 64,
+#   8 for D = 128 (acc 128x128 fp32 = 64 registers a thread over 256 threads); 3 stages of K/V
+#   double-buffer the loads. D = 256 halves the query tile (64x256 fp32 accumulator).
+# - backward: the dK/dV kernel holds two fp32 accumulators BLOCK_N x D plus K and V, and recomputes
+#   two BLOCK_N x BLOCK_M tiles a step: 64x64 with 4 warps (D <= 64), 8 warps at D = 128, 32x32
+#   at D = 256; the dQ kernel holds one accumulator and mirrors the forward's loop. 2 stages.
+_FWD = {
+    32: {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3},
+    64: {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3},
+    128: {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3},
+    256: {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2},
+}
+_BWD_DKDV = {
+    32: {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2},
+    64: {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2},
+    128: {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2},
+    256: {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2},
+}
+_BWD_DQ = {
+    32: {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2},
+    64: {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2},
+    128: {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2},
+    256: {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2},
+}
+_FALLBACKS = {"flash_attn_fwd": _FWD, "flash_attn_bwd_dkdv": _BWD_DKDV, "flash_attn_bwd_dq": _BWD_DQ}
+# the interpreter's cost is per block op: small tiles, so odd lengths exercise masks and multi-block loops
+_INTERPRET_CFG = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
+
+
+def config_key(D, causal, dtype) -> str:
+    return launch.config_key(d=D, causal=int(bool(causal)), dtype=_tag(dtype))
+
+
+def _cfg(kernel, D, causal, dtype):
+    fallback = dict(_INTERPRET_CFG if _runtime.INTERPRET else _FALLBACKS[kernel][D])
+    return launch.config(kernel, config_key(D, causal, dtype), fallback)
+
+
+def _flags(dtype):
+    return {"UPCAST": _runtime.INTERPRET and dtype == torch.bfloat16, "IEEE": dtype == torch.float32}
+
+
+def _strides3(t):
+    """(batch, sequence, head) strides of a [B, S, H, D] tensor whose last dim is contiguous."""
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
+def _last_dim_contiguous(t):
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+# ----------------------------------------------------------------------------- launchers
+
+
+def attn_fwd(q, k, v, causal, softmax_scale, cfg=None, residual=False):
+    """q [B, Sq, H, D], k/v [B, Sk, Hkv, D] (last dims contiguous).
+
+    Returns (o [B, Sq, H, D], lse [B, H, Sq] fp32, o_res): with ``residual`` (16-bit inputs, for the
+    backward) o_res [B, Sq, H, D] holds o's rounding error (o in fp32 minus o), else it is empty."""
+    B, Sq, H, D = q.shape
+    Sk, Hkv = k.shape[1], k.shape[2]
+    cfg = cfg or _cfg("flash_attn_fwd", D, causal, q.dtype)
+    residual = residual and q.dtype != torch.float32
+    o = new_output((B, Sq, H, D), q.dtype, q.device)
+    o_res = new_output((B, Sq, H, D), q.dtype, q.device) if residual else q.new_empty(0)
+    lse = new_output((B, H, Sq), torch.float32, q.device)
+    e = q.element_size()
+    launch.launch(
+        "flash_attn_fwd", flash_attn_fwd_kernel, (triton.cdiv(Sq, cfg["BLOCK_M"]), B * H),
+        q, k, v, o, o_res if residual else o, lse, *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(o),
+        H, H // Hkv, Sq, Sk, softmax_scale * LOG2E,
+        nbytes=e * ((3 if residual else 2) * q.numel() + k.numel() + v.numel()) + 4 * lse.numel(),
+        HEAD_DIM=D, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], CAUSAL=bool(causal), STORE_RES=residual,
+        **_flags(q.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    return o, lse, o_res
+
+
+def attn_bwd_preprocess(o, do, o_res=None, dlse=None):
+    """delta [B, H, Sq] fp32 = rowsum(do * (o + o_res)) - dlse."""
+    B, Sq, H, D = o.shape
+    has_res = o_res is not None and o_res.numel() > 0
+    block_m = 16 if _runtime.INTERPRET else max(16, min(128, 8192 // D))
+    delta = new_output((B, H, Sq), torch.float32, o.device)
+    if has_res and o_res.stride() != o.stride():  # the kernel reads both with o's strides
+        o, o_res = o.contiguous(), o_res.contiguous()
+    launch.launch(
+        "flash_attn_bwd_preprocess", flash_attn_bwd_preprocess_kernel, (triton.cdiv(Sq, block_m), B * H),
+        o, do, o_res if has_res else o, dlse if dlse is not None else delta, delta,
+        *_strides3(o), *_strides3(do), H, Sq,
+        nbytes=o.element_size() * (3 if has_res else 2) * o.numel() + 4 * delta.numel() * (2 if dlse is not None else 1),
+        HEAD_DIM=D, BLOCK_M=block_m, HAS_RES=has_res, HAS_DLSE=dlse is not None, num_warps=4,
+    )
+    return delta
+
+
+def kv_split_for(n_key_blocks, B, Hkv, group) -> int:
+    """How many programs share one kv head's group of query heads in the dK/dV kernel: the smallest
+    divisor of the group giving ~2 programs per SM (1 when the kv heads alone fill the GPU)."""
+    target = 2 * _runtime.num_sms()
+    for s in range(1, group + 1):
+        if group % s == 0 and n_key_blocks * B * Hkv * s >= target:
+            return s
+    return group
+
+
+def attn_bwd_dkdv(q, k, v, do, lse, delta, causal, softmax_scale, cfg=None, kv_split=None):
+    """dk, dv in k's shape and dtype. GQA: each program sums its slice of the group's query heads;
+    with kv_split > 1 slices, fp32 partial sums [B, Sk, Hkv, kv_split, D] are added in PyTorch."""
+    B, Sq, H, D = q.shape
+    Sk, Hkv = k.shape[1], k.shape[2]
+    group = H // Hkv
+    cfg = cfg or _cfg("flash_attn_bwd_dkdv", D, causal, q.dtype)
+    n_blocks = triton.cdiv(Sk, cfg["BLOCK_N"])
+    split = kv_split or kv_split_for(n_blocks, B, Hkv, group)
+    if group % split:
+        raise ValueError(f"kv_split {split} must divide the group size {group}")
+    if split == 1:
+        dk = new_output((B, Sk, Hkv, D), k.dtype, k.device)
+        dv = new_output((B, Sk, Hkv, D), v.dtype, v.device)
+    else:
+        dk = new_output((B, Sk, Hkv * split, D), torch.float32, k.device)
+        dv = new_output((B, Sk, Hkv * split, D), torch.float32, k.device)
+    e = q.element_size()
+    launch.launch(
+        "flash_attn_bwd_dkdv", flash_attn_bwd_dkdv_kernel, (n_blocks, B * Hkv * split),
+        q, k, v, do, lse, delta, dk, dv,
+        *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(do), *_strides3(dk),
+        H, Hkv, group, group // split, split, Sq, Sk, softmax_scale * LOG2E, softmax_scale,
+        nbytes=e * 2 * q.numel() + 8 * lse.numel() + 2 * (k.numel() * e + dk.numel() * dk.element_size()),
+        HEAD_DIM=D, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], CAUSAL=bool(causal), **_flags(q.dtype),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    if split > 1:  # a fixed-order sum over the slices: deterministic
+        dk = dk.view(B, Sk, Hkv, split, D).sum(3).to(k.dtype)
+        dv = dv.view(B, Sk, Hkv, split, D).sum(3).to(v.dtype)
+    return dk, dv
+
+
+def attn_bwd_dq(q, k, v, do, lse, delta, causal, softmax_scale, cfg=None):
+    B, Sq, H, D = q.shape
+    Sk, Hkv = k.shape[1], k.shape[2]
+    cfg = cfg or _cfg("flash_attn_bwd_dq", D, causal, q.dtype)
+    dq = new_output((B, Sq, H, D), q.dtype, q.device)
+    e = q.element_size()
+    launch.launch(
+        "flash_attn_bwd_dq", flash_attn_bwd_dq_kernel, (triton.cdiv(Sq, cfg["BLOCK_M"]), B * H),
+        q, k, v, do, lse, delta, dq,
+        *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(do), *_strides3(dq),
+        H, H // Hkv, Sq, Sk, softmax_scale * LOG2E, softmax_scale,
+        nbytes=e * (3 * q.numel() + k.numel() + v.numel()) + 8 * lse.numel(),
+        HEAD_DIM=D, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], CAUSAL=bool(causal), **_flags(q.dtype),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    return dq
+
+
+def attn_bwd(do, q, k, v, o, o_res, lse, dlse, causal, softmax_scale):
+    """(dq, dk, dv) in the shapes and dtypes of q, k, v; o_res (optional) is o's rounding residual,
+    dlse (optional) the grad of lse."""
+    delta = attn_bwd_preprocess(o, do, o_res, dlse)
+    dk, dv = attn_bwd_dkdv(q, k, v, do, lse, delta, causal, softmax_scale)
+    dq = attn_bwd_dq(q, k, v, do, lse, delta, causal, softmax_scale)
+    return dq, dk, dv
+
+
+# ----------------------------------------------------------------------------- custom ops + autograd
+
+
+@torch.library.custom_op("triforge::flash_attn_fwd", mutates_args=())
+def flash_attn_fwd_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: float, residual: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(o, lse, o_res): o_res is o's rounding residual when ``residual`` and q is 16-bit, else empty."""
+    q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
+    return attn_fwd(q, k, v, causal, softmax_scale, residual=residual)
+
+
+@flash_attn_fwd_op.register_fake
+def _(q, k, v, causal, softmax_scale, residual):
+    B, Sq, H, _ = q.shape
+    o_res = q.new_empty(q.shape) if residual and q.dtype != torch.float32 else q.new_empty(0)
+    return q.new_empty(q.shape), q.new_empty((B, H, Sq), dtype=torch.float32), o_res
+
+
+@torch.library.custom_op("triforge::flash_attn_bwd", mutates_args=())
+def flash_attn_bwd_op(
+    do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, o_res: torch.Tensor | None,
+    lse: torch.Tensor, dlse: torch.Tensor | None, causal: bool, softmax_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    do, q, k, v, o = (_last_dim_contiguous(t) for t in (do, q, k, v, o))
+    o_res = _last_dim_contiguous(o_res) if o_res is not None and o_res.numel() else None
+    lse = lse.contiguous()
+    dlse = dlse.float().contiguous() if dlse is not None else None
+    return attn_bwd(do, q, k, v, o, o_res, lse, dlse, causal, softmax_scale)
+
+
+@flash_attn_bwd_op.register_fake
+def _(do, q, k, v, o, o_res, lse, dlse, causal, softmax_scale):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _fwd_setup(ctx, inputs, output):
+    q, k, v, causal, softmax_scale, residual = inputs
+    o, lse, o_res = output
+    ctx.causal, ctx.softmax_scale = causal, softmax_scale
+    ctx.save_for_backward(q, k, v, o, o_res, lse)
+
+
+def _fwd_backward(ctx, do, dlse, do_res):
+    q, k, v, o, o_res, lse = ctx.saved_tensors
+    if do is None:  # only lse took part in the loss
+        do = torch.zeros_like(o)
+    dq, dk, dv = torch.ops.triforge.flash_attn_bwd(
+        do, q, k, v, o, o_res if o_res.numel() else None, lse, dlse, ctx.causal, ctx.softmax_scale
+    )
+    return dq, dk, dv, None, None, None
+
+
+flash_attn_fwd_op.register_autograd(_fwd_backward, setup_context=_fwd_setup)
+
+
+# ----------------------------------------------------------------------------- validation + public API
+
+
+def _validate(q, k, v, causal, softmax_scale):
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_tensor(name, t, dtypes=DTYPES, ndim=4)
+    check_same_dtype(q=q, k=k, v=v)
+    check_same_device(q=q, k=k, v=v)
+    B, Sq, H, D = q.shape
+    if D not in HEAD_DIMS:
+        raise ValueError(f"q has head_dim (last dimension) {D}; supported head_dim: {HEAD_DIMS}")
+    if k.shape[0] != B or k.shape[3] != D:
+        raise ValueError(
+            f"k must be [B, Sk, Hkv, D] with q's batch {B} and head_dim {D} (q is {tuple(q.shape)}), got {tuple(k.shape)}"
+        )
+    if v.shape != k.shape:
+        raise ValueError(f"v must have the same shape as k {tuple(k.shape)}, got {tuple(v.shape)}")
+    if H % k.shape[2]:
+        raise ValueError(f"k has {k.shape[2]} heads, which must divide q's {H} heads (GQA/MQA)")
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    if softmax_scale is not None:
+        if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
+            raise TypeError(f"softmax_scale must be a positive float or None, got {type(softmax_scale).__name__}")
+        if not (math.isfinite(softmax_scale) and softmax_scale > 0):
+            raise ValueError(f"softmax_scale must be a positive finite number, got {softmax_scale!r}")
+
+
+def _scale(q, softmax_scale):
+    return q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+
+
+def flash_attn_func(q, k, v, causal: bool = False, softmax_scale: float | None = None, return_lse: bool = False):
+    """Exact attention softmax(q k^T * scale) v, flash-attn's layout and causal alignment.
+
+    q [B, Sq, H, D], k/v [B, Sk, Hkv, D] with H % Hkv == 0; fp16, bf16 or fp32; D in (32, 64, 128, 256).
+    ``softmax_scale`` defaults to D ** -0.5. Returns o [B, Sq, H, D] in q's dtype, and with
+    ``return_lse`` also the natural-log log-sum-exp lse [B, H, Sq] fp32 (-inf where a row sees no key).
+    Differentiable in q, k, v (and through lse).
+    """
+    _validate(q, k, v, causal, softmax_scale)
+    # o's rounding residual is only worth writing when a backward will read it
+    residual = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    o, lse, _ = torch.ops.triforge.flash_attn_fwd(q, k, v, causal, _scale(q, softmax_scale), residual)
+    return (o, lse) if return_lse else o
+
+
+def flash_attn_stages(q, k, v, causal: bool = False, softmax_scale: float | None = None):
+    """The forward kernel's own buffers, named as the reference's stages: lse, o."""
+    o, lse = flash_attn_func(q, k, v, causal, softmax_scale, return_lse=True)
+    return OrderedDict(lse=lse, o=o)
+
+
+def flash_attn_bwd_stages(q, k, v, do, causal: bool = False, softmax_scale: float | None = None, dlse=None):
+    """Every buffer of a forward + backward, in kernel order: lse, o, o_res (forward; o_res empty for
+    fp32), delta (preprocess), dk, dv, dq. For debugging a gradient stage by stage."""
+    _validate(q, k, v, causal, softmax_scale)
+    scale = _scale(q, softmax_scale)
+    q, k, v, do = (_last_dim_contiguous(t) for t in (q, k, v, do))
+    o, lse, o_res = attn_fwd(q, k, v, causal, scale, residual=True)
+    delta = attn_bwd_preprocess(o, do, o_res, dlse)
+    dk, dv = attn_bwd_dkdv(q, k, v, do, lse, delta, causal, scale)
+    dq = attn_bwd_dq(q, k, v, do, lse, delta, causal, scale)
+    return OrderedDict(lse=lse, o=o, o_res=o_res, delta=delta, dk=dk, dv=dv, dq=dq)
+
+
+# ----------------------------------------------------------------------------- registry
+
+
+def _dims(tier, causal_default):
+    """(B, Sq, Sk, H, Hkv, D, causal) of a tier: tiny, real or a dict {B, H, S, D[, causal, Hkv, Sq, Sk]}."""
+    if isinstance(tier, dict):
+        S = tier.get("S")
+        B, H, D = tier["B"], tier["H"], tier["D"]
+        Sq, Sk = tier.get("Sq", S), tier.get("Sk", S)
+        if Sq is None or Sk is None:
+            raise KeyError("S (or Sq and Sk)")
+        causal = bool(tier.get("causal", causal_default))
+        return B, Sq, Sk, H, tier.get("Hkv", H), D, causal
+    if tier == "tiny":
+        # odd lengths (masks, several blocks), GQA; the non-causal op also has Sq != Sk
+        return (2, 37, 37, 4, 2, 64, True) if causal_default else (2, 37, 45, 4, 2, 64, False)
+    if tier == "real":
+        return 4, 8192, 8192, 16, 16, 128, causal_default
+    raise KeyError(tier)
+
+
+def _make_inputs(tier, dtype, device, gen, causal_default=False, force_causal=False):
+    B, Sq, Sk, H, Hkv, D, causal = _dims(tier, causal_default)
+    if force_causal:
+        causal = True
+
+    def rand(*shape):
+        return torch.randn(shape, generator=gen, dtype=torch.float32).to(device=device, dtype=dtype)
+
+    return {"q": rand(B, Sq, H, D), "k": rand(B, Sk, Hkv, D), "v": rand(B, Sk, Hkv, D), "causal": causal}
+
+
+def attention_ref_chunked(q, k, v, causal=False, softmax_scale=None, max_scores=1 << 26):
+    """attention_ref's stages (lse, o), computed one slice of heads at a time so the float64 score
+    matrices of long sequences fit in memory; under autograd each slice is checkpointed."""
+    B, Sq, H, D = q.shape
+    Sk, Hkv = k.shape[1], k.shape[2]
+    if B * H * Sq * Sk <= max_scores:
+        return attention_ref(q, k, v, causal, softmax_scale)
+    group = H // Hkv
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+
+    def one(qs, ks, vs):
+        st = attention_ref(qs, ks, vs, causal, softmax_scale)
+        return st["lse"], st["o"]
+
+    lse_rows, o_rows = [], []
+    for b in range(B):
+        lses, outs = [], []
+        for hk in range(Hkv):
+            heads = slice(hk * group, (hk + 1) * group)
+            args = (q[b : b + 1, :, heads], k[b : b + 1, :, hk : hk + 1], v[b : b + 1, :, hk : hk + 1])
+            if grad:
+                lse, o = torch.utils.checkpoint.checkpoint(one, *args, use_reentrant=False)
+            else:
+                lse, o = one(*args)
+            lses.append(lse)  # [1, group, Sq]
+            outs.append(o)  # [1, Sq, group, D]
+        lse_rows.append(torch.cat(lses, dim=1))
+        o_rows.append(torch.cat(outs, dim=2))
+    lse, o = torch.cat(lse_rows, dim=0), torch.cat(o_rows, dim=0)
+    return OrderedDict(lse=lse, o=o)
+
+
+def _flops(inputs, mode):
+    q, k = inputs["q"], inputs["k"]
+    B, Sq, H, D = q.shape
+    f = 4 * B * H * Sq * k.shape[1] * D
+    if inputs.get("causal"):
+        f //= 2
+    return f if mode == "fwd" else 2.5 * f
+
+
+def _bytes(inputs, mode):
+    q, k, v = inputs["q"], inputs["k"], inputs["v"]
+    e = q.element_size()
+    B, Sq, H, _ = q.shape
+    lse = 4 * B * H * Sq
+    if mode == "fwd":  # read q, k, v; write o, lse
+        return e * (2 * q.numel() + k.numel() + v.numel()) + lse
+    # read q, k, v, o, do, lse; write dq, dk, dv
+    return e * (4 * q.numel() + 2 * k.numel() + 2 * v.numel()) + lse
+
+
+def _sdpa_peer(backend_name):
+    def build(inputs):
+        if not torch.cuda.is_available():
+            return None
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        q, k = inputs["q"], inputs["k"]
+        if inputs.get("causal") and q.shape[1] != k.shape[1]:
+            return None  # SDPA's is_causal is top-left aligned; it differs from flash-attn's when Sq != Sk
+        backend = getattr(SDPBackend, backend_name)
+
+        def run(q, k, v, causal):
+            H, Hkv = q.shape[2], k.shape[2]
+            qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+            if Hkv != H:
+                kt, vt = kt.repeat_interleave(H // Hkv, 1), vt.repeat_interleave(H // Hkv, 1)
+            with sdpa_kernel(backend):
+                o = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+            return (o.transpose(1, 2),)
+
+        return run
+
+    return build
+
+
+def _describe(inputs):
+    q, k = inputs["q"], inputs["k"]
+    B, Sq, H, D = q.shape
+    s = f"B={B} H={H} S={Sq}" if Sq == k.shape[1] else f"B={B} H={H} Sq={Sq} Sk={k.shape[1]}"
+    if k.shape[2] != H:
+        s += f" Hkv={k.shape[2]}"
+    return s + f" D={D}" + (" causal" if inputs.get("causal") else "")
+
+
+def _tune_setup(kernel):
+    def setup(shape, dtype, device):
+        B, H, S, D = shape["B"], shape["H"], shape["S"], shape["D"]
+        causal = bool(shape.get("causal", 0))
+        Hkv = shape.get("Hkv", H)
+        q = torch.randn(B, S, H, D, device=device, dtype=dtype)
+        k = torch.randn(B, S, Hkv, D, device=device, dtype=dtype)
+        v = torch.randn(B, S, Hkv, D, device=device, dtype=dtype)
+        scale = D**-0.5
+        key = config_key(D, causal, dtype)
+        if kernel == "flash_attn_fwd":
+            return (lambda cfg: attn_fwd(q, k, v, causal, scale, cfg)), key
+        o, lse, o_res = attn_fwd(q, k, v, causal, scale, residual=True)
+        do = torch.randn_like(o)
+        delta = attn_bwd_preprocess(o, do, o_res)
+        if kernel == "flash_attn_bwd_dkdv":
+            return (lambda cfg: attn_bwd_dkdv(q, k, v, do, lse, delta, causal, scale, cfg)), key
+        return (lambda cfg: attn_bwd_dq(q, k, v, do, lse, delta, causal, scale, cfg)), key
+
+    return setup
+
+
+_TUNE_SHAPE = {"B": 4, "H": 16, "S": 8192, "D": 128, "causal": 0}
+_SHAPE_NAMES = ("B", "H", "S", "D", "causal")
+register_tunable(Tunable(
+    kernel="flash_attn_fwd",
+    space={"BLOCK_M": [64, 128], "BLOCK_N": [32, 64, 128], "num_warps": [4, 8], "num_stages": [2, 3, 4]},
+    setup=_tune_setup("flash_attn_fwd"), shape_names=_SHAPE_NAMES, default_shape=dict(_TUNE_SHAPE),
+))
+register_tunable(Tunable(
+    kernel="flash_attn_bwd_dkdv",
+    space={"BLOCK_M": [16, 32, 64], "BLOCK_N": [64, 128], "num_warps": [4, 8], "num_stages": [1, 2, 3]},
+    setup=_tune_setup("flash_attn_bwd_dkdv"), shape_names=_SHAPE_NAMES, default_shape=dict(_TUNE_SHAPE),
+))
+register_tunable(Tunable(
+    kernel="flash_attn_bwd_dq",
+    space={"BLOCK_M": [64, 128], "BLOCK_N": [16, 32, 64], "num_warps": [4, 8], "num_stages": [1, 2, 3]},
+    setup=_tune_setup("flash_attn_bwd_dq"), shape_names=_SHAPE_NAMES, default_shape=dict(_TUNE_SHAPE),
+))
+
+
+def _ref_stages(q, k, v, causal):
+    return attention_ref_chunked(q, k, v, causal)
+
+
+def _spec(name, causal_default, force_causal):
+    return OpSpec(
+        name=name,
+        family="attention",
+        make_inputs=lambda tier, dtype, device, gen: _make_inputs(tier, dtype, device, gen, causal_default, force_causal),
+        reference=_ref_stages,
+        stages=lambda q, k, v, causal: flash_attn_stages(q, k, v, causal),
+        call=lambda q, k, v, causal: (flash_attn_func(q, k, v, causal),),
+        outputs=("o",),
+        grad_inputs=("q", "k", "v"),
+        flops=_flops,
+        bytes=_bytes,
+        peers={"sdpa_flash": _sdpa_peer("FLASH_ATTENTION"), "sdpa_cudnn": _sdpa_peer("CUDNN_ATTENTION")},
+        describe=_describe,
+    )
+
+
+# flash_attn: non-causal unless a dict tier says causal=1; flash_attn_causal: always causal
+register(_spec("flash_attn", causal_default=False, force_causal=False))
+register(_spec("flash_attn_causal", causal_default=True, force_causal=True))
+
+__all__ = [
+    "flash_attn_func",
+    "flash_attn_stages",
+    "flash_attn_bwd_stages",
+    "attention_ref",
+    "attention_ref_chunked",
+    "causal_mask",
+    "varlen_attention_ref",
+    "kvcache_attention_ref",
+]

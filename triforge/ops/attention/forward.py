@@ -1,0 +1,187 @@
+"""FlashAttention-2 forward kernel (flash-attn layout: q [B, Sq, H, D], k/v [B, Sk, Hkv, D]).
+
+One program per (BLOCK_M query rows, batch * query head). K/V tiles stream through an online
+softmax in base 2 with fp32 statistics and accumulator:
+
+    s   = (q @ k^T) * scale * log2(e)          (the scale multiplies the fp32 scores, so q is not
+                                                 rounded again: |QK^T| ~ 1e4 stays exact enough)
+    m'  = max(m, rowmax(s));  p = exp2(s - m');  l' = l * exp2(m - m') + rowsum(p)
+    acc = acc * exp2(m - m') + p @ v
+    o   = acc / l,   lse = (m + log2(l)) * ln(2)
+
+Causal masking is bottom-right aligned (query i sees keys j <= i + Sk - Sq). The key loop runs in
+two phases: blocks every row of the program sees completely (no mask at all), then the boundary
+blocks (the diagonal and the partial last block) with masks; blocks past the diagonal are never
+visited. For training, the kernel also writes o's rounding residual (o in fp32 minus o rounded)
+so that the backward's delta = rowsum(dO * O) uses O to ~16 more bits. A row that sees no key keeps m = -inf and l = 0: a safe max (0) stands in for m in the
+exponentials and the row stores o = 0, lse = -inf.
+"""
+
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+@triton.jit
+def _dot(a, b, acc, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    """acc + a @ b. IEEE: fp32 operands, full fp32 products (no tf32). UPCAST: compute a bf16 dot in
+    fp32 (Triton 3.6's CPU interpreter multiplies bf16 operands of tl.dot wrongly; the products of
+    bf16 values are exact in fp32 either way)."""
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    elif IEEE:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _cast(x, dtype: tl.constexpr, RNE: tl.constexpr):
+    """x (fp32) in ``dtype``. RNE rounds to the nearest bf16 first (ties to even) by bit arithmetic:
+    Triton 3.6's CPU interpreter truncates fp32 -> bf16 casts, compiled kernels round to nearest;
+    the rounded value is exact in bf16, so the cast after it loses nothing."""
+    if RNE:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return bits.to(tl.float32, bitcast=True).to(dtype)
+    return x.to(dtype)
+
+
+@triton.jit
+def _fwd_inner(
+    acc, l_i, m_i, q,
+    k_base, v_base,  # pointers to this (batch, kv head)'s key / value row 0
+    stride_ks, stride_vs,
+    offs_m,  # [BLOCK_M] query rows of the program
+    offs_d,  # [HEAD_DIM]
+    lo, hi,  # key range [lo, hi), lo a multiple of BLOCK_N
+    Sk, shift,  # shift = Sk - Sq (bottom-right causal alignment)
+    qk_scale,  # softmax scale * log2(e)
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,  # boundary blocks: key bounds (and the causal mask when CAUSAL)
+    CAUSAL: tl.constexpr,
+    UPCAST: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    offs_n0 = tl.arange(0, BLOCK_N)
+    tile = offs_n0[:, None] * stride_ks + offs_d[None, :]
+    tile_v = offs_n0[:, None] * stride_vs + offs_d[None, :]
+    for start_n in range(lo, hi, BLOCK_N):
+        n64 = tl.cast(start_n, tl.int64)
+        p_k = k_base + n64 * stride_ks + tile
+        p_v = v_base + n64 * stride_vs + tile_v
+        offs_n = start_n + offs_n0
+        if MASKED:
+            m_n = offs_n < Sk
+            k = tl.load(p_k, mask=m_n[:, None], other=0.0)
+        else:
+            k = tl.load(p_k)
+        qk = _dot(q, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), UPCAST, IEEE)
+        if MASKED:
+            valid = m_n[None, :]
+            if CAUSAL:
+                valid = valid & (offs_n[None, :] <= offs_m[:, None] + shift)
+            s = tl.where(valid, qk * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            # a row that has seen no key yet: m_new = -inf; exp2 must never see (-inf) - (-inf)
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp2(s - m_use[:, None])
+            v = tl.load(p_v, mask=m_n[:, None], other=0.0)
+        else:
+            # every key of the block is visible to every row: the row max is finite
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+            m_use = m_new
+            p = tl.exp2(qk * qk_scale - m_use[:, None])
+            v = tl.load(p_v)
+        alpha = tl.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        acc = _dot(_cast(p, v.dtype, UPCAST), v, acc, UPCAST, IEEE)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _causal_key_range(i_m, Sk, shift, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+    """Keys [0, full_end) are visible to every row of query block i_m (whole BLOCK_N tiles, no
+    mask needed); [full_end, hi) are the boundary tiles. Nothing at or past hi is visible."""
+    if CAUSAL:
+        hi = tl.minimum(Sk, (i_m + 1) * BLOCK_M + shift)
+        full = tl.maximum(tl.minimum(Sk, i_m * BLOCK_M + 1 + shift), 0)
+        hi = tl.maximum(hi, 0)
+    else:
+        hi = Sk
+        full = Sk
+    full_end = (full // BLOCK_N) * BLOCK_N
+    return full_end, hi
+
+
+@triton.jit
+def flash_attn_fwd_kernel(
+    q_ptr, k_ptr, v_ptr,  # [B, Sq, H, D], [B, Sk, Hkv, D] x2; last dim contiguous
+    o_ptr,  # [B, Sq, H, D] q's dtype
+    ores_ptr,  # [B, Sq, H, D] q's dtype, o - o rounded (written when STORE_RES), o's strides
+    lse_ptr,  # [B, H, Sq] fp32, natural log
+    stride_qb, stride_qs, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_ob, stride_os, stride_oh,
+    H, GROUP,  # query heads; query heads per kv head
+    Sq, Sk,
+    qk_scale,  # softmax scale * log2(e)
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    STORE_RES: tl.constexpr,
+    UPCAST: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    i_m = tl.program_id(0)
+    if CAUSAL:  # the longest rows (most key blocks) start first
+        i_m = tl.num_programs(0) - 1 - i_m
+    i_bh = tl.program_id(1)
+    i_b = (i_bh // H).to(tl.int64)
+    i_h = i_bh % H
+    i_hk = (i_h // GROUP).to(tl.int64)
+    i_h = i_h.to(tl.int64)
+    m0 = i_m.to(tl.int64) * BLOCK_M
+    q_base = q_ptr + i_b * stride_qb + i_h * stride_qh + m0 * stride_qs
+    k_base = k_ptr + i_b * stride_kb + i_hk * stride_kh
+    v_base = v_ptr + i_b * stride_vb + i_hk * stride_vh
+    o_off = i_b * stride_ob + i_h * stride_oh + m0 * stride_os
+
+    offs_m0 = tl.arange(0, BLOCK_M)
+    offs_m = i_m * BLOCK_M + offs_m0
+    offs_d = tl.arange(0, HEAD_DIM)
+    m_m = offs_m < Sq
+    q = tl.load(q_base + offs_m0[:, None] * stride_qs + offs_d[None, :], mask=m_m[:, None], other=0.0)
+
+    shift = Sk - Sq
+    full_end, hi = _causal_key_range(i_m, Sk, shift, BLOCK_M, BLOCK_N, CAUSAL)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, offs_m, offs_d,
+                               0, full_end, Sk, shift, qk_scale,
+                               BLOCK_M, BLOCK_N, False, CAUSAL, UPCAST, IEEE)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, offs_m, offs_d,
+                               full_end, hi, Sk, shift, qk_scale,
+                               BLOCK_M, BLOCK_N, True, CAUSAL, UPCAST, IEEE)
+
+    empty = l_i == 0.0  # the row saw no key
+    l_safe = tl.where(empty, 1.0, l_i)
+    o = acc / l_safe[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * LN2)
+    o_out = _cast(o, o_ptr.dtype.element_ty, UPCAST)
+    p_o = offs_m0[:, None] * stride_os + offs_d[None, :]
+    tl.store(o_ptr + o_off + p_o, o_out, mask=m_m[:, None])
+    if STORE_RES:
+        # the rounding error of o, for the backward's delta = rowsum(dO * o): with o alone it
+        # carries o's rounding error, which dominates dq/dk when the softmax is peaked
+        o_res = _cast(o - o_out.to(tl.float32), ores_ptr.dtype.element_ty, UPCAST)
+        tl.store(ores_ptr + o_off + p_o, o_res, mask=m_m[:, None])
+    tl.store(lse_ptr + i_bh.to(tl.int64) * Sq + offs_m, lse, mask=m_m)
