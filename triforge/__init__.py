@@ -1,7 +1,7 @@
 """triforge: fused Triton kernels for LLM layers, each with a golden reference, parity check and benchmark."""
 
 from triforge import _runtime  # noqa: F401  (sets TRITON_INTERPRET before any kernel is defined)
-from triforge import nn  # noqa: F401
+from triforge import nn, ternary  # noqa: F401
 from triforge.ops.mhc import coefficients as mhc_coefficients
 from triforge.ops.mhc import fused_post_res, fused_pre_map, fused_rmsnorm_project
 from triforge.ops.norm import rms_norm
@@ -22,5 +22,6 @@ __all__ = [
     "fused_post_res",
     "mhc_coefficients",
     "nn",
+    "ternary",
     "__version__",
 ]

@@ -101,3 +101,32 @@ def test_plane_skipping_gives_the_same_result(M):
     assert compare("no skipping", want, dense, dtype=torch.float16).ok
     assert compare("plane skipping", want, skipped, dtype=torch.float16).ok
     assert torch.all(skipped[:, 3] == 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_w158a8_through_the_popcount_kernel_matches_the_reference(dtype):
+    from triforge.ops.ternary import TernaryTensor, matmul_w158a8
+    from triforge.ops.ternary.reference import matmul_w158a8_ref
+
+    tt = TernaryTensor.from_float(torch.randn(37, 101), method="twn", per_row=True)
+    x = torch.randn(2, 5, 101).to(dtype)
+    bias = torch.randn(37)
+    with poisoned():
+        got = matmul_w158a8(x, tt, bias=bias)
+    want = matmul_w158a8_ref(x, tt, bias=bias)
+    assert got.shape == (2, 5, 37) and got.dtype == dtype
+    assert compare("W1.58A8 kernel vs reference", want, got, dtype=dtype).ok
+
+
+def test_public_matmul_runs_the_kernel_on_the_kernel_device(monkeypatch):
+    import triforge.ops.ternary.kernels as kernels
+    from triforge.ops.ternary import TernaryTensor, matmul
+
+    calls = []
+    real = kernels.ternary_matmul
+    monkeypatch.setattr(kernels, "ternary_matmul", lambda *a, **k: calls.append(1) or real(*a, **k))
+    tt = TernaryTensor.from_float(torch.randn(20, 64))
+    x = torch.randn(3, 64)
+    y = matmul(x, tt)
+    assert calls, "matmul did not dispatch to the Triton kernel"
+    assert compare("dispatched matmul", x.double() @ tt.to_float(torch.float64).T, y, dtype=torch.float32).ok

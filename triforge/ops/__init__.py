@@ -1,3 +1,3 @@
 """Every op module; importing this registers them all."""
 
-from triforge.ops import mhc, norm, rope, softmax, swiglu  # noqa: F401
+from triforge.ops import mhc, norm, rope, softmax, swiglu, ternary  # noqa: F401

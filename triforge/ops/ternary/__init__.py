@@ -61,14 +61,28 @@ def _matmul_dense(x2d: torch.Tensor, tt: TernaryTensor, bias=None) -> torch.Tens
     return y
 
 
+def _matmul_kernel(x2d: torch.Tensor, tt: TernaryTensor, bias=None) -> torch.Tensor:
+    """The Triton kernel on the bit planes; inactive 2048-column chunks are skipped when there are any."""
+    from triforge.ops.ternary.kernels import ternary_matmul
+
+    meta = tt.sparsity_metadata()
+    active = meta.active if meta.chunk_sparsity() > 0 else None
+    return ternary_matmul(x2d.contiguous(), tt.plus, tt.minus, tt.row_scales(), bias=bias, active=active)
+
+
 def _dispatch(x2d: torch.Tensor, tt: TernaryTensor):
     """Pick the implementation for this call: a callable (x2d, tt, bias) -> y2d.
 
-    The GPU kernels plug in here: choose by device (CUDA), batch size M = x2d.shape[0] (decode GEMV with
-    split-K for small M, tiled tensor-core GEMM otherwise), and ``tt.sparsity_metadata()`` (chunk skipping),
-    falling back to dense expansion wherever a kernel would be slower than fp16 cuBLAS. Until the kernels are
-    wired, every call runs ``_matmul_dense``.
+    Tensors on the kernels' device (CUDA, or the CPU under Triton's interpreter) run the Triton kernel
+    (split-K while output tiles are few, chunk skipping from ``tt.sparsity_metadata()``); anything else
+    (CPU tensors in a CUDA process) runs the dense expansion. The batch sizes at which the kernel should
+    hand over to fp16 cuBLAS are still to be measured on the GPU.
     """
+    from triforge import _runtime
+
+    kernel_device = "cpu" if _runtime.INTERPRET else "cuda"
+    if x2d.device.type == kernel_device and tt.device.type == kernel_device:
+        return _matmul_kernel
     return _matmul_dense
 
 
@@ -176,3 +190,76 @@ __all__ = [
     "ternary_attention_scores",
     "hybrid_attention_scores",
 ]
+
+
+# ----------------------------------------------------------------------------- W1.58A8 (popcount kernel)
+
+
+def matmul_w158a8(x: torch.Tensor, tt: TernaryTensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """BitNet b1.58 W1.58A8: per-token absmax int8 activations times ternary weights.
+
+    The integer product runs in the popcount kernel and is exact (it equals ``popcount_matmul_a8``
+    of the reference bit for bit); y = acc * dequant_x * scales (+ bias), in x's dtype.
+    """
+    from triforge.ops.ternary.kernels import popcount_matmul_a8 as popcount_kernel
+    from triforge.ops.ternary.reference import absmax_quantize_int8
+
+    _check_ternary("tt", tt)
+    _check_activation("x", x, tt.in_features, tt.device)
+    _check_bias(bias, tt.out_features, tt.device)
+    lead = x.shape[:-1]
+    q, dq = absmax_quantize_int8(x.reshape(-1, tt.in_features))
+    acc = popcount_kernel(q.contiguous(), tt.plus, tt.minus)
+    y = acc.to(torch.float32) * dq * tt.row_scales()[None, :]
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype).reshape(*lead, tt.out_features)
+
+
+# ----------------------------------------------------------------------------- registry
+
+
+def _registry_inputs(tier, dtype, device, gen):
+    M, N, K = (tier["M"], tier["N"], tier["K"]) if isinstance(tier, dict) else {"tiny": (3, 40, 100), "real": (1, 8192, 8192)}[tier]
+    w = torch.randn(N, K, generator=gen)
+    tt = TernaryTensor.from_float(w, method="absmean", per_row=True).to(device)
+    x = torch.randn(M, K, generator=gen).to(device=device, dtype=dtype)
+    return {"x": x, "tt": tt}
+
+
+def _registry_ref(x, tt):
+    from collections import OrderedDict
+
+    return OrderedDict(y=x.to(torch.float64) @ tt.to_float(torch.float64).T)
+
+
+def _registry_bytes(inputs, mode):
+    x, tt = inputs["x"], inputs["tt"]
+    out = x.shape[0] * tt.out_features * x.element_size()
+    return x.numel() * x.element_size() + tt.plus.numel() * 8 + tt.out_features * 4 + out
+
+
+def _cublas_fp16_peer(inputs):
+    """fp16 weights through torch.matmul (cuBLAS): the dense baseline the ternary kernels must beat."""
+    if not torch.cuda.is_available():
+        return None
+    w16 = inputs["tt"].to_float(torch.float16)
+    return lambda x, tt: (x.to(torch.float16) @ w16.T,)
+
+
+def _register():
+    from collections import OrderedDict
+
+    from triforge.registry import OpSpec, register
+
+    register(OpSpec(
+        name="ternary_matmul", family="ternary", make_inputs=_registry_inputs, reference=_registry_ref,
+        stages=lambda x, tt: OrderedDict(y=matmul(x, tt)), call=lambda x, tt: (matmul(x, tt),), outputs=("y",),
+        flops=lambda i, mode: 2 * i["x"].shape[0] * i["tt"].out_features * i["tt"].in_features,
+        bytes=_registry_bytes, peers={"cublas_fp16": _cublas_fp16_peer},
+        dtypes=(torch.float16, torch.bfloat16, torch.float32),
+        describe=lambda i: f"M={i['x'].shape[0]} N={i['tt'].out_features} K={i['tt'].in_features}",
+    ))
+
+
+_register()
