@@ -338,8 +338,14 @@ def test_interpreter_and_fallback_configs():
             assert set(cfg) >= {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"}
             if _runtime.INTERPRET:
                 assert cfg["BLOCK_M"] == cfg["BLOCK_N"] == 16
-    assert attn._FWD[128] == {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}
-    assert attn._FWD[64] == {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
+    bf16 = torch.bfloat16
+    assert attn.fallback_config("flash_attn_fwd", 128, bf16) == {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}
+    assert attn.fallback_config("flash_attn_fwd", 64, bf16) == {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
+    for kernel in ("flash_attn_fwd", "flash_attn_bwd_dkdv", "flash_attn_bwd_dq"):
+        for D in attn.HEAD_DIMS:
+            for dtype in (torch.float16, bf16, torch.float32):
+                cfg = attn.fallback_config(kernel, D, dtype)
+                assert cfg["BLOCK_M"] >= 16 and cfg["BLOCK_N"] >= 16
     assert {"flash_attn_fwd", "flash_attn_bwd_dkdv", "flash_attn_bwd_dq"} <= set(tune.all_tunables())
 
 
@@ -559,3 +565,119 @@ def test_longer_sequence_forward_and_backward(causal, gen):
     q, k, v = _qkv(1, 200, 200, 2, 1, 64, dtype, gen)
     _check_forward(q, k, v, causal, dtype)
     _check_backward(q, k, v, causal, dtype, gen)
+
+
+# ----------------------------------------------------------------------------- compiled for sm90 (no GPU needed)
+
+_SM90_COMPILE = r'''
+import json, os, re, subprocess, sys, tempfile
+os.environ["TRITON_INTERPRET"] = "0"  # real @triton.jit kernels, compiled for sm90 without a device
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler.compiler import ASTSource
+import triforge.ops.attention as attn
+from triforge.ops.attention import backward as bw, forward as fw
+
+PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+
+
+def compile_(fn, ptrs, floats, consts, opts):
+    names = fn.arg_names
+    sig = {n: ("constexpr" if n in consts else ptrs.get(n, "fp32" if n in floats else "i32")) for n in names}
+    # as a launch specialises them: pointers and strides divisible by 16
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if n in ptrs or n.startswith("stride")}
+    k = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", 90, 32),
+                       options=opts)
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(k.asm["ptx"])
+    out = subprocess.run([PTXAS, "-v", "--gpu-name", "sm_90a", f.name, "-o", os.devnull], capture_output=True,
+                         text=True, check=True)
+    os.unlink(f.name)
+    txt = out.stdout + out.stderr
+    ptx = k.asm["ptx"]
+    return {"regs": int(re.search(r"Used (\d+) registers", txt).group(1)),
+            "spills": int(re.search(r"(\d+) bytes spill stores", txt).group(1)),
+            "wgmma": ptx.count("wgmma.mma_async"), "cp_async": ptx.count("cp.async."), "shared": k.metadata.shared}
+
+
+rows = []
+for kernel, dt, D, causal in json.loads(sys.argv[1]):
+    dtype = getattr(torch, dt)
+    t = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}[dt]
+    flags = dict(UPCAST=False, IEEE=dtype == torch.float32)
+    if kernel == "pre":
+        ptrs = {n: "*" + t for n in ("o_ptr", "do_ptr", "ores_ptr")}
+        ptrs.update(dlse_ptr="*fp32", delta_ptr="*fp32")
+        consts = dict(HEAD_DIM=D, BLOCK_M=max(16, min(128, 8192 // D)), HAS_RES=True, HAS_DLSE=True)
+        r = compile_(bw.flash_attn_bwd_preprocess_kernel, ptrs, (), consts, {"num_warps": 4, "num_stages": 1})
+        rows.append(dict(r, kernel=kernel, dtype=t, D=D, causal=causal))
+        continue
+    cfg = attn.fallback_config(kernel, D, dtype)
+    opts = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
+    consts = dict(HEAD_DIM=D, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], CAUSAL=causal, **flags)
+    if kernel == "flash_attn_fwd":
+        ptrs = {n: "*" + t for n in ("q_ptr", "k_ptr", "v_ptr", "o_ptr", "ores_ptr")}
+        ptrs["lse_ptr"] = "*fp32"
+        consts["STORE_RES"] = dtype != torch.float32
+        r = compile_(fw.flash_attn_fwd_kernel, ptrs, ("qk_scale",), consts, opts)
+    elif kernel == "flash_attn_bwd_dkdv":
+        ptrs = {n: "*" + t for n in ("q_ptr", "k_ptr", "v_ptr", "do_ptr", "dk_ptr", "dv_ptr")}
+        ptrs.update(lse_ptr="*fp32", delta_ptr="*fp32")
+        r = compile_(bw.flash_attn_bwd_dkdv_kernel, ptrs, ("qk_scale", "sm_scale"), consts, opts)
+    else:
+        ptrs = {n: "*" + t for n in ("q_ptr", "k_ptr", "v_ptr", "do_ptr", "dq_ptr")}
+        ptrs.update(lse_ptr="*fp32", delta_ptr="*fp32")
+        r = compile_(bw.flash_attn_bwd_dq_kernel, ptrs, ("qk_scale", "sm_scale"), consts, opts)
+    rows.append(dict(r, kernel=kernel, dtype=t, D=D, causal=causal, cfg=cfg))
+print("RESULT" + json.dumps(rows))
+'''
+
+_KERNELS = ("flash_attn_fwd", "flash_attn_bwd_dkdv", "flash_attn_bwd_dq")
+
+
+def _sm90_compile(cases):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    import triton
+
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    if not os.path.exists(ptxas):
+        pytest.skip("triton's bundled ptxas is not installed")
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    out = subprocess.run([sys.executable, "-c", _SM90_COMPILE, json.dumps(cases)], capture_output=True, text=True,
+                         env=env, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.split("RESULT", 1)[1])
+
+
+def _check_sm90_rows(rows):
+    for r in rows:
+        assert r["spills"] == 0, r
+        assert r["shared"] <= 227 * 1024, r
+        if r["kernel"] != "pre" and r["dtype"] != "fp32":
+            assert r["cp_async"] > 0, r  # K/V (or Q/dO) loads are software-pipelined
+            if r["D"] <= 128:
+                assert r["wgmma"] > 0, r  # Hopper tensor cores
+
+
+def test_kernels_compile_for_sm90():
+    """The kernels as the H100 builds them (TRITON_INTERPRET=0, sm90 target, the fallback configs,
+    ptxas from the triton wheel): they compile (the interpreter never does), spill no registers, fit
+    in shared memory, use wgmma and pipelined loads. bf16 at every head dim, causal and not."""
+    cases = [[k, "bfloat16", D, c] for k in _KERNELS for D in (64, 128) for c in (False, True)]
+    cases += [[k, "bfloat16", D, True] for k in _KERNELS for D in (32, 256)]
+    cases += [["pre", "bfloat16", D, False] for D in (64, 128)]
+    _check_sm90_rows(_sm90_compile(cases))
+
+
+@pytest.mark.slow
+def test_kernels_compile_for_sm90_fp16_fp32():
+    cases = [[k, "float16", D, c] for k in _KERNELS for D in (64, 128) for c in (False, True)]
+    cases += [[k, "float32", D, True] for k in _KERNELS for D in (32, 64, 128, 256)]
+    cases += [["pre", dt, 256, False] for dt in ("float16", "float32")]
+    _check_sm90_rows(_sm90_compile(cases))

@@ -43,33 +43,40 @@ def _tag(dtype) -> str:
     return {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
 
 
-# H100 fallbacks (FlashAttention-2 style tiles; `triforge tune` can replace them per arch):
-# - forward: 128 query rows per program keep the K/V stream's reuse high; 64-key tiles keep the
-#   fp32 score tile (128x64) and the fp32 accumulator (128xD) in registers: 4 warps for D <= 64,
-#   8 for D = 128 (acc 128x128 fp32 = 64 registers a thread over 256 threads); 3 stages of K/V
-#   double-buffer the loads. D = 256 halves the query tile (64x256 fp32 accumulator).
-# - backward: the dK/dV kernel holds two fp32 accumulators BLOCK_N x D plus K and V, and recomputes
-#   two BLOCK_N x BLOCK_M tiles a step: 64x64 with 4 warps (D <= 64), 8 warps at D = 128, 32x32
-#   at D = 256; the dQ kernel holds one accumulator and mirrors the forward's loop. 2 stages.
-_FWD = {
-    32: {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3},
-    64: {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3},
-    128: {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3},
-    256: {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2},
+def _c(bm, bn, w, s):
+    return {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": s}
+
+
+# H100 fallbacks (until `triforge tune` writes measured ones for sm90). Every one was compiled for
+# sm90a with Triton 3.6 and checked with ptxas: no register spills (test_kernels_compile_for_sm90).
+# - forward (16-bit): FlashAttention-2 tiles, 128 query rows x 64-key tiles: the fp32 score tile and
+#   the fp32 accumulator (128 x D) stay in registers; 4 warps for D <= 64, 8 warps (two warpgroups of
+#   wgmma) at D = 128; 3 stages of K/V loads in flight (128 KiB of shared memory at D = 128).
+#   D = 256 halves the query tile (the 64 x 256 accumulator) with 2 stages.
+# - dK/dV (16-bit): two fp32 accumulators BLOCK_N x D plus K and V stay resident while Q/dO tiles
+#   stream; 128 keys x 32 queries with 8 warps for D <= 64 (FA2's 128x32 tile, 244 registers), 64 x 32
+#   at D = 128 (64 x 64 spills 96 B at 8 warps, 4 warps spill more), 32 x 32 (mma.sync) at D = 256.
+# - dQ (16-bit): mirrors the forward loop with one accumulator: 128 queries x 64 keys, 8 warps; 64 x 32
+#   at D = 256.
+# - fp32 (tl.dot in full fp32: FMA, no tensor cores): small tiles; spill-free, not a fast path.
+_FWD = {32: _c(128, 64, 4, 3), 64: _c(128, 64, 4, 3), 128: _c(128, 64, 8, 3), 256: _c(64, 64, 8, 2)}
+_BWD_DKDV = {32: _c(32, 128, 8, 2), 64: _c(32, 128, 8, 2), 128: _c(32, 64, 8, 2), 256: _c(32, 32, 8, 2)}
+_BWD_DQ = {32: _c(128, 64, 8, 2), 64: _c(128, 64, 8, 2), 128: _c(128, 64, 8, 2), 256: _c(64, 32, 8, 2)}
+_FWD_FP32 = {32: _c(32, 32, 4, 2), 64: _c(64, 32, 8, 2), 128: _c(32, 32, 8, 1), 256: _c(32, 16, 8, 1)}
+_BWD_DKDV_FP32 = {32: _c(32, 32, 8, 1), 64: _c(32, 32, 8, 1), 128: _c(32, 32, 8, 1), 256: _c(16, 32, 8, 1)}
+_BWD_DQ_FP32 = {32: _c(32, 32, 4, 2), 64: _c(32, 32, 4, 2), 128: _c(32, 32, 4, 2), 256: _c(32, 16, 8, 1)}
+_FALLBACKS = {
+    ("flash_attn_fwd", False): _FWD, ("flash_attn_bwd_dkdv", False): _BWD_DKDV, ("flash_attn_bwd_dq", False): _BWD_DQ,
+    ("flash_attn_fwd", True): _FWD_FP32, ("flash_attn_bwd_dkdv", True): _BWD_DKDV_FP32,
+    ("flash_attn_bwd_dq", True): _BWD_DQ_FP32,
 }
-_BWD_DKDV = {
-    32: {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2},
-    64: {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2},
-    128: {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2},
-    256: {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2},
-}
-_BWD_DQ = {
-    32: {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2},
-    64: {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2},
-    128: {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2},
-    256: {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2},
-}
-_FALLBACKS = {"flash_attn_fwd": _FWD, "flash_attn_bwd_dkdv": _BWD_DKDV, "flash_attn_bwd_dq": _BWD_DQ}
+
+
+def fallback_config(kernel, D, dtype) -> dict:
+    """The compiled-GPU fallback launch config (what a GPU without a tuned entry uses)."""
+    return dict(_FALLBACKS[(kernel, dtype == torch.float32)][D])
+
+
 # the interpreter's cost is per block op: small tiles, so odd lengths exercise masks and multi-block loops
 _INTERPRET_CFG = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
 
@@ -79,7 +86,7 @@ def config_key(D, causal, dtype) -> str:
 
 
 def _cfg(kernel, D, causal, dtype):
-    fallback = dict(_INTERPRET_CFG if _runtime.INTERPRET else _FALLBACKS[kernel][D])
+    fallback = dict(_INTERPRET_CFG) if _runtime.INTERPRET else fallback_config(kernel, D, dtype)
     return launch.config(kernel, config_key(D, causal, dtype), fallback)
 
 

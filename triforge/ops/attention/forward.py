@@ -20,8 +20,8 @@ exponentials and the row stores o = 0, lse = -inf.
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
+LOG2E = 1.4426950408889634  # host side: the launchers pass softmax_scale * LOG2E
+LN2 = tl.constexpr(0.6931471805599453)  # a constexpr global, readable inside @triton.jit functions
 
 
 @triton.jit
