@@ -5,8 +5,13 @@
 Forward and backward are FlashAttention-2 Triton kernels (forward.py, backward.py) wrapped as
 torch.library custom ops with fakes and autograd:
 
-    torch.ops.triforge.flash_attn_fwd(q, k, v, causal, softmax_scale) -> (o, lse [B, H, Sq] fp32)
-    torch.ops.triforge.flash_attn_bwd(do, q, k, v, o, lse, dlse, causal, softmax_scale) -> (dq, dk, dv)
+    torch.ops.triforge.flash_attn_fwd(q, k, v, causal, softmax_scale, residual) -> (o, lse [B, H, Sq] fp32, o_res)
+    torch.ops.triforge.flash_attn_bwd(do, q, k, v, o, o_res, lse, dlse, causal, softmax_scale) -> (dq, dk, dv)
+
+o_res (written only when a backward will need it, 16-bit inputs) is o's rounding error: the
+backward's delta = rowsum(dO * O) then uses O to twice its dtype's mantissa bits. With the rounded o
+alone, delta's error dominates dq/dk wherever softmax rows are peaked (dP - delta cancels), and they
+fail the float64 comparison.
 
 Causal masking is bottom-right aligned (query i sees keys j <= i + Sk - Sq); a query row that sees
 no key returns 0 and lse = -inf, and gets zero gradients.

@@ -13,7 +13,8 @@ Causal masking is bottom-right aligned (query i sees keys j <= i + Sk - Sq). The
 two phases: blocks every row of the program sees completely (no mask at all), then the boundary
 blocks (the diagonal and the partial last block) with masks; blocks past the diagonal are never
 visited. For training, the kernel also writes o's rounding residual (o in fp32 minus o rounded)
-so that the backward's delta = rowsum(dO * O) uses O to ~16 more bits. A row that sees no key keeps m = -inf and l = 0: a safe max (0) stands in for m in the
+so that the backward's delta = rowsum(dO * O) uses O to twice its dtype's mantissa bits.
+A row that sees no key keeps m = -inf and l = 0: a safe max (0) stands in for m in the
 exponentials and the row stores o = 0, lse = -inf.
 """
 
