@@ -44,9 +44,6 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # ----------------------------------------------------------------------------- launch configs
 
 
-def _tag(dtype) -> str:
-    return {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
-
 
 def _c(bm, bn, w, s):
     return {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": s}
@@ -87,7 +84,7 @@ _INTERPRET_CFG = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
 
 
 def config_key(D, causal, dtype) -> str:
-    return launch.config_key(d=D, causal=int(bool(causal)), dtype=_tag(dtype))
+    return launch.config_key(d=D, causal=int(bool(causal)), dtype=launch.dtype_tag(dtype))
 
 
 def _cfg(kernel, D, causal, dtype):

@@ -254,16 +254,13 @@ def flash_decode_merge_kernel(
 # ----------------------------------------------------------------------------- launch configs
 
 
-def _dtype_tag(dtype) -> str:
-    return {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
-
 
 def _block_m(m_rows: int) -> int:
     return max(16, min(MAX_BLOCK_M, triton.next_power_of_2(m_rows)))
 
 
 def _split_key(D, dtype, block_m):
-    return launch.config_key(d=D, dtype=_dtype_tag(dtype), rows=block_m)
+    return launch.config_key(d=D, dtype=launch.dtype_tag(dtype), rows=block_m)
 
 
 def _split_config(D, dtype, block_m):
@@ -285,7 +282,7 @@ def _split_config(D, dtype, block_m):
 
 def _merge_config(D, dtype):
     fallback = {"BLOCK_S": 4 if _runtime.INTERPRET else 16, "num_warps": 4 if D >= 128 else 2}
-    return launch.config("flash_decode_merge", launch.config_key(d=D, dtype=_dtype_tag(dtype)), fallback)
+    return launch.config("flash_decode_merge", launch.config_key(d=D, dtype=launch.dtype_tag(dtype)), fallback)
 
 
 def choose_num_splits(B, Hkv, S_max, row_blocks, block_n, programs_per_sm, min_blocks_per_split, num_sms=None):
