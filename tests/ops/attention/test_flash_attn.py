@@ -602,7 +602,8 @@ def compile_(fn, ptrs, floats, consts, opts):
 
 
 rows = []
-for kernel, dt, D, causal in json.loads(sys.argv[1]):
+for kernel, dt, D, causal, *varlen in json.loads(sys.argv[1]):
+    varlen = bool(varlen and varlen[0])
     dtype = getattr(torch, dt)
     t = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}[dt]
     flags = dict(UPCAST=False, IEEE=dtype == torch.float32)
@@ -615,21 +616,25 @@ for kernel, dt, D, causal in json.loads(sys.argv[1]):
         continue
     cfg = attn.fallback_config(kernel, D, dtype)
     opts = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
-    consts = dict(HEAD_DIM=D, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], CAUSAL=causal, **flags)
+    consts = dict(HEAD_DIM=D, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], CAUSAL=causal, VARLEN=varlen, **flags)
+    # VARLEN: int32 prefix sums; otherwise the launchers pass None, which compiles away
+    cu = {n: "*i32" for n in ("cu_seqlens_q_ptr", "cu_seqlens_k_ptr")} if varlen else {}
+    if not varlen:
+        consts.update(cu_seqlens_q_ptr=None, cu_seqlens_k_ptr=None)
     if kernel == "flash_attn_fwd":
         ptrs = {n: "*" + t for n in ("q_ptr", "k_ptr", "v_ptr", "o_ptr", "ores_ptr")}
-        ptrs["lse_ptr"] = "*fp32"
+        ptrs.update(lse_ptr="*fp32", **cu)
         consts["STORE_RES"] = dtype != torch.float32
         r = compile_(fw.flash_attn_fwd_kernel, ptrs, ("qk_scale",), consts, opts)
     elif kernel == "flash_attn_bwd_dkdv":
         ptrs = {n: "*" + t for n in ("q_ptr", "k_ptr", "v_ptr", "do_ptr", "dk_ptr", "dv_ptr")}
-        ptrs.update(lse_ptr="*fp32", delta_ptr="*fp32")
+        ptrs.update(lse_ptr="*fp32", delta_ptr="*fp32", **cu)
         r = compile_(bw.flash_attn_bwd_dkdv_kernel, ptrs, ("qk_scale", "sm_scale"), consts, opts)
     else:
         ptrs = {n: "*" + t for n in ("q_ptr", "k_ptr", "v_ptr", "do_ptr", "dq_ptr")}
-        ptrs.update(lse_ptr="*fp32", delta_ptr="*fp32")
+        ptrs.update(lse_ptr="*fp32", delta_ptr="*fp32", **cu)
         r = compile_(bw.flash_attn_bwd_dq_kernel, ptrs, ("qk_scale", "sm_scale"), consts, opts)
-    rows.append(dict(r, kernel=kernel, dtype=t, D=D, causal=causal, cfg=cfg))
+    rows.append(dict(r, kernel=kernel, dtype=t, D=D, causal=causal, varlen=varlen, cfg=cfg))
 print("RESULT" + json.dumps(rows))
 '''
 
@@ -669,16 +674,20 @@ def _check_sm90_rows(rows):
 def test_kernels_compile_for_sm90():
     """The kernels as the H100 builds them (TRITON_INTERPRET=0, sm90 target, the fallback configs,
     ptxas from the triton wheel): they compile (the interpreter never does), spill no registers, fit
-    in shared memory, use wgmma and pipelined loads. bf16 at every head dim, causal and not."""
+    in shared memory, use wgmma and pipelined loads. bf16 at every head dim, causal and not, and
+    the VARLEN variants (flash_attn_varlen_func) of the same."""
     cases = [[k, "bfloat16", D, c] for k in _KERNELS for D in (64, 128) for c in (False, True)]
     cases += [[k, "bfloat16", D, True] for k in _KERNELS for D in (32, 256)]
-    cases += [["pre", "bfloat16", D, False] for D in (64, 128)]
-    _check_sm90_rows(_sm90_compile(cases))
+    varlen = [c + [True] for c in cases]
+    rows = _sm90_compile(cases + varlen + [["pre", "bfloat16", D, False] for D in (64, 128)])
+    assert sum(r.get("varlen", False) for r in rows) == len(varlen)
+    _check_sm90_rows(rows)
 
 
 @pytest.mark.slow
 def test_kernels_compile_for_sm90_fp16_fp32():
     cases = [[k, "float16", D, c] for k in _KERNELS for D in (64, 128) for c in (False, True)]
     cases += [[k, "float32", D, True] for k in _KERNELS for D in (32, 64, 128, 256)]
+    cases += [c + [True] for c in cases]
     cases += [["pre", dt, 256, False] for dt in ("float16", "float32")]
     _check_sm90_rows(_sm90_compile(cases))

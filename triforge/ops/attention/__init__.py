@@ -1,24 +1,36 @@
 """Exact attention, flash-attn's API and layout: q [B, Sq, H, D], k/v [B, Sk, Hkv, D] (H % Hkv == 0).
 
     flash_attn_func(q, k, v, causal=False, softmax_scale=None, return_lse=False) -> o (, lse)
+    flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                           causal=False, softmax_scale=None, return_lse=False) -> o (, lse)
+
+The varlen form packs B sequences: q [Tq, H, D], k/v [Tk, Hkv, D], sequence b in rows
+cu_seqlens_q[b] .. cu_seqlens_q[b + 1] - 1 of q (cu_seqlens_k for k/v; int32 [B + 1] prefix sums);
+lse is [H, Tq]. It runs the same kernels with their VARLEN variant.
 
 Forward and backward are FlashAttention-2 Triton kernels (forward.py, backward.py) wrapped as
 torch.library custom ops with fakes and autograd:
 
     torch.ops.triforge.flash_attn_fwd(q, k, v, causal, softmax_scale, residual) -> (o, lse [B, H, Sq] fp32, o_res)
     torch.ops.triforge.flash_attn_bwd(do, q, k, v, o, o_res, lse, dlse, causal, softmax_scale) -> (dq, dk, dv)
+    torch.ops.triforge.flash_attn_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+        causal, softmax_scale, residual) -> (o, lse [H, Tq] fp32, o_res)
+    torch.ops.triforge.flash_attn_varlen_bwd(do, q, k, v, o, o_res, lse, dlse, cu_seqlens_q, cu_seqlens_k,
+        max_seqlen_q, max_seqlen_k, causal, softmax_scale) -> (dq, dk, dv)
 
 o_res (written only when a backward will need it, 16-bit inputs) is o's rounding error: the
 backward's delta = rowsum(dO * O) then uses O to twice its dtype's mantissa bits. With the rounded o
 alone, delta's error dominates dq/dk wherever softmax rows are peaked (dP - delta cancels), and they
 fail the float64 comparison.
 
-Causal masking is bottom-right aligned (query i sees keys j <= i + Sk - Sq); a query row that sees
-no key returns 0 and lse = -inf, and gets zero gradients.
+Causal masking is bottom-right aligned (query i sees keys j <= i + Sk - Sq; per sequence for varlen);
+a query row that sees no key returns 0 and lse = -inf, and gets zero gradients.
 """
 
+import itertools
 import math
 from collections import OrderedDict
+from typing import NamedTuple
 
 import torch
 import torch.utils.checkpoint
@@ -105,16 +117,45 @@ def _last_dim_contiguous(t):
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+class Varlen(NamedTuple):
+    """Packed sequences for the launchers: the packed q [Tq, H, D] and k/v [Tk, Hkv, D] are passed
+    as a batch of one ([1, Tq, H, D], lse [1, H, Tq]); sequence b is rows cu_seqlens_q[b] ..
+    cu_seqlens_q[b + 1] - 1 of q (cu_seqlens_k: of k/v), both int32 [B + 1] and contiguous. The grid
+    spans B sequences of the max lengths."""
+
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    max_seqlen_q: int
+    max_seqlen_k: int
+
+
+def _grid_dims(B, Sq, Sk, varlen):
+    """(batch, query rows, key rows) the grid spans: the tensors' own, or the packed sequences'."""
+    if varlen is None:
+        return B, Sq, Sk
+    return varlen.cu_seqlens_q.numel() - 1, varlen.max_seqlen_q, varlen.max_seqlen_k
+
+
+def _varlen_args(varlen):
+    """The kernels' (cu_seqlens_q_ptr, cu_seqlens_k_ptr) and VARLEN flag (None pointers compile away)."""
+    if varlen is None:
+        return (None, None), {"VARLEN": False}
+    return (varlen.cu_seqlens_q, varlen.cu_seqlens_k), {"VARLEN": True}
+
+
 # ----------------------------------------------------------------------------- launchers
 
 
-def attn_fwd(q, k, v, causal, softmax_scale, cfg=None, residual=False):
-    """q [B, Sq, H, D], k/v [B, Sk, Hkv, D] (last dims contiguous).
+def attn_fwd(q, k, v, causal, softmax_scale, cfg=None, residual=False, varlen=None):
+    """q [B, Sq, H, D], k/v [B, Sk, Hkv, D] (last dims contiguous); with ``varlen`` (a Varlen) the
+    packed sequences as a batch of one.
 
     Returns (o [B, Sq, H, D], lse [B, H, Sq] fp32, o_res): with ``residual`` (16-bit inputs, for the
     backward) o_res [B, Sq, H, D] holds o's rounding error (o in fp32 minus o), else it is empty."""
     B, Sq, H, D = q.shape
     Sk, Hkv = k.shape[1], k.shape[2]
+    nb, grid_q, _ = _grid_dims(B, Sq, Sk, varlen)
+    cu_ptrs, vl_flag = _varlen_args(varlen)
     cfg = cfg or _cfg("flash_attn_fwd", D, causal, q.dtype)
     residual = residual and q.dtype != torch.float32
     o = new_output((B, Sq, H, D), q.dtype, q.device)
@@ -122,12 +163,13 @@ def attn_fwd(q, k, v, causal, softmax_scale, cfg=None, residual=False):
     lse = new_output((B, H, Sq), torch.float32, q.device)
     e = q.element_size()
     launch.launch(
-        "flash_attn_fwd", flash_attn_fwd_kernel, (triton.cdiv(Sq, cfg["BLOCK_M"]), B * H),
-        q, k, v, o, o_res if residual else o, lse, *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(o),
+        "flash_attn_fwd", flash_attn_fwd_kernel, (triton.cdiv(grid_q, cfg["BLOCK_M"]), nb * H),
+        q, k, v, o, o_res if residual else o, lse, *cu_ptrs,
+        *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(o),
         H, H // Hkv, Sq, Sk, softmax_scale * LOG2E,
         nbytes=e * ((3 if residual else 2) * q.numel() + k.numel() + v.numel()) + 4 * lse.numel(),
         HEAD_DIM=D, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], CAUSAL=bool(causal), STORE_RES=residual,
-        **_flags(q.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        **_flags(q.dtype), **vl_flag, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return o, lse, o_res
 
@@ -160,15 +202,17 @@ def kv_split_for(n_key_blocks, B, Hkv, group) -> int:
     return group
 
 
-def attn_bwd_dkdv(q, k, v, do, lse, delta, causal, softmax_scale, cfg=None, kv_split=None):
+def attn_bwd_dkdv(q, k, v, do, lse, delta, causal, softmax_scale, cfg=None, kv_split=None, varlen=None):
     """dk, dv in k's shape and dtype. GQA: each program sums its slice of the group's query heads;
     with kv_split > 1 slices, fp32 partial sums [B, Sk, Hkv, kv_split, D] are added in PyTorch."""
     B, Sq, H, D = q.shape
     Sk, Hkv = k.shape[1], k.shape[2]
+    nb, _, grid_k = _grid_dims(B, Sq, Sk, varlen)
+    cu_ptrs, vl_flag = _varlen_args(varlen)
     group = H // Hkv
     cfg = cfg or _cfg("flash_attn_bwd_dkdv", D, causal, q.dtype)
-    n_blocks = triton.cdiv(Sk, cfg["BLOCK_N"])
-    split = kv_split or kv_split_for(n_blocks, B, Hkv, group)
+    n_blocks = triton.cdiv(grid_k, cfg["BLOCK_N"])
+    split = kv_split or kv_split_for(n_blocks, nb, Hkv, group)
     if group % split:
         raise ValueError(f"kv_split {split} must divide the group size {group}")
     if split == 1:
@@ -179,13 +223,13 @@ def attn_bwd_dkdv(q, k, v, do, lse, delta, causal, softmax_scale, cfg=None, kv_s
         dv = new_output((B, Sk, Hkv * split, D), torch.float32, k.device)
     e = q.element_size()
     launch.launch(
-        "flash_attn_bwd_dkdv", flash_attn_bwd_dkdv_kernel, (n_blocks, B * Hkv * split),
-        q, k, v, do, lse, delta, dk, dv,
+        "flash_attn_bwd_dkdv", flash_attn_bwd_dkdv_kernel, (n_blocks, nb * Hkv * split),
+        q, k, v, do, lse, delta, dk, dv, *cu_ptrs,
         *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(do), *_strides3(dk),
         H, Hkv, group, group // split, split, Sq, Sk, softmax_scale * LOG2E, softmax_scale,
         nbytes=e * 2 * q.numel() + 8 * lse.numel() + 2 * (k.numel() * e + dk.numel() * dk.element_size()),
         HEAD_DIM=D, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], CAUSAL=bool(causal), **_flags(q.dtype),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        **vl_flag, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if split > 1:  # a fixed-order sum over the slices: deterministic
         dk = dk.view(B, Sk, Hkv, split, D).sum(3).to(k.dtype)
@@ -193,30 +237,32 @@ def attn_bwd_dkdv(q, k, v, do, lse, delta, causal, softmax_scale, cfg=None, kv_s
     return dk, dv
 
 
-def attn_bwd_dq(q, k, v, do, lse, delta, causal, softmax_scale, cfg=None):
+def attn_bwd_dq(q, k, v, do, lse, delta, causal, softmax_scale, cfg=None, varlen=None):
     B, Sq, H, D = q.shape
     Sk, Hkv = k.shape[1], k.shape[2]
+    nb, grid_q, _ = _grid_dims(B, Sq, Sk, varlen)
+    cu_ptrs, vl_flag = _varlen_args(varlen)
     cfg = cfg or _cfg("flash_attn_bwd_dq", D, causal, q.dtype)
     dq = new_output((B, Sq, H, D), q.dtype, q.device)
     e = q.element_size()
     launch.launch(
-        "flash_attn_bwd_dq", flash_attn_bwd_dq_kernel, (triton.cdiv(Sq, cfg["BLOCK_M"]), B * H),
-        q, k, v, do, lse, delta, dq,
+        "flash_attn_bwd_dq", flash_attn_bwd_dq_kernel, (triton.cdiv(grid_q, cfg["BLOCK_M"]), nb * H),
+        q, k, v, do, lse, delta, dq, *cu_ptrs,
         *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(do), *_strides3(dq),
         H, H // Hkv, Sq, Sk, softmax_scale * LOG2E, softmax_scale,
         nbytes=e * (3 * q.numel() + k.numel() + v.numel()) + 8 * lse.numel(),
         HEAD_DIM=D, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], CAUSAL=bool(causal), **_flags(q.dtype),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        **vl_flag, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return dq
 
 
-def attn_bwd(do, q, k, v, o, o_res, lse, dlse, causal, softmax_scale):
+def attn_bwd(do, q, k, v, o, o_res, lse, dlse, causal, softmax_scale, varlen=None):
     """(dq, dk, dv) in the shapes and dtypes of q, k, v; o_res (optional) is o's rounding residual,
-    dlse (optional) the grad of lse."""
-    delta = attn_bwd_preprocess(o, do, o_res, dlse)
-    dk, dv = attn_bwd_dkdv(q, k, v, do, lse, delta, causal, softmax_scale)
-    dq = attn_bwd_dq(q, k, v, do, lse, delta, causal, softmax_scale)
+    dlse (optional) the grad of lse. With ``varlen``, packed sequences as a batch of one."""
+    delta = attn_bwd_preprocess(o, do, o_res, dlse)  # per row: packed or not is all one to it
+    dk, dv = attn_bwd_dkdv(q, k, v, do, lse, delta, causal, softmax_scale, varlen=varlen)
+    dq = attn_bwd_dq(q, k, v, do, lse, delta, causal, softmax_scale, varlen=varlen)
     return dq, dk, dv
 
 
@@ -276,7 +322,85 @@ def _fwd_backward(ctx, do, dlse, do_res):
 flash_attn_fwd_op.register_autograd(_fwd_backward, setup_context=_fwd_setup)
 
 
+@torch.library.custom_op("triforge::flash_attn_varlen_fwd", mutates_args=())
+def flash_attn_varlen_fwd_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int, max_seqlen_k: int, causal: bool, softmax_scale: float, residual: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(o [Tq, H, D], lse [H, Tq] fp32, o_res) of packed sequences. Checks the inputs, cu_seqlens'
+    values included (read on the host: one device sync), before any kernel reads through them."""
+    q, k, v, cu_seqlens_q, cu_seqlens_k = (t.contiguous() for t in (q, k, v, cu_seqlens_q, cu_seqlens_k))
+    _validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale)
+    _check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k)
+    varlen = Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    o, lse, o_res = attn_fwd(q[None], k[None], v[None], causal, softmax_scale, residual=residual, varlen=varlen)
+    return o[0], lse[0], (o_res[0] if o_res.numel() else o_res)
+
+
+@flash_attn_varlen_fwd_op.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, residual):
+    Tq, H, _ = q.shape
+    o_res = q.new_empty(q.shape) if residual and q.dtype != torch.float32 else q.new_empty(0)
+    return q.new_empty(q.shape), q.new_empty((H, Tq), dtype=torch.float32), o_res
+
+
+@torch.library.custom_op("triforge::flash_attn_varlen_bwd", mutates_args=())
+def flash_attn_varlen_bwd_op(
+    do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, o_res: torch.Tensor | None,
+    lse: torch.Tensor, dlse: torch.Tensor | None, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int, max_seqlen_k: int, causal: bool, softmax_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of packed sequences; trusts cu_seqlens (the forward op checked them)."""
+    do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k = (
+        t.contiguous() for t in (do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k)
+    )
+    o_res = o_res.contiguous()[None] if o_res is not None and o_res.numel() else None
+    dlse = dlse.float().contiguous()[None] if dlse is not None else None
+    varlen = Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    dq, dk, dv = attn_bwd(do[None], q[None], k[None], v[None], o[None], o_res, lse[None], dlse, causal, softmax_scale,
+                          varlen=varlen)
+    return dq[0], dk[0], dv[0]
+
+
+@flash_attn_varlen_bwd_op.register_fake
+def _(do, q, k, v, o, o_res, lse, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+      softmax_scale):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _varlen_fwd_setup(ctx, inputs, output):
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, residual = inputs
+    o, lse, o_res = output
+    ctx.max_seqlen = (max_seqlen_q, max_seqlen_k)
+    ctx.causal, ctx.softmax_scale = causal, softmax_scale
+    ctx.save_for_backward(q, k, v, o, o_res, lse, cu_seqlens_q, cu_seqlens_k)
+
+
+def _varlen_fwd_backward(ctx, do, dlse, do_res):
+    q, k, v, o, o_res, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+    if do is None:  # only lse took part in the loss
+        do = torch.zeros_like(o)
+    dq, dk, dv = torch.ops.triforge.flash_attn_varlen_bwd(
+        do, q, k, v, o, o_res if o_res.numel() else None, lse, dlse, cu_seqlens_q, cu_seqlens_k, *ctx.max_seqlen,
+        ctx.causal, ctx.softmax_scale,
+    )
+    return dq, dk, dv, None, None, None, None, None, None, None
+
+
+flash_attn_varlen_fwd_op.register_autograd(_varlen_fwd_backward, setup_context=_varlen_fwd_setup)
+
+
 # ----------------------------------------------------------------------------- validation + public API
+
+
+def _validate_flags(causal, softmax_scale):
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    if softmax_scale is not None:
+        if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
+            raise TypeError(f"softmax_scale must be a positive float or None, got {type(softmax_scale).__name__}")
+        if not (math.isfinite(softmax_scale) and softmax_scale > 0):
+            raise ValueError(f"softmax_scale must be a positive finite number, got {softmax_scale!r}")
 
 
 def _validate(q, k, v, causal, softmax_scale):
@@ -295,13 +419,70 @@ def _validate(q, k, v, causal, softmax_scale):
         raise ValueError(f"v must have the same shape as k {tuple(k.shape)}, got {tuple(v.shape)}")
     if H % k.shape[2]:
         raise ValueError(f"k has {k.shape[2]} heads, which must divide q's {H} heads (GQA/MQA)")
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
-    if softmax_scale is not None:
-        if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
-            raise TypeError(f"softmax_scale must be a positive float or None, got {type(softmax_scale).__name__}")
-        if not (math.isfinite(softmax_scale) and softmax_scale > 0):
-            raise ValueError(f"softmax_scale must be a positive finite number, got {softmax_scale!r}")
+    _validate_flags(causal, softmax_scale)
+
+
+def _validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale):
+    """Types, shapes, dtypes and devices (nothing read from the device: it also runs on fake tensors)."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_tensor(name, t, dtypes=DTYPES, ndim=3)
+    check_same_dtype(q=q, k=k, v=v)
+    check_same_device(q=q, k=k, v=v)
+    Tq, H, D = q.shape
+    if D not in HEAD_DIMS:
+        raise ValueError(f"q has head_dim (last dimension) {D}; supported head_dim: {HEAD_DIMS}")
+    if k.shape[2] != D:
+        raise ValueError(f"k must be [Tk, Hkv, D] with q's head_dim {D} (q is {tuple(q.shape)}), got {tuple(k.shape)}")
+    if v.shape != k.shape:
+        raise ValueError(f"v must have the same shape as k {tuple(k.shape)}, got {tuple(v.shape)}")
+    if H % k.shape[1]:
+        raise ValueError(f"k has {k.shape[1]} heads, which must divide q's {H} heads (GQA/MQA)")
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if not isinstance(cu, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
+        if cu.dtype != torch.int32:
+            raise TypeError(f"{name} must have dtype int32, got {cu.dtype}")
+        if cu.dim() != 1 or cu.numel() < 2:
+            raise ValueError(f"{name} must be 1-D [B + 1] with B >= 1 sequences, got shape {tuple(cu.shape)}")
+    if cu_seqlens_k.numel() != cu_seqlens_q.numel():
+        raise ValueError(
+            f"cu_seqlens_k must have as many entries as cu_seqlens_q ({cu_seqlens_q.numel()}: one per "
+            f"sequence plus one), got {cu_seqlens_k.numel()}"
+        )
+    check_same_device(q=q, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+    for name, n in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if isinstance(n, bool) or not isinstance(n, (int, torch.SymInt)):
+            raise TypeError(f"{name} must be an int, got {type(n).__name__}")
+        if n < 0:
+            raise ValueError(f"{name} must be non-negative, got {n}")
+    _validate_flags(causal, softmax_scale)
+
+
+def _check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, Tq, Tk, max_seqlen_q, max_seqlen_k):
+    """cu_seqlens' values, read on the host in one transfer (a device sync): each starts at 0, never
+    decreases, ends at its packed length, and no sequence is longer than its max_seqlen."""
+    both = torch.stack((cu_seqlens_q, cu_seqlens_k)).tolist()
+    for (name, total, total_name, max_name, max_len), cu in zip(
+        (("cu_seqlens_q", Tq, "q.shape[0]", "max_seqlen_q", max_seqlen_q),
+         ("cu_seqlens_k", Tk, "k.shape[0]", "max_seqlen_k", max_seqlen_k)),
+        both,
+    ):
+        if cu[0] != 0:
+            raise ValueError(f"{name} must start at 0, got {name}[0] = {cu[0]}")
+        lengths = [b - a for a, b in zip(cu, cu[1:])]
+        for i, n in enumerate(lengths):
+            if n < 0:
+                raise ValueError(
+                    f"{name} must be non-decreasing, got {name}[{i + 1}] = {cu[i + 1]} < {name}[{i}] = {cu[i]}"
+                )
+        if cu[-1] != total:
+            raise ValueError(f"{name} must end at the packed length {total} ({total_name}), got {name}[-1] = {cu[-1]}")
+        longest = max(lengths)
+        if longest > max_len:
+            raise ValueError(
+                f"{max_name} = {max_len} is smaller than sequence {lengths.index(longest)}'s length {longest} "
+                f"(from {name})"
+            )
 
 
 def _scale(q, softmax_scale):
@@ -320,6 +501,31 @@ def flash_attn_func(q, k, v, causal: bool = False, softmax_scale: float | None =
     # o's rounding residual is only worth writing when a backward will read it
     residual = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     o, lse, _ = torch.ops.triforge.flash_attn_fwd(q, k, v, causal, _scale(q, softmax_scale), residual)
+    return (o, lse) if return_lse else o
+
+
+def flash_attn_varlen_func(
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, causal: bool = False,
+    softmax_scale: float | None = None, return_lse: bool = False,
+):
+    """Exact attention over packed sequences, flash-attn's ``flash_attn_varlen_func``.
+
+    q [Tq, H, D], k/v [Tk, Hkv, D] with H % Hkv == 0 hold B sequences: sequence b is rows
+    cu_seqlens_q[b] .. cu_seqlens_q[b + 1] - 1 of q and cu_seqlens_k[b] .. cu_seqlens_k[b + 1] - 1
+    of k/v (int32 [B + 1] prefix sums from 0 to Tq / Tk; a sequence may be empty). max_seqlen_q /
+    max_seqlen_k bound the sequences' lengths (they size the grid). Each sequence attends within
+    itself; with ``causal``, query i of a sequence sees its keys j <= i + len_k - len_q (bottom-right).
+    fp16, bf16 or fp32; D in (32, 64, 128, 256); ``softmax_scale`` defaults to D ** -0.5.
+
+    Returns o [Tq, H, D] in q's dtype, and with ``return_lse`` also lse [H, Tq] fp32 (natural log;
+    -inf, with o = 0, where a row sees no key). Differentiable in q, k, v (and through lse). The
+    custom op reads cu_seqlens on the host once per call to check it (a device sync).
+    """
+    _validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale)
+    residual = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    o, lse, _ = torch.ops.triforge.flash_attn_varlen_fwd(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, _scale(q, softmax_scale), residual
+    )
     return (o, lse) if return_lse else o
 
 
@@ -418,8 +624,7 @@ def _flops(inputs, mode):
 def _bytes(inputs, mode):
     q, k, v = inputs["q"], inputs["k"], inputs["v"]
     e = q.element_size()
-    B, Sq, H, _ = q.shape
-    lse = 4 * B * H * Sq
+    lse = 4 * (q.numel() // q.shape[-1])  # one fp32 per query row and head (packed or not)
     if mode == "fwd":  # read q, k, v; write o, lse
         return e * (2 * q.numel() + k.numel() + v.numel()) + lse
     # read q, k, v, o, do, lse; write dq, dk, dv
@@ -519,20 +724,145 @@ def _spec(name, causal_default, force_causal):
         bytes=_bytes,
         peers={"sdpa_flash": _sdpa_peer("FLASH_ATTENTION"), "sdpa_cudnn": _sdpa_peer("CUDNN_ATTENTION")},
         describe=_describe,
+        bench_shapes=tuple(dict(s, causal=int(causal_default)) for s in BENCH_SHAPES),
     )
+
+
+# the issue's (B, H, S, D) configs, the ones ../shared/ANCHORS.md measured cuDNN and FA2 at
+BENCH_SHAPES = (
+    {"B": 16, "H": 16, "S": 2048, "D": 64},
+    {"B": 8, "H": 16, "S": 4096, "D": 64},
+    {"B": 4, "H": 16, "S": 8192, "D": 128},
+    {"B": 2, "H": 16, "S": 16384, "D": 128},
+)
 
 
 # flash_attn: non-causal unless a dict tier says causal=1; flash_attn_causal: always causal
 register(_spec("flash_attn", causal_default=False, force_causal=False))
 register(_spec("flash_attn_causal", causal_default=True, force_causal=True))
 
+
+# ----------------------------------------------------------------------------- registry: varlen
+
+
+def _random_lengths(n, total, gen):
+    """n random sequence lengths (each >= 1) summing to total."""
+    cuts = (torch.randperm(total - 1, generator=gen)[: n - 1] + 1).sort().values.tolist()
+    bounds = [0, *cuts, total]
+    return [b - a for a, b in zip(bounds, bounds[1:])]
+
+
+def _varlen_dims(tier, gen):
+    """(lengths_q, lengths_k, H, Hkv, D, causal) of a tier: tiny, real, or a dict {B, H, S, D[, causal,
+    Hkv]}: B self-attention sequences of random lengths averaging S (causal unless causal=0)."""
+    if isinstance(tier, dict):
+        B, H, S, D = tier["B"], tier["H"], tier["S"], tier["D"]
+        lengths = _random_lengths(B, B * S, gen)
+        return lengths, lengths, H, tier.get("Hkv", H), D, bool(tier.get("causal", 1))
+    if tier == "tiny":
+        # odd lengths over 16-row tiles, a single query, an empty query sequence (its keys get zero
+        # gradients), len_q > len_k (causal rows that see no key) and len_q < len_k, GQA
+        return [17, 1, 0, 30, 9], [17, 5, 9, 23, 14], 4, 2, 64, True
+    if tier == "real":
+        lengths = _random_lengths(8, 16384, gen)
+        return lengths, lengths, 16, 16, 128, True
+    raise KeyError(tier)
+
+
+def _cu_seqlens(lengths, device):
+    return torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device)
+
+
+def _varlen_make_inputs(tier, dtype, device, gen):
+    lengths_q, lengths_k, H, Hkv, D, causal = _varlen_dims(tier, gen)
+
+    def rand(*shape):
+        return torch.randn(shape, generator=gen, dtype=torch.float32).to(device=device, dtype=dtype)
+
+    return {
+        "q": rand(sum(lengths_q), H, D), "k": rand(sum(lengths_k), Hkv, D), "v": rand(sum(lengths_k), Hkv, D),
+        "cu_seqlens_q": _cu_seqlens(lengths_q, device), "cu_seqlens_k": _cu_seqlens(lengths_k, device),
+        "max_seqlen_q": max(lengths_q), "max_seqlen_k": max(lengths_k), "causal": causal,
+    }
+
+
+def varlen_attention_ref_chunked(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=False, softmax_scale=None):
+    """varlen_attention_ref's stages (lse [H, Tq], o [Tq, H, D]), each sequence through
+    attention_ref_chunked, so long sequences' float64 scores fit in memory."""
+    cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    lses, outs = [], []
+    for b in range(len(cu_q) - 1):
+        rows_q, rows_k = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        st = attention_ref_chunked(q[None, rows_q], k[None, rows_k], v[None, rows_k], causal, softmax_scale)
+        lses.append(st["lse"][0])
+        outs.append(st["o"][0])
+    return OrderedDict(lse=torch.cat(lses, dim=1), o=torch.cat(outs, dim=0))
+
+
+def _varlen_lengths(inputs):
+    cu_q, cu_k = inputs["cu_seqlens_q"].tolist(), inputs["cu_seqlens_k"].tolist()
+    return [b - a for a, b in zip(cu_q, cu_q[1:])], [b - a for a, b in zip(cu_k, cu_k[1:])]
+
+
+def _varlen_flops(inputs, mode):
+    """4 H D flops per visible (query, key) pair, counted per sequence (causal: bottom-right)."""
+    _, H, D = inputs["q"].shape
+    pairs = 0
+    for lq, lk in zip(*_varlen_lengths(inputs)):
+        if inputs.get("causal"):  # query i sees min(lk, max(0, i + lk - lq + 1)) keys
+            pairs += sum(min(lk, max(0, i + lk - lq + 1)) for i in range(lq))
+        else:
+            pairs += lq * lk
+    f = 4 * H * D * pairs
+    return f if mode == "fwd" else 2.5 * f
+
+
+def _varlen_describe(inputs):
+    q, k = inputs["q"], inputs["k"]
+    Tq, H, D = q.shape
+    s = f"B={inputs['cu_seqlens_q'].numel() - 1} H={H} Tq={Tq}" + (f" Tk={k.shape[0]}" if k.shape[0] != Tq else "")
+    if k.shape[1] != H:
+        s += f" Hkv={k.shape[1]}"
+    return s + f" D={D}" + (" causal" if inputs.get("causal") else "")
+
+
+def flash_attn_varlen_stages(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False,
+                             softmax_scale=None):
+    """The forward kernel's own buffers, named as the reference's stages: lse [H, Tq], o [Tq, H, D]."""
+    o, lse = flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                                    softmax_scale, return_lse=True)
+    return OrderedDict(lse=lse, o=o)
+
+
+# packed sequences: causal unless a dict tier says causal=0; no peer (flash-attn is not a dependency)
+register(OpSpec(
+    name="flash_attn_varlen",
+    family="attention",
+    make_inputs=_varlen_make_inputs,
+    reference=lambda q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal: (
+        varlen_attention_ref_chunked(q, k, v, cu_seqlens_q, cu_seqlens_k, causal)
+    ),
+    stages=flash_attn_varlen_stages,
+    call=lambda q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal: (
+        flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal),
+    ),
+    outputs=("o",),
+    grad_inputs=("q", "k", "v"),
+    flops=_varlen_flops,
+    bytes=_bytes,
+    describe=_varlen_describe,
+))
+
 __all__ = [
     "flash_attn_func",
+    "flash_attn_varlen_func",
     "flash_attn_stages",
     "flash_attn_bwd_stages",
+    "flash_attn_varlen_stages",
     "attention_ref",
     "attention_ref_chunked",
     "causal_mask",
     "varlen_attention_ref",
+    "varlen_attention_ref_chunked",
     "kvcache_attention_ref",
 ]

@@ -16,12 +16,16 @@ Three kernels:
   over key blocks as the forward does.
 Rows with lse = -inf (they saw no key) use lse = +inf here, so p = 0 and they get zero gradients.
 Causal programs skip blocks entirely above the diagonal and mask only the boundary blocks.
+
+VARLEN (packed sequences, as in forward.py): the dK/dV and dQ programs read their sequence's rows
+and lengths from cu_seqlens_q / cu_seqlens_k and those past its end exit; lse and delta are
+[H, Tq]. The preprocess works row by row: a packed batch is a batch of one to it.
 """
 
 import triton
 import triton.language as tl
 
-from triforge.ops.attention.forward import _cast, _causal_key_range, _dot
+from triforge.ops.attention.forward import _cast, _causal_key_range, _dot, _seq_start, _stats_row, _varlen_seq
 
 LOG2E = 1.4426950408889634
 
@@ -115,8 +119,9 @@ def _bwd_dkdv_inner(
 @triton.jit
 def flash_attn_bwd_dkdv_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr,  # [B, Sq, H, D], [B, Sk, Hkv, D] x2, [B, Sq, H, D]
-    lse_ptr, delta_ptr,  # [B, H, Sq] fp32
+    lse_ptr, delta_ptr,  # [B, H, Sq] fp32; VARLEN: [H, Tq]
     dk_ptr, dv_ptr,  # [B, Sk, Hkv * KV_SPLIT, D]: k's dtype (KV_SPLIT = 1) or fp32 partial sums
+    cu_seqlens_q_ptr, cu_seqlens_k_ptr,  # VARLEN: int32 [B + 1] row offsets of q/do and of k/v/dk/dv; else None
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -125,7 +130,7 @@ def flash_attn_bwd_dkdv_kernel(
     H, Hkv, GROUP,  # GROUP = H // Hkv
     HEADS_PER_SPLIT,  # GROUP // KV_SPLIT query heads per program
     KV_SPLIT,
-    Sq, Sk,
+    Sq, Sk,  # VARLEN: the packed totals Tq, Tk (each program reads its sequence's lengths)
     qk_scale,  # scale * log2(e)
     sm_scale,
     HEAD_DIM: tl.constexpr,
@@ -134,6 +139,7 @@ def flash_attn_bwd_dkdv_kernel(
     CAUSAL: tl.constexpr,
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
+    VARLEN: tl.constexpr,
 ):
     i_n = tl.program_id(0)
     i_bs = tl.program_id(1)  # (batch, kv head, split)
@@ -143,14 +149,21 @@ def flash_attn_bwd_dkdv_kernel(
     i_hk = i_bhk % Hkv
     n0 = i_n * BLOCK_N
     n64 = n0.to(tl.int64)
+    Tq = Sq  # lse / delta rows per head
+    bos_q, bos_k = 0, 0
+    if VARLEN:  # sequence i_b: q/do rows [bos_q, bos_q + Sq), k/v/dk/dv rows [bos_k, bos_k + Sk)
+        bos_q, Sq = _varlen_seq(cu_seqlens_q_ptr, i_b)
+        bos_k, Sk = _varlen_seq(cu_seqlens_k_ptr, i_b)
+        if n0 >= Sk:  # past this sequence's keys (those of a sequence with no query store dk = dv = 0)
+            return
     offs_n0 = tl.arange(0, BLOCK_N)
     offs_n = n0 + offs_n0
     offs_d = tl.arange(0, HEAD_DIM)
     m_n = offs_n < Sk
-    k = tl.load(k_ptr + i_b * stride_kb + i_hk.to(tl.int64) * stride_kh + n64 * stride_ks
-                + offs_n0[:, None] * stride_ks + offs_d[None, :], mask=m_n[:, None], other=0.0)
-    v = tl.load(v_ptr + i_b * stride_vb + i_hk.to(tl.int64) * stride_vh + n64 * stride_vs
-                + offs_n0[:, None] * stride_vs + offs_d[None, :], mask=m_n[:, None], other=0.0)
+    k = tl.load(k_ptr + _seq_start(i_b, bos_k, stride_kb, stride_ks, VARLEN) + i_hk.to(tl.int64) * stride_kh
+                + n64 * stride_ks + offs_n0[:, None] * stride_ks + offs_d[None, :], mask=m_n[:, None], other=0.0)
+    v = tl.load(v_ptr + _seq_start(i_b, bos_k, stride_vb, stride_vs, VARLEN) + i_hk.to(tl.int64) * stride_vh
+                + n64 * stride_vs + offs_n0[:, None] * stride_vs + offs_d[None, :], mask=m_n[:, None], other=0.0)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
 
@@ -171,9 +184,9 @@ def flash_attn_bwd_dkdv_kernel(
     h_first = i_hk * GROUP + i_split * HEADS_PER_SPLIT
     for g in range(HEADS_PER_SPLIT):
         i_h = (h_first + g).to(tl.int64)
-        q_base = q_ptr + i_b * stride_qb + i_h * stride_qh
-        do_base = do_ptr + i_b * stride_dob + i_h * stride_doh
-        row = (i_b * H + i_h) * Sq
+        q_base = q_ptr + _seq_start(i_b, bos_q, stride_qb, stride_qs, VARLEN) + i_h * stride_qh
+        do_base = do_ptr + _seq_start(i_b, bos_q, stride_dob, stride_dos, VARLEN) + i_h * stride_doh
+        row = _stats_row(i_b * H + i_h, i_h, bos_q, Tq, VARLEN)
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_ptr + row, delta_ptr + row,
                                  stride_qs, stride_dos, offs_n, offs_d, lo, full, Sq, Sk, shift, qk_scale,
                                  BLOCK_M, BLOCK_N, True, CAUSAL, UPCAST, IEEE)
@@ -181,8 +194,8 @@ def flash_attn_bwd_dkdv_kernel(
                                  stride_qs, stride_dos, offs_n, offs_d, full, Sq, Sq, Sk, shift, qk_scale,
                                  BLOCK_M, BLOCK_N, False, CAUSAL, UPCAST, IEEE)
     dk = dk * sm_scale
-    out = (i_b * stride_dkb + (i_hk * KV_SPLIT + i_split).to(tl.int64) * stride_dkh + n64 * stride_dks
-           + offs_n0[:, None] * stride_dks + offs_d[None, :])
+    out = (_seq_start(i_b, bos_k, stride_dkb, stride_dks, VARLEN) + (i_hk * KV_SPLIT + i_split).to(tl.int64) * stride_dkh
+           + n64 * stride_dks + offs_n0[:, None] * stride_dks + offs_d[None, :])
     tl.store(dk_ptr + out, _cast(dk, dk_ptr.dtype.element_ty, UPCAST), mask=m_n[:, None])
     tl.store(dv_ptr + out, _cast(dv, dv_ptr.dtype.element_ty, UPCAST), mask=m_n[:, None])
 
@@ -232,15 +245,16 @@ def _bwd_dq_inner(
 @triton.jit
 def flash_attn_bwd_dq_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr,
-    lse_ptr, delta_ptr,  # [B, H, Sq] fp32
+    lse_ptr, delta_ptr,  # [B, H, Sq] fp32; VARLEN: [H, Tq]
     dq_ptr,  # [B, Sq, H, D] contiguous, q's dtype
+    cu_seqlens_q_ptr, cu_seqlens_k_ptr,  # VARLEN: int32 [B + 1] row offsets of q/do/dq and of k/v; else None
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
     stride_dob, stride_dos, stride_doh,
     stride_dqb, stride_dqs, stride_dqh,
     H, GROUP,
-    Sq, Sk,
+    Sq, Sk,  # VARLEN: the packed totals Tq, Tk (each program reads its sequence's lengths)
     qk_scale, sm_scale,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -248,6 +262,7 @@ def flash_attn_bwd_dq_kernel(
     CAUSAL: tl.constexpr,
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
+    VARLEN: tl.constexpr,
 ):
     i_m = tl.program_id(0)
     if CAUSAL:
@@ -258,19 +273,26 @@ def flash_attn_bwd_dq_kernel(
     i_hk = (i_h // GROUP).to(tl.int64)
     i_h = i_h.to(tl.int64)
     m0 = i_m.to(tl.int64) * BLOCK_M
+    Tq = Sq  # lse / delta rows per head
+    bos_q, bos_k = 0, 0
+    if VARLEN:  # sequence i_b: q/do/dq rows [bos_q, bos_q + Sq), k/v rows [bos_k, bos_k + Sk)
+        bos_q, Sq = _varlen_seq(cu_seqlens_q_ptr, i_b)
+        bos_k, Sk = _varlen_seq(cu_seqlens_k_ptr, i_b)
+        if m0 >= Sq:  # past this sequence's end
+            return
     offs_m0 = tl.arange(0, BLOCK_M)
     offs_m = i_m * BLOCK_M + offs_m0
     offs_d = tl.arange(0, HEAD_DIM)
     m_m = offs_m < Sq
-    q = tl.load(q_ptr + i_b * stride_qb + i_h * stride_qh + m0 * stride_qs
+    q = tl.load(q_ptr + _seq_start(i_b, bos_q, stride_qb, stride_qs, VARLEN) + i_h * stride_qh + m0 * stride_qs
                 + offs_m0[:, None] * stride_qs + offs_d[None, :], mask=m_m[:, None], other=0.0)
-    do = tl.load(do_ptr + i_b * stride_dob + i_h * stride_doh + m0 * stride_dos
+    do = tl.load(do_ptr + _seq_start(i_b, bos_q, stride_dob, stride_dos, VARLEN) + i_h * stride_doh + m0 * stride_dos
                  + offs_m0[:, None] * stride_dos + offs_d[None, :], mask=m_m[:, None], other=0.0)
-    row = i_bh.to(tl.int64) * Sq
+    row = _stats_row(i_bh, i_h, bos_q, Tq, VARLEN)
     lse2 = _load_lse2(lse_ptr + row, offs_m, m_m)
     delta = tl.load(delta_ptr + row + offs_m, mask=m_m, other=0.0)
-    k_base = k_ptr + i_b * stride_kb + i_hk * stride_kh
-    v_base = v_ptr + i_b * stride_vb + i_hk * stride_vh
+    k_base = k_ptr + _seq_start(i_b, bos_k, stride_kb, stride_ks, VARLEN) + i_hk * stride_kh
+    v_base = v_ptr + _seq_start(i_b, bos_k, stride_vb, stride_vs, VARLEN) + i_hk * stride_vh
 
     shift = Sk - Sq
     full_end, hi = _causal_key_range(i_m, Sk, shift, BLOCK_M, BLOCK_N, CAUSAL)
@@ -280,5 +302,5 @@ def flash_attn_bwd_dq_kernel(
     dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs, offs_m, offs_d,
                        full_end, hi, Sk, shift, qk_scale, BLOCK_M, BLOCK_N, True, CAUSAL, UPCAST, IEEE)
     dq = dq * sm_scale
-    tl.store(dq_ptr + i_b * stride_dqb + i_h * stride_dqh + m0 * stride_dqs
+    tl.store(dq_ptr + _seq_start(i_b, bos_q, stride_dqb, stride_dqs, VARLEN) + i_h * stride_dqh + m0 * stride_dqs
              + offs_m0[:, None] * stride_dqs + offs_d[None, :], _cast(dq, dq_ptr.dtype.element_ty, UPCAST), mask=m_m[:, None])

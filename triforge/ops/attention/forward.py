@@ -16,6 +16,12 @@ visited. For training, the kernel also writes o's rounding residual (o in fp32 m
 so that the backward's delta = rowsum(dO * O) uses O to twice its dtype's mantissa bits.
 A row that sees no key keeps m = -inf and l = 0: a safe max (0) stands in for m in the
 exponentials and the row stores o = 0, lse = -inf.
+
+VARLEN (flash-attn's varlen layout): q [Tq, H, D] and k/v [Tk, Hkv, D] pack B sequences, sequence b
+in rows cu_seqlens_q[b] .. cu_seqlens_q[b + 1] - 1 of q (likewise cu_seqlens_k for k/v). The batch
+index is the sequence: the grid spans the longest sequence and the programs past their own
+sequence's end exit at once; each sequence is attended with its own lengths Sq, Sk (so causal
+alignment is per sequence). lse is [H, Tq].
 """
 
 import triton
@@ -106,6 +112,34 @@ def _fwd_inner(
 
 
 @triton.jit
+def _varlen_seq(cu_seqlens_ptr, i_b):
+    """Sequence i_b of a packed batch: its first row bos (int64) and its length, from the prefix sums."""
+    bos = tl.load(cu_seqlens_ptr + i_b)
+    eos = tl.load(cu_seqlens_ptr + i_b + 1)
+    return bos.to(tl.int64), eos - bos
+
+
+@triton.jit
+def _seq_start(i_b, bos, stride_b, stride_s, VARLEN: tl.constexpr):
+    """Offset of a sequence's first row: batch row i_b of [B, S, ...], or with VARLEN row bos of the
+    packed [T, ...]."""
+    if VARLEN:
+        return bos * stride_s
+    else:
+        return i_b * stride_b
+
+
+@triton.jit
+def _stats_row(i_bh, i_h, bos, T, VARLEN: tl.constexpr):
+    """Offset of (batch, head) i_bh's first row in lse / delta: [B, H, T], or with VARLEN [H, T]
+    (T the packed total) from row bos."""
+    if VARLEN:
+        return i_h * T + bos
+    else:
+        return i_bh.to(tl.int64) * T
+
+
+@triton.jit
 def _causal_key_range(i_m, Sk, shift, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
     """Keys [0, full_end) are visible to every row of query block i_m (whole BLOCK_N tiles, no
     mask needed); [full_end, hi) are the boundary tiles. Nothing at or past hi is visible."""
@@ -125,13 +159,14 @@ def flash_attn_fwd_kernel(
     q_ptr, k_ptr, v_ptr,  # [B, Sq, H, D], [B, Sk, Hkv, D] x2; last dim contiguous
     o_ptr,  # [B, Sq, H, D] q's dtype
     ores_ptr,  # [B, Sq, H, D] q's dtype, o - o rounded (written when STORE_RES), o's strides
-    lse_ptr,  # [B, H, Sq] fp32, natural log
+    lse_ptr,  # [B, H, Sq] fp32, natural log; VARLEN: [H, Tq]
+    cu_seqlens_q_ptr, cu_seqlens_k_ptr,  # VARLEN: int32 [B + 1] row offsets of q/o and of k/v; else None
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
     stride_ob, stride_os, stride_oh,
     H, GROUP,  # query heads; query heads per kv head
-    Sq, Sk,
+    Sq, Sk,  # VARLEN: the packed totals Tq, Tk (each program reads its sequence's lengths)
     qk_scale,  # softmax scale * log2(e)
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -140,6 +175,7 @@ def flash_attn_fwd_kernel(
     STORE_RES: tl.constexpr,
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
+    VARLEN: tl.constexpr,
 ):
     i_m = tl.program_id(0)
     if CAUSAL:  # the longest rows (most key blocks) start first
@@ -150,10 +186,17 @@ def flash_attn_fwd_kernel(
     i_hk = (i_h // GROUP).to(tl.int64)
     i_h = i_h.to(tl.int64)
     m0 = i_m.to(tl.int64) * BLOCK_M
-    q_base = q_ptr + i_b * stride_qb + i_h * stride_qh + m0 * stride_qs
-    k_base = k_ptr + i_b * stride_kb + i_hk * stride_kh
-    v_base = v_ptr + i_b * stride_vb + i_hk * stride_vh
-    o_off = i_b * stride_ob + i_h * stride_oh + m0 * stride_os
+    Tq = Sq  # lse rows per head
+    bos_q, bos_k = 0, 0
+    if VARLEN:  # sequence i_b: q/o rows [bos_q, bos_q + Sq), k/v rows [bos_k, bos_k + Sk)
+        bos_q, Sq = _varlen_seq(cu_seqlens_q_ptr, i_b)
+        bos_k, Sk = _varlen_seq(cu_seqlens_k_ptr, i_b)
+        if m0 >= Sq:  # past this sequence's end
+            return
+    q_base = q_ptr + _seq_start(i_b, bos_q, stride_qb, stride_qs, VARLEN) + i_h * stride_qh + m0 * stride_qs
+    k_base = k_ptr + _seq_start(i_b, bos_k, stride_kb, stride_ks, VARLEN) + i_hk * stride_kh
+    v_base = v_ptr + _seq_start(i_b, bos_k, stride_vb, stride_vs, VARLEN) + i_hk * stride_vh
+    o_off = _seq_start(i_b, bos_q, stride_ob, stride_os, VARLEN) + i_h * stride_oh + m0 * stride_os
 
     offs_m0 = tl.arange(0, BLOCK_M)
     offs_m = i_m * BLOCK_M + offs_m0
@@ -185,4 +228,4 @@ def flash_attn_fwd_kernel(
         # carries o's rounding error, which dominates dq/dk when the softmax is peaked
         o_res = _cast(o - o_out.to(tl.float32), ores_ptr.dtype.element_ty, UPCAST)
         tl.store(ores_ptr + o_off + p_o, o_res, mask=m_m[:, None])
-    tl.store(lse_ptr + i_bh.to(tl.int64) * Sq + offs_m, lse, mask=m_m)
+    tl.store(lse_ptr + _stats_row(i_bh, i_h, bos_q, Tq, VARLEN) + offs_m, lse, mask=m_m)
