@@ -2,8 +2,9 @@
 
 from triforge import _runtime  # noqa: F401  (sets TRITON_INTERPRET before any kernel is defined)
 from triforge import nn, ternary  # noqa: F401
-from triforge.ops.attention import flash_attn_func
+from triforge.ops.attention import flash_attn_func, flash_attn_varlen_func
 from triforge.ops.attention.decode import flash_attn_with_kvcache
+from triforge.ops.gemv import gemv
 from triforge.ops.mhc import coefficients as mhc_coefficients
 from triforge.ops.mhc import fused_post_res, fused_pre_map, fused_rmsnorm_project
 from triforge.ops.norm import rms_norm
@@ -19,7 +20,9 @@ __all__ = [
     "apply_rotary",
     "apply_rotary_qk",
     "softmax",
+    "gemv",
     "flash_attn_func",
+    "flash_attn_varlen_func",
     "flash_attn_with_kvcache",
     "fused_rmsnorm_project",
     "fused_pre_map",

@@ -1,4 +1,4 @@
-"""The ``triforge`` command: check, bench, tune, peaks, report, compare-dumps, list."""
+"""The ``triforge`` command: check, bench, tune, peaks, report, compare-dumps, trace, parity, list."""
 
 import argparse
 import json
@@ -233,6 +233,49 @@ def cmd_trace(args) -> int:
     return 0
 
 
+def cmd_parity(args) -> int:
+    from triforge.models import parity
+
+    dtype = args.dtype
+    try:
+        report = parity.run_parity(
+            config=args.config, layers=args.layers, dtype=dtype, tokens=args.tokens, prompt=args.prompt,
+            batch=args.batch, seed=args.seed, dump=args.dump, model_dir=args.model, log=console.print,
+        )
+    except (ValueError, ImportError) as e:
+        console.print(f"[red]error:[/red] {e}")
+        return 2
+    lowp = dtype.itemsize < 4
+    table = Table(title=f"triforge parity {args.model_name}: engine vs Hugging Face eager "
+                        f"({str(dtype).replace('torch.', '')}; t < {report.prefill_len} prefill, then decode)")
+    cols = ["stage", "max_diff", "avg_diff", "rel_rms", "first mismatch (index: hf / engine)"]
+    cols += ["drift engine", "drift HF"] if lowp else []
+    for col in cols + ["status"]:
+        table.add_column(col, justify="left" if col.startswith(("stage", "first")) else "right",
+                         no_wrap=col == "stage", overflow="fold")
+    for r in report.rows:
+        first = "-" if r.first_mismatch is None else f"{r.first_mismatch[0]}: {r.first_mismatch[1]:.5g} / {r.first_mismatch[2]:.5g}"
+        cells = [r.name, f"{r.max_diff:.2e}", f"{r.avg_diff:.2e}", f"{r.rel_rms:.2e}", first]
+        if lowp:
+            cells += [f"{r.drift_engine:.2e}", f"{r.drift_hf:.2e}"]
+        table.add_row(*cells, "[green]ok[/green]" if r.ok else "[red]DRIFT[/red]")
+    Console(width=max(console.width, 150)).print(table)
+    if report.argmax_agreement is not None:
+        line = f"logits argmax agreement with Hugging Face: {100 * report.argmax_agreement:.2f}%"
+        if report.argmax_agreement_golden is not None:
+            line += (f"; with Hugging Face fp32: engine {100 * report.argmax_agreement_golden:.2f}%, "
+                     f"Hugging Face {str(dtype).replace('torch.', '')} {100 * report.hf_agreement_golden:.2f}%")
+        console.print(line)
+    if args.dump:
+        console.print(f"stages written under {args.dump}/{{hf,engine}}; compare with "
+                      f"`triforge compare-dumps {args.dump}/hf {args.dump}/engine`")
+    if report.ok:
+        console.print("[green]parity OK[/green]: every stage within tolerance")
+        return 0
+    console.print(f"[red]parity FAILED[/red]: first drift beyond tolerance at [bold]{report.first_failure}[/bold]")
+    return 1
+
+
 def cmd_list(args) -> int:
     from triforge import registry, tune
 
@@ -298,6 +341,20 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--copy-tbps", type=float, default=None, help="copy ceiling for the efficiency column (default: the cached peaks)")
     tr.add_argument("--top", type=int, default=30)
     tr.set_defaults(func=cmd_trace)
+
+    pa = sub.add_parser("parity", help="layer-by-layer parity of a model engine against Hugging Face transformers")
+    pa.add_argument("model_name", choices=("qwen2",), help="the engine to check")
+    pa.add_argument("--config", default="qwen2.5-0.5b",
+                    help="qwen2.5-0.5b (default), tiny, or a config.json / model directory (random weights)")
+    pa.add_argument("--model", metavar="DIR", help="a local Hugging Face model directory: its real weights")
+    pa.add_argument("--layers", type=int, default=2, help="decoder layers of the random model (default 2)")
+    pa.add_argument("--dtype", type=_dtype, default="fp32", help="fp32 (default), bf16 or fp16")
+    pa.add_argument("--tokens", type=int, default=8, help="tokens per row (default 8)")
+    pa.add_argument("--prompt", type=int, default=4, help="of which the first PROMPT go through prefill (default 4)")
+    pa.add_argument("--batch", type=int, default=1)
+    pa.add_argument("--seed", type=int, default=0)
+    pa.add_argument("--dump", metavar="DIR", help="write every stage of both sides as .npy for compare-dumps")
+    pa.set_defaults(func=cmd_parity)
 
     ls = sub.add_parser("list", help="registered ops and tunable kernels")
     ls.set_defaults(func=cmd_list)
