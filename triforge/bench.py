@@ -203,7 +203,8 @@ def family_totals(specs, rows) -> list[dict]:
     out = []
     by_family = {}
     for spec in specs:
-        by_family.setdefault(spec.family, []).append(spec.name)
+        if not spec.bench_shapes:  # a sweep over shapes has no single layer to total
+            by_family.setdefault(spec.family, []).append(spec.name)
     for family, names in by_family.items():
         if len(names) < 2:
             continue
@@ -231,7 +232,9 @@ def run_bench(specs, *, dtype=torch.bfloat16, modes=("fwd", "bwd"), peers=True, 
     """Every op's rows plus family totals; ``on_partial(result)`` sees the result after each op."""
     rows = []
     for spec in specs:
-        rows += bench_op(spec, dtype=dtype, modes=modes, peers=peers, shape=shape)
+        for one in ([shape] if shape or not spec.bench_shapes else spec.bench_shapes):
+            rows += bench_op(spec, dtype=dtype, modes=modes, peers=peers, shape=one)
+            torch.cuda.empty_cache()
         if progress is not None:
             progress(spec.name)
         if on_partial is not None:

@@ -11,7 +11,8 @@ An op registers:
 - ``flops(inputs, mode)`` / ``bytes(inputs, mode)``: the roofline model, mode in {fwd, bwd}.
 - ``peers``: name -> builder(inputs) returning a callable with ``call``'s signature, or None
   when that peer is not installed.
-- ``tune``: kernel name -> a ``triforge.tune.Tunable`` for ``triforge tune``.
+- ``bench_shapes``: the shapes ``triforge bench`` sweeps (dict tiers, as ``make_inputs`` takes them);
+  empty: the real tier alone.
 """
 
 from dataclasses import dataclass, field
@@ -36,6 +37,7 @@ class OpSpec:
     dtypes: tuple = (torch.float32, torch.float16, torch.bfloat16)
     stage_tols: dict = field(default_factory=dict)
     describe: Callable = lambda inputs: ""
+    bench_shapes: tuple = ()
 
 
 _OPS: dict[str, OpSpec] = {}

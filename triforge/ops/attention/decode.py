@@ -701,6 +701,8 @@ register(OpSpec(
     peers={"sdpa": _sdpa_peer},
     dtypes=(torch.float16, torch.bfloat16, torch.float32),
     describe=_describe,
+    # the grid: batch 1, 8, 64 against caches of 4k, 32k, 128k (16 q heads / 2 kv heads, D 128)
+    bench_shapes=tuple(dict(_REAL, B=B, S=S) for B in (1, 8, 64) for S in (4096, 32768, 131072)),
 ))
 
 __all__ = ["flash_attn_with_kvcache", "choose_num_splits", "sdpa_decode"]

@@ -247,6 +247,33 @@ def _cublas_fp16_peer(inputs):
     return lambda x, tt: (x.to(torch.float16) @ w16.T,)
 
 
+def _gemlite_2bit_peer(inputs):
+    """gemlite's 2-bit weight-only GEMV/GEMM (A16W2, one scale and zero per row: q = trit + 1, zero 1),
+    the same weights in its own packing; None when gemlite is not installed."""
+    if not torch.cuda.is_available():
+        return None
+    try:
+        from gemlite.helper import A16Wn
+    except ImportError:
+        return None
+    tt = inputs["tt"]
+    trits = tt.to_float(torch.float32).div(tt.row_scales()[:, None]).round()
+    w_q = (trits + 1).to(torch.uint8)
+    scales = tt.row_scales().to(torch.float16)[:, None]
+    layer = A16Wn(device=str(tt.device), dtype=torch.float16).from_weights(
+        w_q, scales, torch.ones_like(scales), W_nbits=2, group_size=tt.in_features
+    )
+    return lambda x, tt: (layer(x.to(torch.float16)),)
+
+
+# the issue's grid: (N, K) of 7B-70B and 0.5B projections at batch 1 .. 256
+BENCH_SHAPES = tuple(
+    {"M": M, "N": N, "K": K}
+    for N, K in ((8192, 8192), (28672, 8192), (8192, 28672), (4864, 896), (896, 4864))
+    for M in (1, 4, 16, 64, 256)
+)
+
+
 def _register():
     from collections import OrderedDict
 
@@ -256,9 +283,10 @@ def _register():
         name="ternary_matmul", family="ternary", make_inputs=_registry_inputs, reference=_registry_ref,
         stages=lambda x, tt: OrderedDict(y=matmul(x, tt)), call=lambda x, tt: (matmul(x, tt),), outputs=("y",),
         flops=lambda i, mode: 2 * i["x"].shape[0] * i["tt"].out_features * i["tt"].in_features,
-        bytes=_registry_bytes, peers={"cublas_fp16": _cublas_fp16_peer},
+        bytes=_registry_bytes, peers={"cublas_fp16": _cublas_fp16_peer, "gemlite_2bit": _gemlite_2bit_peer},
         dtypes=(torch.float16, torch.bfloat16, torch.float32),
         describe=lambda i: f"M={i['x'].shape[0]} N={i['tt'].out_features} K={i['tt'].in_features}",
+        bench_shapes=BENCH_SHAPES,
     ))
 
 
