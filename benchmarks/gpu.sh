@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call on the lent GPU: compiled tests, sanitizer, peaks, tuning, benchmark, report.
-#   benchmarks/gpu.sh [STEP...]   steps: tests realtier sanitize tune bench qwen2 (default: tests sanitize tune bench)
+#   benchmarks/gpu.sh [STEP...]   steps: tests realtier sanitize tune bench attnprobe qwen2 (default: tests sanitize tune bench)
 # Each step runs under a time limit (TESTS_S, REAL_S, SANITIZE_S, TUNE_S, BENCH_S, QWEN2_S seconds) so one
 # call fits the lease. Selection:
 #   TESTS="tests/x.py ..."  files for the tests step (run with pytest-xdist, TEST_WORKERS processes, when installed)
@@ -15,7 +15,7 @@ mkdir -p "$OUT" "$FINAL"
 if ls .peers/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .peers/*.whl
 fi
-export PYTHONPATH=.:/tmp/site PYTHONUNBUFFERED=1 TRIFORGE_CACHE=/tmp/triforge-cache
+export PYTHONPATH=.:/tmp/site PYTHONUNBUFFERED=1 TRIFORGE_CACHE=/tmp/triforge-cache TRIFORGE_FAILLOG=$OUT/failures.log
 # the copy on the GPU machine has no .git: the caller writes the commit to .commit
 export TRIFORGE_COMMIT=${TRIFORGE_COMMIT:-$(cat .commit 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 STEPS=${*:-tests sanitize tune bench}
@@ -37,12 +37,12 @@ for step in $STEPS; do
       timeout "${TESTS_S:-300}" python3 -m pytest -q -p no:cacheprovider "${workers[@]}" "${kexpr[@]}" \
         --ignore=tests/test_gpu.py ${TESTS:-tests} > "$OUT/tests.log" 2>&1
       rc=$?; [ $rc = 0 ] || status=1
-      echo "tests: rc=$rc in ${SECONDS}s"; grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -30; tail -3 "$OUT/tests.log" ;;
+      echo "tests: rc=$rc in ${SECONDS}s"; tail -2 "$OUT/tests.log"; grep "^=====" "$OUT/failures.log" 2>/dev/null | head -40 ;;
     realtier)
       timeout "${REAL_S:-300}" python3 -m pytest -q -p no:cacheprovider -m gpu "${rexpr[@]}" tests/test_gpu.py \
         > "$OUT/realtier.log" 2>&1
       rc=$?; [ $rc = 0 ] || status=1
-      echo "realtier: rc=$rc in ${SECONDS}s"; grep -E "^(FAILED|ERROR)" "$OUT/realtier.log" | head -30; tail -3 "$OUT/realtier.log" ;;
+      echo "realtier: rc=$rc in ${SECONDS}s"; tail -2 "$OUT/realtier.log"; grep "^=====.*test_gpu" "$OUT/failures.log" 2>/dev/null | head -30 ;;
     sanitize)
       timeout "${SANITIZE_S:-240}" compute-sanitizer --tool memcheck --print-limit 20 \
         python3 -m triforge check --tier tiny --seed 1 $OPS > "$OUT/sanitize.log" 2>&1 || status=1
@@ -60,6 +60,9 @@ for step in $STEPS; do
       timeout "${BENCH_S:-420}" python3 -m triforge bench $OPS --json "$f" > "$OUT/bench.log" 2>&1 || status=1
       echo "bench: ${SECONDS}s"; tail -4 "$OUT/bench.log"
       [ -f "$f" ] && python3 -m triforge report "$f" --out "$OUT/report" > /dev/null && cp "$OUT/report/report.md" "$OUT/report.md" ;;
+    attnprobe)
+      timeout "${PROBE_S:-120}" python3 benchmarks/attention_probe.py --json "$OUT/attention-probe.json" > "$OUT/attnprobe.log" 2>&1 || status=1
+      echo "attnprobe: ${SECONDS}s"; grep -E "FAIL|Error|max by" "$OUT/attnprobe.log" | head -40; grep -c PASS "$OUT/attnprobe.log" ;;
     qwen2)
       timeout "${QWEN2_S:-300}" python3 benchmarks/qwen2_decode.py --json "$OUT/qwen2-decode-$(date -u +%Y-%m-%d)-$TRIFORGE_COMMIT.json" \
         ${QWEN2_ARGS:-} > "$OUT/qwen2.log" 2>&1 || status=1

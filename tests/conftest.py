@@ -35,3 +35,19 @@ def gen():
     g = torch.Generator()
     g.seed()
     return g
+
+
+def pytest_runtest_logreport(report):
+    """With TRIFORGE_FAILLOG set, append each failure as it happens (a run cut off by its time limit
+    on the lent GPU still leaves every failure's report behind)."""
+    path = os.environ.get("TRIFORGE_FAILLOG")
+    if not path or not report.failed:
+        return
+    text = report.longreprtext
+    out = "".join(content for name, content in report.sections if "stdout" in name)
+    if out:
+        text += "\n--- captured stdout (end) ---\n" + out[-3000:]
+    if len(text) > 6000:
+        text = text[:1500] + "\n...\n" + text[-4500:]
+    with open(path, "a") as f:
+        f.write(f"===== {report.when} FAILED {report.nodeid} ({report.duration:.1f}s)\n{text}\n")
