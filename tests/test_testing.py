@@ -116,6 +116,36 @@ def test_compare_default_tolerance_catches_an_element_error(dtype, gen):
     assert not r.ok and r.n_over == 1 and r.max_abs_at == (i, j)
 
 
+def test_compare_rms_dims_judges_each_row_by_its_own_scale(gen):
+    """Rows of very different magnitude (causal attention gradients): an error of 1% of a big row's
+    own rms passes row by row but fails against the tensor's rms; 1% of a small row's rms passes
+    either way, and a small row's error that the tensor-wide scale would hide fails row by row."""
+    tol = Tolerance(rel_rms=1.0, atol=5e-2, rtol=0.0)
+    ref = _ref((64, 128), gen)
+    ref[0] *= 1000.0  # one big row, as a query that sees two keys
+    small = float(ref[5].square().mean().sqrt())
+    got = ref.clone()
+    got[0] += 0.01 * float(ref[0].square().mean().sqrt()) * torch.sign(torch.randn(128, generator=gen, dtype=ref.dtype))
+    assert compare("rows", ref, got, tol=tol, rms_dims=(-1,), verbose=False).ok
+    assert not compare("global", ref, got, tol=tol, verbose=False).ok
+    got = ref.clone()
+    got[5, 3] += 3 * small  # 3x the small row's rms: far under the tensor-wide scale (set by the big row)
+    assert compare("global", ref, got, tol=tol, verbose=False).ok
+    r = compare("rows", ref, got, tol=tol, rms_dims=(-1,), verbose=False)
+    assert not r.ok and r.n_over == 1 and r.max_abs_at == (5, 3)
+
+
+def test_compare_rms_dims_zero_row_uses_the_tensor_scale(gen):
+    tol = Tolerance(rel_rms=1.0, atol=1e-3, rtol=0.0)
+    ref = _ref((8, 32), gen)
+    ref[2] = 0.0
+    got = ref.clone()
+    got[2, 0] = 0.5 * 1e-3 * _rms(ref)  # inside the tensor-wide bound; an all-zero row has no scale of its own
+    assert compare("zero-row", ref, got, tol=tol, rms_dims=(-1,), verbose=False).ok
+    got[2, 0] = 2 * 1e-3 * _rms(ref)
+    assert not compare("zero-row", ref, got, tol=tol, rms_dims=(-1,), verbose=False).ok
+
+
 def test_compare_dtype_argument_picks_the_tolerance(gen):
     """fp32 storage of a bf16-accurate result passes when told it came from bf16, fails as fp32."""
     ref = _ref((32, 32), gen)

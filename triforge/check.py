@@ -46,7 +46,8 @@ def check_op(spec, dtype, *, tier=None, seed=0, dump_dir=None, verbose=False) ->
         with poisoned():
             got_stages = spec.stages(**inputs)
         results, failed = compare_stages(
-            ref_stages, got_stages, dtype=dtype, tols=spec.stage_tols, prefix="fwd.", verbose=verbose
+            ref_stages, got_stages, dtype=dtype, tols=spec.stage_tols, rms_dims=spec.rms_dims, prefix="fwd.",
+            verbose=verbose,
         )
         out.results += results
         out.failed_stage = failed
@@ -69,7 +70,8 @@ def check_op(spec, dtype, *, tier=None, seed=0, dump_dir=None, verbose=False) ->
             got_grads = torch.autograd.grad(got_outs, [got_in[k] for k in spec.grad_inputs], grads_out)
         tol = tolerance_for(dtype)
         for k, rg, gg in zip(spec.grad_inputs, ref_grads, got_grads):
-            res = compare(f"bwd.d{k}", rg, gg, dtype=dtype, tol=spec.stage_tols.get(f"d{k}", tol), verbose=verbose)
+            res = compare(f"bwd.d{k}", rg, gg, dtype=dtype, tol=spec.stage_tols.get(f"d{k}", tol),
+                          rms_dims=spec.rms_dims.get(f"d{k}"), verbose=verbose)
             out.results.append(res)
             if not res.ok and out.failed_stage is None:
                 out.failed_stage = f"d{k}"

@@ -11,6 +11,8 @@ An op registers:
 - ``flops(inputs, mode)`` / ``bytes(inputs, mode)``: the roofline model, mode in {fwd, bwd}.
 - ``peers``: name -> builder(inputs) returning a callable with ``call``'s signature, or None
   when that peer is not installed.
+- ``stage_tols`` / ``rms_dims``: per stage or gradient (``d<input>``), a Tolerance replacing the
+  dtype's, and the dims each element's atol scale (an rms) is taken over (see testing.compare).
 - ``bench_shapes``: the shapes ``triforge bench`` sweeps (dict tiers, as ``make_inputs`` takes them);
   empty: the real tier alone.
 """
@@ -36,6 +38,7 @@ class OpSpec:
     peers: dict = field(default_factory=dict)
     dtypes: tuple = (torch.float32, torch.float16, torch.bfloat16)
     stage_tols: dict = field(default_factory=dict)
+    rms_dims: dict = field(default_factory=dict)
     describe: Callable = lambda inputs: ""
     bench_shapes: tuple = ()
 

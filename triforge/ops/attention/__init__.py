@@ -725,7 +725,14 @@ def _spec(name, causal_default, force_causal):
         peers={"sdpa_flash": _sdpa_peer("FLASH_ATTENTION"), "sdpa_cudnn": _sdpa_peer("CUDNN_ATTENTION")},
         describe=_describe,
         bench_shapes=tuple(dict(s, causal=int(causal_default)) for s in BENCH_SHAPES),
+        rms_dims=ROW_RMS,
     )
+
+
+# o, dq, dk, dv are judged row by row ([.., S, H, D]: each (position, head) over D): under a causal
+# mask a query that sees 2 keys has gradients ~100x those of one that sees thousands, and so have
+# the first keys (every query sees them); bf16 rounding errors scale with each row's own values
+ROW_RMS = {name: (-1,) for name in ("o", "dq", "dk", "dv")}
 
 
 # the (B, H, S, D) configs, the ones ../shared/ANCHORS.md measured cuDNN and FA2 at
@@ -851,6 +858,7 @@ register(OpSpec(
     flops=_varlen_flops,
     bytes=_bytes,
     describe=_varlen_describe,
+    rms_dims=ROW_RMS,
 ))
 
 __all__ = [
