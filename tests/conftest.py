@@ -41,8 +41,8 @@ def pytest_runtest_logreport(report):
     """With TRIFORGE_FAILLOG set, append each failure as it happens (a run cut off by its time limit
     on the lent GPU still leaves every failure's report behind)."""
     path = os.environ.get("TRIFORGE_FAILLOG")
-    if not path or not report.failed:
-        return
+    if not path or not report.failed or os.environ.get("PYTEST_XDIST_WORKER"):
+        return  # under xdist the controller writes each report once
     text = report.longreprtext
     out = "".join(content for name, content in report.sections if "stdout" in name)
     if out:

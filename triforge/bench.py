@@ -235,10 +235,10 @@ def run_bench(specs, *, dtype=torch.bfloat16, modes=("fwd", "bwd"), peers=True, 
         for one in ([shape] if shape or not spec.bench_shapes else spec.bench_shapes):
             rows += bench_op(spec, dtype=dtype, modes=modes, peers=peers, shape=one)
             torch.cuda.empty_cache()
+            if on_partial is not None:  # a sweep cut off by a time limit keeps its finished shapes
+                on_partial(_result(rows, shape))
         if progress is not None:
             progress(spec.name)
-        if on_partial is not None:
-            on_partial(_result(rows, shape))
     rows += family_totals(specs, rows)
     return _result(rows, shape)
 
