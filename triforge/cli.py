@@ -262,6 +262,9 @@ def cmd_parity(args) -> int:
     Console(width=max(console.width, 150)).print(table)
     if report.argmax_agreement is not None:
         line = f"logits argmax agreement with Hugging Face: {100 * report.argmax_agreement:.2f}%"
+        if report.argmax_agreement_decisive is not None:
+            line += (f"; on the {100 * report.decisive_fraction:.1f}% decisive positions (fp32 top-2 gap beyond "
+                     f"rounding noise): {100 * report.argmax_agreement_decisive:.2f}%")
         if report.argmax_agreement_golden is not None:
             line += (f"; with Hugging Face fp32: engine {100 * report.argmax_agreement_golden:.2f}%, "
                      f"Hugging Face {str(dtype).replace('torch.', '')} {100 * report.hf_agreement_golden:.2f}%")

@@ -129,13 +129,15 @@ def test_bf16_drift_and_argmax_agreement():
 
 
 def test_bf16_untied_agreement_tracks_hf():
-    """An untied random head has near-ties that bf16 rounding flips: the engine agrees with Hugging
-    Face fp32 about as often as Hugging Face bf16 does."""
+    """An untied random head has near-ties that bf16 rounding flips (Hugging Face bf16 flips some
+    against its own fp32): over all positions the engine agrees with Hugging Face about as often as
+    Hugging Face bf16 agrees with fp32; on the decisive positions (fp32 top-2 gap beyond rounding
+    noise) it agrees on >= 99% (the parity gate)."""
     report = parity.run_parity(config=UNTIED, dtype=torch.bfloat16, tokens=10, prompt=4, batch=4, seed=7,
                                log=lambda *a: None)
-    assert report.first_failure in (None, "logits argmax")
-    assert all(r.ok for r in report.rows)
-    assert report.argmax_agreement_golden >= report.hf_agreement_golden - 0.05
+    assert report.ok, report.first_failure
+    assert report.decisive_fraction >= 0.5
+    assert report.argmax_agreement_decisive >= parity.MIN_AGREEMENT
     assert report.argmax_agreement >= 0.9
 
 

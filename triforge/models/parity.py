@@ -11,7 +11,13 @@ and stops at the first stage that drifts beyond tolerance.
     bf16 (fp16): both sides round at every op, so they are held against a golden run, Hugging Face
           in fp32 on the same (rounded) weights: a stage fails when the engine's relative RMS error
           against the golden exceeds ``DRIFT_FACTOR`` x Hugging Face's own + ``DRIFT_FLOOR``.
-    logits: argmax agreement with Hugging Face (same dtype) over every position >= ``MIN_AGREEMENT``.
+    logits: argmax agreement with Hugging Face (same dtype) >= ``MIN_AGREEMENT``: over every position
+          in fp32; in low precision over the decisive positions, those where the fp32 golden's top-2
+          logit gap exceeds ``DECISIVE_GAP`` x Hugging Face's own rms logit error at that position.
+          Elsewhere the top two are tied within rounding and any bf16 implementation flips them
+          (random weights have many such near-ties: Hugging Face bf16 itself agrees with its fp32 on
+          ~96% of positions of a random 24-layer Qwen2.5-0.5B); the agreement over all positions and
+          the fraction of decisive positions are reported alongside.
 
 Hugging Face stages are captured with forward hooks (norm outputs, projection outputs, the inputs
 of o_proj / post_attention_layernorm / down_proj) and, for q and k after RoPE, by wrapping the
@@ -77,6 +83,7 @@ LOWP_TOL = {torch.bfloat16: Tolerance(rel_rms=1e-2, atol=5e-2, rtol=5e-2),
 DRIFT_FACTOR = 3.0 if _runtime.INTERPRET else 2.0
 DRIFT_FLOOR = 2e-3
 MIN_AGREEMENT = 0.99
+DECISIVE_GAP = 4.0
 
 
 # ----------------------------------------------------------------------------- models
@@ -209,6 +216,8 @@ class ParityReport:
     argmax_agreement: float | None = None
     argmax_agreement_golden: float | None = None  # engine vs Hugging Face fp32 (low precision only)
     hf_agreement_golden: float | None = None  # Hugging Face low precision vs its own fp32
+    argmax_agreement_decisive: float | None = None  # engine vs Hugging Face on the decisive positions
+    decisive_fraction: float | None = None  # positions whose fp32 top-2 gap is beyond rounding noise
     prefill_len: int = 0
     tokens: int = 0
 
@@ -268,11 +277,20 @@ def compare_all(hf: dict, got: dict, dtype, golden: dict | None = None) -> Parit
     top_hf = hf["logits"].float().argmax(-1)
     top = got["logits"].float().argmax(-1).to(top_hf.device)
     report.argmax_agreement = float((top == top_hf).float().mean())
+    gated = report.argmax_agreement
     if golden is not None:
-        top_gold = golden["logits"].float().argmax(-1).to(top_hf.device)
+        gold = golden["logits"].float().to(top_hf.device)
+        top_gold = gold.argmax(-1)
         report.argmax_agreement_golden = float((top == top_gold).float().mean())
         report.hf_agreement_golden = float((top_hf == top_gold).float().mean())
-    if report.argmax_agreement < MIN_AGREEMENT:
+        noise = (hf["logits"].float().to(gold.device) - gold).square().mean(-1).sqrt()  # [B, T]
+        two = gold.topk(2, dim=-1).values
+        decisive = (two[..., 0] - two[..., 1]) > DECISIVE_GAP * noise
+        report.decisive_fraction = float(decisive.float().mean())
+        if bool(decisive.any()):
+            report.argmax_agreement_decisive = float((top == top_hf)[decisive].float().mean())
+            gated = report.argmax_agreement_decisive
+    if gated < MIN_AGREEMENT:
         report.first_failure = "logits argmax"
     return report
 
