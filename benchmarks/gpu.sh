@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call on the lent GPU: compiled tests, sanitizer, peaks, tuning, benchmark, report.
-#   benchmarks/gpu.sh [STEP...]   steps: tests realtier sanitize tune bench attnprobe qwen2 (default: tests sanitize tune bench)
+#   benchmarks/gpu.sh [STEP...]   steps: tests realtier sanitize tune bench attnprobe scripts qwen2 (default: tests sanitize tune bench)
 # Each step runs under a time limit (TESTS_S, REAL_S, SANITIZE_S, TUNE_S, BENCH_S, QWEN2_S seconds) so one
 # call fits the lease. Selection:
 #   TESTS="tests/x.py ..."  files for the tests step (run with pytest-xdist, TEST_WORKERS processes, when installed)
@@ -25,6 +25,13 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu 
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)' | tee -a "$OUT/gpu.txt"
 echo "commit $TRIFORGE_COMMIT" | tee -a "$OUT/gpu.txt"
 python3 -m triforge peaks | tee -a "$OUT/gpu.txt"
+run_script() {  # one benchmark script: its output to $OUT/<name>.log, its JSON (argument {OUT}) to $OUT
+  local n; n=$(basename "$1" .py)
+  local args=("${@//\{OUT\}/$OUT}")
+  SECONDS=0
+  timeout "${SCRIPT_S:-240}" python3 "${args[@]}" > "$OUT/$n.log" 2>&1 || status=1
+  echo "$n: ${SECONDS}s"; tail -${SCRIPT_TAIL:-25} "$OUT/$n.log"
+}
 kexpr=(); rexpr=()
 [ -n "${TESTS_K:-}" ] && kexpr=(-k "$TESTS_K")
 [ -n "${REAL_K:-}" ] && rexpr=(-k "$REAL_K")
@@ -63,6 +70,13 @@ for step in $STEPS; do
     attnprobe)
       timeout "${PROBE_S:-120}" python3 benchmarks/attention_probe.py --json "$OUT/attention-probe.json" > "$OUT/attnprobe.log" 2>&1 || status=1
       echo "attnprobe: ${SECONDS}s"; grep -E "FAIL|Error|max by" "$OUT/attnprobe.log" | head -40; grep -c PASS "$OUT/attnprobe.log" ;;
+    scripts)  # SCRIPTS="benchmarks/a.py benchmarks/b.py --flag": each file with the arguments after it
+      cur=()
+      for sc in ${SCRIPTS:-}; do
+        if [[ $sc == *.py && ${#cur[@]} -gt 0 ]]; then run_script "${cur[@]}"; cur=(); fi
+        cur+=("$sc")
+      done
+      [ ${#cur[@]} -gt 0 ] && run_script "${cur[@]}" ;;
     qwen2)
       timeout "${QWEN2_S:-300}" python3 benchmarks/qwen2_decode.py --json "$OUT/qwen2-decode-$(date -u +%Y-%m-%d)-$TRIFORGE_COMMIT.json" \
         ${QWEN2_ARGS:-} > "$OUT/qwen2.log" 2>&1 || status=1

@@ -23,6 +23,7 @@ against the engine without CUDA graph (identical). The script stops a peer (not 
 """
 
 import argparse
+import copy
 import json
 import os
 import statistics
@@ -37,6 +38,7 @@ import torch  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from triforge import _runtime, bench  # noqa: E402
+from triforge.models import parity  # noqa: E402
 from triforge.models.parity import QWEN25_05B  # noqa: E402
 from triforge.models.qwen2 import Qwen2Engine  # noqa: E402
 
@@ -96,18 +98,21 @@ def hf_generate(model, ids, new, static):
 
 
 def correctness(model, engine, ids, new):
-    """Engine greedy tokens (graph) == engine without graph; teacher-forced argmax agreement with HF."""
+    """Engine greedy tokens (graph) == engine without graph; teacher-forced argmax agreement with HF
+    bf16 on the engine's tokens, gated as the parity tool gates it (>= 99% on the positions whose
+    fp32 top-2 gap is beyond rounding noise; random weights leave many near-ties)."""
     out = engine.generate(ids, new)
     eager = Qwen2Engine.from_hf(model, max_seq_len=engine.max_seq_len, use_cuda_graph=False)
     same = bool(torch.equal(out, eager.generate(ids, new)))
     del eager
-    with torch.no_grad():
-        logits = model(out, use_cache=False).logits
     P = ids.shape[1]
-    hf_next = logits[:, P - 1:-1].argmax(-1)
-    agreement = float((hf_next == out[:, P:]).float().mean())
-    return {"graph_equals_eager": same, "hf_teacher_forced_agreement": agreement,
-            "ok": same and agreement >= 0.99}
+    with torch.no_grad():
+        logits = model(out, use_cache=False).logits[:, P - 1:-1]
+        golden = copy.deepcopy(model).float()
+        gold = golden(out, use_cache=False).logits[:, P - 1:-1]
+        del golden
+    agree = parity.argmax_agreement(out[:, P:], logits, gold)
+    return {"graph_equals_eager": same, **agree, "ok": same and agree["gated"] >= parity.MIN_AGREEMENT}
 
 
 def byte_model(spec, batch, keys, dtype) -> dict:

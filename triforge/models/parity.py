@@ -274,25 +274,39 @@ def compare_all(hf: dict, got: dict, dtype, golden: dict | None = None) -> Parit
         if not row.ok:
             report.first_failure = name
             return report
-    top_hf = hf["logits"].float().argmax(-1)
-    top = got["logits"].float().argmax(-1).to(top_hf.device)
-    report.argmax_agreement = float((top == top_hf).float().mean())
-    gated = report.argmax_agreement
-    if golden is not None:
-        gold = golden["logits"].float().to(top_hf.device)
-        top_gold = gold.argmax(-1)
-        report.argmax_agreement_golden = float((top == top_gold).float().mean())
-        report.hf_agreement_golden = float((top_hf == top_gold).float().mean())
-        noise = (hf["logits"].float().to(gold.device) - gold).square().mean(-1).sqrt()  # [B, T]
-        two = gold.topk(2, dim=-1).values
-        decisive = (two[..., 0] - two[..., 1]) > DECISIVE_GAP * noise
-        report.decisive_fraction = float(decisive.float().mean())
-        if bool(decisive.any()):
-            report.argmax_agreement_decisive = float((top == top_hf)[decisive].float().mean())
-            gated = report.argmax_agreement_decisive
-    if gated < MIN_AGREEMENT:
+    agree = argmax_agreement(got["logits"].float().argmax(-1), hf["logits"],
+                             None if golden is None else golden["logits"])
+    for key, value in agree.items():
+        setattr(report, key, value)
+    if agree["gated"] < MIN_AGREEMENT:
         report.first_failure = "logits argmax"
     return report
+
+
+def argmax_agreement(top, hf_logits, golden_logits=None) -> dict:
+    """How often the engine's tokens ``top`` [B, T] are Hugging Face's argmax (``hf_logits`` [B, T,
+    vocab], same dtype). With the fp32 ``golden_logits`` also: agreement of each side with the
+    golden, the fraction of decisive positions (golden top-2 gap > DECISIVE_GAP x HF's own rms logit
+    error there) and the agreement on them. ``gated`` is what the parity gate holds against
+    MIN_AGREEMENT: the decisive agreement when there is a golden, else the plain one."""
+    hf_logits = hf_logits.float()
+    top_hf = hf_logits.argmax(-1)
+    top = top.to(top_hf.device)
+    out = {"argmax_agreement": float((top == top_hf).float().mean())}
+    out["gated"] = out["argmax_agreement"]
+    if golden_logits is not None:
+        gold = golden_logits.float().to(top_hf.device)
+        top_gold = gold.argmax(-1)
+        out["argmax_agreement_golden"] = float((top == top_gold).float().mean())
+        out["hf_agreement_golden"] = float((top_hf == top_gold).float().mean())
+        noise = (hf_logits - gold).square().mean(-1).sqrt()  # [B, T]
+        two = gold.topk(2, dim=-1).values
+        decisive = (two[..., 0] - two[..., 1]) > DECISIVE_GAP * noise
+        out["decisive_fraction"] = float(decisive.float().mean())
+        if bool(decisive.any()):
+            out["argmax_agreement_decisive"] = float((top == top_hf)[decisive].float().mean())
+            out["gated"] = out["argmax_agreement_decisive"]
+    return out
 
 
 # ----------------------------------------------------------------------------- driver
