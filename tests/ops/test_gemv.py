@@ -96,9 +96,9 @@ def test_qkv_rope_matches_hf_rotary(gen):
     cos, sin = G.rope_tables(D, S, 1e6, DEV)
     cfg = transformers.Qwen2Config(hidden_size=C, num_attention_heads=Hq, num_key_value_heads=Hkv, head_dim=D,
                                    rope_theta=1e6, max_position_embeddings=S)
-    rot = transformers.models.qwen2.modeling_qwen2.Qwen2RotaryEmbedding(cfg)
+    rot = transformers.models.qwen2.modeling_qwen2.Qwen2RotaryEmbedding(cfg)  # on the CPU, as rope_tables computes
     pos = torch.tensor([37], dtype=torch.int32, device=DEV)
-    hf_cos, hf_sin = rot(x, pos[None].long().cpu())
+    hf_cos, hf_sin = rot(x.cpu(), pos[None].long().cpu())  # the module, x and the positions all on the CPU
     assert torch.equal(hf_cos[0].to(DEV), cos[37:38]) and torch.equal(hf_sin[0].to(DEV), sin[37:38])
     kc = torch.zeros(1, S, Hkv, D, device=DEV)
     vc = torch.zeros_like(kc)

@@ -32,8 +32,10 @@ def _randn(shape, dtype, gen, scale=1.0):
     return (scale * torch.randn(shape, generator=gen, dtype=torch.float64)).to(dtype)
 
 
-def _inputs(gen, *, B=3, Sq=1, H=4, Hkv=2, D=64, S=48, Sn=1, dtype=torch.float16, seqlens=None, q_scale=1.0):
-    """Random q, caches (random past the lengths too), new k/v (Sn > 0) and int32 lengths."""
+def _inputs(gen, *, B=3, Sq=1, H=4, Hkv=2, D=64, S=48, Sn=1, dtype=torch.float16, seqlens=None, q_scale=1.0,
+            device="cpu"):
+    """Random q, caches (random past the lengths too), new k/v (Sn > 0) and int32 lengths: drawn on
+    the CPU from ``gen`` (reproducible on any machine), then moved to ``device``."""
     q = _randn((B, Sq, H, D), dtype, gen, q_scale)
     kc = _randn((B, S, Hkv, D), dtype, gen)
     vc = _randn((B, S, Hkv, D), dtype, gen)
@@ -42,7 +44,15 @@ def _inputs(gen, *, B=3, Sq=1, H=4, Hkv=2, D=64, S=48, Sn=1, dtype=torch.float16
     if seqlens is None:
         seqlens = torch.randint(0, S - Sn + 1, (B,), generator=gen)
     seqlens = torch.as_tensor(seqlens, dtype=torch.int32)
-    return q, kc, vc, seqlens, k, v
+    return tuple(None if t is None else t.to(device) for t in (q, kc, vc, seqlens, k, v))
+
+
+def _to(t, device):
+    """``t`` on ``device`` with its strides kept (``Tensor.to`` would make a non-dense view contiguous)."""
+    if not isinstance(t, torch.Tensor) or t.device.type == torch.device(device).type:
+        return t
+    out = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
+    return out.copy_(t)
 
 
 def _d(t):
@@ -111,24 +121,26 @@ def _cases():
 
 
 @pytest.mark.parametrize("dtype,D,G,Sq,Sn,num_splits", _cases())
-def test_matches_reference(dtype, D, G, Sq, Sn, num_splits, gen):
+def test_matches_reference(dtype, D, G, Sq, Sn, num_splits, gen, device):
     """S = 40 rows: 3 key blocks of 16 at most, so 9 splits leave most splits empty; row lengths
     include 1 and S - Sn (a full cache after the append)."""
     B, S, Hkv = 3, 40, 2
     seqlens = _lengths(gen, B, S, Sn, Sq)
-    _run_and_check(*_inputs(gen, B=B, Sq=Sq, H=G * Hkv, Hkv=Hkv, D=D, S=S, Sn=Sn, dtype=dtype, seqlens=seqlens),
-                   num_splits=num_splits)
+    _run_and_check(*_inputs(gen, B=B, Sq=Sq, H=G * Hkv, Hkv=Hkv, D=D, S=S, Sn=Sn, dtype=dtype, seqlens=seqlens,
+                            device=device), num_splits=num_splits)
 
 
-def test_fp32(gen):
-    _run_and_check(*_inputs(gen, B=2, Sq=2, H=4, Hkv=2, D=64, S=40, Sn=2, dtype=torch.float32), num_splits=3)
+def test_fp32(gen, device):
+    _run_and_check(*_inputs(gen, B=2, Sq=2, H=4, Hkv=2, D=64, S=40, Sn=2, dtype=torch.float32, device=device),
+                   num_splits=3)
 
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "noncausal"])
-def test_sq_gt_new_tokens(causal, gen):
+def test_sq_gt_new_tokens(causal, gen, device):
     """Sq = 4 queries, 1 new token: the first queries stop causally inside the cached keys; one row
     has fewer keys than queries (queries that see nothing: o = 0, lse = -inf)."""
-    inputs = _inputs(gen, B=3, Sq=4, H=4, Hkv=2, D=64, S=40, Sn=1, dtype=torch.float16, seqlens=[1, 20, 39])
+    inputs = _inputs(gen, B=3, Sq=4, H=4, Hkv=2, D=64, S=40, Sn=1, dtype=torch.float16, seqlens=[1, 20, 39],
+                     device=device)
     o, lse = _run_and_check(*inputs, causal=causal, num_splits=2)
     if causal:
         # row 0: 2 keys, 4 queries: queries 0 and 1 see no key
@@ -136,12 +148,12 @@ def test_sq_gt_new_tokens(causal, gen):
         assert torch.isfinite(lse[0, :, 2:]).all()
 
 
-def test_empty_rows_without_new_tokens(gen):
+def test_empty_rows_without_new_tokens(gen, device):
     """A row with cache_seqlens 0 and no new k/v attends to nothing: o = 0, lse = -inf, no NaN.
     (kvcache_attention_ref cannot take a row with zero keys: amax over an empty dim; the non-empty
     row is checked against it, the empty rows against the documented 0 / -inf.)"""
     q, kc, vc, sl, _, _ = _inputs(gen, B=3, Sq=1, H=4, Hkv=1, D=64, S=40, Sn=0, dtype=torch.bfloat16,
-                                  seqlens=[0, 17, 0])
+                                  seqlens=[0, 17, 0], device=device)
     with poisoned():
         o, lse = flash_attn_with_kvcache(q, kc, vc, sl, return_lse=True, num_splits=3)
     assert (o[0] == 0).all() and (o[2] == 0).all() and torch.isneginf(lse[[0, 2]]).all()
@@ -150,61 +162,63 @@ def test_empty_rows_without_new_tokens(gen):
     _assert_ok(compare("o", ref["o"], o[1:2], dtype=q.dtype, verbose=False))
 
 
-def test_only_new_tokens(gen):
+def test_only_new_tokens(gen, device):
     """cache_seqlens 0 with new k/v: the new tokens are the whole context (split 0 alone sees keys)."""
-    _run_and_check(*_inputs(gen, B=2, Sq=3, H=8, Hkv=2, D=128, S=40, Sn=3, dtype=torch.float16, seqlens=[0, 0]),
-                   num_splits=4)
+    _run_and_check(*_inputs(gen, B=2, Sq=3, H=8, Hkv=2, D=128, S=40, Sn=3, dtype=torch.float16, seqlens=[0, 0],
+                            device=device), num_splits=4)
 
 
-def test_many_new_tokens(gen):
+def test_many_new_tokens(gen, device):
     """Sn = 20 new tokens: more than one 16-row block of new keys, appended and attended."""
-    _run_and_check(*_inputs(gen, B=2, Sq=2, H=2, Hkv=2, D=64, S=48, Sn=20, dtype=torch.float16, seqlens=[5, 28]),
-                   num_splits=2)
+    _run_and_check(*_inputs(gen, B=2, Sq=2, H=2, Hkv=2, D=64, S=48, Sn=20, dtype=torch.float16, seqlens=[5, 28],
+                            device=device), num_splits=2)
 
 
-def test_many_query_rows(gen):
+def test_many_query_rows(gen, device):
     """G * Sq = 8 * 9 = 72 query rows per kv head: two row blocks (64 rows a tile) share each split,
     and only the first writes the new rows."""
-    _run_and_check(*_inputs(gen, B=2, Sq=9, H=16, Hkv=2, D=64, S=40, Sn=9, dtype=torch.float16, seqlens=[0, 31]),
-                   num_splits=2)
+    _run_and_check(*_inputs(gen, B=2, Sq=9, H=16, Hkv=2, D=64, S=40, Sn=9, dtype=torch.float16, seqlens=[0, 31],
+                            device=device), num_splits=2)
 
 
-def test_large_scores_stay_finite(gen):
+def test_large_scores_stay_finite(gen, device):
     """|q.k| * scale ~ 1e4 (lse in the thousands): the online max and the merge keep everything finite and right."""
-    q, kc, vc, sl, k, v = _inputs(gen, B=2, Sq=1, H=4, Hkv=2, D=64, S=40, Sn=1, dtype=torch.float16, q_scale=3000.0)
+    q, kc, vc, sl, k, v = _inputs(gen, B=2, Sq=1, H=4, Hkv=2, D=64, S=40, Sn=1, dtype=torch.float16, q_scale=3000.0,
+                                  device=device)
     o, lse = _run_and_check(q, kc, vc, sl, k, v, num_splits=3)
     assert torch.isfinite(o).all() and torch.isfinite(lse).all() and lse.abs().max() > 1e3
 
 
-def test_softmax_scale_and_python_int_lengths(gen):
-    q, kc, vc, _, k, v = _inputs(gen, B=2, Sq=2, H=4, Hkv=2, D=64, S=40, Sn=2, dtype=torch.float16)
-    _run_and_check(q, kc, vc, torch.full((2,), 23, dtype=torch.int32), k, v, softmax_scale=0.3, num_splits=2)
+def test_softmax_scale_and_python_int_lengths(gen, device):
+    q, kc, vc, _, k, v = _inputs(gen, B=2, Sq=2, H=4, Hkv=2, D=64, S=40, Sn=2, dtype=torch.float16, device=device)
+    _run_and_check(q, kc, vc, torch.full((2,), 23, dtype=torch.int32, device=device), k, v, softmax_scale=0.3,
+                   num_splits=2)
     # a Python int means the same length for every row
-    q, kc, vc, _, k, v = _inputs(gen, B=2, Sq=2, H=4, Hkv=2, D=64, S=40, Sn=2, dtype=torch.float16)
+    q, kc, vc, _, k, v = _inputs(gen, B=2, Sq=2, H=4, Hkv=2, D=64, S=40, Sn=2, dtype=torch.float16, device=device)
     ref, _, _ = kvcache_attention_ref(_d(q), _d(kc), _d(vc), [23, 23], _d(k), _d(v), True, 0.3)
     with poisoned():
         o = flash_attn_with_kvcache(q, kc, vc, 23, k, v, softmax_scale=0.3)
     _assert_ok(compare("o", ref["o"], o, dtype=q.dtype, verbose=False))
 
 
-def test_strided_caches(gen):
+def test_strided_caches(gen, device):
     """Caches that are views (every other kv head of a larger buffer): strides are honoured and the
     append lands in the underlying buffer."""
     B, S, D = 2, 40, 64
-    big_k = _randn((B, S, 4, D), torch.float16, gen)
-    big_v = _randn((B, S, 4, D), torch.float16, gen)
-    kc, vc = big_k[:, :, ::2], big_v[:, :, ::2]
+    big_k = _randn((B, S, 4, D), torch.float16, gen).to(device)
+    big_v = _randn((B, S, 4, D), torch.float16, gen).to(device)
+    kc, vc = big_k[:, :, ::2], big_v[:, :, ::2]  # views of the buffers on the device
     assert not kc.is_contiguous()
-    q = _randn((B, 1, 4, D), torch.float16, gen)
-    k, v = _randn((B, 1, 2, D), torch.float16, gen), _randn((B, 1, 2, D), torch.float16, gen)
-    sl = torch.tensor([7, 39], dtype=torch.int32)
+    q = _randn((B, 1, 4, D), torch.float16, gen).to(device)
+    k, v = _randn((B, 1, 2, D), torch.float16, gen).to(device), _randn((B, 1, 2, D), torch.float16, gen).to(device)
+    sl = torch.tensor([7, 39], dtype=torch.int32, device=device)
     untouched_k = big_k[:, :, 1::2].clone()
     _run_and_check(q, kc, vc, sl, k, v, num_splits=2)
     assert torch.equal(big_k[:, :, ::2], kc) and torch.equal(big_k[:, :, 1::2], untouched_k)
 
 
-def test_deterministic(gen):
-    q, kc, vc, sl, _, _ = _inputs(gen, B=2, Sq=1, H=8, Hkv=2, D=64, S=48, Sn=0, dtype=torch.bfloat16)
+def test_deterministic(gen, device):
+    q, kc, vc, sl, _, _ = _inputs(gen, B=2, Sq=1, H=8, Hkv=2, D=64, S=48, Sn=0, dtype=torch.bfloat16, device=device)
     o1, l1 = flash_attn_with_kvcache(q, kc, vc, sl, return_lse=True, num_splits=3)
     o2, l2 = flash_attn_with_kvcache(q, kc, vc, sl, return_lse=True, num_splits=3)
     assert torch.equal(o1, o2) and torch.equal(l1, l2)
@@ -214,32 +228,33 @@ def test_deterministic(gen):
 
 
 @pytest.mark.parametrize("Sq", [1, 3])
-def test_equals_full_attention_over_prefix(Sq, gen):
+def test_equals_full_attention_over_prefix(Sq, gen, device):
     """No new tokens, every row n keys: decode == attention_ref(q, k_cache[:, :n], v_cache[:, :n])."""
     B, S, n = 2, 48, 37
-    q, kc, vc, _, _, _ = _inputs(gen, B=B, Sq=Sq, H=4, Hkv=2, D=64, S=S, Sn=0, dtype=torch.float16)
+    q, kc, vc, _, _, _ = _inputs(gen, B=B, Sq=Sq, H=4, Hkv=2, D=64, S=S, Sn=0, dtype=torch.float16, device=device)
     ref = attention_ref(_d(q), _d(kc[:, :n]), _d(vc[:, :n]), causal=True)
     with poisoned():
-        o, lse = flash_attn_with_kvcache(q, kc, vc, torch.full((B,), n, dtype=torch.int32), causal=True,
-                                         return_lse=True, num_splits=2)
+        o, lse = flash_attn_with_kvcache(q, kc, vc, torch.full((B,), n, dtype=torch.int32, device=device),
+                                         causal=True, return_lse=True, num_splits=2)
     _assert_ok(compare("lse", ref["lse"], lse, dtype=q.dtype, verbose=False))
     _assert_ok(compare("o", ref["o"], o, dtype=q.dtype, verbose=False))
 
 
-def test_decode_steps_equal_full_attention(gen):
+def test_decode_steps_equal_full_attention(gen, device):
     """Prompt in the cache, then one token at a time (k/v appended by the kernel): at every step
     each row's output equals attention over its whole sequence so far."""
     B, S, H, Hkv, D, steps = 2, 40, 4, 2, 64, 5
     dtype = torch.float16
     prompt = [6, 17]
-    seq_k = _randn((B, S, Hkv, D), dtype, gen)  # the sequence's keys/values, position by position
-    seq_v = _randn((B, S, Hkv, D), dtype, gen)
-    kc, vc = _randn((B, S, Hkv, D), dtype, gen), _randn((B, S, Hkv, D), dtype, gen)  # garbage past the lengths
+    seq_k = _randn((B, S, Hkv, D), dtype, gen).to(device)  # the sequence's keys/values, position by position
+    seq_v = _randn((B, S, Hkv, D), dtype, gen).to(device)
+    kc = _randn((B, S, Hkv, D), dtype, gen).to(device)  # garbage past the lengths
+    vc = _randn((B, S, Hkv, D), dtype, gen).to(device)
     for b, n in enumerate(prompt):
         kc[b, :n], vc[b, :n] = seq_k[b, :n], seq_v[b, :n]
-    lens = torch.tensor(prompt, dtype=torch.int32)
+    lens = torch.tensor(prompt, dtype=torch.int32, device=device)
     for _ in range(steps):
-        q = _randn((B, 1, H, D), dtype, gen)
+        q = _randn((B, 1, H, D), dtype, gen).to(device)
         k_new = torch.stack([seq_k[b, int(lens[b])] for b in range(B)])[:, None]
         v_new = torch.stack([seq_v[b, int(lens[b])] for b in range(B)])[:, None]
         with poisoned():
@@ -270,11 +285,12 @@ def test_choose_num_splits():
     assert choose_num_splits(1, 1, 1 << 20, 1, 64, 8, 1, num_sms=132) == decode.MAX_SPLITS
 
 
-def test_heuristic_split_count_runs(gen):
+def test_heuristic_split_count_runs(gen, device):
     """num_splits = 0 (heuristic) on a longer cache: several splits under the interpreter's 4 'SMs'."""
     B, S = 1, 80
     assert choose_num_splits(B, 2, S, 1, 16, 4, 1) > 1
-    _run_and_check(*_inputs(gen, B=B, Sq=1, H=8, Hkv=2, D=64, S=S, Sn=1, dtype=torch.bfloat16, seqlens=[77]))
+    _run_and_check(*_inputs(gen, B=B, Sq=1, H=8, Hkv=2, D=64, S=S, Sn=1, dtype=torch.bfloat16, seqlens=[77],
+                            device=device))
 
 
 # ----------------------------------------------------------------------------- registry, peers, compile
@@ -323,10 +339,10 @@ def test_sdpa_peer_math(gen):
     assert torch.equal(kc, ref_kc.float())
 
 
-def test_torch_compile_fullgraph(gen):
+def test_torch_compile_fullgraph(gen, device):
     """Both custom ops trace in one graph; the in-place append survives functionalization."""
     q, kc, vc, sl, k, v = _inputs(gen, B=2, Sq=1, H=4, Hkv=2, D=64, S=40, Sn=1, dtype=torch.float16,
-                                  seqlens=[5, 30])
+                                  seqlens=[5, 30], device=device)
     ref, ref_kc, ref_vc = kvcache_attention_ref(_d(q), _d(kc), _d(vc), sl, _d(k), _d(v), True)
     ref_read = kvcache_attention_ref(_d(q), ref_kc, ref_vc, sl + 1, causal=True)[0]
 
@@ -342,9 +358,9 @@ def test_torch_compile_fullgraph(gen):
     assert torch.equal(kc, ref_kc.to(kc.dtype)) and torch.equal(vc, ref_vc.to(vc.dtype))
 
 
-def test_custom_ops_pass_opcheck(gen):
+def test_custom_ops_pass_opcheck(gen, device):
     q, kc, vc, sl, k, v = _inputs(gen, B=2, Sq=1, H=4, Hkv=2, D=64, S=32, Sn=1, dtype=torch.float16,
-                                  seqlens=[3, 20])
+                                  seqlens=[3, 20], device=device)
     append = torch.ops.triforge.flash_attn_with_kvcache.default
     torch.library.opcheck(append, (q, kc, vc, sl, k, v, True, 0.125, 2, True))
     torch.library.opcheck(torch.ops.triforge.flash_attn_kvcache.default, (q, kc, vc, sl, True, 0.125, 2, False))
@@ -419,7 +435,10 @@ def _bad_cases():
 
 
 @pytest.mark.parametrize("kwargs,exc,match", _bad_cases())
-def test_bad_input(kwargs, exc, match):
+def test_bad_input(kwargs, exc, match, device):
+    # built on the CPU at collection time: every tensor argument moves to the kernels' device, strides
+    # kept (k_cache-strided-last-dim must stay a view with a strided last dimension)
+    kwargs = {name: _to(value, device) for name, value in kwargs.items()}
     caches = [kwargs["k_cache"].clone(), kwargs["v_cache"].clone()]
     with pytest.raises(exc, match=match):
         flash_attn_with_kvcache(**kwargs)
@@ -427,24 +446,26 @@ def test_bad_input(kwargs, exc, match):
     assert torch.equal(kwargs["k_cache"], caches[0]) and torch.equal(kwargs["v_cache"], caches[1])
 
 
-def test_overflow_caught_by_the_op_itself(gen):
+def test_overflow_caught_by_the_op_itself(gen, device):
     """The custom op checks the lengths too (a direct call or a compiled graph skips the wrapper)."""
-    q, kc, vc, _, k, v = _inputs(gen, B=2, Sq=1, H=4, Hkv=2, D=64, S=16, Sn=2, dtype=torch.float16)
+    q, kc, vc, _, k, v = _inputs(gen, B=2, Sq=1, H=4, Hkv=2, D=64, S=16, Sn=2, dtype=torch.float16, device=device)
     with pytest.raises(ValueError, match="cache_seqlens"):
-        torch.ops.triforge.flash_attn_with_kvcache(q, kc, vc, torch.tensor([15, 0], dtype=torch.int32), k, v,
-                                                   True, 0.125, 0, True)
+        torch.ops.triforge.flash_attn_with_kvcache(q, kc, vc, torch.tensor([15, 0], dtype=torch.int32, device=device),
+                                                   k, v, True, 0.125, 0, True)
 
 
-def test_unchecked_lengths_stay_inside_the_cache(gen):
+def test_unchecked_lengths_stay_inside_the_cache(gen, device):
     """check_lengths=False (no host sync): out-of-range lengths are clamped into [0, S_max - Sn] by
     the kernel, so nothing outside the caches is read or written; in-range rows stay exact."""
     B, S, Sn, D = 3, 32, 2, 64
-    big_k, big_v = _randn((B, S + 8, 2, D), torch.float16, gen), _randn((B, S + 8, 2, D), torch.float16, gen)
-    kc, vc = big_k[:, :S], big_v[:, :S]  # the caches are the first S rows of larger buffers
+    big_k = _randn((B, S + 8, 2, D), torch.float16, gen).to(device)
+    big_v = _randn((B, S + 8, 2, D), torch.float16, gen).to(device)
+    kc, vc = big_k[:, :S], big_v[:, :S]  # the caches are the first S rows of larger buffers (views on the device)
     tail_k, tail_v = big_k[:, S:].clone(), big_v[:, S:].clone()
-    q = _randn((B, 1, 4, D), torch.float16, gen)
-    k, v = _randn((B, Sn, 2, D), torch.float16, gen), _randn((B, Sn, 2, D), torch.float16, gen)
-    sl = torch.tensor([40, -5, 11], dtype=torch.int32)  # overflow, negative, fine
+    q = _randn((B, 1, 4, D), torch.float16, gen).to(device)
+    k = _randn((B, Sn, 2, D), torch.float16, gen).to(device)
+    v = _randn((B, Sn, 2, D), torch.float16, gen).to(device)
+    sl = torch.tensor([40, -5, 11], dtype=torch.int32, device=device)  # overflow, negative, fine
     with poisoned():
         o = flash_attn_with_kvcache(q, kc, vc, sl, k, v, num_splits=2, check_lengths=False)
     assert torch.equal(big_k[:, S:], tail_k) and torch.equal(big_v[:, S:], tail_v)
@@ -456,11 +477,13 @@ def test_unchecked_lengths_stay_inside_the_cache(gen):
     assert torch.equal(kc[2, 11 : 11 + Sn], k[2])
 
 
-def test_cache_seqlens_device(gen):
-    """cache_seqlens on another device than q (the meta device stands in for one here)."""
-    q, kc, vc, sl, _, _ = _inputs(gen, Sn=0)
+def test_cache_seqlens_device(gen, device):
+    """cache_seqlens on another device than q: host lengths with CUDA q on the GPU; where the kernels run
+    on the CPU (the interpreter) the meta device stands in for the other device."""
+    q, kc, vc, sl, _, _ = _inputs(gen, Sn=0, device=device)
+    other = "cpu" if device.type != "cpu" else "meta"
     with pytest.raises(ValueError, match="cache_seqlens"):
-        flash_attn_with_kvcache(q, kc, vc, sl.to("meta"))
+        flash_attn_with_kvcache(q, kc, vc, sl.to(other))
 
 
 # ----------------------------------------------------------------------------- compiled for sm90 (no GPU needed)
