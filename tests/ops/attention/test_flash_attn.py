@@ -487,7 +487,7 @@ def test_bad_input(case):
 def test_chunked_reference_equals_reference(gen):
     """The registry's reference (head slices, checkpointed under autograd) is attention_ref."""
     q, k, v = (t.double() for t in _qkv(2, 9, 11, 4, 2, 32, torch.float32, gen))
-    do = torch.randn(q.shape, generator=gen, dtype=torch.float64)
+    do = torch.randn(q.shape, generator=gen, dtype=torch.float64).to(q.device)
     for causal in (False, True):
         a = [_leaf(t) for t in (q, k, v)]
         b = [_leaf(t) for t in (q, k, v)]
