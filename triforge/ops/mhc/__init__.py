@@ -93,12 +93,12 @@ def project_bwd(x_flat, W, proj, inv_rms, dproj, dinv, cfg=None):
         coef = coef + inv_rms.pow(3) * dinv.float()
     coef = (coef / K).contiguous()
     split = x_flat.dtype != torch.float32
-    if split:
+    if split:  # a in two 16-bit parts for dW; W rounded once for dx (see backward.py)
         a_hi, a_lo = _split16(a, x_flat.dtype)
-        w_hi, w_lo = _split16(W.float(), x_flat.dtype)
+        w = W.to(x_flat.dtype).contiguous()
     else:
         a_hi = a_lo = a.contiguous()
-        w_hi = w_lo = W.float().contiguous()
+        w = W.float().contiguous()
     n_k = triton.cdiv(K, cfg["BLOCK_K"])
     n_t = triton.cdiv(T, cfg["BLOCK_T"])
     splits = max(1, min(n_t, triton.cdiv(_runtime.num_sms() * cfg["programs_per_sm"], n_k)))
@@ -108,7 +108,7 @@ def project_bwd(x_flat, W, proj, inv_rms, dproj, dinv, cfg=None):
     dw_part = new_output((splits, R, K), torch.float32, x_flat.device)
     launch.launch(
         "mhc_project_bwd", mhc_project_bwd_kernel, (n_k, splits),
-        x_flat, a_hi, a_lo, coef, w_hi, w_lo, dx, dw_part, T, K, tokens_per_split,
+        x_flat, a_hi, a_lo, coef, w, dx, dw_part, T, K, tokens_per_split,
         nbytes=2 * x_flat.numel() * x_flat.element_size() + T * (R + 1) * 4,
         R=R, BLOCK_T=cfg["BLOCK_T"], BLOCK_K=cfg["BLOCK_K"], SPLIT=split,
         UPCAST=_runtime.INTERPRET and x_flat.dtype == torch.bfloat16,
