@@ -66,7 +66,12 @@ for step in $STEPS; do
       f="$OUT/bench-$(date -u +%Y-%m-%d)-$TRIFORGE_COMMIT.json"
       timeout "${BENCH_S:-420}" python3 -m triforge bench $OPS --json "$f" > "$OUT/bench.log" 2>&1 || status=1
       echo "bench: ${SECONDS}s"; tail -4 "$OUT/bench.log"
-      [ -f "$f" ] && python3 -m triforge report "$f" --out "$OUT/report" > /dev/null && cp "$OUT/report/report.md" "$OUT/report.md" ;;
+      [ -f "$f" ] && python3 -m triforge report "$f" --out "$OUT/report" > /dev/null && cp "$OUT/report/report.md" "$OUT/report.md"
+      if [ -n "${BENCH2:-}" ]; then  # a second sweep, e.g. BENCH2="mhc --T 65536 --C 1024"
+        f2="$OUT/bench-$(date -u +%Y-%m-%d)-$TRIFORGE_COMMIT-2.json"
+        timeout "${BENCH2_S:-200}" python3 -m triforge bench $BENCH2 --json "$f2" > "$OUT/bench2.log" 2>&1 || status=1
+        echo "bench2: ${SECONDS}s"; tail -4 "$OUT/bench2.log"
+      fi ;;
     attnprobe)
       timeout "${PROBE_S:-120}" python3 benchmarks/attention_probe.py --json "$OUT/attention-probe.json" > "$OUT/attnprobe.log" 2>&1 || status=1
       echo "attnprobe: ${SECONDS}s"; grep -E "FAIL|Error|max by" "$OUT/attnprobe.log" | head -40; grep -c PASS "$OUT/attnprobe.log" ;;
