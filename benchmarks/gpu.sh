@@ -5,7 +5,8 @@
 # call fits the lease. Selection:
 #   TESTS="tests/x.py ..."  files for the tests step (run with pytest-xdist, TEST_WORKERS processes, when installed)
 #   TESTS_K="expr"          pytest -k filter for the tests step; REAL_K="expr": for the realtier step (tests/test_gpu.py)
-#   OPS="rms_norm swiglu"   ops (or families) for tune/bench/sanitize; TUNE="mhc swiglu": kernel prefixes to tune
+#   OPS="rms_norm swiglu"   ops (or families) for tune/bench/sanitize; TUNE="mhc swiglu": kernel prefixes to tune,
+#                           TUNE_ARGS="--shape T=65536,C=1024" at a shape (TUNE_TAG names its JSON files)
 # Results land in $OUT: all.tgz (everything) plus the bench JSON, report and configs.
 # Run from a snapshot of a commit (benchmarks/snapshot.sh writes .snap/ with the tree and .commit).
 set -uo pipefail
@@ -61,7 +62,7 @@ for step in $STEPS; do
         sel=${TUNE:-$OPS}
         if [ -n "$sel" ] && ! echo "$k" | grep -qE "^($(echo $sel | tr ' ' '|'))"; then continue; fi
         if [ $SECONDS -ge "${TUNE_S:-300}" ]; then echo "tune: time is up, $k not tuned"; continue; fi
-        python3 -m triforge tune "$k" --write --top 3 --json "$OUT/tune-$k.json" 2>&1 | tail -6
+        python3 -m triforge tune "$k" ${TUNE_ARGS:-} --write --top 3 --json "$OUT/tune-$k${TUNE_TAG:-}.json" 2>&1 | tail -4
       done
       ;;
     bench)
