@@ -1,0 +1,46 @@
+"""Dump one causal attention case from the GPU (inputs, the kernel's o / lse / dq / dk / dv) for offline
+analysis of its error structure against the float64 reference on a CPU.
+
+    PYTHONPATH=. python benchmarks/attention_dump.py OUT_DIR [--B 2 --H 8 --S 2048 --D 64]
+
+Writes OUT_DIR/attn-inputs.pt (q, k, v, do: bf16) and OUT_DIR/attn-outputs.pt (o, lse, dq, dk, dv),
+and prints the parity rows (global and per-row rms scales) computed on the GPU.
+"""
+
+import argparse
+import os
+
+import torch
+
+from triforge.ops import attention as A
+from triforge.testing import compare
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("out")
+    for n, d in (("B", 2), ("H", 8), ("S", 2048), ("D", 64)):
+        p.add_argument(f"--{n}", type=int, default=d)
+    a = p.parse_args()
+    torch.manual_seed(0)
+    dt = torch.bfloat16
+    q, k, v, do = (torch.randn(a.B, a.S, a.H, a.D, device="cuda", dtype=dt) for _ in range(4))
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    o, lse = A.flash_attn_func(*leaves, causal=True, return_lse=True)
+    dq, dk, dv = torch.autograd.grad(o, leaves, do)
+    os.makedirs(a.out, exist_ok=True)
+    torch.save({"q": q.cpu(), "k": k.cpu(), "v": v.cpu(), "do": do.cpu()}, f"{a.out}/attn-inputs.pt")
+    torch.save({"o": o.detach().cpu(), "lse": lse.detach().cpu(), "dq": dq.cpu(), "dk": dk.cpu(), "dv": dv.cpu()},
+               f"{a.out}/attn-outputs.pt")
+    r64 = [t.double().requires_grad_(True) for t in (q, k, v)]
+    st = A.attention_ref_chunked(*r64, causal=True)
+    ref = torch.autograd.grad(st["o"], r64, do.double())
+    for name, r, g in zip(("dq", "dk", "dv"), ref, (dq, dk, dv)):
+        for dims in (None, (-1,)):
+            res = compare(f"{name} rms_dims={dims}", r, g, dtype=dt, rms_dims=dims, verbose=False)
+            print(f"{'PASS' if res.ok else 'FAIL'} {res.name:<22} rel_rms={res.rel_rms:.2e} max={res.max_abs:.2e} "
+                  f"at {res.max_abs_at} over={res.n_over}")
+
+
+if __name__ == "__main__":
+    main()
