@@ -22,16 +22,15 @@ def main():
     for n, d in (("B", 2), ("H", 8), ("S", 2048), ("D", 64)):
         p.add_argument(f"--{n}", type=int, default=d)
     a = p.parse_args()
-    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(0)  # drawn on the CPU: the inputs can be rebuilt offline
     dt = torch.bfloat16
-    q, k, v, do = (torch.randn(a.B, a.S, a.H, a.D, device="cuda", dtype=dt) for _ in range(4))
+    q, k, v, do = (torch.randn(a.B, a.S, a.H, a.D, generator=gen).to("cuda", dt) for _ in range(4))
     leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
     o, lse = A.flash_attn_func(*leaves, causal=True, return_lse=True)
     dq, dk, dv = torch.autograd.grad(o, leaves, do)
     os.makedirs(a.out, exist_ok=True)
-    torch.save({"q": q.cpu(), "k": k.cpu(), "v": v.cpu(), "do": do.cpu()}, f"{a.out}/attn-inputs.pt")
-    torch.save({"o": o.detach().cpu(), "lse": lse.detach().cpu(), "dq": dq.cpu(), "dk": dk.cpu(), "dv": dv.cpu()},
-               f"{a.out}/attn-outputs.pt")
+    for name, t in (("o", o.detach()), ("lse", lse.detach()), ("dq", dq), ("dk", dk), ("dv", dv)):
+        torch.save(t.cpu(), f"{a.out}/attn-{name}.pt")  # one file each: the device returns files up to 16 MiB
     r64 = [t.double().requires_grad_(True) for t in (q, k, v)]
     st = A.attention_ref_chunked(*r64, causal=True)
     ref = torch.autograd.grad(st["o"], r64, do.double())
@@ -40,6 +39,16 @@ def main():
             res = compare(f"{name} rms_dims={dims}", r, g, dtype=dt, rms_dims=dims, verbose=False)
             print(f"{'PASS' if res.ok else 'FAIL'} {res.name:<22} rel_rms={res.rel_rms:.2e} max={res.max_abs:.2e} "
                   f"at {res.max_abs_at} over={res.n_over}")
+        # the worst elements against the per-row bound (0.05 * row rms + 0.05 * |ref|): where they sit
+        row_rms = r.square().mean(-1, keepdim=True).sqrt()
+        ratio = (g.double() - r).abs() / (0.05 * row_rms + 0.05 * r.abs())
+        top = ratio.flatten().topk(8)
+        for val, flat in zip(top.values.tolist(), top.indices.tolist()):
+            idx = torch.unravel_index(torch.tensor(flat), r.shape)
+            b, s_, h, d = (int(i) for i in idx)
+            print(f"   {name}[{b},{s_},{h},{d}] err/bound={val:.2f} ref={float(r[b, s_, h, d]):+.4e} "
+                  f"got={float(g[b, s_, h, d]):+.4e} row_rms={float(row_rms[b, s_, h, 0]):.3e} "
+                  f"(s mod 64 = {s_ % 64}, mod 128 = {s_ % 128})")
 
 
 if __name__ == "__main__":
