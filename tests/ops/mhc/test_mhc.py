@@ -6,6 +6,9 @@ Every kernel call runs under ``poisoned()``: outputs start as NaN, so an element
 writes fails the comparison. Under the interpreter the project kernel uses 16-wide T/K blocks and the
 stream kernels 32-wide C blocks (BLOCK_T 4 for pre-map, 2 for post-res), so T in {1, 17, 63} and
 C in {1, 24, 40, 100} hit partial blocks, masks and multi-iteration loops.
+
+Inputs are drawn on the CPU from the per-test generator (reproducible on any machine), then moved to
+the kernels' device (the ``device`` fixture); the float64 references run on that same device.
 """
 
 import math
@@ -53,12 +56,22 @@ CASES = _cases()
 # ----------------------------------------------------------------------------- helpers
 
 
-def _x(shape, dtype, gen, scale=1.0):
-    return (scale * torch.randn(shape, generator=gen, dtype=torch.float64)).to(dtype)
+def _x(shape, dtype, gen, scale=1.0, device="cpu"):
+    """Drawn on the CPU from ``gen``, then moved to ``device``."""
+    return (scale * torch.randn(shape, generator=gen, dtype=torch.float64)).to(dtype).to(device)
 
 
-def _W(C, gen, rows=N_PROJ):
-    return (torch.randn(rows, 4 * C, generator=gen, dtype=torch.float64) / (4 * C) ** 0.5).float()
+def _W(C, gen, rows=N_PROJ, device="cpu"):
+    return (torch.randn(rows, 4 * C, generator=gen, dtype=torch.float64) / (4 * C) ** 0.5).float().to(device)
+
+
+def _to(t, device):
+    """``t`` on ``device`` with its strides kept (bad-input cases are built on the CPU at collection
+    time; a non-contiguous one must stay non-contiguous). Non-tensors pass through."""
+    if not isinstance(t, torch.Tensor) or t.device.type == torch.device(device).type:
+        return t
+    out = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
+    return out.copy_(t)
 
 
 def _to64(t):
@@ -88,7 +101,8 @@ def _check_project(x_flat, W, gen, *, eps=1e-6, use=("proj", "inv")):
     with a random upstream gradient on the outputs named in ``use``."""
     dtype = x_flat.dtype
     T = x_flat.shape[0]
-    upstream = {"proj": _x((T, N_PROJ), torch.float32, gen), "inv": _x((T,), torch.float32, gen)}
+    dev = x_flat.device
+    upstream = {"proj": _x((T, N_PROJ), torch.float32, gen, device=dev), "inv": _x((T,), torch.float32, gen, device=dev)}
 
     x64, W64 = _leaf(_to64(x_flat)), _leaf(_to64(W))
     p64, i64 = rmsnorm_project_ref(x64, W64, eps)
@@ -115,37 +129,37 @@ def _check_project(x_flat, W, gen, *, eps=1e-6, use=("proj", "inv")):
 
 
 @pytest.mark.parametrize("dtype,T,C", CASES)
-def test_project_forward_and_gradients(dtype, T, C, gen):
+def test_project_forward_and_gradients(dtype, T, C, gen, device):
     """Both outputs used downstream (d inv_rms != 0): the inv_rms^3 term of dx is exercised."""
-    _check_project(_x((T, 4 * C), dtype, gen), _W(C, gen), gen)
+    _check_project(_x((T, 4 * C), dtype, gen, device=device), _W(C, gen, device=device), gen)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("use", [("proj",), ("inv",)], ids=["proj-only", "inv-only"])
-def test_project_gradients_one_output_used(use, dtype, gen):
+def test_project_gradients_one_output_used(use, dtype, gen, device):
     """Only proj used (autograd hands the backward d inv_rms = None), or only inv_rms (d proj = None:
     dW must be exactly zero and dx is the pure RMS term)."""
     T, C = 17, 24
-    dx, dW = _check_project(_x((T, 4 * C), dtype, gen), _W(C, gen), gen, use=use)
+    dx, dW = _check_project(_x((T, 4 * C), dtype, gen, device=device), _W(C, gen, device=device), gen, use=use)
     if use == ("inv",):
         assert torch.count_nonzero(dW) == 0
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("scale,eps", [(1e-3, 1e-6), (30.0, 1e-6), (1.0, 0.5)], ids=["small-x", "large-x", "large-eps"])
-def test_project_scales_and_eps(scale, eps, dtype, gen):
+def test_project_scales_and_eps(scale, eps, dtype, gen, device):
     """x at 1e-3 (eps is 1/1000 of the mean square: an ignored eps shows in fp32), x at 30 (x^2 summed
     in fp32, the 16-bit split of inv_rms * dproj still in range) and eps comparable to the mean square."""
     T, C = 17, 40
-    _check_project(_x((T, 4 * C), dtype, gen, scale), _W(C, gen), gen, eps=eps)
+    _check_project(_x((T, 4 * C), dtype, gen, scale, device=device), _W(C, gen, device=device), gen, eps=eps)
 
 
-def test_project_w_is_used_in_full_precision(gen):
+def test_project_w_is_used_in_full_precision(gen, device):
     """With 16-bit streams W is split into hi + lo 16-bit parts: proj keeps ~16 mantissa bits of W,
     far more than a plain cast of W to bf16 (2^-8) would give."""
     T, C = 17, 40
-    x = _x((T, 4 * C), torch.bfloat16, gen)
-    W = _W(C, gen)
+    x = _x((T, 4 * C), torch.bfloat16, gen, device=device)
+    W = _W(C, gen, device=device)
     p64, _ = rmsnorm_project_ref(_to64(x), _to64(W))
     with poisoned():
         proj, _ = fused_rmsnorm_project(x, W)
@@ -157,10 +171,10 @@ def test_project_w_is_used_in_full_precision(gen):
 
 
 @pytest.mark.parametrize("dtype,T,C", CASES)
-def test_pre_map_forward_and_gradients(dtype, T, C, gen):
-    x = _x((T, 4, C), dtype, gen)
-    h = _x((T, 4), torch.float32, gen)  # any real weights (signs included), not only sigmoid outputs
-    dy = _x((T, C), dtype, gen)
+def test_pre_map_forward_and_gradients(dtype, T, C, gen, device):
+    x = _x((T, 4, C), dtype, gen, device=device)
+    h = _x((T, 4), torch.float32, gen, device=device)  # any real weights (signs included), not only sigmoid outputs
+    dy = _x((T, C), dtype, gen, device=device)
 
     x64, h64 = _leaf(_to64(x)), _leaf(_to64(h))
     y64 = pre_map_ref(x64, h64)
@@ -183,18 +197,18 @@ def test_pre_map_forward_and_gradients(dtype, T, C, gen):
 # ----------------------------------------------------------------------------- K4: post-res
 
 
-def _post_res_inputs(T, C, dtype, gen):
-    x = _x((T, 4, C), dtype, gen)
-    f = _x((T, C), dtype, gen)
-    H = _x((T, 4, 4), torch.float32, gen)  # a general (non-symmetric) matrix: a transposed H fails
-    hp = _x((T, 4), torch.float32, gen)
+def _post_res_inputs(T, C, dtype, gen, device):
+    x = _x((T, 4, C), dtype, gen, device=device)
+    f = _x((T, C), dtype, gen, device=device)
+    H = _x((T, 4, 4), torch.float32, gen, device=device)  # a general (non-symmetric) matrix: a transposed H fails
+    hp = _x((T, 4), torch.float32, gen, device=device)
     return x, f, H, hp
 
 
 @pytest.mark.parametrize("dtype,T,C", CASES)
-def test_post_res_forward_and_gradients(dtype, T, C, gen):
-    x, f, H, hp = _post_res_inputs(T, C, dtype, gen)
-    g = _x((T, 4, C), dtype, gen)
+def test_post_res_forward_and_gradients(dtype, T, C, gen, device):
+    x, f, H, hp = _post_res_inputs(T, C, dtype, gen, device)
+    g = _x((T, 4, C), dtype, gen, device=device)
 
     leaves64 = [_leaf(_to64(t)) for t in (x, f, H, hp)]
     y64 = post_res_ref(*leaves64)
@@ -212,11 +226,11 @@ def test_post_res_forward_and_gradients(dtype, T, C, gen):
         _assert_ok(compare(name, r, gt, dtype=dtype, verbose=False))
 
 
-def test_post_res_noncontiguous_coefficients_and_layer_output(gen):
+def test_post_res_noncontiguous_coefficients_and_layer_output(gen, device):
     """Only x_streams must be contiguous: a transposed layer_output / H_merged / h_post is accepted
     and read correctly (the op makes them contiguous)."""
     T, C = 17, 24
-    x, f, H, hp = _post_res_inputs(T, C, torch.float32, gen)
+    x, f, H, hp = _post_res_inputs(T, C, torch.float32, gen, device)  # moved, then made non-contiguous
     f_nc = f.t().contiguous().t()
     H_nc = H.transpose(1, 2).contiguous().transpose(1, 2)
     hp_nc = hp.t().contiguous().t()
@@ -226,12 +240,12 @@ def test_post_res_noncontiguous_coefficients_and_layer_output(gen):
     _assert_ok(compare("y", post_res_ref(_to64(x), _to64(f), _to64(H), _to64(hp)), y, verbose=False))
 
 
-def test_noncontiguous_upstream_gradients(gen):
+def test_noncontiguous_upstream_gradients(gen, device):
     """Upstream gradients that are expanded / transposed views reach the backward kernels intact."""
     T, C = 17, 24
-    x = _x((T, 4, C), torch.float32, gen)
-    h = _x((T, 4), torch.float32, gen)
-    dy = _x((C, T), torch.float32, gen).t()  # transposed view
+    x = _x((T, 4, C), torch.float32, gen, device=device)
+    h = _x((T, 4), torch.float32, gen, device=device)
+    dy = _x((C, T), torch.float32, gen, device=device).t()  # transposed view (of the tensor on the device)
     xk, hk = _leaf(x), _leaf(h)
     with poisoned():
         y = fused_pre_map(xk, hk)
@@ -240,8 +254,8 @@ def test_noncontiguous_upstream_gradients(gen):
     rdx, rdh = torch.autograd.grad(pre_map_ref(x64, h64), [x64, h64], _to64(dy))
     _assert_ok(compare("dx", rdx, dx, verbose=False), compare("dh", rdh, dh, verbose=False))
 
-    x, f, H, hp = _post_res_inputs(T, C, torch.float32, gen)
-    g = _x((T, C), torch.float32, gen)[:, None, :].expand(T, 4, C)  # stride 0 over the streams
+    x, f, H, hp = _post_res_inputs(T, C, torch.float32, gen, device)
+    g = _x((T, C), torch.float32, gen, device=device)[:, None, :].expand(T, 4, C)  # stride 0 over the streams
     leaves = [_leaf(t) for t in (x, f, H, hp)]
     with poisoned():
         got = torch.autograd.grad(fused_post_res(*leaves), leaves, g)
@@ -270,7 +284,7 @@ def _assert_coefficient_ranges(h_pre, h_post, H, T):
     assert ((h_pre > 0) & (h_pre < 1)).all()
     assert ((h_post > 0) & (h_post < 2)).all()
     assert ((H >= 0) & (H <= 1 + 1e-6)).all()  # a sum of 6 softmax weights: 1 + an ulp at most
-    ones = torch.ones(T, 4, dtype=H.dtype)
+    ones = torch.ones(T, 4, dtype=H.dtype, device=H.device)
     torch.testing.assert_close(H.sum(-1), ones, rtol=0, atol=1e-5)  # rows
     torch.testing.assert_close(H.sum(-2), ones, rtol=0, atol=1e-5)  # columns
 
@@ -315,15 +329,15 @@ def test_permutation_matrices():
     assert len({tuple(p.flatten().tolist()) for p in P}) == 24  # all distinct
 
 
-def test_coefficients_at_block_init(gen):
+def test_coefficients_at_block_init(gen, device):
     """At MHCLiteBlock's init W = 0, so proj = 0: h_pre = sigmoid(b_pre) = sigmoid([1, -1, -1, -1]),
     h_post = 2 sigmoid([1, -1, -1, -1]) and H_res ~ identity (off-identity permutation logits -8)."""
     from triforge.nn.mhc import MHCLiteBlock
 
     T, C = 7, 24
-    block = MHCLiteBlock(torch.nn.Identity(), C)
+    block = MHCLiteBlock(torch.nn.Identity(), C).to(device)
     assert torch.count_nonzero(block.W) == 0
-    x = _x((T, 4 * C), torch.float32, gen)
+    x = _x((T, 4 * C), torch.float32, gen, device=device)
     with poisoned():
         proj, _ = fused_rmsnorm_project(x, block.W.detach())
     assert torch.count_nonzero(proj) == 0
@@ -331,16 +345,17 @@ def test_coefficients_at_block_init(gen):
         h_pre, h_post, H = coefficients(proj, block.alpha_pre, block.alpha_post, block.alpha_res,
                                         block.b_pre, block.b_post, block.b_res)
     _assert_coefficient_ranges(h_pre, h_post, H, T)
-    b = torch.tensor([1.0, -1.0, -1.0, -1.0])
+    b = torch.tensor([1.0, -1.0, -1.0, -1.0], device=device)
+    eye = torch.eye(4, device=device)
     torch.testing.assert_close(h_pre, torch.sigmoid(b).expand(T, 4), rtol=0, atol=1e-7)
     torch.testing.assert_close(h_post, (2 * torch.sigmoid(b)).expand(T, 4), rtol=0, atol=1e-7)
     # softmax over 24 logits (0, -8 x 23): the identity weighs a0, every other permutation ak.
     # Each off-diagonal (i, j) is hit by 3! = 6 permutations, each diagonal entry by the identity + 5.
     z = 1 + 23 * math.exp(-8)
     a0, ak = 1 / z, math.exp(-8) / z
-    expected = (a0 + 5 * ak) * torch.eye(4) + 6 * ak * (1 - torch.eye(4))
+    expected = (a0 + 5 * ak) * eye + 6 * ak * (1 - eye)
     torch.testing.assert_close(H, expected.expand(T, 4, 4), rtol=0, atol=1e-6)
-    assert (H.diagonal(dim1=-2, dim2=-1) > 0.99).all() and (H - torch.eye(4)).abs().max() < 0.01
+    assert (H.diagonal(dim1=-2, dim2=-1) > 0.99).all() and (H - eye).abs().max() < 0.01
 
 
 # ----------------------------------------------------------------------------- registry / opcheck
@@ -370,28 +385,28 @@ def test_mhc_ops_registered():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_custom_ops_pass_opcheck(dtype, gen):
+def test_custom_ops_pass_opcheck(dtype, gen, device):
     """torch.library.opcheck: schema, fakes, autograd registration and AOT dispatch of all six ops."""
     T, C = 5, 8
-    x = _x((T, 4, C), dtype, gen)
-    W = _W(C, gen)
-    h = _x((T, 4), torch.float32, gen)
-    f = _x((T, C), dtype, gen)
-    H = _x((T, 4, 4), torch.float32, gen)
+    x = _x((T, 4, C), dtype, gen, device=device)
+    W = _W(C, gen, device=device)
+    h = _x((T, 4), torch.float32, gen, device=device)
+    f = _x((T, C), dtype, gen, device=device)
+    H = _x((T, 4, 4), torch.float32, gen, device=device)
     ops = torch.ops.triforge
     torch.library.opcheck(ops.fused_rmsnorm_project.default,
                           (x.view(T, 4 * C).clone().requires_grad_(), W.clone().requires_grad_(), 1e-6))
     torch.library.opcheck(ops.fused_pre_map.default, (x.clone().requires_grad_(), h.clone().requires_grad_()))
     torch.library.opcheck(ops.fused_post_res.default, tuple(t.clone().requires_grad_() for t in (x, f, H, h)))
     proj, inv = ops.fused_rmsnorm_project(x.view(T, 4 * C), W, 1e-6)
-    dproj, dinv = _x((T, N_PROJ), torch.float32, gen), _x((T,), torch.float32, gen)
+    dproj, dinv = _x((T, N_PROJ), torch.float32, gen, device=device), _x((T,), torch.float32, gen, device=device)
     torch.library.opcheck(ops.fused_rmsnorm_project_bwd.default, (x.view(T, 4 * C), W, proj, inv, dproj, dinv))
     torch.library.opcheck(ops.fused_rmsnorm_project_bwd.default, (x.view(T, 4 * C), W, proj, inv, dproj, None))
     torch.library.opcheck(ops.fused_pre_map_bwd.default, (f, x, h))
-    torch.library.opcheck(ops.fused_post_res_bwd.default, (_x((T, 4, C), dtype, gen), x, f, H, h))
+    torch.library.opcheck(ops.fused_post_res_bwd.default, (_x((T, 4, C), dtype, gen, device=device), x, f, H, h))
 
 
-def test_torch_compile_ops_fullgraph_dynamic(gen):
+def test_torch_compile_ops_fullgraph_dynamic(gen, device):
     """The fakes follow symbolic shapes: one compiled graph of all three ops serves several T."""
     C = 24
 
@@ -403,11 +418,11 @@ def test_torch_compile_ops_fullgraph_dynamic(gen):
         return fused_post_res(x, torch.tanh(y), H.contiguous(), h_post.contiguous()) * inv[:, None, None]
 
     cf = torch.compile(f, fullgraph=True, backend="aot_eager", dynamic=True)
-    W, b = _W(C, gen), _x((N_PROJ,), torch.float32, gen)
+    W, b = _W(C, gen, device=device), _x((N_PROJ,), torch.float32, gen, device=device)
     for T in (3, 17, 2):
-        x = _x((T, 4, C), torch.float32, gen)
+        x = _x((T, 4, C), torch.float32, gen, device=device)
         leaves = [_leaf(x), _leaf(W), _leaf(b)]
-        g = _x((T, 4, C), torch.float32, gen)
+        g = _x((T, 4, C), torch.float32, gen, device=device)
         with poisoned():
             out = cf(*leaves)
             grads = torch.autograd.grad(out, leaves, g)
@@ -493,19 +508,23 @@ _BAD = _bad_cases()
 
 
 @pytest.mark.parametrize("fn,kwargs,exc,arg", [c[1:] for c in _BAD], ids=[c[0] for c in _BAD])
-def test_bad_input_names_the_argument(fn, kwargs, exc, arg):
+def test_bad_input_names_the_argument(fn, kwargs, exc, arg, device):
+    # built on the CPU at collection time: every tensor argument moves to the kernels' device with its
+    # strides kept (the transposed cases must stay non-contiguous), so each case fails on what it is
+    # about, not on the device check
+    kwargs = {name: _to(value, device) for name, value in kwargs.items()}
     with pytest.raises(exc, match=rf"^{arg}\b"):
         fn(**kwargs)
 
 
 @pytest.mark.parametrize("rows", [16, 64])
-def test_project_rejects_w_with_16_or_64_rows(rows, gen):
+def test_project_rejects_w_with_16_or_64_rows(rows, gen, device):
     C = 8
     with pytest.raises(ValueError, match=r"^W\b"):
-        fused_rmsnorm_project(_x((5, 4 * C), torch.float32, gen), _W(C, gen, rows=rows))
+        fused_rmsnorm_project(_x((5, 4 * C), torch.float32, gen, device=device), _W(C, gen, rows=rows, device=device))
 
 
-def test_project_str_eps_names_the_argument(gen):
+def test_project_str_eps_names_the_argument(gen, device):
     C = 8
     with pytest.raises((TypeError, ValueError), match=r"^eps\b"):
-        fused_rmsnorm_project(_x((5, 4 * C), torch.float32, gen), _W(C, gen), "1e-6")
+        fused_rmsnorm_project(_x((5, 4 * C), torch.float32, gen, device=device), _W(C, gen, device=device), "1e-6")

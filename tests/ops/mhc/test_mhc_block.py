@@ -5,6 +5,10 @@ every parameter gradient), layer_has_residual, torch.compile, a few optimizer st
 Losses put a random upstream gradient on the full streams [..., 4, C]. A loss on
 ``reduce_streams(out)`` would be blind to H_res: its columns sum to 1, so sum_i (H_res x)_i = sum_j x_j
 and the true b_res / alpha_res gradients vanish (fp32 then compares rounding noise).
+
+Modules are built on the CPU (seeded from the per-test generator) and moved to the kernels' device
+(the ``device`` fixture); inputs are drawn on the CPU from the generator, then moved there too. The
+float64 arbiter is a copy of the model on that same device.
 """
 
 import copy
@@ -93,16 +97,16 @@ def _set_backend(model, backend):
 def _randomize_mhc(model, gen):
     """Small random W (not the zero init: its gradient would be compared at a trivial point) and
     random alphas / biases, so every coefficient depends on the input and H_res mixes the streams."""
-    with torch.no_grad():
+    with torch.no_grad():  # drawn on the CPU from gen, then moved to wherever the parameters live
         for m in model.modules():
             if isinstance(m, MHCLiteBlock):
                 K = m.W.shape[1]
-                m.W.copy_(torch.randn(m.W.shape, generator=gen) * 0.5 / K**0.5)
+                m.W.copy_((torch.randn(m.W.shape, generator=gen) * 0.5 / K**0.5).to(m.W.device))
                 for a in (m.alpha_pre, m.alpha_post, m.alpha_res):
                     a.fill_(float(0.5 + torch.rand((), generator=gen)))
-                m.b_pre.add_(0.5 * torch.randn(m.b_pre.shape, generator=gen))
-                m.b_post.add_(0.5 * torch.randn(m.b_post.shape, generator=gen))
-                m.b_res.copy_(torch.randn(m.b_res.shape, generator=gen))
+                m.b_pre.add_((0.5 * torch.randn(m.b_pre.shape, generator=gen)).to(m.b_pre.device))
+                m.b_post.add_((0.5 * torch.randn(m.b_post.shape, generator=gen)).to(m.b_post.device))
+                m.b_res.copy_(torch.randn(m.b_res.shape, generator=gen).to(m.b_res.device))
     return model
 
 
@@ -110,8 +114,9 @@ def _seed_modules(gen):
     torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
 
 
-def _x(shape, gen, dtype=torch.float32):
-    return torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype)
+def _x(shape, gen, dtype=torch.float32, device="cpu"):
+    """Drawn on the CPU from ``gen``, then moved to ``device``."""
+    return torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype).to(device)
 
 
 def _assert_ok(*results):
@@ -195,7 +200,7 @@ def _check_grads(label, grads64, mags, grads, dtype):
 
 def _check_against_f64(model32, streams, gen, monkeypatch):
     """Both fp32 backends against the float64 torch backend, output and every gradient."""
-    g = _x(streams.shape, gen)
+    g = _x(streams.shape, gen, device=streams.device)
     out64, grads64, mags = _run_f64(model32, streams, g, monkeypatch)
     results = {}
     for backend in ("triton", "torch"):
@@ -212,10 +217,10 @@ def _check_against_f64(model32, streams, gen, monkeypatch):
 
 
 @pytest.mark.parametrize("n_blocks", [2, 3])
-def test_stack_triton_matches_torch_and_float64(n_blocks, gen, monkeypatch):
+def test_stack_triton_matches_torch_and_float64(n_blocks, gen, monkeypatch, device):
     _seed_modules(gen)
-    model = _randomize_mhc(Stack(C, n_blocks), gen)
-    streams = _x((B, S, 4, C), gen)  # four different streams: H_res matters already in block 1
+    model = _randomize_mhc(Stack(C, n_blocks), gen).to(device)
+    streams = _x((B, S, 4, C), gen, device=device)  # four different streams: H_res matters already in block 1
     results, (out64, grads64) = _check_against_f64(model, streams, gen, monkeypatch)
     names = set(grads64)
     for blk in range(n_blocks):
@@ -227,17 +232,17 @@ def test_stack_triton_matches_torch_and_float64(n_blocks, gen, monkeypatch):
     _assert_ok(compare("triton_vs_torch", out_to.double(), out_tr, dtype=torch.float32, verbose=False))
 
 
-def test_single_block_bf16_streams(gen, monkeypatch):
+def test_single_block_bf16_streams(gen, monkeypatch, device):
     """bf16 streams (the production dtype) with W, alphas and biases in fp32: both backends within
     bf16 tolerance of the float64 run, the output and every gradient. (Under the interpreter the
     kernels' fp32 -> bf16 casts truncate instead of rounding: a biased error that the bias/alpha sums
     over tokens accumulate, hence their check on the summands' scale, see _run_f64.)"""
     _seed_modules(gen)
     c = 48
-    blk = _randomize_mhc(MHCLiteBlock(TinyMLP(c), c), gen)
+    blk = _randomize_mhc(MHCLiteBlock(TinyMLP(c), c), gen).to(device)
     blk.layer.to(torch.bfloat16).float()  # layer weights on the bf16 grid: the float64 run uses the same ones
-    streams = _x((B, S, 4, c), gen, torch.bfloat16)
-    g = _x(streams.shape, gen, torch.bfloat16)
+    streams = _x((B, S, 4, c), gen, torch.bfloat16, device=device)
+    g = _x(streams.shape, gen, torch.bfloat16, device=device)
     out64, grads64, mags = _run_f64(blk, streams, g, monkeypatch)
     for backend in ("triton", "torch"):
         m = _set_backend(copy.deepcopy(blk), backend)
@@ -248,16 +253,16 @@ def test_single_block_bf16_streams(gen, monkeypatch):
         _check_grads(backend, grads64, mags, grads, torch.bfloat16)
 
 
-def test_layer_has_residual(gen, monkeypatch):
+def test_layer_has_residual(gen, monkeypatch, device):
     """A wrapped layer that adds its input back, with layer_has_residual=True (H_merged = H_res -
     h_post h_pre^T), gives the same streams and gradients as the plain layer: checked for both
     backends against the float64 torch run of the layer_has_residual=False model."""
     _seed_modules(gen)
-    plain = _randomize_mhc(Stack(C, 3), gen)
-    resid = Stack(C, 3, layer_has_residual=True)
+    plain = _randomize_mhc(Stack(C, 3), gen).to(device)
+    resid = Stack(C, 3, layer_has_residual=True).to(device)
     resid.load_state_dict(plain.state_dict())
-    streams = _x((B, S, 4, C), gen)
-    g = _x(streams.shape, gen)
+    streams = _x((B, S, 4, C), gen, device=device)
+    g = _x(streams.shape, gen, device=device)
     out64, grads64, mags = _run_f64(plain, streams, g, monkeypatch)
     for backend in ("triton", "torch"):
         m = _set_backend(copy.deepcopy(resid), backend)
@@ -267,13 +272,13 @@ def test_layer_has_residual(gen, monkeypatch):
         _check_grads(backend, grads64, mags, grads, torch.float32)
 
 
-def test_block_accepts_noncontiguous_and_3d_streams(gen):
+def test_block_accepts_noncontiguous_and_3d_streams(gen, device):
     """Streams of any leading shape ([T, 4, C] or [B, S, 4, C]) and non-contiguous views."""
     _seed_modules(gen)
-    blk = _randomize_mhc(MHCLiteBlock(TinyMLP(C), C), gen)
+    blk = _randomize_mhc(MHCLiteBlock(TinyMLP(C), C), gen).to(device)
     ref = _set_backend(copy.deepcopy(blk), "torch").double()
-    base = _x((4, C, 11), gen)
-    streams = base.permute(2, 0, 1)  # [11, 4, C], not contiguous
+    base = _x((4, C, 11), gen, device=device)
+    streams = base.permute(2, 0, 1)  # [11, 4, C], not contiguous (a view of the tensor on the device)
     assert not streams.is_contiguous()
     with poisoned(), torch.no_grad():
         out = blk(streams)
@@ -282,7 +287,7 @@ def test_block_accepts_noncontiguous_and_3d_streams(gen):
     _assert_ok(compare("out", out64, out, dtype=torch.float32, verbose=False))
 
 
-def test_block_at_init_is_nearly_identity_mixing(gen):
+def test_block_at_init_is_nearly_identity_mixing(gen, device):
     """Freshly built block (W = 0): H_res ~ I, so with a zero layer the streams pass through almost
     unchanged (each stream keeps > 99% of itself)."""
 
@@ -290,8 +295,8 @@ def test_block_at_init_is_nearly_identity_mixing(gen):
         def forward(self, x):
             return torch.zeros_like(x)
 
-    blk = MHCLiteBlock(Zero(), C)
-    streams = _x((3, 4, C), gen)
+    blk = MHCLiteBlock(Zero(), C).to(device)
+    streams = _x((3, 4, C), gen, device=device)
     with poisoned(), torch.no_grad():
         out = blk(streams)
     diff = (out - streams).abs().max() / streams.abs().max()
@@ -301,12 +306,12 @@ def test_block_at_init_is_nearly_identity_mixing(gen):
 # ----------------------------------------------------------------------------- torch.compile
 
 
-def test_torch_compile_stack_matches_eager(gen, monkeypatch):
+def test_torch_compile_stack_matches_eager(gen, monkeypatch, device):
     _seed_modules(gen)
-    model = _randomize_mhc(Stack(C, 2), gen)  # attention + MLP
+    model = _randomize_mhc(Stack(C, 2), gen).to(device)  # attention + MLP
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
-    streams = _x((B, S, 4, C), gen)
-    g = _x(streams.shape, gen)
+    streams = _x((B, S, 4, C), gen, device=device)
+    g = _x(streams.shape, gen, device=device)
     out_e, grads_e = _run(model, streams, g)
     out_c, grads_c = _run(compiled, streams, g)
     # the compiled model shares the eager model's parameters: names gain an _orig_mod. prefix
@@ -326,7 +331,7 @@ def test_torch_compile_stack_matches_eager(gen, monkeypatch):
 # ----------------------------------------------------------------------------- training
 
 
-def test_training_steps_track(gen):
+def test_training_steps_track(gen, device):
     """Four Adam steps (lr 1e-2) of expand -> 2 blocks -> reduce -> head with an MSE loss, triton vs
     torch backend: the losses agree to < 1e-4 relative at every step (and the loss goes down). Adam
     is the harder case: it normalises every gradient, so a wrong small gradient moves its parameter
@@ -334,9 +339,9 @@ def test_training_steps_track(gen):
     the parity tests above cover its gradients.)"""
     _seed_modules(gen)
     c, s = 32, 7  # smaller than the parity tests: 2 backends x 4 steps through the interpreter
-    base = _randomize_mhc(Tiny(c, n_blocks=2), gen)
-    h = _x((B, s, c), gen)
-    target = _x((B, s, c), gen)
+    base = _randomize_mhc(Tiny(c, n_blocks=2), gen).to(device)
+    h = _x((B, s, c), gen, device=device)
+    target = _x((B, s, c), gen, device=device)
     losses = {}
     for backend in ("triton", "torch"):
         model = _set_backend(copy.deepcopy(base), backend)
@@ -391,27 +396,30 @@ def test_block_bad_construction(kwargs, exc, arg):
     [(B, S, 3, C), (B, S, 4, C + 1), (B, S, C, 4), (S, 4 * C), (4 * C,)],
     ids=["3-streams", "wrong-C", "swapped", "2d", "1d"],
 )
-def test_block_bad_streams_shape(shape, backend, gen):
-    blk = MHCLiteBlock(nn.Identity(), C, backend=backend)
+def test_block_bad_streams_shape(shape, backend, gen, device):
+    blk = MHCLiteBlock(nn.Identity(), C, backend=backend).to(device)
     with pytest.raises(ValueError, match=r"^streams\b"):
-        blk(_x(shape, gen))
+        blk(_x(shape, gen, device=device))
 
 
-def test_block_triton_rejects_fp64_streams(gen):
+def test_block_triton_rejects_fp64_streams(gen, device):
     """The triton backend's kernels take fp32/fp16/bf16 streams; fp64 is refused naming the argument."""
-    blk = MHCLiteBlock(nn.Identity(), C).double()
+    blk = MHCLiteBlock(nn.Identity(), C).double().to(device)
     with pytest.raises(TypeError, match=r"^x_flat\b"):
-        blk(_x((3, 4, C), gen, torch.float64))
+        blk(_x((3, 4, C), gen, torch.float64, device=device))
 
 
-def test_block_cast_to_bf16_runs_on_both_backends():
+def test_block_cast_to_bf16_runs_on_both_backends(gen, device):
     """After .bfloat16() the parameters are bf16; the triton backend still feeds its kernels fp32 W and coefficients."""
     C = 24
+    _seed_modules(gen)
     block = MHCLiteBlock(torch.nn.Linear(C, C), C).bfloat16()
-    torch.nn.init.normal_(block.W, std=0.02)
+    with torch.no_grad():  # W ~ N(0, 0.02^2), drawn on the CPU from gen
+        block.W.copy_(0.02 * torch.randn(block.W.shape, generator=gen))
+    block.to(device)
     ref = copy.deepcopy(block)
     ref.backend = "torch"
-    x = expand_streams(torch.randn(2, 5, C)).bfloat16()
+    x = expand_streams(_x((2, 5, C), gen, device=device)).bfloat16()
     with poisoned():
         got = block(x)
     want = ref(x)
