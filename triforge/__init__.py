@@ -4,6 +4,7 @@ from triforge import _runtime  # noqa: F401  (sets TRITON_INTERPRET before any k
 from triforge import nn, ternary  # noqa: F401
 from triforge.ops.attention import flash_attn_func, flash_attn_varlen_func
 from triforge.ops.attention.decode import flash_attn_with_kvcache
+from triforge.ops.deltanet import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
 from triforge.ops.gemv import gemv
 from triforge.ops.mhc import coefficients as mhc_coefficients
 from triforge.ops.mhc import fused_post_res, fused_pre_map, fused_rmsnorm_project
@@ -24,6 +25,8 @@ __all__ = [
     "flash_attn_func",
     "flash_attn_varlen_func",
     "flash_attn_with_kvcache",
+    "chunk_gated_delta_rule",
+    "fused_recurrent_gated_delta_rule",
     "fused_rmsnorm_project",
     "fused_pre_map",
     "fused_post_res",

@@ -1,0 +1,405 @@
+"""Gated DeltaNet (``triforge.ops.deltanet``): the two references against each other and against
+Hugging Face's Qwen3-Next PyTorch functions; every chunked-forward kernel stage against the
+reference stage; outputs and final states over dtypes, awkward lengths, grouped value heads,
+initial states, in-kernel l2norm and packed sequences; extreme decays; the recurrent (decode)
+kernel; the interim backward's gradients; torch.compile and opcheck; input validation.
+
+Kernel calls run under ``poisoned()`` (outputs start as NaN, so an element never written fails).
+Shapes stay small (K = V = 32, a few heads) so the file runs in about a minute on the interpreter.
+"""
+
+from collections import OrderedDict
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import triforge
+from triforge import registry
+from triforge.check import check_op
+from triforge.launch import poisoned
+from triforge.ops.deltanet import (
+    chunk,
+    chunk_gated_delta_rule,
+    chunk_gated_delta_rule_stages,
+    fused_recurrent_gated_delta_rule,
+)
+from triforge.ops.deltanet.reference import chunk_ref_stages, recurrent_ref
+from triforge.testing import Tolerance, compare, compare_stages
+
+DTYPE_IDS = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+def _inputs(B, T, H, HV, K, V, dtype, gen, *, h0=True, normalized_k=True, g_scale=1.0, N=None):
+    """Random inputs; k unit-length when the kernel does not normalise it (keeps the rule stable)."""
+
+    def rand(*shape):
+        return torch.randn(shape, generator=gen, dtype=torch.float32)
+
+    k = rand(B, T, H, K)
+    if normalized_k:
+        k = F.normalize(k, dim=-1)
+    return {
+        "q": rand(B, T, H, K).to(dtype),
+        "k": k.to(dtype),
+        "v": rand(B, T, HV, V).to(dtype),
+        "g": g_scale * F.logsigmoid(rand(B, T, HV) + 1.0),
+        "beta": torch.sigmoid(rand(B, T, HV)).to(dtype),
+        "initial_state": 0.5 * rand(N or B, HV, K, V) if h0 else None,
+    }
+
+
+def _f64(inputs):
+    return {n: (t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t) for n, t in inputs.items()}
+
+
+def _check(name, ref, got, dtype, tol=None):
+    res = compare(name, ref, got, dtype=dtype, tol=tol)
+    assert res.ok, res.line()
+
+
+# ----------------------------------------------------------------------------- references
+
+
+@pytest.mark.parametrize("l2norm", [False, True])
+def test_recurrent_ref_matches_chunk_ref_float64(l2norm, gen):
+    x = _f64(_inputs(2, 130, 2, 4, 16, 8, torch.float64, gen, normalized_k=not l2norm))
+    o, final = recurrent_ref(**x, output_final_state=True, use_qk_l2norm_in_kernel=l2norm, scale=0.3)
+    st = chunk_ref_stages(**x, output_final_state=True, use_qk_l2norm_in_kernel=l2norm, scale=0.3)
+    assert (o - st["o"]).abs().max() < 1e-10 * max(1.0, float(o.abs().max()))
+    assert (final - st["final_state"]).abs().max() < 1e-10 * max(1.0, float(final.abs().max()))
+
+
+def test_recurrent_ref_matches_chunk_ref_varlen_float64(gen):
+    x = _f64(_inputs(1, 150, 1, 2, 16, 8, torch.float64, gen, N=4))
+    cu = torch.tensor([0, 30, 31, 31, 150])
+    o, final = recurrent_ref(**x, output_final_state=True, cu_seqlens=cu)
+    st = chunk_ref_stages(**x, output_final_state=True, cu_seqlens=cu)
+    assert (o - st["o"]).abs().max() < 1e-10
+    assert (final - st["final_state"]).abs().max() < 1e-10
+    assert st["h"].shape == (1, 1 + 1 + 0 + 2, 2, 16, 8)
+
+
+@pytest.mark.parametrize("hf_name", ["torch_recurrent_gated_delta_rule", "torch_chunk_gated_delta_rule"])
+def test_reference_matches_hugging_face(hf_name, gen):
+    """HF computes in fp32 with scale K^-1/2; the same [B, T, H(V), D] layout and [B, HV, K, V] state."""
+    hf = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
+    x = _f64(_inputs(2, 70, 2, 4, 32, 16, torch.float64, gen, normalized_k=False))
+    o, final = recurrent_ref(**x, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    with _quiet():
+        o_hf, final_hf = getattr(hf, hf_name)(x["q"], x["k"], x["v"], x["g"], x["beta"],
+                                              initial_state=x["initial_state"], output_final_state=True,
+                                              use_qk_l2norm_in_kernel=True)
+    _check("o vs HF", o, o_hf, torch.float32, Tolerance(rel_rms=1e-5, atol=1e-5, rtol=1e-4))
+    _check("final vs HF", final, final_hf, torch.float32, Tolerance(rel_rms=1e-5, atol=1e-5, rtol=1e-4))
+
+
+class _quiet:
+    """Silence HF's 'falling back to the PyTorch implementation' notice."""
+
+    def __enter__(self):
+        import logging
+
+        self._logger = logging.getLogger("transformers")
+        self._level = self._logger.level
+        self._logger.setLevel(logging.ERROR)
+
+    def __exit__(self, *exc):
+        self._logger.setLevel(self._level)
+
+
+# ----------------------------------------------------------------------------- chunked kernels: stages
+
+
+@pytest.mark.parametrize("dtype,fuse_o", [(torch.float32, True), (torch.bfloat16, True), (torch.float16, False),
+                                          (torch.bfloat16, False)], ids=["fp32-fused", "bf16-fused", "fp16", "bf16"])
+def test_kernel_stages_match_reference(dtype, fuse_o, gen):
+    """Fused: h and v_new from the recurrence that also writes o; else the recurrence then kernel 3."""
+    x = _inputs(2, 100, 2, 4, 32, 32, dtype, gen, normalized_k=False)
+    ref = chunk_ref_stages(**_f64(x), output_final_state=True, use_qk_l2norm_in_kernel=True)
+    with poisoned():
+        got = chunk_gated_delta_rule_stages(**x, output_final_state=True, use_qk_l2norm_in_kernel=True, fuse_o=fuse_o)
+    assert list(got) == list(ref)
+    results, failed = compare_stages(ref, got, dtype=dtype)
+    assert failed is None, results[-1].line()
+
+
+def test_unfused_state_and_output_kernels_match_reference(gen):
+    """chunk_fwd_h (h, v_new, final) then chunk_fwd_o: the launchers a backward reuses."""
+    x = _inputs(2, 80, 1, 2, 32, 32, torch.float32, gen, normalized_k=False)
+    ref = chunk_ref_stages(**_f64(x), output_final_state=True, use_qk_l2norm_in_kernel=True)
+    with poisoned():
+        intra = chunk.chunk_fwd_intra(x["k"], x["v"], x["g"], x["beta"], l2norm=True, store_t=True)
+        h, v_new, final = chunk.chunk_fwd_h(x["k"], intra["w"], intra["u"], intra["gamma"], x["initial_state"], l2norm=True)
+        o = chunk.chunk_fwd_o(x["q"], x["k"], v_new, h, intra["gamma"], 32**-0.5, l2norm=True)
+    got = OrderedDict(T=intra["T"], h=h, v_new=v_new, o=o, final_state=final)
+    _, failed = compare_stages(OrderedDict((n, ref[n]) for n in got), got, dtype=torch.float32)
+    assert failed is None
+
+
+# ----------------------------------------------------------------------------- chunked kernels: outputs
+
+# (T, dtype, initial state, l2norm): every T, every dtype, both flags
+_OUT_CASES = [
+    (1, torch.float32, True, True),
+    (17, torch.bfloat16, False, True),
+    (63, torch.float16, True, False),
+    (64, torch.float32, False, False),
+    (100, torch.bfloat16, True, False),
+    (130, torch.float16, True, True),
+    (130, torch.float32, True, True),
+]
+
+
+@pytest.mark.parametrize("T,dtype,h0,l2norm", _OUT_CASES,
+                         ids=[f"T{c[0]}-{DTYPE_IDS[c[1]]}-h0{int(c[2])}-l2{int(c[3])}" for c in _OUT_CASES])
+def test_chunk_output_and_final_state(T, dtype, h0, l2norm, gen):
+    x = _inputs(2, T, 1, 2, 32, 32, dtype, gen, h0=h0, normalized_k=not l2norm)
+    o_ref, final_ref = recurrent_ref(**_f64(x), output_final_state=True, use_qk_l2norm_in_kernel=l2norm)
+    with poisoned():
+        o, final = chunk_gated_delta_rule(**x, output_final_state=True, use_qk_l2norm_in_kernel=l2norm)
+        o2, none = chunk_gated_delta_rule(**x, use_qk_l2norm_in_kernel=l2norm)
+    assert o.dtype == dtype and o.shape == x["v"].shape and final.dtype == torch.float32 and none is None
+    _check("o", o_ref, o, dtype)
+    _check("final_state", final_ref, final, dtype)
+    assert torch.equal(o, o2)
+
+
+@pytest.mark.parametrize("cu_dtype", [torch.int32, torch.int64])
+def test_varlen_equals_separate_calls(cu_dtype, gen):
+    lengths = [37, 1, 0, 70]
+    x = _inputs(1, sum(lengths), 2, 4, 32, 32, torch.float32, gen, N=len(lengths))
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=cu_dtype)
+    with poisoned():
+        o, final = chunk_gated_delta_rule(**x, output_final_state=True, use_qk_l2norm_in_kernel=False, cu_seqlens=cu)
+        for i, (s, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+            if e == s:
+                assert torch.equal(final[i], x["initial_state"][i])
+                continue
+            one = {n: t[:, s:e] for n, t in x.items() if n != "initial_state"}
+            o_i, f_i = chunk_gated_delta_rule(**one, initial_state=x["initial_state"][i : i + 1], output_final_state=True)
+            torch.testing.assert_close(o[:, s:e], o_i, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(final[i : i + 1], f_i, rtol=1e-5, atol=1e-5)
+    o_ref, final_ref = recurrent_ref(**_f64(x), output_final_state=True, cu_seqlens=cu)
+    _check("o", o_ref, o, torch.float32)
+    _check("final_state", final_ref, final, torch.float32)
+
+
+@pytest.mark.parametrize("beta_value", [1e-4, 0.9999])
+def test_extreme_decay_and_beta_stay_finite(beta_value, gen):
+    """g down to -30 per token (gamma to about -1900 in a chunk) and beta near 0 or 1."""
+    x = _inputs(1, 130, 1, 2, 32, 32, torch.float32, gen, normalized_k=False)
+    x["g"] = -30.0 * torch.rand(x["g"].shape, generator=gen)
+    x["g"][:, ::7] = 0.0  # some tokens keep the state whole
+    x["beta"] = torch.full_like(x["beta"], beta_value)
+    with poisoned():
+        o, final = chunk_gated_delta_rule(**x, output_final_state=True, use_qk_l2norm_in_kernel=True)
+        o_rec, final_rec = fused_recurrent_gated_delta_rule(**x, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    assert o.isfinite().all() and final.isfinite().all() and o_rec.isfinite().all()
+    o_ref, final_ref = recurrent_ref(**_f64(x), output_final_state=True, use_qk_l2norm_in_kernel=True)
+    # exp(gamma_i - gamma_j) of fp32 gammas near -1900 keeps ~1e-4 relative accuracy
+    loose = Tolerance(rel_rms=1e-3, atol=1e-3, rtol=1e-3)
+    _check("o", o_ref, o, torch.float32, loose)
+    _check("final_state", final_ref, final, torch.float32, loose)
+    _check("o recurrent", o_ref, o_rec, torch.float32)
+
+
+# ----------------------------------------------------------------------------- recurrent kernel
+
+
+@pytest.mark.parametrize("T,dtype,l2norm", [(1, torch.float32, True), (1, torch.bfloat16, True),
+                                             (1, torch.float16, True), (19, torch.float32, False)],
+                         ids=["decode-fp32", "decode-bf16", "decode-fp16", "T19-fp32"])
+def test_recurrent_kernel_matches_reference(T, dtype, l2norm, gen):
+    x = _inputs(3, T, 2, 4, 32, 32, dtype, gen, normalized_k=not l2norm)
+    o_ref, final_ref = recurrent_ref(**_f64(x), output_final_state=True, use_qk_l2norm_in_kernel=l2norm)
+    with poisoned():
+        o, final = fused_recurrent_gated_delta_rule(**x, output_final_state=True, use_qk_l2norm_in_kernel=l2norm)
+    _check("o", o_ref, o, dtype)
+    _check("final_state", final_ref, final, dtype)
+
+
+def test_recurrent_kernel_varlen_without_state(gen):
+    x = _inputs(1, 24, 1, 2, 32, 32, torch.float32, gen, h0=False)
+    cu = torch.tensor([0, 5, 6, 24], dtype=torch.int32)
+    with poisoned():
+        o, final = fused_recurrent_gated_delta_rule(**x, output_final_state=True, cu_seqlens=cu, scale=0.5)
+    o_ref, final_ref = recurrent_ref(**_f64(x), output_final_state=True, cu_seqlens=cu, scale=0.5)
+    _check("o", o_ref, o, torch.float32)
+    _check("final_state", final_ref, final, torch.float32)
+
+
+# ----------------------------------------------------------------------------- gradients (interim backward)
+
+
+@pytest.mark.parametrize("use_final", [True, False])
+def test_gradients_match_float64_reference(use_final, gen):
+    x = _inputs(2, 70, 1, 2, 32, 32, torch.float32, gen, normalized_k=False)
+    names = ["q", "k", "v", "g", "beta", "initial_state"]
+    leaves = {n: x[n].clone().requires_grad_(True) for n in names}
+    leaves64 = {n: x[n].double().requires_grad_(True) for n in names}
+    do = torch.randn(x["v"].shape, generator=gen)
+    dht = torch.randn(x["initial_state"].shape, generator=gen)
+    o, final = chunk_gated_delta_rule(**leaves, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    o64, final64 = recurrent_ref(**leaves64, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    outs, outs64, grads = ([o, final], [o64, final64], [do, dht]) if use_final else ([o], [o64], [do])
+    got = torch.autograd.grad(outs, list(leaves.values()), grads)
+    ref = torch.autograd.grad(outs64, list(leaves64.values()), [t.double() for t in grads])
+    for n, r, gg in zip(names, ref, got):
+        assert gg.dtype == leaves[n].dtype
+        _check(f"d{n}", r, gg, torch.float32, Tolerance(rel_rms=1e-4, atol=1e-4, rtol=1e-3))
+
+
+def test_gradients_bf16_varlen_without_state(gen):
+    x = _inputs(1, 40, 1, 2, 32, 32, torch.bfloat16, gen, h0=False)
+    cu = torch.tensor([0, 13, 40])
+    names = ["q", "k", "v", "g", "beta"]
+    leaves = {n: x[n].clone().requires_grad_(True) for n in names}
+    leaves64 = {n: x[n].double().requires_grad_(True) for n in names}
+    o, _ = chunk_gated_delta_rule(**leaves, cu_seqlens=cu)
+    o64, _ = recurrent_ref(**leaves64, cu_seqlens=cu)
+    do = torch.randn(o.shape, generator=gen).to(torch.bfloat16)
+    got = torch.autograd.grad(o, list(leaves.values()), do)
+    ref = torch.autograd.grad(o64, list(leaves64.values()), do.double())
+    for n, r, gg in zip(names, ref, got):
+        assert gg.dtype == leaves[n].dtype
+        _check(f"d{n}", r, gg, torch.bfloat16)
+
+
+# ----------------------------------------------------------------------------- registry, opcheck, compile
+
+
+@pytest.mark.parametrize("name", ["gated_delta_rule", "gated_delta_rule_decode"])
+def test_registered_ops_pass_check(name):
+    verdict = check_op(registry.get(name), torch.float32, seed=int(torch.randint(0, 2**31, (1,))))
+    assert verdict.ok, (verdict.error, verdict.failed_stage, [r.line() for r in verdict.results if not r.ok])
+
+
+def test_exports_and_registration():
+    assert triforge.chunk_gated_delta_rule is chunk_gated_delta_rule
+    assert triforge.fused_recurrent_gated_delta_rule is fused_recurrent_gated_delta_rule
+    spec = registry.get("gated_delta_rule")
+    assert spec.family == "deltanet" and len(spec.bench_shapes) == 4
+    assert {s["B"] for s in registry.get("gated_delta_rule_decode").bench_shapes} == {1, 64, 256}
+
+
+def test_opcheck(gen):
+    x = _inputs(1, 20, 1, 2, 32, 32, torch.float32, gen)
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"], 0.2, x["initial_state"], True, True, None)
+    for op in (torch.ops.triforge.chunk_gated_delta_rule_fwd, torch.ops.triforge.fused_recurrent_gated_delta_rule_fwd):
+        torch.library.opcheck(op.default, args, test_utils=("test_schema", "test_faketensor"))
+    cu = torch.tensor([0, 7, 20])
+    torch.library.opcheck(torch.ops.triforge.chunk_gated_delta_rule_fwd.default,
+                          (*args[:6], None, False, False, cu), test_utils=("test_schema", "test_faketensor"))
+
+
+def test_torch_compile_fullgraph(gen):
+    x = _inputs(1, 20, 1, 2, 32, 32, torch.float32, gen)
+
+    def both(q, k, v, g, beta, initial_state):
+        o, s = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=initial_state, output_final_state=True,
+                                      use_qk_l2norm_in_kernel=True)
+        o2, s2 = fused_recurrent_gated_delta_rule(q[:, -1:], k[:, -1:], v[:, -1:], g[:, -1:], beta[:, -1:],
+                                                  initial_state=s, output_final_state=True, use_qk_l2norm_in_kernel=True)
+        return o, o2, s2
+
+    got = torch.compile(both, fullgraph=True)(**x)
+    want = both(**x)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def _bad_cases():
+    def base(**over):
+        x = _inputs(1, 8, 2, 4, 32, 32, torch.float32, torch.Generator().manual_seed(0))
+        x.update(over)
+        return x
+
+    t = torch.randn
+    return [
+        ("HV not a multiple of H", base(v=t(1, 8, 3, 32)), ValueError, "HV"),
+        ("unsupported K", base(q=t(1, 8, 2, 48), k=t(1, 8, 2, 48)), ValueError, "K"),
+        ("K = 256", base(q=t(1, 8, 2, 256), k=t(1, 8, 2, 256), initial_state=None), ValueError, "K"),
+        ("unsupported V", base(v=t(1, 8, 4, 24)), ValueError, "V"),
+        ("k shape", base(k=t(1, 8, 2, 64)), ValueError, "k"),
+        ("v dtype", base(v=t(1, 8, 4, 32).half()), TypeError, "v"),
+        ("g shape", base(g=t(1, 8, 2)), ValueError, "g"),
+        ("beta shape", base(beta=t(1, 8, 4, 1)), ValueError, "beta"),
+        ("beta int", base(beta=torch.ones(1, 8, 4, dtype=torch.int32)), TypeError, "beta"),
+        ("state shape", base(initial_state=t(1, 4, 32, 16)), ValueError, "initial_state"),
+        ("state dtype", base(initial_state=t(1, 4, 32, 32).half()), TypeError, "initial_state"),
+        ("empty", base(q=t(1, 0, 2, 32), k=t(1, 0, 2, 32), v=t(1, 0, 4, 32), g=t(1, 0, 4), beta=t(1, 0, 4)),
+         ValueError, "q"),
+        ("q not a tensor", base(q=[1.0]), TypeError, "q"),
+        ("scale str", base(scale="0.1"), TypeError, "scale"),
+        ("cu_seqlens with B = 2", base(q=t(2, 8, 2, 32), k=t(2, 8, 2, 32), v=t(2, 8, 4, 32), g=t(2, 8, 4),
+                                       beta=t(2, 8, 4), initial_state=None, cu_seqlens=torch.tensor([0, 8])),
+         ValueError, "cu_seqlens"),
+        ("cu_seqlens float", base(cu_seqlens=torch.tensor([0.0, 8.0])), TypeError, "cu_seqlens"),
+        ("cu_seqlens not from 0", base(initial_state=None, cu_seqlens=torch.tensor([1, 8])), ValueError, "start at 0"),
+        ("cu_seqlens decreasing", base(initial_state=None, cu_seqlens=torch.tensor([0, 5, 3, 8])), ValueError,
+         "non-decreasing"),
+        ("cu_seqlens short of T", base(initial_state=None, cu_seqlens=torch.tensor([0, 5, 7])), ValueError, "end at"),
+        ("state count with cu_seqlens", base(cu_seqlens=torch.tensor([0, 5, 8])), ValueError, "initial_state"),
+    ]
+
+
+_BAD = _bad_cases()
+
+
+@pytest.mark.parametrize("fn", [chunk_gated_delta_rule, fused_recurrent_gated_delta_rule], ids=["chunk", "recurrent"])
+@pytest.mark.parametrize("kwargs,exc,match", [c[1:] for c in _BAD], ids=[c[0] for c in _BAD])
+def test_bad_inputs_name_the_argument(fn, kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        fn(**kwargs)
+
+
+# ----------------------------------------------------------------------------- GPU (compiled kernels)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fuse_o", [True, False], ids=["fused", "unfused"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=DTYPE_IDS.get)
+def test_gpu_stages_and_outputs_head_dim_128(dtype, fuse_o, gen):
+    x = {n: (t.cuda() if t is not None else None) for n, t in _inputs(2, 300, 4, 8, 128, 128, dtype, gen).items()}
+    ref = chunk_ref_stages(**_f64(x), output_final_state=True, use_qk_l2norm_in_kernel=True)
+    with poisoned():
+        got = chunk_gated_delta_rule_stages(**x, output_final_state=True, use_qk_l2norm_in_kernel=True, fuse_o=fuse_o)
+        o, final = chunk_gated_delta_rule(**x, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    _, failed = compare_stages(ref, got, dtype=dtype)
+    assert failed is None
+    _check("o", ref["o"], o, dtype)
+    _check("final_state", ref["final_state"], final, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("K,V", [(64, 64), (32, 128), (128, 256), (128, 32)])
+def test_gpu_other_head_dims_and_varlen(K, V, gen):
+    lengths = [200, 1, 64, 135]
+    x = {n: t.cuda() for n, t in _inputs(1, sum(lengths), 2, 4, K, V, torch.bfloat16, gen, N=4).items()}
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), device="cuda")
+    o_ref, final_ref = recurrent_ref(**_f64(x), output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu)
+    with poisoned():
+        o, final = chunk_gated_delta_rule(**x, output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu)
+    _check("o", o_ref, o, torch.bfloat16)
+    _check("final_state", final_ref, final, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B", [1, 64, 256])
+def test_gpu_decode_bench_shapes(B, gen):
+    x = {n: t.cuda() for n, t in _inputs(B, 1, 16, 32, 128, 128, torch.bfloat16, gen).items()}
+    o_ref, final_ref = recurrent_ref(**_f64(x), output_final_state=True, use_qk_l2norm_in_kernel=True)
+    with poisoned():
+        o, final = fused_recurrent_gated_delta_rule(**x, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    _check("o", o_ref, o, torch.bfloat16)
+    _check("final_state", final_ref, final, torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_gpu_registered_op_passes_check_at_real_shape():
+    verdict = check_op(registry.get("gated_delta_rule"), torch.bfloat16, tier="real")
+    assert verdict.ok, (verdict.error, verdict.failed_stage, [r.line() for r in verdict.results if not r.ok])

@@ -1,0 +1,445 @@
+"""Gated DeltaNet (Qwen3-Next's linear attention): drop-ins for flash-linear-attention 0.6.0.
+
+    o, final = chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
+                                      output_final_state=False, use_qk_l2norm_in_kernel=False, cu_seqlens=None)
+    o, final = fused_recurrent_gated_delta_rule(...same arguments...)      decode / short sequences, forward only
+
+q, k [B, T, H, K]; v [B, T, HV, V] (HV a multiple of H: value head i reads q/k head i // (HV / H));
+g (log decay), beta [B, T, HV]; states [N, HV, K, V] fp32 (N = B, or the number of sequences of
+cu_seqlens, with B = 1). o has v's dtype. K in {32, 64, 128}, V in {32, 64, 128, 256}; any T >= 1;
+fp32, fp16 or bf16 (g and beta: fp32 or the input dtype).
+
+Custom ops (traceable by torch.compile(fullgraph=True)):
+
+    torch.ops.triforge.chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state,
+        output_final_state, use_qk_l2norm_in_kernel, cu_seqlens) -> (o, final_state)
+    torch.ops.triforge.fused_recurrent_gated_delta_rule_fwd(...same as the chunked forward...)
+
+final_state is an empty tensor when output_final_state is False; the public functions turn it
+into None.
+
+The backward is, for now, an interim PyTorch path (``chunk_bwd_torch``, called from the op's
+registered autograd formula): it recomputes the chunked algorithm in fp32
+(``reference.chunk_ref_stages``) under autograd and differentiates it with torch.autograd.grad.
+It is correct, not fast (a Python loop over chunks), and it is not a custom op of its own:
+autograd is off inside custom op implementations. Under torch.compile the backward graph is traced
+through it, unrolled over chunks. Triton backward kernels (wrapped in a
+``triforge::chunk_gated_delta_rule_bwd`` op) will replace it.
+"""
+
+from collections import OrderedDict
+
+import torch
+
+from triforge.ops._checks import FLOAT_DTYPES, check_same_device, check_tensor
+from triforge.ops.deltanet import chunk, fused_recurrent
+from triforge.ops.deltanet.reference import chunk_ref_stages, recurrent_ref
+from triforge.registry import OpSpec, register
+from triforge.tune import Tunable
+from triforge.tune import register as register_tunable
+
+K_DIMS = (32, 64, 128)  # K = 256 hit an illegal address in the recurrence on sm_90 (Triton 3.6)
+V_DIMS = (32, 64, 128, 256)
+
+# ----------------------------------------------------------------------------- validation
+
+
+def _n_seqs(q, cu_seqlens):
+    return q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+
+
+def _validate(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens):
+    """Shapes, dtypes and devices (no device sync: cu_seqlens values are checked by _check_cu_seqlens)."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_tensor(name, t, ndim=4)
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype:
+            raise TypeError(f"{name} must have q's dtype {q.dtype}, got {t.dtype}")
+    if k.shape != q.shape:
+        raise ValueError(f"k must have q's shape [B, T, H, K] = {tuple(q.shape)}, got {tuple(k.shape)}")
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    if v.shape[:2] != q.shape[:2]:
+        raise ValueError(f"v must be [B, T, HV, V] with q's B, T = {(B, T)}, got shape {tuple(v.shape)}")
+    if HV % H:
+        raise ValueError(f"v's head count HV = {HV} must be a multiple of q/k's H = {H}")
+    if K not in K_DIMS:
+        raise ValueError(f"q/k head dim K must be one of {K_DIMS}, got {K}")
+    if V not in V_DIMS:
+        raise ValueError(f"v head dim V must be one of {V_DIMS}, got {V}")
+    for name, t in (("g", g), ("beta", beta)):
+        check_tensor(name, t, dtypes=FLOAT_DTYPES)
+        if tuple(t.shape) != (B, T, HV):
+            raise ValueError(f"{name} must have shape [B, T, HV] = {(B, T, HV)}, got {tuple(t.shape)}")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
+        raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+    for name, flag in (("output_final_state", output_final_state), ("use_qk_l2norm_in_kernel", use_qk_l2norm_in_kernel)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
+    if cu_seqlens is not None:
+        check_tensor("cu_seqlens", cu_seqlens, dtypes=(torch.int32, torch.int64), ndim=1)
+        if B != 1:
+            raise ValueError(f"with cu_seqlens the batch size must be 1 (sequences packed along T), got B = {B}")
+        if cu_seqlens.shape[0] < 2:
+            raise ValueError(f"cu_seqlens must hold N + 1 >= 2 offsets, got shape {tuple(cu_seqlens.shape)}")
+    if initial_state is not None:
+        check_tensor("initial_state", initial_state, dtypes=(torch.float32,), ndim=4)
+        N = _n_seqs(q, cu_seqlens)
+        if tuple(initial_state.shape) != (N, HV, K, V):
+            raise ValueError(f"initial_state must have shape [N, HV, K, V] = {(N, HV, K, V)}, got {tuple(initial_state.shape)}")
+    check_same_device(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state, cu_seqlens=cu_seqlens)
+
+
+def _check_cu_seqlens(cu_seqlens, T):
+    """cu_seqlens starts at 0, never decreases and ends at T (reads it on the host)."""
+    if cu_seqlens is None:
+        return
+    cu = cu_seqlens.tolist()
+    if cu[0] != 0:
+        raise ValueError(f"cu_seqlens must start at 0, got {cu[0]}")
+    if any(b < a for a, b in zip(cu, cu[1:])):
+        raise ValueError(f"cu_seqlens must be non-decreasing, got {cu}")
+    if cu[-1] != T:
+        raise ValueError(f"cu_seqlens must end at the packed length T = {T}, got {cu[-1]}")
+
+
+def _scale(q, scale):
+    return float(q.shape[-1] ** -0.5 if scale is None else scale)
+
+
+# ----------------------------------------------------------------------------- custom ops
+
+
+def _contiguous(*ts):
+    return [t.contiguous() if t is not None else None for t in ts]
+
+
+@torch.library.custom_op("triforge::chunk_gated_delta_rule_fwd", mutates_args=())
+def _chunk_fwd_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,
+    initial_state: torch.Tensor | None, output_final_state: bool, use_qk_l2norm_in_kernel: bool,
+    cu_seqlens: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    _validate(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens)
+    _check_cu_seqlens(cu_seqlens, q.shape[1])
+    q, k, v, g, beta, initial_state = _contiguous(q, k, v, g, beta, initial_state)
+    return chunk.chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state=output_final_state,
+                           l2norm=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens)
+
+
+def _fwd_fake(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens):
+    HV, K, V = v.shape[2], q.shape[3], v.shape[3]
+    final_shape = (_n_seqs(q, cu_seqlens), HV, K, V) if output_final_state else (0,)
+    return v.new_empty(v.shape), q.new_empty(final_shape, dtype=torch.float32)
+
+
+_chunk_fwd_op.register_fake(_fwd_fake)
+
+
+def chunk_bwd_torch(do, dht, q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens):
+    """Interim backward: differentiate the fp32 PyTorch chunked algorithm (recomputed here).
+
+    Returns (dq, dk, dv, dg, dbeta, dh0) in the dtypes of their inputs; dh0 is None without an
+    initial state. dht (the final state's gradient) may be None.
+    """
+    with torch.enable_grad():
+        leaves = [t.detach().requires_grad_(True) for t in (q, k, v, g, beta)]
+        h0 = initial_state.detach().requires_grad_(True) if initial_state is not None else None
+        st = chunk_ref_stages(*leaves, scale=scale, initial_state=h0, output_final_state=dht is not None,
+                              use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens,
+                              dtype=torch.float32)
+        outs, grads = [st["o"]], [do.float()]
+        if dht is not None:
+            outs.append(st["final_state"])
+            grads.append(dht.float())
+        wrt = leaves + ([h0] if h0 is not None else [])
+        d = torch.autograd.grad(outs, wrt, grads, allow_unused=True)
+    d = [torch.zeros_like(x) if dx is None else dx.to(x.dtype) for x, dx in zip(wrt, d)]
+    return (*d[:5], d[5] if h0 is not None else None)
+
+
+def _chunk_setup(ctx, inputs, output):
+    q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens = inputs
+    ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens)
+    ctx.scale, ctx.output_final_state, ctx.l2norm = scale, output_final_state, use_qk_l2norm_in_kernel
+
+
+def _chunk_backward(ctx, do, dht):
+    q, k, v, g, beta, initial_state, cu_seqlens = ctx.saved_tensors
+    dht = dht if ctx.output_final_state and dht is not None else None
+    dq, dk, dv, dg, dbeta, dh0 = chunk_bwd_torch(do, dht, q, k, v, g, beta, ctx.scale, initial_state, ctx.l2norm,
+                                                 cu_seqlens)
+    return dq, dk, dv, dg, dbeta, None, dh0 if initial_state is not None else None, None, None, None
+
+
+_chunk_fwd_op.register_autograd(_chunk_backward, setup_context=_chunk_setup)
+
+
+@torch.library.custom_op("triforge::fused_recurrent_gated_delta_rule_fwd", mutates_args=())
+def _recurrent_fwd_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,
+    initial_state: torch.Tensor | None, output_final_state: bool, use_qk_l2norm_in_kernel: bool,
+    cu_seqlens: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    _validate(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens)
+    _check_cu_seqlens(cu_seqlens, q.shape[1])
+    q, k, v, g, beta, initial_state = _contiguous(q, k, v, g, beta, initial_state)
+    return fused_recurrent.fused_recurrent_fwd(q, k, v, g, beta, scale, initial_state,
+                                               output_final_state=output_final_state,
+                                               l2norm=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens)
+
+
+_recurrent_fwd_op.register_fake(_fwd_fake)
+
+
+def _recurrent_backward(ctx, do, dht):
+    raise NotImplementedError(
+        "fused_recurrent_gated_delta_rule is forward only (decode); use chunk_gated_delta_rule for training")
+
+
+_recurrent_fwd_op.register_autograd(_recurrent_backward, setup_context=lambda ctx, inputs, output: None)
+
+
+# ----------------------------------------------------------------------------- public API
+
+
+def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                           use_qk_l2norm_in_kernel=False, cu_seqlens=None):
+    """Chunked Gated DeltaNet (fla's ``chunk_gated_delta_rule``): forward kernels, differentiable.
+
+    q, k [B, T, H, K]; v [B, T, HV, V]; g, beta [B, T, HV] (fp32 or the input dtype); scale
+    defaults to K^-1/2; initial_state [N, HV, K, V] fp32; cu_seqlens int32/int64 [N + 1] with
+    B = 1. Returns (o [B, T, HV, V] in v's dtype, final state [N, HV, K, V] fp32 or None).
+    Gradients (q, k, v, g, beta, initial_state) come from the interim PyTorch backward.
+    """
+    _validate(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens)
+    o, final = torch.ops.triforge.chunk_gated_delta_rule_fwd(
+        q, k, v, g, beta, _scale(q, scale), initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens)
+    return o, (final if output_final_state else None)
+
+
+def fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                                     use_qk_l2norm_in_kernel=False, cu_seqlens=None):
+    """Token-by-token Gated DeltaNet (decode: T = 1 with a state; short sequences). Forward only.
+
+    Same arguments and results as :func:`chunk_gated_delta_rule`; all arithmetic in fp32.
+    """
+    _validate(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens)
+    o, final = torch.ops.triforge.fused_recurrent_gated_delta_rule_fwd(
+        q, k, v, g, beta, _scale(q, scale), initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens)
+    return o, (final if output_final_state else None)
+
+
+STAGE_NAMES = ("gamma", "decay", "A", "T", "w", "u", "h", "v_new", "o", "final_state")
+
+
+def chunk_gated_delta_rule_stages(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=True,
+                                  use_qk_l2norm_in_kernel=False, cu_seqlens=None, *, fuse_o=None):
+    """The chunked forward's own buffers, named as ``reference.chunk_ref_stages`` names them:
+    gamma, decay, A, T, w, u, h, v_new, o (and final_state when ``output_final_state``).
+    ``fuse_o`` picks the fused or the unfused recurrence (None: as the public function does)."""
+    _validate(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens)
+    _check_cu_seqlens(cu_seqlens, q.shape[1])
+    q, k, v, g, beta, initial_state = _contiguous(q, k, v, g, beta, initial_state)
+    got = chunk.chunk_fwd(q, k, v, g, beta, _scale(q, scale), initial_state, l2norm=use_qk_l2norm_in_kernel,
+                          cu_seqlens=cu_seqlens, stages=True, fuse_o=fuse_o)
+    names = STAGE_NAMES if output_final_state else STAGE_NAMES[:-1]
+    return OrderedDict((n, got[n]) for n in names)
+
+
+# ----------------------------------------------------------------------------- registry
+
+
+def _dims(tier, real):
+    """(B, T, H, HV, K, V) of a tier: tiny, real, or a dict with B, T, H, HV[, K, V]."""
+    if isinstance(tier, dict):
+        return tier["B"], tier["T"], tier["H"], tier["HV"], tier.get("K", 128), tier.get("V", 128)
+    if tier == "tiny":
+        return real[0]
+    if tier == "real":
+        return real[1]
+    raise KeyError(tier)
+
+
+def _make_inputs(tier, dtype, device, gen, dims):
+    """Qwen3-Next-like inputs: l2-normalised q/k in the kernel, g = logsigmoid (fp32), beta = sigmoid."""
+    B, T, H, HV, K, V = _dims(tier, dims)
+
+    def rand(*shape):
+        return torch.randn(shape, generator=gen, dtype=torch.float32)
+
+    return {
+        "q": rand(B, T, H, K).to(device=device, dtype=dtype),
+        "k": rand(B, T, H, K).to(device=device, dtype=dtype),
+        "v": rand(B, T, HV, V).to(device=device, dtype=dtype),
+        "g": torch.nn.functional.logsigmoid(rand(B, T, HV) + 2.0).to(device),
+        "beta": torch.sigmoid(rand(B, T, HV)).to(device=device, dtype=dtype),
+        "initial_state": (0.1 * rand(B, HV, K, V)).to(device),
+        "output_final_state": True,
+        "use_qk_l2norm_in_kernel": True,
+    }
+
+
+_CHUNK_DIMS = ((2, 100, 2, 4, 32, 32), (8, 4096, 16, 32, 128, 128))
+_DECODE_DIMS = ((3, 1, 2, 4, 32, 32), (64, 1, 16, 32, 128, 128))
+
+
+def _shape_of(inputs):
+    B, T, H, K = inputs["q"].shape
+    return B, T, H, inputs["v"].shape[2], K, inputs["v"].shape[3]
+
+
+def _describe(inputs):
+    B, T, H, HV, K, V = _shape_of(inputs)
+    return f"B={B} T={T} H={H} HV={HV} K={K} V={V}"
+
+
+def _chunk_flops(inputs, mode):
+    """Per chunk and value head: k k^T, q k^T, w (BT^2 K each), u, P v_new (BT^2 V each) and the three
+    state products w S, q S, k^T v_new (BT K V each), 2 FLOPs a multiply-add; the solve is not
+    counted. The backward is counted as twice the forward."""
+    B, T, H, HV, K, V = _shape_of(inputs)
+    per_token = 2 * chunk.BT * (3 * K + 2 * V) + 6 * K * V
+    f = B * T * HV * per_token
+    return f if mode == "fwd" else 2 * f
+
+
+def _io_bytes(inputs, mode):
+    """Each input read once, each output written once (the floor); backward: inputs + do read, grads written."""
+    B, T, H, HV, K, V = _shape_of(inputs)
+    e = inputs["q"].element_size()
+    qkv = B * T * (2 * H * K + HV * V) * e
+    gb = B * T * HV * (inputs["g"].element_size() + inputs["beta"].element_size())
+    o = B * T * HV * V * e
+    state = HV * K * V * 4 * (inputs["initial_state"].shape[0] if inputs.get("initial_state") is not None else B)
+    n_state = int(inputs.get("initial_state") is not None) + int(inputs.get("output_final_state", False))
+    if mode == "fwd":
+        return qkv + gb + o + state * n_state
+    return 2 * (qkv + gb) + o + 2 * state * n_state
+
+
+def _chunk_reference(q, k, v, g, beta, initial_state, output_final_state, use_qk_l2norm_in_kernel):
+    return chunk_ref_stages(q, k, v, g, beta, initial_state=initial_state, output_final_state=output_final_state,
+                            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+
+
+def _fla_peer(name):
+    def build(inputs):
+        if not torch.cuda.is_available():
+            return None
+        try:
+            import fla.ops.gated_delta_rule as fla_gdr
+        except ImportError:
+            return None
+        if name == "fused_recurrent_gated_delta_rule" and inputs["q"].shape[0] != 1:
+            return None  # fla 0.6.0 hits an illegal memory access at B = 64 with grouped value heads
+        fn = getattr(fla_gdr, name)
+
+        def run(q, k, v, g, beta, initial_state, output_final_state, use_qk_l2norm_in_kernel):
+            return tuple(fn(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state,
+                            output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel))
+
+        return run
+
+    return build
+
+
+register(OpSpec(
+    name="gated_delta_rule",
+    family="deltanet",
+    make_inputs=lambda tier, dtype, device, gen: _make_inputs(tier, dtype, device, gen, _CHUNK_DIMS),
+    reference=_chunk_reference,
+    stages=lambda **kw: chunk_gated_delta_rule_stages(**kw),
+    call=lambda **kw: chunk_gated_delta_rule(**kw),
+    outputs=("o", "final_state"),
+    grad_inputs=("q", "k", "v", "g", "beta", "initial_state"),
+    flops=_chunk_flops,
+    bytes=_io_bytes,
+    peers={"fla": _fla_peer("chunk_gated_delta_rule")},
+    describe=_describe,
+    bench_shapes=tuple({"B": B, "T": T, "H": H, "HV": HV, "K": 128, "V": 128}
+                       for B, T, H, HV in ((1, 32768, 16, 32), (8, 4096, 16, 32), (4, 8192, 16, 16), (1, 8192, 32, 32))),
+))
+
+
+def _decode_reference(q, k, v, g, beta, initial_state, output_final_state, use_qk_l2norm_in_kernel):
+    o, final = recurrent_ref(q, k, v, g, beta, initial_state=initial_state, output_final_state=output_final_state,
+                             use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+    return OrderedDict(o=o, final_state=final)
+
+
+def _decode_stages(**kw):
+    o, final = fused_recurrent_gated_delta_rule(**kw)
+    return OrderedDict(o=o, final_state=final)
+
+
+register(OpSpec(
+    name="gated_delta_rule_decode",
+    family="deltanet",
+    make_inputs=lambda tier, dtype, device, gen: _make_inputs(tier, dtype, device, gen, _DECODE_DIMS),
+    reference=_decode_reference,
+    stages=_decode_stages,
+    call=lambda **kw: fused_recurrent_gated_delta_rule(**kw),
+    outputs=("o", "final_state"),
+    flops=lambda inputs, mode: 6 * inputs["q"].shape[0] * inputs["q"].shape[1] * inputs["v"].shape[2]
+    * inputs["q"].shape[3] * inputs["v"].shape[3],
+    bytes=_io_bytes,
+    peers={"fla": _fla_peer("fused_recurrent_gated_delta_rule")},
+    describe=_describe,
+    bench_shapes=tuple({"B": B, "T": 1, "H": 16, "HV": 32, "K": 128, "V": 128} for B in (1, 64, 256)),
+))
+
+
+# ----------------------------------------------------------------------------- tunables
+
+
+def _tune_inputs(shape, dtype, device):
+    gen = torch.Generator().manual_seed(0)
+    dims = (shape["B"], shape["T"], shape["H"], shape["HV"], shape.get("K", 128), shape.get("V", 128))
+    return _make_inputs("real", dtype, device, gen, (dims, dims))
+
+
+def _tune_setup(kernel):
+    def setup(shape, dtype, device):
+        i = _tune_inputs(shape, dtype, device)
+        q, k, v, g, beta, h0 = (i[n] for n in ("q", "k", "v", "g", "beta", "initial_state"))
+        B, T, H, HV, K, V = _shape_of(i)
+        scale = K**-0.5
+        if kernel == "gated_delta_rule_fwd_recurrent":
+            return (lambda cfg: fused_recurrent.fused_recurrent_fwd(q, k, v, g, beta, scale, h0, l2norm=True, cfg=cfg),
+                    fused_recurrent.config_key(K, V, dtype, B * HV))
+        if kernel == "gated_delta_rule_fwd_intra":
+            return (lambda cfg: chunk.chunk_fwd_intra(k, v, g, beta, l2norm=True, cfg=cfg),
+                    chunk.config_key(K, V, dtype))
+        intra = chunk.chunk_fwd_intra(k, v, g, beta, l2norm=True)
+        w, u, gamma = intra["w"], intra["u"], intra["gamma"]
+        if kernel == "gated_delta_rule_fwd_h_o":
+            return (lambda cfg: chunk.chunk_fwd_h_o(q, k, w, u, gamma, h0, scale, l2norm=True, cfg=cfg),
+                    chunk.config_key(K, V, dtype, B * HV))
+        if kernel == "gated_delta_rule_fwd_h":
+            return (lambda cfg: chunk.chunk_fwd_h(k, w, u, gamma, h0, l2norm=True, cfg=cfg),
+                    chunk.config_key(K, V, dtype, B * HV))
+        h, v_new, _ = chunk.chunk_fwd_h(k, w, u, gamma, h0, l2norm=True)
+        return (lambda cfg: chunk.chunk_fwd_o(q, k, v_new, h, gamma, scale, l2norm=True, cfg=cfg),
+                chunk.config_key(K, V, dtype))
+
+    return setup
+
+
+_TUNE_SHAPE = {"B": 8, "T": 4096, "H": 16, "HV": 32, "K": 128, "V": 128}
+_SHAPE_NAMES = ("B", "T", "H", "HV", "K", "V")
+for _kernel, _space, _shape in (
+    ("gated_delta_rule_fwd_intra", {"num_warps": [2, 4, 8], "num_stages": [1, 2, 3]}, _TUNE_SHAPE),
+    ("gated_delta_rule_fwd_h", {"BV": [16, 32, 64], "num_warps": [2, 4, 8], "num_stages": [1, 2, 3]},
+     {"B": 1, "T": 32768, "H": 16, "HV": 32, "K": 128, "V": 128}),
+    # only the V-blocks the fused kernel compiles correctly (chunk.FUSED_BV)
+    ("gated_delta_rule_fwd_h_o", {"BV": list(chunk.FUSED_BV), "num_warps": [4, 8], "num_stages": [1, 2, 3]}, _TUNE_SHAPE),
+    ("gated_delta_rule_fwd_o", {"BV": [32, 64, 128], "num_warps": [4, 8], "num_stages": [1, 2, 3]}, _TUNE_SHAPE),
+    ("gated_delta_rule_fwd_recurrent", {"BV": [8, 16, 32, 64], "num_warps": [1, 2, 4, 8]},
+     {"B": 64, "T": 1, "H": 16, "HV": 32, "K": 128, "V": 128}),
+):
+    register_tunable(Tunable(kernel=_kernel, space=_space, setup=_tune_setup(_kernel), shape_names=_SHAPE_NAMES,
+                             default_shape=dict(_shape)))
+
+__all__ = ["chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "chunk_gated_delta_rule_stages",
+           "chunk_bwd_torch", "recurrent_ref", "chunk_ref_stages"]

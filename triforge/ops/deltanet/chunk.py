@@ -1,0 +1,604 @@
+"""Chunked Gated DeltaNet forward (chunk BT = 64, WY representation): kernels and launchers.
+
+Three kernels, each with its own launcher, so a backward can call any of them alone:
+
+1. ``chunk_gated_delta_rule_fwd_kernel_intra``, grid (chunks, B*HV): everything inside one chunk.
+   gamma = cumsum(g); A = strictly_lower(beta k k^T) * exp(gamma_i - gamma_j); T = (I + A)^-1 by
+   forward substitution on the four 16x16 diagonal blocks, then a block merge with tensor-core
+   dots; w = T diag(beta e^gamma) K, u = T diag(beta) V.
+   Reads k, v, g, beta; writes gamma (fp32), w, u (input dtype); T (fp32) when asked
+   (STORE_T, for a backward); decay and A (fp32) only in stages mode.
+2. ``chunk_gated_delta_rule_fwd_kernel_h``, grid (V / BV, N*HV): the sequential inter-chunk
+   recurrence for one (sequence, value head, V-block), the state block S [K, BV] in fp32 registers:
+   v_new = u - w S; S <- e^gamma_last S + K^T diag(e^(gamma_last - gamma)) v_new. With FUSE_O it
+   also writes the chunk's output (no HBM round trip of h and v_new):
+   o = scale (diag(e^gamma) Q S + ((Q K^T) * decay) v_new). Reads w, u, k, gamma (+ q); writes
+   the final state (fp32), o (FUSE_O), h (STORE_H: state entering each chunk, input dtype) and
+   v_new (STORE_V_NEW, input dtype).
+3. ``chunk_gated_delta_rule_fwd_kernel_o``, grid (V / BV, chunks, B*HV): the output from stored
+   h and v_new (the unfused path; a backward recomputing o needs it).
+
+``chunk_fwd`` runs kernel 1, then kernel 2 with the output fused when the recurrence alone fills
+the GPU (``use_fused``: many sequences x heads), else kernel 2 (h, v_new) and kernel 3: with few
+programs the fused kernel's longer serial chunk step costs more than the h and v_new round trips.
+
+g and gamma are always fp32 in registers; every exp is of a masked argument <= 0 where g <= 0
+(the masked-out entries get -inf before exp, never exp of a positive number). Padded rows of a
+short last chunk load k = v = beta = g = 0, so they add nothing to A, w, u, v_new or the state.
+With cu_seqlens (B = 1) each sequence starts its own chunks; ``chunk_indices`` maps a program to
+(sequence, chunk) and ``chunk_offsets`` gives each sequence's first row in h.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from triforge import _runtime, launch
+from triforge.launch import new_output
+
+BT = 64  # chunk length
+BC = 16  # diagonal block of the triangular solve
+L2NORM_EPS = tl.constexpr(1e-6)
+
+
+# ----------------------------------------------------------------------------- shared helpers
+
+
+@triton.jit
+def _dot(a, b, acc, PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """acc + a @ b with fp32 accumulation. fp32 operands use PREC (tf32 or tf32x3). UPCAST: Triton
+    3.6's CPU interpreter multiplies bf16 operands of tl.dot wrongly; compute in fp32 there."""
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    elif a.dtype == tl.float32:
+        return tl.dot(a, b, acc, input_precision=PREC)
+    else:
+        return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _cast(x, dtype: tl.constexpr, RNE: tl.constexpr):
+    """fp32 x in ``dtype``. RNE rounds to the nearest bf16 (ties to even) by bit arithmetic first:
+    the interpreter truncates fp32 -> bf16 casts where compiled kernels round to nearest."""
+    if RNE:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return bits.to(tl.float32, bitcast=True).to(dtype)
+    return x.to(dtype)
+
+
+@triton.jit
+def _l2norm_rows(b_x):
+    """[R, K] -> fp32 rows scaled to unit length: x * rsqrt(sum(x^2) + 1e-6) (HF's / fla's l2norm)."""
+    b_x = b_x.to(tl.float32)
+    return b_x * tl.rsqrt(tl.sum(b_x * b_x, axis=1) + L2NORM_EPS)[:, None]
+
+
+@triton.jit
+def _chunk_coords(i_c, i_b, T, cu_seqlens_ptr, chunk_indices_ptr, IS_VARLEN: tl.constexpr):
+    """(bos, seq_len, i_t, i_n) of program chunk i_c: sequence start row, its length, the chunk
+    inside the sequence and the sequence index."""
+    if IS_VARLEN:
+        i_n = tl.load(chunk_indices_ptr + i_c * 2).to(tl.int64)
+        i_t = tl.load(chunk_indices_ptr + i_c * 2 + 1)
+        bos = tl.load(cu_seqlens_ptr + i_n).to(tl.int64)
+        seq_len = (tl.load(cu_seqlens_ptr + i_n + 1) - bos).to(tl.int32)
+    else:
+        i_n = i_b.to(tl.int64)
+        i_t = i_c
+        bos = i_n * T
+        seq_len = T
+    return bos, seq_len, i_t, i_n
+
+
+@triton.jit
+def _decay(b_gamma, m_t, BT: tl.constexpr):
+    """[BT, BT] exp(gamma_i - gamma_j) for valid i >= j, else 0 (masked before the exp)."""
+    o_i = tl.arange(0, BT)
+    m_keep = (o_i[:, None] >= o_i[None, :]) & m_t[:, None] & m_t[None, :]
+    return tl.exp(tl.where(m_keep, b_gamma[:, None] - b_gamma[None, :], float("-inf")))
+
+
+@triton.jit
+def _solve_unit_lower(b_A, BT: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr):
+    """(I + A)^-1 for a strictly lower [BT, BT] A (fp32).
+
+    The NB = BT / BC diagonal blocks D are inverted by forward substitution, all NB at once as
+    [NB, BC, BC] tiles (row r of every block per step). With Td = (I + D)^-1 and E = A - D
+    (strictly block-lower), I + A = (I + D)(I + N) with N = Td E, N^NB = 0, so
+    (I + A)^-1 = sum_p (-N)^p Td: NB tensor-core dots, each of block-lower matrices.
+    """
+    NB: tl.constexpr = BT // BC
+    o_b = tl.arange(0, NB)
+    m_same = o_b[:, None] == o_b[None, :]  # [NB, NB]
+    b_A4 = tl.reshape(b_A, [NB, BC, NB, BC])
+    b_D = tl.sum(tl.where(m_same[:, None, :, None], b_A4, 0.0), axis=2)  # [NB, BC, BC]
+    o_r = tl.arange(0, BC)
+    b_Ti = tl.zeros([NB, BC, BC], dtype=tl.float32)  # (I + D)^-1 - I, strictly lower
+    for r in range(1, BC):
+        m_row = (o_r == r)[None, :, None]
+        b_a = -tl.sum(tl.where(m_row, b_D, 0.0), axis=1)  # [NB, BC]: -D[r, :] of every block
+        b_a = b_a + tl.sum(b_a[:, :, None] * b_Ti, axis=1)
+        b_Ti = tl.where(m_row, b_a[:, None, :], b_Ti)
+    o_i = tl.arange(0, BT)
+    m_eye = o_i[:, None] == o_i[None, :]
+    b_Td = tl.reshape(tl.where(m_same[:, None, :, None], b_Ti[:, :, None, :], 0.0), [BT, BT])
+    b_Td = tl.where(m_eye, 1.0, b_Td)
+    b_E = tl.where((o_i // BC)[:, None] > (o_i // BC)[None, :], b_A, 0.0)
+    b_N = tl.dot(b_Td, b_E, input_precision=PREC)
+    b_P = b_Td
+    b_T = b_Td
+    for _ in tl.static_range(1, NB):
+        b_P = -tl.dot(b_N, b_P, input_precision=PREC)
+        b_T += b_P
+    return b_T
+
+
+# ----------------------------------------------------------------------------- kernels
+
+
+@triton.jit(do_not_specialize=["T"])
+def chunk_gated_delta_rule_fwd_kernel_intra(
+    k_ptr,  # [B, T, H, K] input dtype
+    v_ptr,  # [B, T, HV, V] input dtype
+    g_ptr,  # [B, T, HV] log decay, fp32 or input dtype
+    beta_ptr,  # [B, T, HV] fp32 or input dtype
+    gamma_ptr,  # [B, T, HV] fp32 out: cumsum of g inside each chunk
+    w_ptr,  # [B, T, HV, K] out, k's dtype: T diag(beta e^gamma) K
+    u_ptr,  # [B, T, HV, V] out, v's dtype: T diag(beta) V
+    t_ptr,  # [B, T, HV, BT] fp32 out (STORE_T): (I + A)^-1, row t holds its chunk's row
+    decay_ptr,  # [B, T, HV, BT] fp32 out (STAGES)
+    a_ptr,  # [B, T, HV, BT] fp32 out (STAGES): A before the solve
+    cu_seqlens_ptr,  # [N + 1] int32 (IS_VARLEN)
+    chunk_indices_ptr,  # [chunks, 2] int32: (sequence, chunk in sequence) (IS_VARLEN)
+    T,
+    H: tl.constexpr,
+    HV: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BT: tl.constexpr,
+    BC: tl.constexpr,
+    L2NORM: tl.constexpr,
+    STORE_T: tl.constexpr,
+    STAGES: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
+    PREC: tl.constexpr,
+    UPCAST: tl.constexpr,
+    RNE: tl.constexpr,
+):
+    i_c, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_hv = i_bh // HV, i_bh % HV
+    i_h = i_hv // (HV // H)
+    bos, seq_len, i_t, _ = _chunk_coords(i_c, i_b, T, cu_seqlens_ptr, chunk_indices_ptr, IS_VARLEN)
+
+    o_i = tl.arange(0, BT)
+    o_t = i_t * BT + o_i
+    m_t = o_t < seq_len
+    o_row = bos + o_t.to(tl.int64)  # [BT] global token rows
+    o_k = tl.arange(0, K)
+    o_v = tl.arange(0, V)
+
+    b_g = tl.load(g_ptr + o_row * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
+    b_beta = tl.load(beta_ptr + o_row * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
+    b_gamma = tl.cumsum(b_g, axis=0)
+    tl.store(gamma_ptr + o_row * HV + i_hv, b_gamma, mask=m_t)
+
+    b_k = tl.load(k_ptr + (o_row * H + i_h)[:, None] * K + o_k[None, :], mask=m_t[:, None], other=0.0)
+    if L2NORM:
+        # k k^T from the fp32 unit rows (tf32 products): A keeps ~3 more bits than from rounded k
+        b_kn = _l2norm_rows(b_k)
+        b_kk = _dot(b_kn, tl.trans(b_kn), None, PREC, UPCAST)
+        b_k = _cast(b_kn, k_ptr.dtype.element_ty, RNE)
+    else:
+        b_kk = _dot(b_k, tl.trans(b_k), None, PREC, UPCAST)
+    b_v = tl.load(v_ptr + (o_row * HV + i_hv)[:, None] * V + o_v[None, :], mask=m_t[:, None], other=0.0)
+
+    b_decay = _decay(b_gamma, m_t, BT)
+    b_A = tl.where(o_i[:, None] > o_i[None, :], b_kk * b_beta[:, None] * b_decay, 0.0)
+    b_T = _solve_unit_lower(b_A, BT, BC, PREC)
+
+    # w = T diag(beta e^gamma) K, u = T diag(beta) V; e^gamma <= 1 (masked rows: beta = 0)
+    b_kb = _cast(b_k.to(tl.float32) * (b_beta * tl.exp(tl.where(m_t, b_gamma, 0.0)))[:, None], b_k.dtype, RNE)
+    b_vb = _cast(b_v.to(tl.float32) * b_beta[:, None], b_v.dtype, RNE)
+    b_w = _dot(_cast(b_T, b_k.dtype, RNE), b_kb, None, PREC, UPCAST)
+    b_u = _dot(_cast(b_T, b_v.dtype, RNE), b_vb, None, PREC, UPCAST)
+    tl.store(w_ptr + (o_row * HV + i_hv)[:, None] * K + o_k[None, :], _cast(b_w, w_ptr.dtype.element_ty, RNE),
+             mask=m_t[:, None])
+    tl.store(u_ptr + (o_row * HV + i_hv)[:, None] * V + o_v[None, :], _cast(b_u, u_ptr.dtype.element_ty, RNE),
+             mask=m_t[:, None])
+
+    o_sq = (o_row * HV + i_hv)[:, None] * BT + o_i[None, :]  # [BT, BT] rows of the [.., BT] buffers
+    if STORE_T:
+        tl.store(t_ptr + o_sq, b_T, mask=m_t[:, None])
+    if STAGES:
+        tl.store(decay_ptr + o_sq, b_decay, mask=m_t[:, None])
+        tl.store(a_ptr + o_sq, b_A, mask=m_t[:, None])
+
+
+@triton.jit
+def _chunk_output(b_q, b_k, b_S, b_vn, b_gamma, m_t, scale, BT: tl.constexpr, PREC: tl.constexpr,
+                  UPCAST: tl.constexpr, RNE: tl.constexpr):
+    """[BT, BV] fp32 scale (diag(e^gamma) Q S + ((Q K^T) * decay) v_new) of one chunk."""
+    b_o = _dot(b_q, _cast(b_S, b_q.dtype, RNE), None, PREC, UPCAST)
+    b_o = b_o * tl.exp(tl.where(m_t, b_gamma, 0.0))[:, None]
+    b_qk = _dot(b_q, tl.trans(b_k), None, PREC, UPCAST)
+    b_p = b_qk * _decay(b_gamma, m_t, BT)
+    b_o = _dot(_cast(b_p, b_q.dtype, RNE), _cast(b_vn, b_q.dtype, RNE), b_o, PREC, UPCAST)
+    return b_o * scale
+
+
+@triton.jit(do_not_specialize=["T"])
+def chunk_gated_delta_rule_fwd_kernel_h(
+    q_ptr,  # [B, T, H, K] (FUSE_O)
+    k_ptr,  # [B, T, H, K]
+    w_ptr,  # [B, T, HV, K]
+    u_ptr,  # [B, T, HV, V]
+    gamma_ptr,  # [B, T, HV] fp32
+    h0_ptr,  # [N, HV, K, V] fp32 initial state (USE_H0)
+    ht_ptr,  # [N, HV, K, V] fp32 out: final state (STORE_FINAL)
+    h_ptr,  # [B, NT, HV, K, V] out (STORE_H): state entering each chunk, input dtype
+    v_new_ptr,  # [B, T, HV, V] out (STORE_V_NEW), input dtype
+    o_ptr,  # [B, T, HV, V] out (FUSE_O), v's dtype
+    cu_seqlens_ptr,  # [N + 1] int32 (IS_VARLEN)
+    chunk_offsets_ptr,  # [N + 1] int32: first chunk of each sequence in h (IS_VARLEN)
+    T,
+    scale,
+    H: tl.constexpr,
+    HV: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BT: tl.constexpr,
+    BV: tl.constexpr,
+    L2NORM: tl.constexpr,
+    USE_H0: tl.constexpr,
+    STORE_FINAL: tl.constexpr,
+    FUSE_O: tl.constexpr,
+    STORE_H: tl.constexpr,
+    STORE_V_NEW: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
+    PREC: tl.constexpr,
+    UPCAST: tl.constexpr,
+    RNE: tl.constexpr,
+):
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_hv = i_nh // HV, i_nh % HV
+    i_h = i_hv // (HV // H)
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens_ptr + i_n).to(tl.int64)
+        seq_len = (tl.load(cu_seqlens_ptr + i_n + 1) - bos).to(tl.int32)
+        boh = tl.load(chunk_offsets_ptr + i_n).to(tl.int64)
+    else:
+        bos = i_n.to(tl.int64) * T
+        seq_len = T
+        boh = i_n.to(tl.int64) * tl.cdiv(T, BT)
+    NT = tl.cdiv(seq_len, BT)
+
+    o_i = tl.arange(0, BT)
+    o_k = tl.arange(0, K)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    o_kv = o_k[:, None] * V + o_v[None, :]  # [K, BV] offsets inside one state
+    o_state = i_nh.to(tl.int64) * K * V
+
+    b_S = tl.zeros([K, BV], dtype=tl.float32)
+    if USE_H0:
+        b_S += tl.load(h0_ptr + o_state + o_kv, mask=m_v[None, :], other=0.0)
+
+    for i_t in range(NT):
+        o_t = i_t * BT + o_i
+        m_t = o_t < seq_len
+        o_row = bos + o_t.to(tl.int64)
+        m_tv = m_t[:, None] & m_v[None, :]
+        if STORE_H:
+            o_h = ((boh + i_t) * HV + i_hv) * K * V
+            tl.store(h_ptr + o_h + o_kv, _cast(b_S, h_ptr.dtype.element_ty, RNE), mask=m_v[None, :])
+
+        b_w = tl.load(w_ptr + (o_row * HV + i_hv)[:, None] * K + o_k[None, :], mask=m_t[:, None], other=0.0)
+        o_vrow = (o_row * HV + i_hv)[:, None] * V + o_v[None, :]
+        b_u = tl.load(u_ptr + o_vrow, mask=m_tv, other=0.0).to(tl.float32)
+        b_vn = b_u - _dot(b_w, _cast(b_S, b_w.dtype, RNE), None, PREC, UPCAST)  # [BT, BV] fp32
+        if STORE_V_NEW:
+            tl.store(v_new_ptr + o_vrow, _cast(b_vn, v_new_ptr.dtype.element_ty, RNE), mask=m_tv)
+
+        b_gamma = tl.load(gamma_ptr + o_row * HV + i_hv, mask=m_t, other=0.0)
+        last = tl.minimum(i_t * BT + BT, seq_len) - 1
+        b_glast = tl.load(gamma_ptr + (bos + last) * HV + i_hv)
+        b_k = tl.load(k_ptr + (o_row * H + i_h)[:, None] * K + o_k[None, :], mask=m_t[:, None], other=0.0)
+        if L2NORM:
+            b_k = _cast(_l2norm_rows(b_k), k_ptr.dtype.element_ty, RNE)
+
+        if FUSE_O:
+            b_q = tl.load(q_ptr + (o_row * H + i_h)[:, None] * K + o_k[None, :], mask=m_t[:, None], other=0.0)
+            if L2NORM:
+                b_q = _cast(_l2norm_rows(b_q), q_ptr.dtype.element_ty, RNE)
+            b_o = _chunk_output(b_q, b_k, b_S, b_vn, b_gamma, m_t, scale, BT, PREC, UPCAST, RNE)
+            tl.store(o_ptr + o_vrow, _cast(b_o, o_ptr.dtype.element_ty, RNE), mask=m_tv)
+
+        # S <- e^gamma_last S + K^T diag(e^(gamma_last - gamma)) v_new
+        b_vs = b_vn * tl.exp(tl.where(m_t, b_glast - b_gamma, float("-inf")))[:, None]
+        b_S = b_S * tl.exp(b_glast)
+        b_S = _dot(tl.trans(b_k), _cast(b_vs, b_k.dtype, RNE), b_S, PREC, UPCAST)
+
+    if STORE_FINAL:
+        tl.store(ht_ptr + o_state + o_kv, b_S, mask=m_v[None, :])
+
+
+@triton.jit(do_not_specialize=["T"])
+def chunk_gated_delta_rule_fwd_kernel_o(
+    q_ptr,  # [B, T, H, K]
+    k_ptr,  # [B, T, H, K]
+    v_new_ptr,  # [B, T, HV, V]
+    h_ptr,  # [B, NT, HV, K, V] state entering each chunk
+    gamma_ptr,  # [B, T, HV] fp32
+    o_ptr,  # [B, T, HV, V] out, v's dtype
+    cu_seqlens_ptr,  # [N + 1] int32 (IS_VARLEN)
+    chunk_indices_ptr,  # [chunks, 2] int32 (IS_VARLEN)
+    T,
+    scale,
+    H: tl.constexpr,
+    HV: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BT: tl.constexpr,
+    BV: tl.constexpr,
+    L2NORM: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
+    PREC: tl.constexpr,
+    UPCAST: tl.constexpr,
+    RNE: tl.constexpr,
+):
+    i_v, i_c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_hv = i_bh // HV, i_bh % HV
+    i_h = i_hv // (HV // H)
+    bos, seq_len, i_t, _ = _chunk_coords(i_c, i_b, T, cu_seqlens_ptr, chunk_indices_ptr, IS_VARLEN)
+    # h row of this chunk: chunks are numbered in order (varlen: over all sequences)
+    i_hc = i_c.to(tl.int64) if IS_VARLEN else i_b.to(tl.int64) * tl.cdiv(T, BT) + i_c
+
+    o_t = i_t * BT + tl.arange(0, BT)
+    m_t = o_t < seq_len
+    o_row = bos + o_t.to(tl.int64)
+    o_k = tl.arange(0, K)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    m_tv = m_t[:, None] & m_v[None, :]
+
+    b_q = tl.load(q_ptr + (o_row * H + i_h)[:, None] * K + o_k[None, :], mask=m_t[:, None], other=0.0)
+    b_k = tl.load(k_ptr + (o_row * H + i_h)[:, None] * K + o_k[None, :], mask=m_t[:, None], other=0.0)
+    if L2NORM:
+        b_q = _cast(_l2norm_rows(b_q), q_ptr.dtype.element_ty, RNE)
+        b_k = _cast(_l2norm_rows(b_k), k_ptr.dtype.element_ty, RNE)
+    b_S = tl.load(h_ptr + (i_hc * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :], mask=m_v[None, :], other=0.0)
+    o_vrow = (o_row * HV + i_hv)[:, None] * V + o_v[None, :]
+    b_vn = tl.load(v_new_ptr + o_vrow, mask=m_tv, other=0.0)
+    b_gamma = tl.load(gamma_ptr + o_row * HV + i_hv, mask=m_t, other=0.0)
+    b_o = _chunk_output(b_q, b_k, b_S.to(tl.float32), b_vn.to(tl.float32), b_gamma, m_t, scale, BT, PREC, UPCAST, RNE)
+    tl.store(o_ptr + o_vrow, _cast(b_o, o_ptr.dtype.element_ty, RNE), mask=m_tv)
+
+
+# ----------------------------------------------------------------------------- launch configs
+
+_FALLBACK = {
+    "gated_delta_rule_fwd_intra": {"num_warps": 4, "num_stages": 2},
+    "gated_delta_rule_fwd_h": {"BV": 64, "num_warps": 4, "num_stages": 2},
+    "gated_delta_rule_fwd_h_o": {"BV": 64, "num_warps": 4, "num_stages": 1},
+    "gated_delta_rule_fwd_o": {"BV": 64, "num_warps": 4, "num_stages": 2},
+}
+# Triton 3.6 on sm_90 miscompiles the fused recurrence (FUSE_O) with V-blocks of 16 or 32 (wrong
+# states; an illegal address at BV = 32); BV = 64 and 128 gave the reference's values. Other
+# shapes take the unfused recurrence + output kernel.
+FUSED_BV = (64, 128)
+_RECURRENCES = ("gated_delta_rule_fwd_h", "gated_delta_rule_fwd_h_o")
+
+
+def config_key(K, V, dtype, nh=None):
+    """Config key: head dims, dtype and (for the recurrence) the bucket of sequences x heads."""
+    fields = {"k": K, "v": V, "dtype": launch.dtype_tag(dtype)}
+    if nh is not None:
+        fields["nh"] = min(triton.next_power_of_2(nh), 4096)
+    return launch.config_key(**fields)
+
+
+def fwd_config(kernel, K, V, dtype, nh=None):
+    """Tuned config of ``kernel`` (recurrences keyed by nh = sequences x value heads too), else the
+    fallback: V-blocks of 64 (at most V), 8 warps once the state block passes 128 x 64."""
+    fallback = dict(_FALLBACK[kernel])
+    if "BV" in fallback:
+        fallback["BV"] = min(fallback["BV"], V)
+        if kernel in _RECURRENCES and K * fallback["BV"] > 128 * 64:
+            fallback["num_warps"] = 8
+        if _runtime.INTERPRET:
+            fallback["BV"] = min(V, 16)  # several V-blocks even at V = 32
+    return launch.config(kernel, config_key(K, V, dtype, nh if kernel in _RECURRENCES else None), fallback)
+
+
+def use_fused(K, V, nh):
+    """Fuse the output into the recurrence when the recurrence alone fills the GPU (>= 2 programs
+    per SM at BV = 64): it saves the h and v_new round trips; with fewer programs the fused kernel's
+    longer serial chunk step costs more than the separate, fully parallel output kernel."""
+    if _runtime.INTERPRET:
+        return True
+    return V >= min(FUSED_BV) and nh * triton.cdiv(V, 64) >= 2 * _runtime.num_sms()
+
+
+def _flags(dtype):
+    """Kernel numerics flags for inputs of ``dtype``."""
+    bf16_interp = _runtime.INTERPRET and dtype == torch.bfloat16
+    return {"PREC": "tf32x3" if dtype == torch.float32 else "tf32", "UPCAST": bf16_interp, "RNE": bf16_interp}
+
+
+# ----------------------------------------------------------------------------- varlen bookkeeping
+
+
+@dataclass
+class Varlen:
+    """cu_seqlens (int32) and the chunk tables derived from it (built on the host once per call)."""
+
+    cu_seqlens: torch.Tensor  # [N + 1] int32
+    chunk_indices: torch.Tensor  # [NT, 2] int32: (sequence, chunk inside it)
+    chunk_offsets: torch.Tensor  # [N + 1] int32: first chunk of each sequence
+    n_chunks: int
+    n_seqs: int
+
+
+def prepare_varlen(cu_seqlens) -> Varlen | None:
+    if cu_seqlens is None:
+        return None
+    cu = cu_seqlens.to(torch.int32)
+    lens = (cu[1:] - cu[:-1]).long()
+    per_seq = (lens + BT - 1) // BT
+    offsets = torch.cat([per_seq.new_zeros(1), per_seq.cumsum(0)])
+    n_chunks = int(offsets[-1])
+    seq = torch.repeat_interleave(torch.arange(len(lens), device=cu.device), per_seq, output_size=n_chunks)
+    local = torch.arange(n_chunks, device=cu.device) - offsets[seq]
+    indices = torch.stack([seq, local], 1).to(torch.int32).contiguous()
+    return Varlen(cu.contiguous(), indices, offsets.to(torch.int32), n_chunks, len(lens))
+
+
+def _n_chunks(T, varlen, B):
+    return (B, triton.cdiv(T, BT)) if varlen is None else (1, varlen.n_chunks)
+
+
+def _varlen_ptrs(varlen, device):
+    if varlen is None:
+        dummy = torch.empty(1, dtype=torch.int32, device=device)
+        return dummy, dummy, dummy
+    return varlen.cu_seqlens, varlen.chunk_indices, varlen.chunk_offsets
+
+
+# ----------------------------------------------------------------------------- launchers
+
+
+def chunk_fwd_intra(k, v, g, beta, *, l2norm=False, varlen=None, store_t=False, stages=False, cfg=None):
+    """Kernel 1. k [B, T, H, K], v [B, T, HV, V], g, beta [B, T, HV] -> dict with gamma [B, T, HV] fp32,
+    w [B, T, HV, K], u [B, T, HV, V] (input dtype), and T (store_t or stages), decay, A (stages):
+    [B, T, HV, 64] fp32."""
+    B, T, H, K = k.shape
+    HV, V = v.shape[2], v.shape[3]
+    cfg = cfg or fwd_config("gated_delta_rule_fwd_intra", K, V, k.dtype)
+    dev = k.device
+    out = {
+        "gamma": new_output((B, T, HV), torch.float32, dev),
+        "w": new_output((B, T, HV, K), k.dtype, dev),
+        "u": new_output((B, T, HV, V), v.dtype, dev),
+    }
+    sq = (B, T, HV, BT)
+    t_buf = new_output(sq, torch.float32, dev) if (store_t or stages) else out["gamma"]
+    decay = new_output(sq, torch.float32, dev) if stages else out["gamma"]
+    a_buf = new_output(sq, torch.float32, dev) if stages else out["gamma"]
+    cu, indices, _ = _varlen_ptrs(varlen, dev)
+    n_b, n_c = _n_chunks(T, varlen, B)
+    e = k.element_size()
+    nbytes = B * T * (H * K * e + HV * V * e + 2 * HV * 4) + B * T * HV * (K + V) * e + B * T * HV * 4
+    launch.launch(
+        "gated_delta_rule_fwd_intra", chunk_gated_delta_rule_fwd_kernel_intra, (n_c, n_b * HV),
+        k, v, g, beta, out["gamma"], out["w"], out["u"], t_buf, decay, a_buf, cu, indices, T,
+        nbytes=nbytes, H=H, HV=HV, K=K, V=V, BT=BT, BC=BC, L2NORM=l2norm, STORE_T=store_t or stages, STAGES=stages,
+        IS_VARLEN=varlen is not None, **_flags(k.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    if store_t or stages:
+        out["T"] = t_buf
+    if stages:
+        out["decay"], out["A"] = decay, a_buf
+    return out
+
+
+def _fwd_h_launch(q, k, w, u, gamma, initial_state, scale, *, l2norm, varlen, fuse_o, store_h, store_v_new,
+                  output_final_state, cfg):
+    B, T, H, K = k.shape
+    HV, V = u.shape[2], u.shape[3]
+    N = B if varlen is None else varlen.n_seqs
+    kernel = "gated_delta_rule_fwd_h_o" if fuse_o else "gated_delta_rule_fwd_h"
+    cfg = cfg or fwd_config(kernel, K, V, k.dtype, N * HV)
+    if fuse_o and cfg["BV"] not in FUSED_BV and not _runtime.INTERPRET:
+        raise ValueError(f"the fused recurrence needs BV in {FUSED_BV}, got {cfg['BV']}")
+    dev = k.device
+    n_b, n_c = _n_chunks(T, varlen, B)
+    final = new_output((N, HV, K, V) if output_final_state else (0,), torch.float32, dev)
+    h = new_output((n_b, n_c, HV, K, V), k.dtype, dev) if store_h else final
+    v_new = new_output((B, T, HV, V), u.dtype, dev) if store_v_new else final
+    o = new_output((B, T, HV, V), u.dtype, dev) if fuse_o else final
+    cu, _, offsets = _varlen_ptrs(varlen, dev)
+    e = k.element_size()
+    n_v = triton.cdiv(V, cfg["BV"])
+    nbytes = (B * T * (HV * K * e * n_v + HV * V * e + H * K * e * n_v * (2 if fuse_o else 1) + HV * 4)
+              + N * HV * K * V * 4 * (int(initial_state is not None) + int(output_final_state))
+              + (n_b * n_c * HV * K * V * e if store_h else 0) + B * T * HV * V * e * (int(store_v_new) + int(fuse_o)))
+    launch.launch(
+        kernel, chunk_gated_delta_rule_fwd_kernel_h, (n_v, N * HV),
+        q if q is not None else k, k, w, u, gamma, initial_state if initial_state is not None else final,
+        final, h, v_new, o, cu, offsets, T, scale,
+        nbytes=nbytes, H=H, HV=HV, K=K, V=V, BT=BT, BV=cfg["BV"], L2NORM=l2norm, USE_H0=initial_state is not None,
+        STORE_FINAL=output_final_state, FUSE_O=fuse_o, STORE_H=store_h, STORE_V_NEW=store_v_new, IS_VARLEN=varlen is not None, **_flags(k.dtype),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    return {"final_state": final, "h": h if store_h else None, "v_new": v_new if store_v_new else None,
+            "o": o if fuse_o else None}
+
+
+def chunk_fwd_h(k, w, u, gamma, initial_state=None, *, l2norm=False, varlen=None, output_final_state=True, cfg=None):
+    """Kernel 2 alone: (h [B, NT, HV, K, V], v_new [B, T, HV, V], final_state [N, HV, K, V] fp32 or an
+    empty tensor). With varlen, B = 1 and NT counts the chunks of every sequence."""
+    r = _fwd_h_launch(None, k, w, u, gamma, initial_state, 1.0, l2norm=l2norm, varlen=varlen, fuse_o=False,
+                      store_h=True, store_v_new=True, output_final_state=output_final_state, cfg=cfg)
+    return r["h"], r["v_new"], r["final_state"]
+
+
+def chunk_fwd_h_o(q, k, w, u, gamma, initial_state, scale, *, l2norm=False, varlen=None, stages=False,
+                  output_final_state=True, cfg=None):
+    """Kernel 2 with the output fused: dict o [B, T, HV, V], final_state (fp32, or an empty tensor
+    when not asked); h and v_new in stages mode."""
+    return _fwd_h_launch(q, k, w, u, gamma, initial_state, scale, l2norm=l2norm, varlen=varlen, fuse_o=True,
+                         store_h=stages, store_v_new=stages, output_final_state=output_final_state, cfg=cfg)
+
+
+def chunk_fwd_o(q, k, v_new, h, gamma, scale, *, l2norm=False, varlen=None, cfg=None):
+    """Kernel 3: o [B, T, HV, V] from the stored states h and v_new."""
+    B, T, H, K = q.shape
+    HV, V = v_new.shape[2], v_new.shape[3]
+    cfg = cfg or fwd_config("gated_delta_rule_fwd_o", K, V, q.dtype)
+    n_b, n_c = _n_chunks(T, varlen, B)
+    o = new_output((B, T, HV, V), v_new.dtype, q.device)
+    cu, indices, _ = _varlen_ptrs(varlen, q.device)
+    e = q.element_size()
+    n_v = triton.cdiv(V, cfg["BV"])
+    nbytes = B * T * (2 * H * K * e * n_v + 2 * HV * V * e + HV * 4) + h.numel() * e
+    launch.launch(
+        "gated_delta_rule_fwd_o", chunk_gated_delta_rule_fwd_kernel_o, (n_v, n_c, n_b * HV),
+        q, k, v_new, h, gamma, o, cu, indices, T, scale,
+        nbytes=nbytes, H=H, HV=HV, K=K, V=V, BT=BT, BV=cfg["BV"], L2NORM=l2norm, IS_VARLEN=varlen is not None,
+        **_flags(q.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    return o
+
+
+def chunk_fwd(q, k, v, g, beta, scale, initial_state=None, *, output_final_state=True, l2norm=False, cu_seqlens=None,
+              stages=False, fuse_o=None):
+    """The chunked forward: the intra kernel, then the recurrence with the output fused, or the
+    recurrence and the output kernel (``fuse_o``; None: ``use_fused``'s choice).
+
+    Returns (o, final_state); with ``stages`` a dict of every stage instead (gamma, decay, A, T, w,
+    u, h, v_new, o, final_state), all from the kernels' own buffers.
+    """
+    varlen = prepare_varlen(cu_seqlens)
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    N = B if varlen is None else varlen.n_seqs
+    fuse_o = use_fused(K, V, N * HV) if fuse_o is None else fuse_o
+    want_final = output_final_state or stages
+    intra = chunk_fwd_intra(k, v, g, beta, l2norm=l2norm, varlen=varlen, stages=stages)
+    w, u, gamma = intra["w"], intra["u"], intra["gamma"]
+    if fuse_o:
+        rec = chunk_fwd_h_o(q, k, w, u, gamma, initial_state, scale, l2norm=l2norm, varlen=varlen, stages=stages,
+                            output_final_state=want_final)
+        o, final, h, v_new = rec["o"], rec["final_state"], rec["h"], rec["v_new"]
+    else:
+        h, v_new, final = chunk_fwd_h(k, w, u, gamma, initial_state, l2norm=l2norm, varlen=varlen,
+                                      output_final_state=want_final)
+        o = chunk_fwd_o(q, k, v_new, h, gamma, scale, l2norm=l2norm, varlen=varlen)
+    if not stages:
+        return o, final
+    out = {n: intra[n] for n in ("gamma", "decay", "A", "T", "w", "u")}
+    out.update(h=h, v_new=v_new, o=o, final_state=final)
+    return out
