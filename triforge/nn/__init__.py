@@ -1,6 +1,7 @@
 """nn.Module wrappers over triforge ops, drop-in for their Hugging Face counterparts."""
 
+from triforge.nn.deltanet import GatedDeltaNet
 from triforge.nn.mhc import MHCLiteBlock, expand_streams, reduce_streams
 from triforge.nn.norm import RMSNorm, patch_hf_rmsnorm
 
-__all__ = ["RMSNorm", "patch_hf_rmsnorm", "MHCLiteBlock", "expand_streams", "reduce_streams"]
+__all__ = ["RMSNorm", "patch_hf_rmsnorm", "MHCLiteBlock", "expand_streams", "reduce_streams", "GatedDeltaNet"]

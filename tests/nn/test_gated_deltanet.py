@@ -1,0 +1,344 @@
+"""triforge.nn.GatedDeltaNet against Hugging Face's Qwen3NextGatedDeltaNet (its PyTorch path).
+
+Prefill, cached decode, gradients, input validation, and the drop-in into a whole Qwen3Next model.
+"""
+
+import copy
+import inspect
+
+import pytest
+import torch
+
+from triforge import _runtime
+from triforge.launch import poisoned
+from triforge.nn import GatedDeltaNet
+from triforge.nn.deltanet import GatedDeltaNetCache, HFGatedDeltaNet, RMSNormGated, patch_hf_gated_deltanet
+from triforge.testing import Tolerance, compare
+
+transformers = pytest.importorskip("transformers")
+qwen3_next = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
+from transformers import Qwen3NextConfig  # noqa: E402
+from transformers.cache_utils import DynamicCache  # noqa: E402
+
+BACKENDS = ["torch", "triton"]
+# HF's chunked torch path against a token-by-token or Triton recurrence: fp32 rounding of different orders
+FP32 = Tolerance(rel_rms=2e-5, atol=5e-5, rtol=5e-5)
+# weight gradients sum over B * T tokens
+FP32_GRAD = Tolerance(rel_rms=5e-5, atol=2e-4, rtol=2e-4)
+# Triton's CPU interpreter rounds fp32 -> bf16 by truncation: up to one ulp from round-to-nearest
+BF16_INTERPRETER = Tolerance(rel_rms=2e-2, atol=1e-1, rtol=1e-1)
+# a bf16 layer against the fp32 one: bf16 rounding of every projection and of the state's inputs;
+# two bf16 layers (HF's upcasts the recurrence to fp32, the kernels feed bf16 to their dots) differ by
+# about the sum of their errors
+BF16_VS_FP32 = Tolerance(rel_rms=3e-2, atol=2e-1, rtol=2e-1)
+
+
+@pytest.fixture(autouse=True)
+def hf_torch_path(monkeypatch):
+    """Hugging Face's layer on its plain PyTorch functions, even where fla / causal-conv1d are installed."""
+    for name in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn",
+                 "causal_conv1d_update"):
+        monkeypatch.setattr(qwen3_next, name, inspect.unwrap(getattr(qwen3_next, name)))
+
+
+def _config(layer_types=("linear_attention",)) -> Qwen3NextConfig:
+    return Qwen3NextConfig(
+        vocab_size=97, hidden_size=64, intermediate_size=64, num_hidden_layers=len(layer_types),
+        layer_types=list(layer_types), num_attention_heads=2, num_key_value_heads=1, head_dim=32, num_experts=0,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32,
+        linear_conv_kernel_dim=4,
+    )
+
+
+def _randomize(layer, gen: torch.Generator) -> None:
+    """Fresh random weights everywhere; decays moderate so the state carries across chunks."""
+    with torch.no_grad():
+        for p in (layer.in_proj_qkvz.weight, layer.in_proj_ba.weight, layer.out_proj.weight):
+            p.copy_(torch.randn(p.shape, generator=gen) * p.shape[1] ** -0.5)
+        layer.conv1d.weight.copy_(torch.randn(layer.conv1d.weight.shape, generator=gen) * 0.5)
+        nv = layer.A_log.shape[0]
+        layer.A_log.copy_(torch.empty(nv).uniform_(0.02, 0.5, generator=gen).log())
+        layer.dt_bias.copy_(0.5 * torch.randn(nv, generator=gen))
+        layer.norm.weight.copy_(1 + 0.2 * torch.randn(layer.norm.weight.shape, generator=gen))
+
+
+def _pair(backend, device, dtype, gen):
+    """(HF layer, our layer) with the same random weights, ours loaded from HF's state_dict."""
+    cfg = _config()
+    hf = qwen3_next.Qwen3NextGatedDeltaNet(cfg, layer_idx=0)
+    _randomize(hf, gen)
+    hf = hf.to(device=device, dtype=dtype)
+    ours = GatedDeltaNet.from_config(cfg, backend=backend, device=device, dtype=dtype)
+    ours.load_state_dict(hf.state_dict())
+    return cfg, hf, ours
+
+
+def _x(B, T, device, dtype, gen):
+    return torch.randn(B, T, 64, generator=gen).to(device=device, dtype=dtype)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_rms_norm_gated_matches_hf(backend, dtype, device, gen):
+    hf = qwen3_next.Qwen3NextRMSNormGated(32, eps=1e-6)
+    with torch.no_grad():
+        hf.weight.copy_(1 + 0.2 * torch.randn(32, generator=gen))
+    hf = hf.to(device=device, dtype=dtype)
+    ours = RMSNormGated(32, eps=1e-6, backend=backend, device=device, dtype=dtype)
+    ours.load_state_dict(hf.state_dict())
+    x = torch.randn(2, 7, 4, 32, generator=gen).to(device=device, dtype=dtype).requires_grad_()
+    z = torch.randn(2, 7, 4, 32, generator=gen).to(device=device, dtype=dtype).requires_grad_()
+    tol = BF16_INTERPRETER if backend == "triton" and dtype == torch.bfloat16 and _runtime.INTERPRET else None
+    got, want = ours(x, z), hf(x, z)
+    assert got.dtype == dtype and compare(f"gated norm {backend}", want, got, dtype=dtype, tol=tol).ok
+    dy = torch.randn_like(got)
+    grads = torch.autograd.grad(got, [x, z, ours.weight], dy)
+    hf_grads = torch.autograd.grad(want, [x, z, hf.weight], dy)
+    for name, w, g in zip(["dx", "dz", "dweight"], hf_grads, grads):
+        assert compare(f"gated norm {name} {backend}", w, g, dtype=dtype, tol=tol).ok
+
+
+def test_state_dict_is_hf_state_dict(gen):
+    cfg = _config()
+    hf = qwen3_next.Qwen3NextGatedDeltaNet(cfg, layer_idx=0)
+    ours = GatedDeltaNet.from_config(cfg, backend="torch")
+    want = {k: tuple(v.shape) for k, v in hf.state_dict().items()}
+    assert {k: tuple(v.shape) for k, v in ours.state_dict().items()} == want
+    _randomize(ours, gen)
+    hf.load_state_dict(ours.state_dict())  # and the other way round
+    assert all(torch.equal(hf.state_dict()[k], v) for k, v in ours.state_dict().items())
+    shared = GatedDeltaNet.from_hf(hf, backend="torch")
+    assert dict(shared.named_parameters()).keys() == dict(hf.named_parameters()).keys()
+    assert all(p is dict(hf.named_parameters())[n] for n, p in shared.named_parameters())
+    assert "num_v_heads=4" in repr(shared) and shared.norm.variance_epsilon == hf.norm.variance_epsilon
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("T", [1, 37, 77])
+def test_prefill_matches_hf_fp32(backend, T, device, gen):
+    _, hf, ours = _pair(backend, device, torch.float32, gen)
+    x = _x(2, T, device, torch.float32, gen)
+    with torch.no_grad(), poisoned():  # kernel outputs start as NaN
+        want = hf(x)
+        got, cache = ours(x)
+    assert cache is None
+    assert compare(f"prefill T={T} {backend}", want, got, tol=FP32).ok
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_prefill_matches_hf_bf16(backend, device, gen):
+    _, hf, ours = _pair(backend, device, torch.float32, gen)
+    x = _x(2, 70, device, torch.float32, gen)
+    with torch.no_grad():
+        exact = hf(x)
+        hf_bf16, ours_bf16 = hf.to(torch.bfloat16), ours.to(torch.bfloat16)
+        want = hf_bf16(x.bfloat16())
+        got, _ = ours_bf16(x.bfloat16())
+    assert got.dtype == torch.bfloat16
+    assert compare("bf16 ours vs HF bf16", want, got, tol=BF16_VS_FP32).ok
+    # about as accurate as HF's own bf16 run, both measured against fp32
+    err_hf = compare("bf16 HF vs fp32", exact, want, tol=BF16_VS_FP32)
+    err_ours = compare("bf16 ours vs fp32", exact, got, tol=BF16_VS_FP32)
+    assert err_ours.ok and err_ours.rel_rms <= 1.5 * err_hf.rel_rms + 1e-3
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_decode_matches_hf_cache_and_full_prefill(backend, device, gen):
+    cfg, hf, ours = _pair(backend, device, torch.float32, gen)
+    P, steps, chunk = 66, 3, 5  # prefill past one chunk, single tokens, then a multi-token continuation
+    x = _x(2, P + steps + chunk, device, torch.float32, gen)
+    hf_cache = DynamicCache(config=cfg)
+    with torch.no_grad(), poisoned():
+        full, _ = ours(x)
+        want = [hf(x[:, :P], cache_params=hf_cache)]
+        got0, cache = ours(x[:, :P], use_cache=True)
+        got = [got0]
+        assert cache.conv_state.shape == (2, ours.conv_dim, 3) and cache.conv_state.dtype == torch.float32
+        assert cache.recurrent_state.shape == (2, 4, 32, 32) and cache.recurrent_state.dtype == torch.float32
+        for t in range(P, P + steps):
+            want.append(hf(x[:, t:t + 1], cache_params=hf_cache))
+            before = cache.recurrent_state.clone()
+            out, new = ours(x[:, t:t + 1], cache=cache)
+            assert torch.equal(cache.recurrent_state, before)  # the given cache is not modified
+            cache = new
+            got.append(out)
+        want.append(hf(x[:, P + steps:], cache_params=hf_cache))
+        out, cache = ours(x[:, P + steps:], cache=cache)
+        got.append(out)
+    want, got = torch.cat(want, 1), torch.cat(got, 1)
+    assert compare(f"decode vs HF cached {backend}", want, got, tol=FP32).ok
+    assert compare(f"decode vs full prefill {backend}", full, got, tol=FP32).ok
+    with torch.no_grad():
+        _, whole = ours(x, use_cache=True)
+    assert compare("final recurrent state", whole.recurrent_state, cache.recurrent_state, tol=FP32).ok
+    # the conv state holds projections: token-by-token matmuls round differently on a GPU
+    assert compare("final conv state", whole.conv_state, cache.conv_state, tol=FP32).ok
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_decode_bf16_matches_prefill(backend, device, gen):
+    _, _, ours = _pair(backend, device, torch.bfloat16, gen)
+    x = _x(2, 24, device, torch.bfloat16, gen)
+    with torch.no_grad():
+        full, _ = ours(x)
+        out, cache = ours(x[:, :20], use_cache=True)
+        got = [out]
+        for t in range(20, 24):
+            out, cache = ours(x[:, t:t + 1], cache=cache)
+            got.append(out)
+    assert cache.conv_state.dtype == torch.bfloat16 and cache.recurrent_state.dtype == torch.float32
+    assert compare(f"bf16 decode vs prefill {backend}", full, torch.cat(got, 1), tol=BF16_VS_FP32).ok
+
+
+def test_triton_backend_calls_the_kernels(monkeypatch, device, gen):
+    import triforge.ops.deltanet as ops
+
+    calls = []
+    for name in ("chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule"):
+        def spy(*args, _fn=getattr(ops, name), _name=name, **kwargs):
+            calls.append(_name)
+            return _fn(*args, **kwargs)
+        monkeypatch.setattr(ops, name, spy)
+    _, _, ours = _pair("triton", device, torch.float32, gen)
+    x = _x(2, 6, device, torch.float32, gen)
+    with torch.no_grad():
+        _, cache = ours(x[:, :5], use_cache=True)
+        ours(x[:, 5:], cache=cache)
+    ours(x[:, 5:], cache=cache)[0].sum().backward()  # one token needing gradients: the chunked op
+    assert calls == ["chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "chunk_gated_delta_rule"]
+    assert ours.in_proj_qkvz.weight.grad is not None
+
+
+def test_empty_cache_is_no_cache(device, gen):
+    _, _, ours = _pair("torch", device, torch.float32, gen)
+    x = _x(2, 9, device, torch.float32, gen)
+    with torch.no_grad():
+        a, ca = ours(x, use_cache=True)
+        b, cb = ours(x, cache=ours.empty_cache(2))
+    assert torch.equal(a, b) and torch.equal(ca.conv_state, cb.conv_state)
+    assert torch.equal(ca.recurrent_state, cb.recurrent_state)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("T", [1, 70])
+def test_gradients_match_hf(backend, T, device, gen):
+    _, hf, ours = _pair(backend, device, torch.float32, gen)
+    x = _x(2, T, device, torch.float32, gen).requires_grad_()
+    dy = torch.randn(2, T, 64, generator=gen).to(device)
+    names = [n for n, _ in ours.named_parameters()]
+    got = torch.autograd.grad(ours(x)[0], [x, *ours.parameters()], dy)
+    hf_params = dict(hf.named_parameters())
+    want = torch.autograd.grad(hf(x), [x, *(hf_params[n] for n in names)], dy)
+    for name, w, g in zip(["x", *names], want, got):
+        assert compare(f"d{name} {backend}", w, g, tol=FP32_GRAD).ok
+
+
+def test_attention_mask_matches_hf(device, gen):
+    _, hf, ours = _pair("torch", device, torch.float32, gen)
+    x = _x(2, 12, device, torch.float32, gen)
+    mask = torch.ones(2, 12, dtype=torch.long, device=device)
+    mask[0, :4] = 0  # left padding
+    with torch.no_grad():
+        want = hf(x, attention_mask=mask)
+        got, _ = ours(x, attention_mask=mask)
+    assert compare("left-padded prefill", want, got, tol=FP32).ok
+
+
+def test_bad_inputs_name_the_argument(device, gen):
+    _, _, ours = _pair("torch", device, torch.float32, gen)
+    x = _x(2, 5, device, torch.float32, gen)
+    with pytest.raises(ValueError, match="hidden_states.*hidden_size=64"):
+        ours(torch.randn(2, 5, 48, device=device))
+    with pytest.raises(ValueError, match="hidden_states"):
+        ours(x[0])
+    with pytest.raises(ValueError, match="hidden_states must not be empty"):
+        ours(x[:, :0])
+    with pytest.raises(TypeError, match="hidden_states.*dtype"):
+        ours(x.bfloat16())
+    with pytest.raises(TypeError, match="hidden_states must be a torch.Tensor"):
+        ours(x.tolist())
+    with pytest.raises(TypeError, match="use_cache"):
+        ours(x, use_cache=1)
+    with pytest.raises(ValueError, match="attention_mask"):
+        ours(x, attention_mask=torch.ones(2, 4, device=device))
+    _, cache = ours(x, use_cache=True)
+    with pytest.raises(TypeError, match="cache must be a GatedDeltaNetCache"):
+        ours(x, cache=tuple(cache))
+    with pytest.raises(ValueError, match="cache.conv_state.*batch 1"):
+        ours(x[:1], cache=cache)
+    with pytest.raises(TypeError, match="cache.recurrent_state.*dtype"):
+        ours(x, cache=GatedDeltaNetCache(cache.conv_state, cache.recurrent_state.double()))
+    with pytest.raises(ValueError, match="cache.conv_state.*shape"):
+        ours(x, cache=GatedDeltaNetCache(cache.conv_state[..., 1:], cache.recurrent_state))
+    with pytest.raises(ValueError, match="backend"):
+        GatedDeltaNet(64, 2, 4, 32, 32, backend="cuda")
+    with pytest.raises(ValueError, match="num_v_heads"):
+        GatedDeltaNet(64, 2, 3, 32, 32)
+    with pytest.raises(ValueError, match="head_k_dim"):
+        GatedDeltaNet(64, 2, 4, 0, 32)
+    with pytest.raises(TypeError, match="module"):
+        GatedDeltaNet.from_hf(torch.nn.Linear(4, 4))
+
+
+def _tiny_model(gen):
+    cfg = _config(("linear_attention", "full_attention", "linear_attention"))
+    model = transformers.Qwen3NextForCausalLM(cfg).eval()
+    for layer in model.model.layers:
+        if hasattr(layer, "linear_attn"):
+            _randomize(layer.linear_attn, gen)
+    return model
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_patch_hf_model_keeps_logits_and_generation(backend, device, gen):
+    model = _tiny_model(gen).to(device)
+    patched = copy.deepcopy(model)
+    assert patch_hf_gated_deltanet(patched, backend=backend) == 2
+    assert sum(isinstance(m, HFGatedDeltaNet) for m in patched.modules()) == 2
+    assert [m.layer_idx for m in patched.modules() if isinstance(m, HFGatedDeltaNet)] == [0, 2]
+    ids = torch.randint(0, 97, (2, 11), generator=gen).to(device)
+    with torch.no_grad():
+        want, got = model(ids, use_cache=True), patched(ids, use_cache=True)
+        assert compare("prefill logits", want.logits, got.logits, tol=FP32).ok
+        cache_want, cache_got = want.past_key_values, got.past_key_values
+        token = want.logits[:, -1:].argmax(-1)
+        for step in range(3):
+            want = model(token, past_key_values=cache_want, use_cache=True)
+            got = patched(token, past_key_values=cache_got, use_cache=True)
+            assert compare(f"decode logits step {step}", want.logits, got.logits, tol=FP32).ok
+            token = want.logits[:, -1:].argmax(-1)
+        mask = torch.ones_like(ids)
+        mask[1, :3] = 0
+        assert compare("padded logits", model(ids, attention_mask=mask).logits,
+                       patched(ids, attention_mask=mask).logits, tol=FP32).ok
+
+
+@pytest.mark.gpu
+def test_real_size_layer_bf16_matches_hf(gen):
+    """Qwen3-Next-80B-A3B's layer dimensions, a 1000-token prefill and a few decode steps, on the GPU."""
+    cfg = Qwen3NextConfig(hidden_size=2048, linear_num_key_heads=16, linear_num_value_heads=32,
+                          linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
+                          num_hidden_layers=1, layer_types=["linear_attention"], num_experts=0)
+    hf = qwen3_next.Qwen3NextGatedDeltaNet(cfg, layer_idx=0)
+    _randomize(hf, gen)
+    hf = hf.cuda()
+    ours = GatedDeltaNet.from_config(cfg, backend="triton", device="cuda", dtype=torch.bfloat16)
+    ours.load_state_dict(hf.state_dict())
+    P, steps = 1000, 4
+    x = torch.randn(2, P + steps, 2048, generator=gen).cuda()
+    cache_exact, cache_hf = DynamicCache(config=cfg), DynamicCache(config=cfg)
+    with torch.no_grad():
+        exact = [hf(x[:, :P], cache_params=cache_exact)]
+        exact += [hf(x[:, t:t + 1], cache_params=cache_exact) for t in range(P, P + steps)]
+        hf_bf16 = hf.to(torch.bfloat16)
+        want = [hf_bf16(x[:, :P].bfloat16(), cache_params=cache_hf)]
+        want += [hf_bf16(x[:, t:t + 1].bfloat16(), cache_params=cache_hf) for t in range(P, P + steps)]
+        out, cache = ours(x[:, :P].bfloat16(), use_cache=True)
+        got = [out]
+        for t in range(P, P + steps):
+            out, cache = ours(x[:, t:t + 1].bfloat16(), cache=cache)
+            got.append(out)
+    exact, want, got = torch.cat(exact, 1), torch.cat(want, 1), torch.cat(got, 1)
+    err_hf = compare("real size: HF bf16 vs fp32", exact, want, tol=BF16_VS_FP32)
+    err_ours = compare("real size: ours bf16 vs fp32", exact, got, tol=BF16_VS_FP32)
+    assert err_ours.ok and err_ours.rel_rms <= 1.5 * err_hf.rel_rms + 1e-3
