@@ -90,6 +90,36 @@ def test_report_regenerates_readme_section(tmp_path):
     assert "| rms_norm | fwd | 65536x4096 | bfloat16 | triforge | 0.4000 |" in text
 
 
+def test_report_renders_a_decode_engine_result_beside_bench_results(tmp_path):
+    """A benchmarks/qwen2_decode.py result (tokens/s per batch, one step's kernels) is rendered next
+    to triforge bench results, and left out of the roofline (it has no per-op rows)."""
+    bench = tmp_path / "r.json"
+    _fake_results(bench)
+    dec = tmp_path / "d.json"
+    dec.write_text(json.dumps({
+        "benchmark": "qwen2_decode", "device": "NVIDIA H100 80GB HBM3", "commit": "abc1234", "date": "2026-11-22",
+        "torch": "2.11", "triton": "3.6.0", "transformers": "5.17.0", "dtype": "bfloat16", "layers": 24,
+        "prompt": 16, "new_tokens": 256, "copy_tbps": 3.0, "correctness": {"ok": True},
+        "throughput": [
+            {"impl": "hf_eager", "batch": 1, "tokens_per_s": 11.3, "ms_per_step": 88.5, "triforge_speedup": 80.0},
+            {"impl": "triforge", "batch": 1, "tokens_per_s": 904.0, "ms_per_step": 1.106, "triforge_speedup": 1.0},
+        ],
+        "skipped": [{"impl": "hf_eager", "batch": 8, "reason": "time budget"}],
+        "step_profile": {"batch": 1, "keys_attended": 145, "sum_kernel_us": 866.0, "graph_step_us": 966.0,
+                         "bytes_per_step": 991e6, "ideal_us_at_copy_bw": 331.0,
+                         "kernels": [{"role": "lm_head", "calls": 1, "mean_us": 106.6, "total_us": 106.6,
+                                      "bytes": 272.6e6, "pct_copy": 85.3}]},
+    }))
+    assert main(["report", str(bench), str(dec), "--out", str(tmp_path / "rep")]) == 0
+    md = (tmp_path / "rep" / "report.md").read_text()
+    assert "| rms_norm | fwd | 65536x4096 | bfloat16 | liger | 0.4400 |" in md
+    rows = md.split("| impl | batch | tokens/s | ms / step | triforge speedup |")[1]
+    assert rows.index("| triforge | 1 | 904 | 1.106 | 1.00x |") < rows.index("| hf_eager | 1 | 11 | 88.500 | 80.00x |")
+    assert "| hf_eager | 8 | not run: time budget |" in md
+    assert "| lm_head | 1 | 106.60 | 106.6 | 272.60 | 85.3% |" in md
+    assert (tmp_path / "rep" / "roofline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_trace_summarises_kernels_against_their_byte_model(tmp_path, capsys):
     from triforge import trace
 

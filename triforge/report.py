@@ -12,10 +12,42 @@ def _fmt(v, spec):
     return "-" if v is None else format(v, spec)
 
 
+def _decode_markdown(res: dict) -> list[str]:
+    """A ``benchmarks/qwen2_decode.py`` result: tokens/s per batch and implementation, then one decode
+    step's kernels against their byte model."""
+    out = [f"### {res['device']} — Qwen2.5-0.5B-sized decode ({res['layers']} layers, {res['dtype']}, prompt "
+           f"{res['prompt']} + {res['new_tokens']} new tokens) — commit {res['commit']}, {res['date']}, torch "
+           f"{res['torch']}, triton {res['triton']}, transformers {res['transformers']}\n",
+           f"Correctness gate: {res['correctness']}\n",
+           "| impl | batch | tokens/s | ms / step | triforge speedup |", "|---|---|---|---|---|"]
+    for r in sorted(res["throughput"], key=lambda r: (r["batch"], r["impl"] != "triforge")):
+        out.append(f"| {r['impl']} | {r['batch']} | {r['tokens_per_s']:.0f} | {r['ms_per_step']:.3f} | "
+                   f"{_fmt(r.get('triforge_speedup'), '.2f')}x |")
+    for s in res.get("skipped", []):
+        out.append(f"| {s['impl']} | {s['batch']} | not run: {s['reason']} | | |")
+    sp = res.get("step_profile")
+    if sp:
+        out.append(f"\nOne decode step at batch {sp['batch']} ({sp['keys_attended']} keys), each kernel against its byte "
+                   f"model (copy {res['copy_tbps']:.2f} TB/s): sum of kernels {sp['sum_kernel_us']:.0f} us, graph-replayed "
+                   f"step {sp['graph_step_us']:.0f} us, {sp['bytes_per_step'] / 1e6:.0f} MB = "
+                   f"{sp['ideal_us_at_copy_bw']:.0f} us at copy bandwidth.\n")
+        out.append("| kernel | calls | mean us | total us | MB | % of copy |")
+        out.append("|---|---|---|---|---|---|")
+        for r in sorted(sp["kernels"], key=lambda r: -r["total_us"]):
+            mb = f"{r['bytes'] / 1e6:.2f}" if r.get("bytes") else ""
+            pct = f"{r['pct_copy']:.1f}%" if r.get("pct_copy") else ""
+            out.append(f"| {r['role']} | {r['calls']} | {r['mean_us']:.2f} | {r['total_us']:.1f} | {mb} | {pct} |")
+    out.append("")
+    return out
+
+
 def markdown(results: list[dict]) -> str:
     """One table per results file: every op, mode and implementation, with ratios to triforge."""
     out = []
     for res in results:
+        if res.get("benchmark") == "qwen2_decode":
+            out += _decode_markdown(res)
+            continue
         pk = res["peaks"]
         out.append(
             f"### {res['device']} — commit {res['commit']}, {res['date'][:10]}, torch {res['torch']}, triton {res['triton']}\n"
@@ -24,16 +56,17 @@ def markdown(results: list[dict]) -> str:
             f"Measured ceilings: copy {pk['copy_tbps']:.2f} TB/s (read + write), "
             f"bf16 matmul {pk['matmul_bf16_tflops']:.0f} TFLOP/s.\n"
         )
-        out.append("| op | mode | shape | dtype | impl | median ms | GB/s | % of copy | triforge speedup |")
-        out.append("|---|---|---|---|---|---|---|---|---|")
+        out.append("| op | mode | shape | dtype | impl | median ms | GB/s | % of copy | TFLOP/s | triforge speedup |")
+        out.append("|---|---|---|---|---|---|---|---|---|---|")
         for r in res["rows"]:
             if "error" in r:
-                out.append(f"| {r['op']} | {r['mode']} | {r.get('shape', '')} | {r.get('dtype', '')} | {r['impl']} | error: {r['error']} | | | |")
+                out.append(f"| {r['op']} | {r['mode']} | {r.get('shape', '')} | {r.get('dtype', '')} | {r['impl']} | "
+                           f"error: {r['error']} | | | | |")
                 continue
             speed = r.get("triforge_speedup")
             out.append(
                 f"| {r['op']} | {r['mode']} | {r['shape']} | {r['dtype']} | {r['impl']} | {r['median_ms']:.4f} | "
-                f"{r['gbps']:.0f} | {r['pct_copy']:.1f}% | {_fmt(speed, '.2f')}x |"
+                f"{r['gbps']:.0f} | {r['pct_copy']:.1f}% | {_fmt(r.get('tflops'), '.1f')} | {_fmt(speed, '.2f')}x |"
             )
         res_rows = [(r["op"], r["mode"], k, v) for r in res["rows"] if r.get("impl") == "triforge" for k, v in (r.get("kernels") or {}).items() if v]
         if res_rows:
@@ -56,6 +89,8 @@ def roofline(results: list[dict], path) -> str:
     fig, ax = plt.subplots(figsize=(8, 5.5))
     markers = {"triforge": "o", "liger": "s", "torch.compile": "^"}
     for res in results:
+        if "peaks" not in res:  # a decode-engine result: no per-op rows to place
+            continue
         bw, mm = res["peaks"]["copy_tbps"], res["peaks"]["matmul_bf16_tflops"]
         xs = [10 ** (i / 20) for i in range(-60, 81)]
         ax.plot(xs, [min(mm, x * bw) for x in xs], "k-", lw=1, label=f"ceiling ({bw:.2f} TB/s, {mm:.0f} TFLOP/s)")
