@@ -90,6 +90,15 @@ def test_report_regenerates_readme_section(tmp_path):
     assert "| rms_norm | fwd | 65536x4096 | bfloat16 | triforge | 0.4000 |" in text
 
 
+def test_report_selects_ops_per_file(tmp_path):
+    res = tmp_path / "r.json"
+    _fake_results(res)
+    assert main(["report", f"{res}::no_such_op", "--out", str(tmp_path / "none")]) == 0
+    assert "| rms_norm |" not in (tmp_path / "none" / "report.md").read_text()
+    assert main(["report", f"{res}::rms_norm", "--out", str(tmp_path / "rep")]) == 0
+    assert "| rms_norm | fwd | 65536x4096 | bfloat16 | liger | 0.4400 |" in (tmp_path / "rep" / "report.md").read_text()
+
+
 def test_report_renders_a_decode_engine_result_beside_bench_results(tmp_path):
     """A benchmarks/qwen2_decode.py result (tokens/s per batch, one step's kernels) is rendered next
     to triforge bench results, and left out of the roofline (it has no per-op rows)."""

@@ -5,7 +5,17 @@ from pathlib import Path
 
 
 def load_results(paths) -> list[dict]:
-    return [json.loads(Path(p).read_text()) for p in paths]
+    """Each path a results file, optionally ``FILE::op1,op2`` to keep only those ops' rows (a family
+    total is named "<family> total"): a README can take each op from the run that measured it last."""
+    out = []
+    for p in paths:
+        path, _, ops = str(p).partition("::")
+        res = json.loads(Path(path).read_text())
+        if ops and "rows" in res:
+            keep = set(ops.split(","))
+            res["rows"] = [r for r in res["rows"] if r["op"] in keep]
+        out.append(res)
+    return out
 
 
 def _fmt(v, spec):
