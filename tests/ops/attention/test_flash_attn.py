@@ -181,16 +181,21 @@ def test_softmax_scale(gen):
 
 @pytest.mark.parametrize("dtype", F16, ids=F16_IDS)
 def test_deterministic(dtype, gen):
-    """Two runs are bitwise equal, forward and backward (GQA with a split group: kv_split > 1)."""
+    """deterministic=True: two runs are bitwise equal, forward and backward (GQA with a split group:
+    kv_split > 1). Without it only dq may differ (the GPU configs' atomic fp32 dQ), within rounding."""
     q, k, v = _qkv(1, 33, 29, 4, 1, 32, dtype, gen)
     do = _rand(q.shape, dtype, gen)
-    runs = []
-    for _ in range(2):
-        leaves = [_leaf(t) for t in (q, k, v)]
-        o, lse = flash_attn_func(*leaves, causal=True, return_lse=True)
-        runs.append((o, lse, *torch.autograd.grad(o, leaves, do)))
-    for a, b in zip(*runs):
-        assert torch.equal(a, b)
+    for deterministic in (True, False):
+        runs = []
+        for _ in range(2):
+            leaves = [_leaf(t) for t in (q, k, v)]
+            o, lse = flash_attn_func(*leaves, causal=True, return_lse=True, deterministic=deterministic)
+            runs.append((o, lse, *torch.autograd.grad(o, leaves, do)))
+        for i, (a, b) in enumerate(zip(*runs)):
+            if deterministic or i != 2:
+                assert torch.equal(a, b)
+            else:
+                torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-3)
 
 
 # ----------------------------------------------------------------------------- gradients
@@ -324,6 +329,88 @@ def test_gqa_kv_split(split, gen):
     _assert_ok("dv", ref[2], dv, dtype)
 
 
+# the Hopper variants in the interpreter: tensor descriptors (TMA), the warp-specialized forward's
+# single key loop (WARP_SPEC, masking every tile), dQ accumulated by the dK/dV kernel (ATOMIC_DQ:
+# plain atomic adds here; the TMA reduction is compiled-only)
+VARIANTS = [
+    ({"TMA": 1}, {"TMA": 1}, {"TMA": 1}),
+    ({"TMA": 1, "WARP_SPEC": 1}, {"ATOMIC_DQ": 1}, {}),
+    ({}, {"TMA": 1, "ATOMIC_DQ": 2}, {}),
+]
+
+
+@pytest.mark.parametrize("fwd,dkdv,dq", VARIANTS, ids=["tma", "warpspec-atomic", "atomic-tma"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_hopper_variants(fwd, dkdv, dq, causal, gen):
+    """Each variant against float64: unequal tiles, Sq != Sk both ways (rows that see no key), a
+    multiple of the key tile (WARP_SPEC's unmasked loop when not causal), GQA with a split group."""
+    dtype = torch.bfloat16
+    scale = 32**-0.5
+    for Sq, Sk in ((37, 70), (70, 37), (32, 48)):
+        q, k, v = _qkv(1, Sq, Sk, 4, 1, 32, dtype, gen)
+        do = _rand(q.shape, dtype, gen)
+        base = {"BLOCK_M": 32, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
+        leaves64 = [_leaf(t.double()) for t in (q, k, v)]
+        ref = attention_ref(*leaves64, causal)
+        ref_grads = torch.autograd.grad(ref["o"], leaves64, do.double())
+        assert attn._tma_ok(q, k, v, do)
+        with poisoned():
+            o, lse, o_res = attn.attn_fwd(q, k, v, causal, scale, {**base, **fwd}, residual=True)
+            dq_, dk, dv = attn.attn_bwd(do, q, k, v, o, o_res, lse, None, causal, scale,
+                                        cfg_dkdv={**base, "BLOCK_M": 16, "BLOCK_N": 32, **dkdv}, cfg_dq={**base, **dq})
+        _assert_ok("lse", ref["lse"], lse, dtype)
+        _assert_ok("o", ref["o"], o, dtype)
+        for name, r, g in zip(("dq", "dk", "dv"), ref_grads, (dq_, dk, dv)):
+            _assert_ok(name, r, g, dtype)
+        seen = _seen_rows(Sq, Sk, causal)
+        assert (o[:, ~seen] == 0).all() and (dq_[:, ~seen] == 0).all()
+
+
+def test_tma_falls_back_on_misaligned_inputs(gen):
+    """q starting 2 bytes past a 16-byte boundary: no tensor descriptors, the plain loads, same result."""
+    dtype = torch.float16
+    q, k, v = _qkv(1, 21, 19, 2, 1, 32, dtype, gen)
+    q_off = torch.empty(q.numel() + 1, dtype=dtype, device=q.device)[1:].view(q.shape)
+    q_off.copy_(q)
+    assert not attn._tma_ok(q_off, k, v) and attn._tma_ok(q, k, v)
+    cfg = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 8, "num_stages": 1, "TMA": 1, "WARP_SPEC": 1}
+    assert attn._fwd_variant(cfg, q_off, k, v, None, 19) == ({"TMA": False, "WARP_SPEC": False, "EVEN_N": False}, 8)
+    assert attn._fwd_variant(cfg, q, k, v, None, 32)[1] == 4  # one consumer warpgroup's warps
+    with pytest.raises(ValueError, match="WARP_SPEC needs TMA"):
+        attn._fwd_variant({**cfg, "TMA": 0}, q, k, v, None, 19)
+    with poisoned():
+        got = attn.attn_fwd(q_off, k, v, True, 0.2, cfg)[0]
+        want = attn.attn_fwd(q, k, v, True, 0.2, {**cfg, "TMA": 0, "WARP_SPEC": 0})[0]
+    assert torch.equal(got, want)
+
+
+def test_deterministic_flag_selects_the_dq_kernel(gen, monkeypatch):
+    """With an ATOMIC_DQ config, flash_attn_func's backward converts the dK/dV kernel's dQ sums, unless
+    deterministic=True (then the dQ kernel runs); both are right."""
+    dtype = torch.bfloat16
+    q, k, v = _qkv(1, 23, 31, 4, 2, 32, dtype, gen)
+    do = _rand(q.shape, dtype, gen)
+    cfg = attn._cfg
+
+    def atomic_cfg(kernel, D, causal, dt):
+        return {**cfg(kernel, D, causal, dt), **({"ATOMIC_DQ": 1} if kernel == "flash_attn_bwd_dkdv" else {})}
+
+    calls = []
+    convert = attn.attn_bwd_dq_convert
+    monkeypatch.setattr(attn, "_cfg", atomic_cfg)
+    monkeypatch.setattr(attn, "attn_bwd_dq_convert", lambda *a: calls.append(1) or convert(*a))
+    leaves64 = [_leaf(t.double()) for t in (q, k, v)]
+    ref = torch.autograd.grad(attention_ref(*leaves64, True)["o"], leaves64, do.double())
+    for deterministic, n_calls in ((False, 1), (True, 1)):
+        leaves = [_leaf(t) for t in (q, k, v)]
+        with poisoned():
+            o = flash_attn_func(*leaves, causal=True, deterministic=deterministic)
+            grads = torch.autograd.grad(o, leaves, do)
+        assert len(calls) == n_calls
+        for name, r, g in zip(("dq", "dk", "dv"), ref, grads):
+            _assert_ok(name, r, g, dtype)
+
+
 def test_kv_split_heuristic():
     sms = _runtime.num_sms()
     assert attn.kv_split_for(2 * sms, 1, 1, 8) == 1  # the kv heads alone give two programs per SM
@@ -340,6 +427,7 @@ def test_interpreter_and_fallback_configs():
             if _runtime.INTERPRET:
                 assert cfg["BLOCK_M"] == cfg["BLOCK_N"] == 16
     bf16 = torch.bfloat16
+    # the measured H100 configs (portable path) until the Hopper variants are timed on the GPU
     assert attn.fallback_config("flash_attn_fwd", 128, bf16) == {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}
     assert attn.fallback_config("flash_attn_fwd", 64, bf16) == {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
     for kernel in ("flash_attn_fwd", "flash_attn_bwd_dkdv", "flash_attn_bwd_dq"):
@@ -347,7 +435,11 @@ def test_interpreter_and_fallback_configs():
             for dtype in (torch.float16, bf16, torch.float32):
                 cfg = attn.fallback_config(kernel, D, dtype)
                 assert cfg["BLOCK_M"] >= 16 and cfg["BLOCK_N"] >= 16
+                if dtype == torch.float32 or D == 256:  # the portable path only
+                    assert not (cfg.get("TMA") or cfg.get("WARP_SPEC") or cfg.get("ATOMIC_DQ")), (kernel, D, dtype)
     assert {"flash_attn_fwd", "flash_attn_bwd_dkdv", "flash_attn_bwd_dq"} <= set(tune.all_tunables())
+    for kernel, space in attn.TUNE_SPACES.items():
+        assert tune.get(kernel).space == space and len(tune.grid(space)) <= 24
 
 
 # ----------------------------------------------------------------------------- layouts, compile, opcheck
@@ -434,6 +526,8 @@ def test_custom_ops_pass_opcheck(gen):
     dlse = _rand(lse.shape, torch.float32, gen)
     torch.library.opcheck(ops.flash_attn_bwd.default, (do, q, k, v, o, o_res, lse, dlse, True, 0.3))
     torch.library.opcheck(ops.flash_attn_bwd.default, (do, q, k, v, o, None, lse, None, False, 0.3))
+    torch.library.opcheck(ops.flash_attn_fwd.default, (_leaf(q), _leaf(k), _leaf(v), False, 0.3, True, True))
+    torch.library.opcheck(ops.flash_attn_bwd.default, (do, q, k, v, o, o_res, lse, dlse, True, 0.3, True))
 
 
 # ----------------------------------------------------------------------------- validation
@@ -471,6 +565,7 @@ def _bad_cases():
         ("scale-str", lambda: f(q, k, k, softmax_scale="0.1"), TypeError, r"softmax_scale must be"),
         ("scale-tensor", lambda: f(q, k, k, softmax_scale=torch.tensor(0.1)), TypeError, r"softmax_scale must be"),
         ("causal-str", lambda: f(q, k, k, causal="yes"), TypeError, r"causal must be a bool"),
+        ("deterministic-int", lambda: f(q, k, k, deterministic=1), TypeError, r"deterministic must be a bool"),
     ]
 
 
@@ -570,7 +665,7 @@ def test_longer_sequence_forward_and_backward(causal, gen):
 
 # ----------------------------------------------------------------------------- compiled for sm90 (no GPU needed)
 
-_SM90_COMPILE = r'''
+_SM90_COMPILE = r"""
 import json, os, re, subprocess, sys, tempfile
 os.environ["TRITON_INTERPRET"] = "0"  # real @triton.jit kernels, compiled for sm90 without a device
 import torch, triton
@@ -598,12 +693,15 @@ def compile_(fn, ptrs, floats, consts, opts):
     ptx = k.asm["ptx"]
     return {"regs": int(re.search(r"Used (\d+) registers", txt).group(1)),
             "spills": int(re.search(r"(\d+) bytes spill stores", txt).group(1)),
-            "wgmma": ptx.count("wgmma.mma_async"), "cp_async": ptx.count("cp.async."), "shared": k.metadata.shared}
+            "wgmma": ptx.count("wgmma.mma_async"), "cp_async": ptx.count("cp.async."),
+            "tma_loads": ptx.count("cp.async.bulk.tensor"), "tma_reduce": ptx.count("cp.reduce.async.bulk.tensor"),
+            "setmaxnreg": ptx.count("setmaxnreg"), "warps": k.metadata.num_warps, "shared": k.metadata.shared}
 
 
 rows = []
-for kernel, dt, D, causal, *varlen in json.loads(sys.argv[1]):
-    varlen = bool(varlen and varlen[0])
+for kernel, dt, D, causal, *extra in json.loads(sys.argv[1]):
+    varlen = bool(extra and extra[0])
+    override = extra[1] if len(extra) > 1 else {}
     dtype = getattr(torch, dt)
     t = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}[dt]
     flags = dict(UPCAST=False, IEEE=dtype == torch.float32)
@@ -614,8 +712,18 @@ for kernel, dt, D, causal, *varlen in json.loads(sys.argv[1]):
         r = compile_(bw.flash_attn_bwd_preprocess_kernel, ptrs, (), consts, {"num_warps": 4, "num_stages": 1})
         rows.append(dict(r, kernel=kernel, dtype=t, D=D, causal=causal))
         continue
-    cfg = attn.fallback_config(kernel, D, dtype)
-    opts = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
+    if kernel == "convert":
+        ptrs = {"acc_ptr": "*fp32", "dq_ptr": "*" + t}
+        r = compile_(bw.flash_attn_bwd_dq_convert_kernel, ptrs, ("sm_scale",), dict(BLOCK=1024, UPCAST=False),
+                     {"num_warps": 4, "num_stages": 1})
+        rows.append(dict(r, kernel=kernel, dtype=t, D=D, causal=causal))
+        continue
+    cfg = dict(attn.fallback_config(kernel, D, dtype), **override)
+    # as the launchers decide: varlen launches use neither warp specialization nor atomic dQ
+    tma = bool(cfg.get("TMA", 0))
+    ws = bool(cfg.get("WARP_SPEC", 0)) and tma and not varlen
+    atomic = 0 if varlen else cfg.get("ATOMIC_DQ", 0)
+    opts = {"num_warps": cfg["num_warps"] // 2 if ws else cfg["num_warps"], "num_stages": cfg["num_stages"]}
     consts = dict(HEAD_DIM=D, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], CAUSAL=causal, VARLEN=varlen, **flags)
     # VARLEN: int32 prefix sums; otherwise the launchers pass None, which compiles away
     cu = {n: "*i32" for n in ("cu_seqlens_q_ptr", "cu_seqlens_k_ptr")} if varlen else {}
@@ -624,19 +732,26 @@ for kernel, dt, D, causal, *varlen in json.loads(sys.argv[1]):
     if kernel == "flash_attn_fwd":
         ptrs = {n: "*" + t for n in ("q_ptr", "k_ptr", "v_ptr", "o_ptr", "ores_ptr")}
         ptrs.update(lse_ptr="*fp32", **cu)
-        consts["STORE_RES"] = dtype != torch.float32
+        consts.update(STORE_RES=dtype != torch.float32, TMA=tma, WARP_SPEC=ws, EVEN_N=False)
         r = compile_(fw.flash_attn_fwd_kernel, ptrs, ("qk_scale",), consts, opts)
     elif kernel == "flash_attn_bwd_dkdv":
         ptrs = {n: "*" + t for n in ("q_ptr", "k_ptr", "v_ptr", "do_ptr", "dk_ptr", "dv_ptr")}
         ptrs.update(lse_ptr="*fp32", delta_ptr="*fp32", **cu)
+        consts.update(TMA=tma, ATOMIC_DQ=atomic)
+        if atomic:
+            ptrs["dq_ptr"] = "*fp32"
+        else:
+            consts["dq_ptr"] = None
         r = compile_(bw.flash_attn_bwd_dkdv_kernel, ptrs, ("qk_scale", "sm_scale"), consts, opts)
     else:
         ptrs = {n: "*" + t for n in ("q_ptr", "k_ptr", "v_ptr", "do_ptr", "dq_ptr")}
         ptrs.update(lse_ptr="*fp32", delta_ptr="*fp32", **cu)
+        consts["TMA"] = tma
         r = compile_(bw.flash_attn_bwd_dq_kernel, ptrs, ("qk_scale", "sm_scale"), consts, opts)
-    rows.append(dict(r, kernel=kernel, dtype=t, D=D, causal=causal, varlen=varlen, cfg=cfg))
+    rows.append(dict(r, kernel=kernel, dtype=t, D=D, causal=causal, varlen=varlen, cfg=cfg, tma=tma, ws=ws,
+                     atomic=atomic))
 print("RESULT" + json.dumps(rows))
-'''
+"""
 
 _KERNELS = ("flash_attn_fwd", "flash_attn_bwd_dkdv", "flash_attn_bwd_dq")
 
@@ -665,10 +780,16 @@ def _check_sm90_rows(rows):
     for r in rows:
         assert r["spills"] == 0, r
         assert r["shared"] <= 227 * 1024, r
-        if r["kernel"] != "pre" and r["dtype"] != "fp32":
-            assert r["cp_async"] > 0, r  # K/V (or Q/dO) loads are software-pipelined
+        if r["kernel"] not in ("pre", "convert") and r["dtype"] != "fp32":
+            assert r["cp_async"] > 0, r  # K/V (or Q/dO) loads are asynchronous copies
             if r["D"] <= 128:
                 assert r["wgmma"] > 0, r  # Hopper tensor cores
+        if r.get("tma"):
+            assert r["tma_loads"] > 0, r  # bulk tensor copies
+        if r.get("ws"):  # producer + two consumer warpgroups, registers moved to the consumers
+            assert r["warps"] == 12 and r["setmaxnreg"] > 0, r
+        if r.get("atomic") == 2:
+            assert r["tma_reduce"] > 0, r
 
 
 def test_kernels_compile_for_sm90():
@@ -691,3 +812,33 @@ def test_kernels_compile_for_sm90_fp16_fp32():
     cases += [c + [True] for c in cases]
     cases += [["pre", dt, 256, False] for dt in ("float16", "float32")]
     _check_sm90_rows(_sm90_compile(cases))
+
+
+def test_variants_and_tune_spaces_compile_for_sm90():
+    """Every point of the tune grids (at their tune shape: bf16, D = 128, not causal) and the other
+    variants benchmarks/attention_variants.py times compile for sm90 without spills: the
+    warp-specialized forward (12 warps, setmaxnreg), TMA loads, TMA reductions of dQ, and the dQ
+    conversion. The grids' forward points with WARP_SPEC but not TMA are refused by the launcher; the
+    one with 128 x 128 tiles, WARP_SPEC and 3 stages needs more shared memory than an H100 has at
+    D = 128 (the tuner skips it; it fits at D = 64)."""
+    from triforge import tune
+
+    cases = []
+    for kernel, space in attn.TUNE_SPACES.items():
+        for cfg in tune.grid(space):
+            if not (cfg.get("WARP_SPEC") and not cfg.get("TMA")):
+                cases.append([kernel, "bfloat16", 128, False, False, cfg])
+    ws = {"BLOCK_M": 128, "num_warps": 8, "TMA": 1, "WARP_SPEC": 1}
+    for D, c in ((64, False), (64, True), (128, False), (128, True)):
+        cases.append(["flash_attn_fwd", "bfloat16", D, c, False, {**ws, "BLOCK_N": 64, "num_stages": 3}])
+        stages = 3 if D == 64 else 2
+        cases.append(["flash_attn_fwd", "bfloat16", D, c, False, {**ws, "BLOCK_N": 128, "num_stages": stages}])
+    atomic = {"BLOCK_M": 32, "BLOCK_N": 128, "num_warps": 8, "num_stages": 1, "TMA": 1}
+    cases.append(["flash_attn_bwd_dkdv", "bfloat16", 128, True, False, {**atomic, "ATOMIC_DQ": 1}])
+    cases.append(["flash_attn_bwd_dkdv", "bfloat16", 64, True, False, {**atomic, "BLOCK_M": 64, "ATOMIC_DQ": 2}])
+    cases.append(["convert", "bfloat16", 128, False])
+    rows = _sm90_compile(cases)
+    too_big = [r for r in rows if r["shared"] > 227 * 1024]
+    assert [(r["D"], r["cfg"]["BLOCK_N"], r["cfg"]["num_stages"], r["ws"]) for r in too_big] == [(128, 128, 3, True)]
+    _check_sm90_rows([r for r in rows if r not in too_big])
+    assert sum(r.get("ws", False) for r in rows) >= 8 and sum(r.get("atomic") == 2 for r in rows) >= 3

@@ -17,6 +17,13 @@ so that the backward's delta = rowsum(dO * O) uses O to twice its dtype's mantis
 A row that sees no key keeps m = -inf and l = 0: a safe max (0) stands in for m in the
 exponentials and the row stores o = 0, lse = -inf.
 
+TMA (Hopper): Q, K and V tiles come through tensor descriptors built on the device, one per
+(batch, head) [S, D] matrix (16-byte aligned strides): bulk tensor copies, rows past the sequence's
+end read as zeros. WARP_SPEC (with TMA, not VARLEN): Triton's Hopper warp specialization splits the
+program into a producer warpgroup issuing those copies and two consumer warpgroups of BLOCK_M / 2
+rows, whose softmax and matmuls drift apart and overlap. The pass takes a single key loop, so that
+loop masks every tile when any tile needs it (causal, or Sk % BLOCK_N != 0: not EVEN_N).
+
 VARLEN (flash-attn's varlen layout): q [Tq, H, D] and k/v [Tk, Hkv, D] pack B sequences, sequence b
 in rows cu_seqlens_q[b] .. cu_seqlens_q[b + 1] - 1 of q (likewise cu_seqlens_k for k/v). The batch
 index is the sequence: the grid spans the longest sequence and the programs past their own
@@ -59,7 +66,7 @@ def _cast(x, dtype: tl.constexpr, RNE: tl.constexpr):
 @triton.jit
 def _fwd_inner(
     acc, l_i, m_i, q,
-    k_base, v_base,  # pointers to this (batch, kv head)'s key / value row 0
+    k_src, v_src,  # TMA: descriptors of this (batch, kv head)'s K / V [Sk, D]; else pointers to its row 0
     stride_ks, stride_vs,
     offs_m,  # [BLOCK_M] query rows of the program
     offs_d,  # [HEAD_DIM]
@@ -72,20 +79,22 @@ def _fwd_inner(
     CAUSAL: tl.constexpr,
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
+    TMA: tl.constexpr,  # K/V tiles by tensor descriptor (TMA on Hopper; rows past Sk read as 0)
+    WARP_SPEC: tl.constexpr,  # Hopper: a producer warpgroup issues the TMA loads, two consumers compute
 ):
     offs_n0 = tl.arange(0, BLOCK_N)
     tile = offs_n0[:, None] * stride_ks + offs_d[None, :]
     tile_v = offs_n0[:, None] * stride_vs + offs_d[None, :]
-    for start_n in range(lo, hi, BLOCK_N):
-        n64 = tl.cast(start_n, tl.int64)
-        p_k = k_base + n64 * stride_ks + tile
-        p_v = v_base + n64 * stride_vs + tile_v
+    for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPEC):
         offs_n = start_n + offs_n0
         if MASKED:
             m_n = offs_n < Sk
-            k = tl.load(p_k, mask=m_n[:, None], other=0.0)
+        if TMA:
+            k = k_src.load([start_n, 0])
+        elif MASKED:
+            k = tl.load(k_src + tl.cast(start_n, tl.int64) * stride_ks + tile, mask=m_n[:, None], other=0.0)
         else:
-            k = tl.load(p_k)
+            k = tl.load(k_src + tl.cast(start_n, tl.int64) * stride_ks + tile)
         qk = _dot(q, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), UPCAST, IEEE)
         if MASKED:
             valid = m_n[None, :]
@@ -96,19 +105,31 @@ def _fwd_inner(
             # a row that has seen no key yet: m_new = -inf; exp2 must never see (-inf) - (-inf)
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
             p = tl.exp2(s - m_use[:, None])
-            v = tl.load(p_v, mask=m_n[:, None], other=0.0)
         else:
-            # every key of the block is visible to every row: the row max is finite
+            # every key of the block is visible to every row: the row max is finite; the scale and
+            # the max subtraction are one FMA per score
             m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
             m_use = m_new
             p = tl.exp2(qk * qk_scale - m_use[:, None])
-            v = tl.load(p_v)
+        if TMA:
+            v = v_src.load([start_n, 0])
+        elif MASKED:
+            v = tl.load(v_src + tl.cast(start_n, tl.int64) * stride_vs + tile_v, mask=m_n[:, None], other=0.0)
+        else:
+            v = tl.load(v_src + tl.cast(start_n, tl.int64) * stride_vs + tile_v)
         alpha = tl.exp2(m_i - m_use)
-        l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
         acc = _dot(_cast(p, v.dtype, UPCAST), v, acc, UPCAST, IEEE)
+        l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
     return acc, l_i, m_i
+
+
+@triton.jit
+def _rows_desc(base, S, stride_s, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """A tensor descriptor of the [S, HEAD_DIM] rows of one (batch or sequence, head) from ``base``,
+    loading [BLOCK, HEAD_DIM] tiles (an empty sequence's is encoded with S = 1 and never read)."""
+    return tl.make_tensor_descriptor(base, [tl.maximum(S, 1), HEAD_DIM], [stride_s, 1], [BLOCK, HEAD_DIM])
 
 
 @triton.jit
@@ -176,6 +197,9 @@ def flash_attn_fwd_kernel(
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
     VARLEN: tl.constexpr,
+    TMA: tl.constexpr = False,  # Q/K/V tiles through device-built tensor descriptors (16-byte aligned)
+    WARP_SPEC: tl.constexpr = False,  # with TMA, not VARLEN: Hopper producer/consumer warpgroups
+    EVEN_N: tl.constexpr = False,  # Sk % BLOCK_N == 0 (not VARLEN): WARP_SPEC needs no key-bound mask
 ):
     i_m = tl.program_id(0)
     if CAUSAL:  # the longest rows (most key blocks) start first
@@ -193,7 +217,7 @@ def flash_attn_fwd_kernel(
         bos_k, Sk = _varlen_seq(cu_seqlens_k_ptr, i_b)
         if m0 >= Sq:  # past this sequence's end
             return
-    q_base = q_ptr + _seq_start(i_b, bos_q, stride_qb, stride_qs, VARLEN) + i_h * stride_qh + m0 * stride_qs
+    q_base = q_ptr + _seq_start(i_b, bos_q, stride_qb, stride_qs, VARLEN) + i_h * stride_qh
     k_base = k_ptr + _seq_start(i_b, bos_k, stride_kb, stride_ks, VARLEN) + i_hk * stride_kh
     v_base = v_ptr + _seq_start(i_b, bos_k, stride_vb, stride_vs, VARLEN) + i_hk * stride_vh
     o_off = _seq_start(i_b, bos_q, stride_ob, stride_os, VARLEN) + i_h * stride_oh + m0 * stride_os
@@ -202,19 +226,31 @@ def flash_attn_fwd_kernel(
     offs_m = i_m * BLOCK_M + offs_m0
     offs_d = tl.arange(0, HEAD_DIM)
     m_m = offs_m < Sq
-    q = tl.load(q_base + offs_m0[:, None] * stride_qs + offs_d[None, :], mask=m_m[:, None], other=0.0)
+    if TMA:  # one (batch, head)'s [S, D] matrix per descriptor: rows past its end read as 0
+        q = _rows_desc(q_base, Sq, stride_qs, BLOCK_M, HEAD_DIM).load([i_m * BLOCK_M, 0])
+        k_src = _rows_desc(k_base, Sk, stride_ks, BLOCK_N, HEAD_DIM)
+        v_src = _rows_desc(v_base, Sk, stride_vs, BLOCK_N, HEAD_DIM)
+    else:
+        q = tl.load(q_base + m0 * stride_qs + offs_m0[:, None] * stride_qs + offs_d[None, :], mask=m_m[:, None],
+                    other=0.0)
+        k_src, v_src = k_base, v_base
 
     shift = Sk - Sq
     full_end, hi = _causal_key_range(i_m, Sk, shift, BLOCK_M, BLOCK_N, CAUSAL)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, offs_m, offs_d,
-                               0, full_end, Sk, shift, qk_scale,
-                               BLOCK_M, BLOCK_N, False, CAUSAL, UPCAST, IEEE)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, offs_m, offs_d,
-                               full_end, hi, Sk, shift, qk_scale,
-                               BLOCK_M, BLOCK_N, True, CAUSAL, UPCAST, IEEE)
+    if WARP_SPEC:  # the warp-specialising pass takes one loop: every tile masked if any tile needs it
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, offs_m, offs_d,
+                                   0, hi, Sk, shift, qk_scale,
+                                   BLOCK_M, BLOCK_N, CAUSAL or not EVEN_N, CAUSAL, UPCAST, IEEE, TMA, True)
+    else:
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, offs_m, offs_d,
+                                   0, full_end, Sk, shift, qk_scale,
+                                   BLOCK_M, BLOCK_N, False, CAUSAL, UPCAST, IEEE, TMA, False)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, offs_m, offs_d,
+                                   full_end, hi, Sk, shift, qk_scale,
+                                   BLOCK_M, BLOCK_N, True, CAUSAL, UPCAST, IEEE, TMA, False)
 
     empty = l_i == 0.0  # the row saw no key
     l_safe = tl.where(empty, 1.0, l_i)
