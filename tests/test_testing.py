@@ -116,34 +116,36 @@ def test_compare_default_tolerance_catches_an_element_error(dtype, gen):
     assert not r.ok and r.n_over == 1 and r.max_abs_at == (i, j)
 
 
-def test_compare_rms_dims_judges_each_row_by_its_own_scale(gen):
-    """Rows of very different magnitude (causal attention gradients): an error of 1% of a big row's
-    own rms passes row by row but fails against the tensor's rms; 1% of a small row's rms passes
-    either way, and a small row's error that the tensor-wide scale would hide fails row by row."""
+def test_compare_scale_judges_each_element_by_its_own_error_scale(gen):
+    """Elements whose error scales differ by orders (attention gradients of rows that see 2 keys and
+    rows that see thousands): with a per-element ``scale``, an error of 1% of a big element's scale
+    passes where the tensor-wide rms would fail it, and a small element's error that the tensor-wide
+    rms would hide fails."""
     tol = Tolerance(rel_rms=1.0, atol=5e-2, rtol=0.0)
     ref = _ref((64, 128), gen)
-    ref[0] *= 1000.0  # one big row, as a query that sees two keys
-    small = float(ref[5].square().mean().sqrt())
+    ref[0] *= 1000.0  # one big row
+    scale = ref.abs().clamp(min=0.5)  # each element's own error scale
     got = ref.clone()
-    got[0] += 0.01 * float(ref[0].square().mean().sqrt()) * torch.sign(torch.randn(128, generator=gen, dtype=ref.dtype))
-    assert compare("rows", ref, got, tol=tol, rms_dims=(-1,), verbose=False).ok
+    got[0] += 0.01 * scale[0] * torch.sign(torch.randn(128, generator=gen, dtype=ref.dtype))
+    assert compare("own", ref, got, tol=tol, scale=scale, verbose=False).ok
     assert not compare("global", ref, got, tol=tol, verbose=False).ok
     got = ref.clone()
-    got[5, 3] += 3 * small  # 3x the small row's rms: far under the tensor-wide scale (set by the big row)
+    got[5, 3] += 3 * float(scale[5, 3])  # far under the tensor-wide rms (set by the big row)
     assert compare("global", ref, got, tol=tol, verbose=False).ok
-    r = compare("rows", ref, got, tol=tol, rms_dims=(-1,), verbose=False)
+    r = compare("own", ref, got, tol=tol, scale=scale, verbose=False)
     assert not r.ok and r.n_over == 1 and r.max_abs_at == (5, 3)
 
 
-def test_compare_rms_dims_zero_row_uses_the_tensor_scale(gen):
+def test_compare_zero_scale_admits_only_exact_values(gen):
+    """An element whose error scale is 0 (nothing can round) must match exactly (rtol aside)."""
     tol = Tolerance(rel_rms=1.0, atol=1e-3, rtol=0.0)
     ref = _ref((8, 32), gen)
-    ref[2] = 0.0
+    scale = torch.ones_like(ref)
+    scale[2, 0] = 0.0
     got = ref.clone()
-    got[2, 0] = 0.5 * 1e-3 * _rms(ref)  # inside the tensor-wide bound; an all-zero row has no scale of its own
-    assert compare("zero-row", ref, got, tol=tol, rms_dims=(-1,), verbose=False).ok
-    got[2, 0] = 2 * 1e-3 * _rms(ref)
-    assert not compare("zero-row", ref, got, tol=tol, rms_dims=(-1,), verbose=False).ok
+    assert compare("exact", ref, got, tol=tol, scale=scale, verbose=False).ok
+    got[2, 0] += 1e-9
+    assert not compare("exact", ref, got, tol=tol, scale=scale, verbose=False).ok
 
 
 def test_compare_dtype_argument_picks_the_tolerance(gen):

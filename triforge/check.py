@@ -42,12 +42,13 @@ def check_op(spec, dtype, *, tier=None, seed=0, dump_dir=None, verbose=False) ->
     tag = str(dtype).replace("torch.", "")
     out = OpCheck(spec.name, tag, spec.describe(inputs))
     try:
-        ref_stages = spec.reference(**{k: _to64(v) for k, v in inputs.items()})
+        inputs64 = {k: _to64(v) for k, v in inputs.items()}
+        ref_stages = spec.reference(**inputs64)
         with poisoned():
             got_stages = spec.stages(**inputs)
+        scales = spec.magnitudes(inputs64, None) if spec.magnitudes else None
         results, failed = compare_stages(
-            ref_stages, got_stages, dtype=dtype, tols=spec.stage_tols, rms_dims=spec.rms_dims, prefix="fwd.",
-            verbose=verbose,
+            ref_stages, got_stages, dtype=dtype, tols=spec.stage_tols, scales=scales, prefix="fwd.", verbose=verbose,
         )
         out.results += results
         out.failed_stage = failed
@@ -69,9 +70,10 @@ def check_op(spec, dtype, *, tier=None, seed=0, dump_dir=None, verbose=False) ->
         with poisoned():
             got_grads = torch.autograd.grad(got_outs, [got_in[k] for k in spec.grad_inputs], grads_out)
         tol = tolerance_for(dtype)
+        scales = spec.magnitudes(inputs64, [g.double() for g in grads_out]) if spec.magnitudes else {}
         for k, rg, gg in zip(spec.grad_inputs, ref_grads, got_grads):
             res = compare(f"bwd.d{k}", rg, gg, dtype=dtype, tol=spec.stage_tols.get(f"d{k}", tol),
-                          rms_dims=spec.rms_dims.get(f"d{k}"), verbose=verbose)
+                          scale=scales.get(f"d{k}"), verbose=verbose)
             out.results.append(res)
             if not res.ok and out.failed_stage is None:
                 out.failed_stage = f"d{k}"

@@ -11,8 +11,10 @@ An op registers:
 - ``flops(inputs, mode)`` / ``bytes(inputs, mode)``: the roofline model, mode in {fwd, bwd}.
 - ``peers``: name -> builder(inputs) returning a callable with ``call``'s signature, or None
   when that peer is not installed.
-- ``stage_tols`` / ``rms_dims``: per stage or gradient (``d<input>``), a Tolerance replacing the
-  dtype's, and the dims each element's atol scale (an rms) is taken over (see testing.compare).
+- ``stage_tols``: per stage or gradient (``d<input>``), a Tolerance replacing the dtype's.
+- ``magnitudes(inputs64, grads64)``: optional; per stage or gradient name, the float64 scale of each
+  element's rounding error (the sum of its terms' absolute values; grads64 are the upstream
+  gradients, None for the forward stages) replacing the reference's rms (see testing.compare).
 - ``bench_shapes``: the shapes ``triforge bench`` sweeps (dict tiers, as ``make_inputs`` takes them);
   empty: the real tier alone.
 """
@@ -38,7 +40,7 @@ class OpSpec:
     peers: dict = field(default_factory=dict)
     dtypes: tuple = (torch.float32, torch.float16, torch.bfloat16)
     stage_tols: dict = field(default_factory=dict)
-    rms_dims: dict = field(default_factory=dict)
+    magnitudes: Callable | None = None
     describe: Callable = lambda inputs: ""
     bench_shapes: tuple = ()
 

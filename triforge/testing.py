@@ -87,15 +87,15 @@ class CompareResult:
         return text
 
 
-def compare(name, ref, got, *, dtype=None, tol=None, rms_dims=None, verbose=True) -> CompareResult:
+def compare(name, ref, got, *, dtype=None, tol=None, scale=None, verbose=True) -> CompareResult:
     """Compare ``got`` with the float64 reference ``ref``; print and return one row.
 
     ``dtype`` is the dtype the op computed from (it picks the tolerance; default got.dtype).
     Non-finite values pass only where the reference has the same value (NaN never passes).
-    The elementwise bound's atol is relative to the rms of ``ref``: over the whole tensor, or with
-    ``rms_dims`` over those dims only (each row against its own rms), for outputs whose rows differ
-    in magnitude by orders (a causal attention row that sees 2 keys has gradients ~100x those of one
-    that sees 8192; its rounding errors scale with its own values, not with the tensor's rms).
+    An element fails when |got - ref| > atol * scale + rtol * |ref|. ``scale`` defaults to the rms of
+    ``ref``; an op whose elements' error scales differ by orders passes its own (a tensor shaped like
+    ``ref``): for a dot product, the sum of its terms' absolute values, which bounds its rounding
+    error where the result itself cancels to ~0 (see attention_magnitudes).
     """
     if tol is None:
         tol = tolerance_for(dtype or got.dtype)
@@ -114,12 +114,11 @@ def compare(name, ref, got, *, dtype=None, tol=None, rms_dims=None, verbose=True
     finite = ref_d.isfinite() & got_d.isfinite()
     diff = torch.where(finite, (got_d - ref_d).abs(), torch.zeros_like(ref_d))
     ref_fin = ref_d.isfinite()
-    sq = torch.where(ref_fin, ref_d, 0.0).square()
-    scale = float(sq.sum() / ref_fin.sum().clamp(min=1)) ** 0.5
-    scale = scale if scale > 0 else 1.0
-    if rms_dims and ref_d.dim():
-        rows = (sq.sum(rms_dims, keepdim=True) / ref_fin.sum(rms_dims, keepdim=True).clamp(min=1)).sqrt()
-        scale = torch.where(rows > 0, rows, scale)  # an all-zero row is judged against the tensor's rms
+    if scale is None:
+        scale = float(torch.where(ref_fin, ref_d, 0.0).square().sum() / ref_fin.sum().clamp(min=1)) ** 0.5
+        scale = scale if scale > 0 else 1.0
+    else:
+        scale = scale.detach().to(ref_d.device, torch.float64)
     over = diff > tol.atol * scale + tol.rtol * ref_d.abs().nan_to_num(0.0, 0.0, 0.0)
     # a non-finite got passes only where the reference holds the same infinity
     bad_nonfinite = ~got_d.isfinite() & ~((got_d == ref_d) & ref_d.isinf())
@@ -163,10 +162,10 @@ def compare(name, ref, got, *, dtype=None, tol=None, rms_dims=None, verbose=True
     return result
 
 
-def compare_stages(ref_stages: dict, got_stages: dict, *, dtype, tols=None, rms_dims=None, prefix="", verbose=True):
+def compare_stages(ref_stages: dict, got_stages: dict, *, dtype, tols=None, scales=None, prefix="", verbose=True):
     """Compare named stages in the reference's order; stop at the first failing stage.
 
-    ``tols`` / ``rms_dims``: per-stage overrides (see ``compare``). Returns (results,
+    ``tols`` / ``scales``: per-stage overrides (see ``compare``). Returns (results,
     first_failing_stage_name_or_None). Stages after a failure are not compared.
     """
     results = []
@@ -175,7 +174,7 @@ def compare_stages(ref_stages: dict, got_stages: dict, *, dtype, tols=None, rms_
             raise KeyError(f"kernel did not expose stage {name!r} (it exposes {list(got_stages)})")
         tol = (tols or {}).get(name)
         res = compare(prefix + name, ref, got_stages[name], dtype=dtype, tol=tol,
-                      rms_dims=(rms_dims or {}).get(name), verbose=verbose)
+                      scale=(scales or {}).get(name), verbose=verbose)
         results.append(res)
         if not res.ok:
             return results, name

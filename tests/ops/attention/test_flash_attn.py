@@ -842,3 +842,75 @@ def test_variants_and_tune_spaces_compile_for_sm90():
     assert [(r["D"], r["cfg"]["BLOCK_N"], r["cfg"]["num_stages"], r["ws"]) for r in too_big] == [(128, 128, 3, True)]
     _check_sm90_rows([r for r in rows if r not in too_big])
     assert sum(r.get("ws", False) for r in rows) >= 8 and sum(r.get("atomic") == 2 for r in rows) >= 3
+
+
+# ----------------------------------------------------------------------------- error scales (magnitudes)
+
+
+def _magnitudes_by_loops(q, k, v, do, causal):
+    """attention_magnitudes written element by element (float64, tiny shapes): the rss of each
+    output's terms, dS's terms counted as P (|dO . v_j| + |delta|)."""
+    B, Sq, H, D = q.shape
+    Sk, Hkv = k.shape[1], k.shape[2]
+    g, sc = H // Hkv, D**-0.5
+    o_m, dq_m = torch.zeros_like(q), torch.zeros_like(q)
+    dk_m, dv_m = torch.zeros_like(k), torch.zeros_like(v)
+    for b in range(B):
+        for h in range(H):
+            hk = h // g
+            for i in range(Sq):
+                seen = [j for j in range(Sk) if not causal or j <= i + Sk - Sq]
+                if not seen:
+                    continue
+                s = torch.stack([sc * q[b, i, h] @ k[b, j, hk] for j in seen])
+                p = torch.softmax(s, 0)
+                o = sum(pj * v[b, j, hk] for pj, j in zip(p, seen))
+                delta = do[b, i, h] @ o
+                for pj, j in zip(p, seen):
+                    ds = pj * ((do[b, i, h] @ v[b, j, hk]).abs() + delta.abs())
+                    o_m[b, i, h] += (pj * v[b, j, hk]) ** 2
+                    dq_m[b, i, h] += (sc * ds * k[b, j, hk]) ** 2
+                    dk_m[b, j, hk] += (sc * ds * q[b, i, h]) ** 2
+                    dv_m[b, j, hk] += (pj * do[b, i, h]) ** 2
+    return {"o": o_m.sqrt(), "dq": dq_m.sqrt(), "dk": dk_m.sqrt(), "dv": dv_m.sqrt()}
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_magnitudes_equal_the_elementwise_definition(causal, gen):
+    """GQA, Sq > Sk (causal rows that see no key get 0) and Sq < Sk."""
+    for Sq, Sk in ((6, 4), (3, 7)):
+        q, k, v = (t.double() for t in _qkv(2, Sq, Sk, 4, 2, 8, torch.float32, gen))
+        do = torch.randn(q.shape, generator=gen, dtype=torch.float64)
+        got = attn.attention_magnitudes(q, k, v, do, causal)
+        want = _magnitudes_by_loops(q, k, v, do, causal)
+        for name in ("o", "dq", "dk", "dv"):
+            torch.testing.assert_close(got[name], want[name], rtol=1e-12, atol=1e-14, msg=name)
+
+
+def test_magnitudes_chunked_equal_whole(gen):
+    q, k, v = (t.double() for t in _qkv(2, 9, 11, 4, 2, 32, torch.float32, gen))
+    do = torch.randn(q.shape, generator=gen, dtype=torch.float64)
+    whole = attn.attention_magnitudes(q, k, v, do, True)
+    sliced = attn.attention_magnitudes_chunked(q, k, v, do, True, max_scores=1)
+    for name in whole:
+        torch.testing.assert_close(sliced[name], whole[name], rtol=0, atol=0, msg=name)
+
+
+def test_gradient_check_under_magnitudes_passes_the_kernel_and_catches_an_error(device, gen):
+    """The kernel's bf16 gradients pass against their error scales; one dq element moved by a fifth
+    of its own scale (plus its value) fails, and is located."""
+    q, k, v = _qkv(2, 37, 37, 4, 2, 64, torch.bfloat16, gen)
+    do64 = torch.randn(q.shape, generator=gen, dtype=torch.float64)
+    leaves = [_leaf(t.to(device)) for t in (q, k, v)]
+    o = flash_attn_func(*leaves, causal=True)
+    dq, dk, dv = torch.autograd.grad(o, leaves, do64.to(device, torch.bfloat16))
+    r64 = [t.double().requires_grad_(True) for t in (q, k, v)]
+    ref = torch.autograd.grad(attention_ref(*r64, causal=True)["o"], r64, do64.to(torch.bfloat16).double())
+    mags = attn.attention_magnitudes(*(t.double() for t in (q, k, v)), do64.to(torch.bfloat16).double(), True)
+    for name, r, g in zip(("dq", "dk", "dv"), ref, (dq, dk, dv)):
+        assert compare(name, r, g, dtype=torch.bfloat16, scale=mags[name], verbose=False).ok, name
+    bad = dq.detach().cpu().double()
+    idx = (1, 20, 3, 11)
+    bad[idx] += 0.2 * float(mags["dq"][idx]) + 0.2 * abs(float(ref[0][idx]))
+    res = compare("dq", ref[0], bad, dtype=torch.bfloat16, scale=mags["dq"], verbose=False)
+    assert not res.ok and res.max_abs_at == idx

@@ -46,7 +46,13 @@ from triforge.ops.attention.backward import (
     flash_attn_bwd_preprocess_kernel,
 )
 from triforge.ops.attention.forward import LOG2E, flash_attn_fwd_kernel
-from triforge.ops.attention.reference import attention_ref, causal_mask, kvcache_attention_ref, varlen_attention_ref
+from triforge.ops.attention.reference import (
+    attention_magnitudes,
+    attention_ref,
+    causal_mask,
+    kvcache_attention_ref,
+    varlen_attention_ref,
+)
 from triforge.registry import OpSpec, register
 from triforge.tune import Tunable
 from triforge.tune import register as register_tunable
@@ -719,6 +725,36 @@ def attention_ref_chunked(q, k, v, causal=False, softmax_scale=None, max_scores=
     return OrderedDict(lse=lse, o=o)
 
 
+def attention_magnitudes_chunked(q, k, v, do=None, causal=False, softmax_scale=None, max_scores=1 << 26):
+    """attention_magnitudes one (batch, kv head) slice at a time when the float64 score matrices
+    would not fit in memory at once."""
+    B, Sq, H, D = q.shape
+    Hkv = k.shape[2]
+    if B * H * Sq * k.shape[1] <= max_scores:
+        return attention_magnitudes(q, k, v, do, causal, softmax_scale)
+    group = H // Hkv
+    parts = {}
+    for b in range(B):
+        for hk in range(Hkv):
+            heads = slice(hk * group, (hk + 1) * group)
+            one = attention_magnitudes(q[b : b + 1, :, heads], k[b : b + 1, :, hk : hk + 1], v[b : b + 1, :, hk : hk + 1],
+                                       None if do is None else do[b : b + 1, :, heads], causal, softmax_scale)
+            for name, t in one.items():
+                parts.setdefault(name, []).append((b, hk, t))
+    out = OrderedDict()
+    for name, items in parts.items():
+        dim = 2  # heads: query heads for o / dq, kv heads for dk / dv (each slice holds its own)
+        rows = [torch.cat([t for bb, _, t in items if bb == b], dim=dim) for b in range(B)]
+        out[name] = torch.cat(rows, dim=0)
+    return out
+
+
+def _magnitudes(inputs, grads):
+    """The registry's error scales (see attention_magnitudes): o, and with the upstream gradient dq/dk/dv."""
+    do = None if grads is None else grads[0]
+    return attention_magnitudes_chunked(inputs["q"], inputs["k"], inputs["v"], do, bool(inputs["causal"]))
+
+
 def _flops(inputs, mode):
     q, k = inputs["q"], inputs["k"]
     B, Sq, H, D = q.shape
@@ -845,14 +881,9 @@ def _spec(name, causal_default, force_causal):
         peers={"sdpa_flash": _sdpa_peer("FLASH_ATTENTION"), "sdpa_cudnn": _sdpa_peer("CUDNN_ATTENTION")},
         describe=_describe,
         bench_shapes=tuple(dict(s, causal=int(causal_default)) for s in BENCH_SHAPES),
-        rms_dims=ROW_RMS,
+        magnitudes=_magnitudes,
     )
 
-
-# o, dq, dk, dv are judged row by row ([.., S, H, D]: each (position, head) over D): under a causal
-# mask a query that sees 2 keys has gradients ~100x those of one that sees thousands, and so have
-# the first keys (every query sees them); bf16 rounding errors scale with each row's own values
-ROW_RMS = {name: (-1,) for name in ("o", "dq", "dk", "dv")}
 
 
 # the issue's (B, H, S, D) configs, the ones ../shared/ANCHORS.md measured cuDNN and FA2 at
@@ -926,6 +957,19 @@ def varlen_attention_ref_chunked(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=Fal
     return OrderedDict(lse=torch.cat(lses, dim=1), o=torch.cat(outs, dim=0))
 
 
+def varlen_attention_magnitudes(q, k, v, cu_seqlens_q, cu_seqlens_k, do=None, causal=False, softmax_scale=None):
+    """attention_magnitudes of packed sequences, each on its own: o / dq [Tq, H, D], dk / dv [Tk, Hkv, D]."""
+    cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    parts = {}
+    for b in range(len(cu_q) - 1):
+        rows_q, rows_k = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        one = attention_magnitudes_chunked(q[None, rows_q], k[None, rows_k], v[None, rows_k],
+                                           None if do is None else do[None, rows_q], causal, softmax_scale)
+        for name, t in one.items():
+            parts.setdefault(name, []).append(t[0])
+    return OrderedDict((name, torch.cat(ts, dim=0)) for name, ts in parts.items())
+
+
 def _varlen_lengths(inputs):
     cu_q, cu_k = inputs["cu_seqlens_q"].tolist(), inputs["cu_seqlens_k"].tolist()
     return [b - a for a, b in zip(cu_q, cu_q[1:])], [b - a for a, b in zip(cu_k, cu_k[1:])]
@@ -978,7 +1022,9 @@ register(OpSpec(
     flops=_varlen_flops,
     bytes=_bytes,
     describe=_varlen_describe,
-    rms_dims=ROW_RMS,
+    magnitudes=lambda inputs, grads: varlen_attention_magnitudes(
+        inputs["q"], inputs["k"], inputs["v"], inputs["cu_seqlens_q"], inputs["cu_seqlens_k"],
+        None if grads is None else grads[0], bool(inputs["causal"])),
 ))
 
 __all__ = [
@@ -989,6 +1035,9 @@ __all__ = [
     "flash_attn_varlen_stages",
     "attention_ref",
     "attention_ref_chunked",
+    "attention_magnitudes",
+    "attention_magnitudes_chunked",
+    "varlen_attention_magnitudes",
     "causal_mask",
     "varlen_attention_ref",
     "varlen_attention_ref_chunked",

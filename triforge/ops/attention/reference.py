@@ -51,6 +51,53 @@ def attention_ref(q, k, v, causal: bool = False, softmax_scale: float | None = N
     return OrderedDict(lse=lse.squeeze(-1), o=o)
 
 
+def attention_magnitudes(q, k, v, do=None, causal: bool = False, softmax_scale: float | None = None):
+    """The scale of each output element's rounding error (run it in float64): the root-sum-square of
+    the terms that produce it. Kernels round each term (P to 16 bits before P V, dS before dS K, ...)
+    independently, so a dot product's error grows like the rss of its terms, not like its result,
+    which can cancel to ~0 (a causal row that sees one key has dq = 0; one that sees two has
+    gradients ~100x those of a row that sees thousands), nor like the sum of |terms| (the worst case,
+    ~sqrt(n) times the rss: it would hide real errors in long rows).
+
+        o:  sqrt(P^2 V^2)                         (P the softmax probabilities)
+        dS: P (|dO V^T| + |delta|)                (dS = P (dO V^T - delta), delta = rowsum(dO o): both terms)
+        dq: scale sqrt(dS^2 K^2),  dk: scale sqrt(dS^2^T Q^2),  dv: sqrt(P^2^T dO^2)
+                                                  (dk, dv: the sum over each GQA group under the root)
+
+    Returns {"o"} and, with ``do``, also {"dq", "dk", "dv"}, in the shapes of o, q, k, v.
+    """
+    B, Sq, H, D = q.shape
+    Sk, Hkv = k.shape[1], k.shape[2]
+    out = OrderedDict()
+    if Sk == 0:
+        out["o"] = torch.zeros(B, Sq, H, v.shape[-1], dtype=q.dtype, device=q.device)
+        if do is not None:
+            out.update(dq=torch.zeros_like(q), dk=torch.zeros_like(k), dv=torch.zeros_like(v))
+        return out
+    scale = D**-0.5 if softmax_scale is None else softmax_scale
+    ke, ve = _expand_kv(k, H), _expand_kv(v, H)
+    s = torch.einsum("bqhd,bkhd->bhqk", q, ke) * scale
+    if causal:
+        s = s.masked_fill(~causal_mask(Sq, Sk, q.device), float("-inf"))
+    m = s.amax(-1, keepdim=True)
+    p = torch.exp(s - torch.where(torch.isinf(m), torch.zeros_like(m), m))
+    l = p.sum(-1, keepdim=True)
+    p = p / torch.where(l == 0, torch.ones_like(l), l)  # rows that see no key: p = 0
+    p2 = p.square()
+    out["o"] = torch.einsum("bhqk,bkhd->bqhd", p2, ve.square()).sqrt()
+    if do is None:
+        return out
+    o = torch.einsum("bhqk,bkhd->bqhd", p, ve)
+    delta = (do * o).sum(-1).transpose(1, 2)[..., None]  # [B, H, Sq, 1]
+    ds2 = (p * (torch.einsum("bqhd,bkhd->bhqk", do, ve).abs() + delta.abs())).square()
+    out["dq"] = scale * torch.einsum("bhqk,bkhd->bqhd", ds2, ke.square()).sqrt()
+    group = H // Hkv
+    dk2 = torch.einsum("bhqk,bqhd->bkhd", ds2, q.square()).view(B, Sk, Hkv, group, D).sum(3)
+    out["dk"] = scale * dk2.sqrt()
+    out["dv"] = torch.einsum("bhqk,bqhd->bkhd", p2, do.square()).view(B, Sk, Hkv, group, -1).sum(3).sqrt()
+    return out
+
+
 def varlen_attention_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=False, softmax_scale=None):
     """Packed sequences: q [Tq, H, D], k/v [Tk, Hkv, D]; each sequence attended on its own.
     Returns stages lse [H, Tq] and o [Tq, H, D]."""
