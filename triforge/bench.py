@@ -150,7 +150,8 @@ def bench_op(spec, *, dtype=torch.bfloat16, modes=("fwd", "bwd"), peers=True, se
         verdict = check_op(spec, dtype, tier=tier, seed=seed)
         if not verdict.ok:
             failed = verdict.error or verdict.failed_stage
-            return [{"op": spec.name, "mode": m, "impl": "triforge", "error": f"parity check failed: {failed}"} for m in modes]
+            return [{"op": spec.name, "mode": m, "impl": "triforge", "shape": verdict.shape, "dtype": verdict.dtype,
+                     "error": f"parity check failed: {failed}"} for m in modes]
     sets = _rotation(spec, dtype, seed, tier)
     impls = {"triforge": spec.call}
     if peers:
