@@ -49,6 +49,7 @@ import triton.language as tl
 
 from triforge import _runtime, launch
 from triforge.launch import new_output
+from triforge.ops._tl import rne_bf16 as _rne_bf16
 from triforge.ops._checks import check_same_device, check_tensor
 from triforge.registry import OpSpec, register
 from triforge.tune import Tunable
@@ -133,17 +134,6 @@ def gemv_gate_up_ref(x, weight, norm_weight=None, eps=1e-6, dtype=None):
 
 
 # ----------------------------------------------------------------------------- kernels
-
-
-@triton.jit
-def _rne_bf16(x):
-    """x (fp32) rounded to the nearest bf16 (ties to even) by bit arithmetic, kept in fp32: Triton
-    3.6's CPU interpreter truncates fp32 -> bf16 casts where compiled kernels round. Call sites read
-    ``_rne_bf16(x) if RNE else x.to(DT).to(tl.float32)`` (a constexpr choice, resolved at compile
-    time; the interpreter pays a nested-call cost only where RNE is set)."""
-    bits = x.to(tl.uint32, bitcast=True)
-    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-    return bits.to(tl.float32, bitcast=True)
 
 
 @triton.jit

@@ -34,6 +34,8 @@ alignment is per sequence). lse is [H, Tq].
 import triton
 import triton.language as tl
 
+from triforge.ops._tl import cast as _cast
+
 LOG2E = 1.4426950408889634  # host side: the launchers pass softmax_scale * LOG2E
 LN2 = tl.constexpr(0.6931471805599453)  # a constexpr global, readable inside @triton.jit functions
 
@@ -49,18 +51,6 @@ def _dot(a, b, acc, UPCAST: tl.constexpr, IEEE: tl.constexpr):
         return tl.dot(a, b, acc, input_precision="ieee")
     else:
         return tl.dot(a, b, acc)
-
-
-@triton.jit
-def _cast(x, dtype: tl.constexpr, RNE: tl.constexpr):
-    """x (fp32) in ``dtype``. RNE rounds to the nearest bf16 first (ties to even) by bit arithmetic:
-    Triton 3.6's CPU interpreter truncates fp32 -> bf16 casts, compiled kernels round to nearest;
-    the rounded value is exact in bf16, so the cast after it loses nothing."""
-    if RNE:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        return bits.to(tl.float32, bitcast=True).to(dtype)
-    return x.to(dtype)
 
 
 @triton.jit

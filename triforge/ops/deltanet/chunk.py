@@ -37,6 +37,7 @@ import triton.language as tl
 
 from triforge import _runtime, launch
 from triforge.launch import new_output
+from triforge.ops._tl import cast as _cast
 
 BT = 64  # chunk length
 BC = 16  # diagonal block of the triangular solve
@@ -56,17 +57,6 @@ def _dot(a, b, acc, PREC: tl.constexpr, UPCAST: tl.constexpr):
         return tl.dot(a, b, acc, input_precision=PREC)
     else:
         return tl.dot(a, b, acc)
-
-
-@triton.jit
-def _cast(x, dtype: tl.constexpr, RNE: tl.constexpr):
-    """fp32 x in ``dtype``. RNE rounds to the nearest bf16 (ties to even) by bit arithmetic first:
-    the interpreter truncates fp32 -> bf16 casts where compiled kernels round to nearest."""
-    if RNE:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        return bits.to(tl.float32, bitcast=True).to(dtype)
-    return x.to(dtype)
 
 
 @triton.jit

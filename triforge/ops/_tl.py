@@ -1,0 +1,22 @@
+"""Triton helpers shared by the kernel families."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def rne_bf16(x):
+    """fp32 x rounded to the nearest bf16 (ties to even) by bit arithmetic, kept in fp32. Triton 3.6's
+    CPU interpreter truncates fp32 -> bf16 casts where compiled kernels round to nearest; kernels that
+    must match a rounded reference in both call this under a constexpr RNE flag."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def cast(x, dtype: tl.constexpr, RNE: tl.constexpr):
+    """fp32 x in ``dtype``; RNE rounds to the nearest bf16 first (the value is then exact in bf16)."""
+    if RNE:
+        return rne_bf16(x).to(dtype)
+    return x.to(dtype)
