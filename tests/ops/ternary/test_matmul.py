@@ -144,3 +144,22 @@ def test_hybrid_attention_paths(gen):
         hybrid_attention_scores(q, k, threshold=2.0)
     with pytest.raises(ValueError, match="method"):
         hybrid_attention_scores(q, k, method="sign")
+
+
+def test_skip_flag_follows_modify_dim(device, gen):
+    """The cached "any inactive chunk" flag (read once, not per matmul) is reset by modify_dim, so the
+    kernels start or stop skipping as chunks empty or fill."""
+    trits = random_trits(3, CHUNK_COLS + 5, gen, sparsity=0.0)
+    trits[1, CHUNK_COLS:] = 0
+    trits[1, CHUNK_COLS + 3] = 1
+    tt = TernaryTensor.from_trits(trits, random_scales(3, gen)).to(device)
+    md = tt.sparsity_metadata()
+    assert not md.has_inactive_chunks()
+    x = _x((2, CHUNK_COLS + 5), torch.float32, device, gen)
+    assert compare("all chunks active", matmul_dense_ref(x, tt), matmul(x, tt), dtype=torch.float32).ok
+    tt.modify_dim(1, CHUNK_COLS + 3, 0)  # row 1, chunk 1 is now empty
+    assert md.has_inactive_chunks() and not md.is_chunk_active(1, 1)
+    assert compare("an empty chunk, skipped", matmul_dense_ref(x, tt), matmul(x, tt), dtype=torch.float32).ok
+    tt.modify_dim(1, CHUNK_COLS, -1)
+    assert not md.has_inactive_chunks()
+    assert compare("refilled", matmul_dense_ref(x, tt), matmul(x, tt), dtype=torch.float32).ok

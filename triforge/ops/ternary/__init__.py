@@ -1,8 +1,9 @@
 """Ternary (1.58-bit) weights: bit-sliced storage, quantizers, reference arithmetic, matmul and attention scores.
 
 ``matmul(x, tt, bias=None)``: float activations [..., in_features] times a ``TernaryTensor`` -> [..., out_features]
-in x's dtype. Today it runs by dense expansion in PyTorch (``_matmul_dense``); ``_dispatch`` is where the GPU
-kernels (``kernels.py``: decode GEMV with split-K, tiled GEMM, both skipping inactive chunks) plug in.
+in x's dtype. ``_dispatch`` picks the implementation: on the kernels' device the decode GEMV for up to
+``DECODE_MAX_M`` rows and the tiled tensor-core GEMM above (``kernels.py``; both skip inactive chunks),
+elsewhere dense expansion in PyTorch (``_matmul_dense``).
 """
 
 import torch
@@ -61,28 +62,42 @@ def _matmul_dense(x2d: torch.Tensor, tt: TernaryTensor, bias=None) -> torch.Tens
     return y
 
 
+def _active_chunks(tt: TernaryTensor):
+    """``active`` [N, n_chunks] for plane skipping when some chunk is all zero, else None (nothing to skip)."""
+    meta = tt.sparsity_metadata()
+    return meta.active if meta.has_inactive_chunks() else None
+
+
 def _matmul_kernel(x2d: torch.Tensor, tt: TernaryTensor, bias=None) -> torch.Tensor:
-    """The Triton kernel on the bit planes; inactive 2048-column chunks are skipped when there are any."""
+    """The tiled tensor-core GEMM on the bit planes; inactive 2048-column chunks are skipped when there are any."""
     from triforge.ops.ternary.kernels import ternary_matmul
 
-    meta = tt.sparsity_metadata()
-    active = meta.active if meta.chunk_sparsity() > 0 else None
-    return ternary_matmul(x2d.contiguous(), tt.plus, tt.minus, tt.row_scales(), bias=bias, active=active)
+    return ternary_matmul(x2d.contiguous(), tt.plus, tt.minus, tt.row_scales(), bias=bias, active=_active_chunks(tt))
+
+
+def _matmul_decode(x2d: torch.Tensor, tt: TernaryTensor, bias=None) -> torch.Tensor:
+    """The decode GEMV (M <= DECODE_MAX_M) on the bit planes, with the same chunk skipping."""
+    from triforge.ops.ternary.kernels import ternary_gemv
+
+    return ternary_gemv(x2d.contiguous(), tt.plus, tt.minus, tt.row_scales(), bias=bias, active=_active_chunks(tt))
 
 
 def _dispatch(x2d: torch.Tensor, tt: TernaryTensor):
     """Pick the implementation for this call: a callable (x2d, tt, bias) -> y2d.
 
-    Tensors on the kernels' device (CUDA, or the CPU under Triton's interpreter) run the Triton kernel
-    (split-K while output tiles are few, chunk skipping from ``tt.sparsity_metadata()``); anything else
-    (CPU tensors in a CUDA process) runs the dense expansion. The batch sizes at which the kernel should
-    hand over to fp16 cuBLAS are still to be measured on the GPU.
+    Tensors on the kernels' device (CUDA, or the CPU under Triton's interpreter) run a Triton kernel: the
+    decode GEMV (bits into fp32 FMAs) for M <= DECODE_MAX_M = 16 rows, the tensor-core GEMM above. The
+    threshold is the GEMV's design limit (its FMAs grow with M), not a measurement: the crossover with the
+    GEMM is still to be measured on the GPU. Anything else (CPU tensors in a CUDA process) runs the dense
+    expansion. Open decision: no cuBLAS fallback where the kernels lose to fp16 (it would keep an fp16
+    copy of the weights, 8x their memory).
     """
     from triforge import _runtime
+    from triforge.ops.ternary.kernels import DECODE_MAX_M
 
     kernel_device = "cpu" if _runtime.INTERPRET else "cuda"
     if x2d.device.type == kernel_device and tt.device.type == kernel_device:
-        return _matmul_kernel
+        return _matmul_decode if x2d.shape[0] <= DECODE_MAX_M else _matmul_kernel
     return _matmul_dense
 
 
@@ -276,10 +291,35 @@ BENCH_SHAPES = tuple(
 )
 
 
+def _gemv_tune_setup(shape, dtype, device):
+    """Tunable setup of the decode GEMV: absmean weights of shape (N, K), x [M, K] of ``dtype``."""
+    from triforge.ops.ternary.kernels import _gemv_config_key, ternary_gemv
+
+    M, N, K = shape["M"], shape["N"], shape["K"]
+    g = torch.Generator(device=device).manual_seed(0)
+    tt = TernaryTensor.from_float(torch.randn(N, K, generator=g, device=device), method="absmean", per_row=True)
+    x = torch.randn(M, K, generator=g, device=device).to(dtype)
+    scales = tt.row_scales()
+    return (lambda cfg: ternary_gemv(x, tt.plus, tt.minus, scales, cfg=cfg)), _gemv_config_key(M, N, K)
+
+
+# the decode GEMV's launch grid; points whose tile is narrower than 4 words x 32 lanes x num_warps are slower
+# (M is then spread over threads) but valid
+GEMV_TUNE_SPACE = {"BLOCK_N": [8, 16, 32], "BLOCK_W": [32, 64], "BIT_UNROLL": [4, 16], "num_warps": [4, 8],
+                   "programs_per_sm": [4, 8]}
+
+
 def _register():
     from collections import OrderedDict
 
     from triforge.registry import OpSpec, register
+    from triforge.tune import Tunable
+    from triforge.tune import register as register_tunable
+
+    register_tunable(Tunable(
+        kernel="ternary_gemv", space=GEMV_TUNE_SPACE, setup=_gemv_tune_setup, shape_names=("M", "N", "K"),
+        default_shape={"M": 1, "N": 8192, "K": 8192},
+    ))
 
     register(OpSpec(
         name="ternary_matmul", family="ternary", make_inputs=_registry_inputs, reference=_registry_ref,

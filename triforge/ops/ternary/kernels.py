@@ -3,10 +3,13 @@
 Weights: ``plus``/``minus`` int32 [N, KW] (bit b of word w is column 32w + b), per-row fp32 scales.
 - ``popcount_matmul_a8``: int8 activations as 8 bit planes; exact integer result
   sum_b 2^b (popc(plus & a_b) - popc(minus & a_b)), bit 7 weighing -128 (two's complement).
-- ``ternary_matmul``: fp16/bf16/fp32 activations; weight tiles are expanded to {-1, 0, +1} on chip
-  and multiplied with tensor-core dots; K is split across programs while output tiles are few
-  (decode), and 2048-column chunks whose weights are all zero for every row of the tile are
-  skipped (plane skipping).
+- ``ternary_gemv``: the decode path (M <= 16 rows of fp16/bf16/fp32 activations): bits feed fp32
+  FMAs straight from the words in registers, no tile is expanded or converted (design and cost
+  model in ``ternary_gemv_kernel``'s docstring).
+- ``ternary_matmul``: the GEMM path for larger M; weight tiles are expanded to {-1, 0, +1} on chip
+  and multiplied with tensor-core dots; K is split across programs while output tiles are few.
+Both skip 2048-column chunks whose weights are all zero for every row of a program's block (plane
+skipping).
 """
 
 import torch
@@ -15,6 +18,7 @@ import triton.language as tl
 
 from triforge import _runtime, launch
 from triforge.launch import new_output
+from triforge.ops._tl import cast as _cast
 
 CHUNK_WORDS = 64  # 2048 columns: the granularity of the sparsity metadata
 
@@ -203,3 +207,279 @@ def ternary_matmul(x2d, plus, minus, scales, bias=None, active=None):
     if bias is not None:
         y = y + bias.float()
     return y.to(x2d.dtype)
+
+
+# ----------------------------------------------------------------------------- decode GEMV (M <= 16)
+
+DECODE_MAX_M = 16  # M above this runs ternary_matmul (tensor cores); the crossover is still to be measured
+WORD_BITS = 32
+# kernel-side constants (jit functions read globals only as constexpr)
+BITS = tl.constexpr(WORD_BITS)
+HALF_BITS = tl.constexpr(16)  # a word is read as two halves of 16 bits
+HALF_SHIFT = tl.constexpr(9)  # the upper half is read from the word shifted right by 9: bits 16..31 -> 7..22
+CHUNK = tl.constexpr(CHUNK_WORDS)
+MAGIC_2_23 = tl.constexpr(0x4B000000)  # float32 bits of 2^23; MAGIC_2_23 - (j << 23) is 2^(23 - j)
+
+
+@triton.jit
+def ternary_gemv_bitmajor_kernel(
+    x_ptr,  # [M, K] activations, fp16/bf16/fp32
+    xt_ptr,  # [n_steps, 32, BLOCK_M, BLOCK_W] fp32: xt[s, b, m, j] = x[m, 32 (s BLOCK_W + j) + b], else 0
+    M,
+    K,
+    BLOCK_M: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+):
+    """Bit-major activations, one K step of one row per program: for each bit b, the BLOCK_W x values
+    that bit b of the step's words multiplies, contiguous (0 past K and for rows m >= M)."""
+    i_s, i_m = tl.program_id(0), tl.program_id(1)
+    o_j = tl.arange(0, BLOCK_W)
+    o_b = tl.arange(0, BITS)
+    o_k = (i_s * BLOCK_W + o_j)[:, None] * BITS + o_b[None, :]  # [BLOCK_W, 32]
+    b_x = tl.load(x_ptr + i_m.to(tl.int64) * K + o_k, mask=(o_k < K) & (i_m < M), other=0.0)
+    o_t = o_b[None, :] * (BLOCK_M * BLOCK_W) + i_m * BLOCK_W + o_j[:, None]
+    tl.store(xt_ptr + i_s.to(tl.int64) * (BITS * BLOCK_M * BLOCK_W) + o_t, b_x.to(tl.float32))
+
+
+@triton.jit
+def ternary_gemv_kernel(
+    xt_ptr,  # [n_steps, 32, BLOCK_M, BLOCK_W] fp32 bit-major activations (ternary_gemv_bitmajor_kernel)
+    plus_ptr,  # [N, KW] int32
+    minus_ptr,  # [N, KW] int32
+    active_ptr,  # [N, n_chunks] int32: 1 where the row has a non-zero weight in the chunk (read when SKIP)
+    scale_ptr,  # [N] fp32 row scales, element n at n * stride_scale (0: one scale per tensor); read when FINAL
+    bias_ptr,  # [N] bias, any float dtype (read when FINAL and HAS_BIAS)
+    out_ptr,  # FINAL: y [M, N] in x's dtype; else part [S, M, N] fp32, this split's share of the sum over K
+    stride_scale,
+    magic,  # MAGIC_2_23 as a run-time value: the per-bit constants then live in registers (see below)
+    M,
+    N,
+    KW,
+    n_chunks,
+    steps_per_split,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+    BIT_UNROLL: tl.constexpr,
+    SKIP: tl.constexpr,
+    FINAL: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    RNE: tl.constexpr,
+):
+    """y [M, N] = x [M, K] @ (scales * trits)^T (+ bias) for M <= 16, the trits read as bits into FMAs.
+
+    Work split: program (i_n, i_s) owns BLOCK_N rows and a run of ``steps_per_split`` K steps of
+    BLOCK_W words. The launcher splits K only until N / BLOCK_N x splits reaches programs_per_sm
+    programs per SM; with one split the program writes y itself (scales, bias, cast) and no second
+    launch runs, else it writes fp32 partials that ternary_gemv_reduce_kernel sums in a fixed order.
+    A K step loads the plus/minus words of its rows as one flat [1, BLOCK_N * BLOCK_W] tile (index
+    t = row * BLOCK_W + word): each thread reads 4 consecutive words of one row, a 16-byte load, and
+    32-word steps make every row segment one whole 128-byte line. Every plane byte is read once.
+
+    Inner product, per word and bit (no [BLOCK_N, BLOCK_W * 32] tile is built and nothing is converted
+    through shared memory): with c_j the float32 2^(23 - j), whose mantissa bit j weighs exactly 1,
+        P = bits_as_f32((p & (1 << j)) | c_j) in {2^(23-j), 2^(23-j) + 1},  Q likewise from q,
+        d = P - Q in {-1, 0, 1} exactly,   acc[m, t] = fma(d, x[m, 32 w + bit], acc[m, t]).
+    j must stay <= 22 (the mantissa): bits 0..15 are read in place (j = bit), bits 16..31 from the
+    word shifted right by 9 once per step (j = bit - 9). Per weight that is 2 LOP3 (the and-or is one
+    instruction when one of its two constants sits in a register: ``magic`` arrives at run time for
+    that; with both as immediates ptxas emits AND then OR, 4 per weight) and 1 FADD, shared by the M
+    rows, then M FFMAs; no int-to-float conversion (quarter rate). The x values a bit multiplies come
+    from ``xt``, x rearranged bit-major per step by ternary_gemv_bitmajor_kernel: for each bit one
+    contiguous [BLOCK_M, BLOCK_W] fp32 block, read as 16-byte loads at compile-time offsets from one
+    pointer per step (L1/L2 hits: xt is M * K * 4 bytes and all programs of a split read the same
+    step). acc [BLOCK_M, BLOCK_N * BLOCK_W] fp32 keeps M in-thread (d computed once for all rows) and
+    is reduced over the words once at the end. fp32 accumulation; the products are exact.
+
+    Cost model (H100 SXM: 132 SMs x 4 schedulers x 32 lanes issue 16896 thread-instructions per
+    clock; LOP3 runs on the 64 integer lanes per SM). SASS of the K loop with the fallback configs
+    (tests/ops/test_ternary_kernels.py compiles it for sm90a): 1100 instructions per thread per step of
+    256 weights at M = 1 (512 LOP3, 256 FADD, 256 FFMA, 36 LDG.128, 16 SHF, ...): 4.30 per weight;
+    M = 2: 5.8, 4: 9.2, 8: 14.2, 16: 24.3. At N = K = 8192 (67.1 M weights) M = 1 is 0.29 G
+    thread-instructions, 17.1 k clocks = 8.6-9.7 us at 1.98-1.755 GHz, against 5.6 us for the 16.8 MB of
+    planes at 3.0 TB/s: issue-bound (the integer lanes nearly so), ~1.6x the byte floor. Each further
+    row of x adds an FFMA and a quarter of an x load per weight (M = 16: ~50 us, where tensor cores are
+    the right tool).
+
+    Plane skipping (SKIP): a K step is skipped when no row of the block has a non-zero weight in the
+    step's 2048-column chunk (BLOCK_W divides 64, so a step never straddles two chunks); the decision
+    is a block-wide max over the rows' flags, a few shared-memory operations and barriers per step.
+    """
+    T: tl.constexpr = BLOCK_N * BLOCK_W
+    i_n, i_s = tl.program_id(0), tl.program_id(1)
+    o_t = tl.arange(0, T)[None, :]  # [1, T]
+    o_n = i_n * BLOCK_N + o_t // BLOCK_W
+    o_wt = o_t % BLOCK_W
+    m_n = o_n < N
+    o_m = tl.arange(0, BLOCK_M)[:, None]  # [BM, 1]
+    p_p = plus_ptr + o_n.to(tl.int64) * KW + o_wt
+    p_q = minus_ptr + o_n.to(tl.int64) * KW + o_wt
+    p_x = xt_ptr + o_m * BLOCK_W + o_wt  # [BM, T]; bit b of step s at + (s * 32 + b) * BLOCK_M * BLOCK_W
+    if SKIP:
+        p_act = active_ptr + o_n.to(tl.int64) * n_chunks
+    b_acc = tl.zeros([BLOCK_M, T], dtype=tl.float32)
+    s_start = i_s * steps_per_split
+    s_end = tl.minimum(s_start + steps_per_split, tl.cdiv(KW, BLOCK_W))
+    for s in range(s_start, s_end):
+        w0 = s * BLOCK_W
+        run = True
+        if SKIP:
+            b_act = tl.load(p_act + w0 // CHUNK, mask=m_n, other=0)
+            run = tl.max(b_act) > 0
+        if run:
+            m_w = m_n & (w0 + o_wt < KW)
+            b_p = tl.load(p_p + w0, mask=m_w, other=0)
+            b_q = tl.load(p_q + w0, mask=m_w, other=0)
+            p_xs = p_x + s * (BITS * BLOCK_M * BLOCK_W)
+            for h in tl.static_range(2):
+                # bits 16h .. 16h + 15 sit at mantissa positions 7h .. 7h + 15 (<= 22) after the shift;
+                # the arithmetic shift's sign copies land above position 22, which no mask reads
+                b_ph = b_p >> (HALF_SHIFT * h)
+                b_qh = b_q >> (HALF_SHIFT * h)
+                for g in range(0, HALF_BITS, BIT_UNROLL):
+                    for u in tl.static_range(BIT_UNROLL):
+                        pos = (HALF_BITS - HALF_SHIFT) * h + g + u
+                        c = magic - (pos << 23)
+                        b_d = ((b_ph & (1 << pos)) | c).to(tl.float32, bitcast=True) - \
+                            ((b_qh & (1 << pos)) | c).to(tl.float32, bitcast=True)
+                        b_x = tl.load(p_xs + (HALF_BITS * h + g + u) * (BLOCK_M * BLOCK_W))
+                        b_acc = tl.fma(b_d, b_x, b_acc)
+    b_y = tl.sum(tl.reshape(b_acc, [BLOCK_M, BLOCK_N, BLOCK_W]), axis=2)  # [BM, BN]
+    o_ny = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ny = o_ny < N
+    o_my = tl.arange(0, BLOCK_M)
+    m_y = (o_my < M)[:, None] & m_ny[None, :]
+    if FINAL:
+        b_y = b_y * tl.load(scale_ptr + o_ny * stride_scale, mask=m_ny, other=0.0)[None, :]
+        if HAS_BIAS:
+            b_y += tl.load(bias_ptr + o_ny, mask=m_ny, other=0.0).to(tl.float32)[None, :]
+        o_y = o_my.to(tl.int64)[:, None] * N + o_ny[None, :]
+        tl.store(out_ptr + o_y, _cast(b_y, out_ptr.dtype.element_ty, RNE), mask=m_y)
+    else:
+        o_y = (i_s.to(tl.int64) * M + o_my[:, None]) * N + o_ny[None, :]
+        tl.store(out_ptr + o_y, b_y, mask=m_y)
+
+
+@triton.jit
+def ternary_gemv_reduce_kernel(
+    part_ptr,  # [S, M, N] fp32 split-K partial sums
+    scale_ptr,  # [N] fp32, element n at n * stride_scale
+    bias_ptr,  # [N] (read when HAS_BIAS)
+    y_ptr,  # [M, N] in x's dtype
+    stride_scale,
+    M,
+    N,
+    S,
+    BLOCK: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    RNE: tl.constexpr,
+):
+    """y = (sum over s in order 0..S-1 of part[s]) * scales (+ bias): fixed order, so deterministic."""
+    o = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m_o = o < M * N
+    o_n = o % N
+    b_y = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in range(0, S):
+        b_y += tl.load(part_ptr + s * M * N + o, mask=m_o, other=0.0)
+    b_y = b_y * tl.load(scale_ptr + o_n * stride_scale, mask=m_o, other=0.0)
+    if HAS_BIAS:
+        b_y += tl.load(bias_ptr + o_n, mask=m_o, other=0.0).to(tl.float32)
+    tl.store(y_ptr + o, _cast(b_y, y_ptr.dtype.element_ty, RNE), mask=m_o)
+
+
+def _gemv_block_m(M: int) -> int:
+    return triton.next_power_of_2(M)
+
+
+def gemv_fallback_config(M: int, N: int, K: int, interpreter: bool | None = None) -> dict:
+    """Heuristic launch config of ``ternary_gemv_kernel``: BLOCK_N, BLOCK_W, BIT_UNROLL, num_warps,
+    programs_per_sm.
+
+    GPU (sm90), 16 rows per program, 4 warps (the flat tile must cover 4 words x 32 lanes x num_warps,
+    or M stops being in-thread), no split at N = 8192 (512 programs, no reduction launch):
+    - M = 1: 64-word steps (a whole chunk; each thread holds two rows' 16-byte vectors of the same
+      words, so their x loads are shared), all 16 bits of a half unrolled (each bit's constants
+      hoisted): 4.30 instructions per weight, 96 registers (5 programs/SM);
+    - M = 2: 32-word steps, one vector per thread (the 64-word step spills at M = 2), bits unrolled:
+      5.8 instructions per weight, 72 registers;
+    - M > 2: 32-word steps, bits unrolled by 4 in a loop: unrolling all 16 hoists every bit's x loads
+      (16 M vectors of 4 floats) and runs out of registers.
+    Interpreter: a program costs per
+    numpy op, so tiles as large as the shapes allow (64-word steps, up to 64 rows; it reports 4 SMs,
+    so small grids still split K). ``interpreter`` (default: this process's mode) picks the branch.
+    """
+    kw = triton.cdiv(K, WORD_BITS)
+    if _runtime.INTERPRET if interpreter is None else interpreter:
+        bw = max(16, min(64, triton.next_power_of_2(kw)))
+        return {"BLOCK_N": max(8, min(64, triton.next_power_of_2(N))), "BLOCK_W": bw, "BIT_UNROLL": 16,
+                "num_warps": 4, "programs_per_sm": 1}
+    return {"BLOCK_N": 16, "BLOCK_W": 64 if M == 1 else 32, "BIT_UNROLL": 16 if M <= 2 else 4, "num_warps": 4,
+            "programs_per_sm": 4}
+
+
+def _gemv_config_key(M: int, N: int, K: int) -> str:
+    # the kernel reads fp32 bit-major activations whatever x's dtype: no dtype in the key
+    return launch.config_key(m=_gemv_block_m(M), n=N, k=K)
+
+
+def _gemv_config(M: int, N: int, K: int) -> dict:
+    return launch.config("ternary_gemv", _gemv_config_key(M, N, K), gemv_fallback_config(M, N, K))
+
+
+def gemv_splits(n_blocks: int, n_steps: int, programs_per_sm: int) -> int:
+    """K splits so that n_blocks x splits reaches programs_per_sm programs per SM (at most one step each)."""
+    return max(1, min(n_steps, (programs_per_sm * _runtime.num_sms()) // n_blocks))
+
+
+def ternary_gemv(x2d, plus, minus, scales, bias=None, active=None, cfg=None):
+    """Decode path: x2d [M <= 16, K] (fp16/bf16/fp32) @ (scales * trits)^T (+ bias) -> [M, N] in x's dtype.
+
+    ``scales``: fp32 [N] (a stride-0 expansion of a per-tensor scale is read as such, not copied).
+    ``active`` (from ``chunk_activity`` or ``SparsityMetadata.active``) enables plane skipping.
+    Launches: the bit-major copy of x, the GEMV, and (only when K is split) the fixed-order reduction.
+    """
+    M, K = x2d.shape
+    N, KW = plus.shape
+    bias = None if bias is None else bias.contiguous()
+    if not 1 <= M <= DECODE_MAX_M:
+        raise ValueError(f"x2d must have 1..{DECODE_MAX_M} rows for the decode kernel, got {M}")
+    cfg = dict(_gemv_config(M, N, K) if cfg is None else cfg)
+    bm, bn, bw = _gemv_block_m(M), cfg["BLOCK_N"], cfg["BLOCK_W"]
+    if CHUNK_WORDS % bw:
+        raise ValueError(f"BLOCK_W must divide {CHUNK_WORDS} (a K step stays inside one chunk), got {bw}")
+    if HALF_BITS.value % cfg["BIT_UNROLL"]:
+        raise ValueError(f"BIT_UNROLL must divide {HALF_BITS.value}, got {cfg['BIT_UNROLL']}")
+    n_steps = triton.cdiv(KW, bw)
+    n_blocks = triton.cdiv(N, bn)
+    splits = gemv_splits(n_blocks, n_steps, cfg["programs_per_sm"])
+    per_split = triton.cdiv(n_steps, splits)
+    splits = triton.cdiv(n_steps, per_split)
+    # whole steps and BLOCK_M rows, zero-filled: the GEMV's x loads need no mask
+    xt = new_output((n_steps, WORD_BITS, bm, bw), torch.float32, x2d.device)
+    launch.launch(
+        "ternary_gemv_bitmajor", ternary_gemv_bitmajor_kernel, (n_steps, bm),
+        x2d, xt, M, K, nbytes=x2d.numel() * x2d.element_size() + xt.numel() * 4, BLOCK_M=bm, BLOCK_W=bw,
+        num_warps=4,
+    )
+    skip = active is not None
+    final = splits == 1
+    rne = _runtime.INTERPRET and x2d.dtype == torch.bfloat16  # the interpreter truncates fp32 -> bf16 casts
+    y = new_output((M, N), x2d.dtype, x2d.device)
+    out = y if final else new_output((splits, M, N), torch.float32, x2d.device)
+    launch.launch(
+        "ternary_gemv", ternary_gemv_kernel, (n_blocks, splits),
+        xt, plus, minus, active if skip else plus, scales, bias if bias is not None else scales, out,
+        scales.stride(0), MAGIC_2_23.value, M, N, KW, triton.cdiv(KW, CHUNK_WORDS), per_split,
+        nbytes=2 * plus.numel() * 4 + xt.numel() * 4 + out.numel() * out.element_size(),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_W=bw, BIT_UNROLL=cfg["BIT_UNROLL"], SKIP=skip, FINAL=final,
+        HAS_BIAS=bias is not None, RNE=rne, num_warps=cfg["num_warps"],
+    )
+    if not final:
+        block = 1024
+        launch.launch(
+            "ternary_gemv_reduce", ternary_gemv_reduce_kernel, (triton.cdiv(M * N, block),),
+            out, scales, bias if bias is not None else scales, y, scales.stride(0), M, N, splits,
+            nbytes=out.numel() * 4 + N * 4 + y.numel() * y.element_size(),
+            BLOCK=block, HAS_BIAS=bias is not None, RNE=rne, num_warps=4,
+        )
+    return y

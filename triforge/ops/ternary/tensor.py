@@ -122,6 +122,7 @@ class SparsityMetadata:
         self.word_masks = word_masks
         self.active = active
         self.in_features = int(in_features)
+        self._has_inactive = None
 
     @classmethod
     def from_planes(cls, plus: torch.Tensor, minus: torch.Tensor, in_features: int) -> "SparsityMetadata":
@@ -161,6 +162,15 @@ class SparsityMetadata:
         """Fraction of (row, chunk) pairs with no non-zero weight."""
         return 1.0 - float(self.active.sum()) / self.active.numel()
 
+    def has_inactive_chunks(self) -> bool:
+        """Whether any (row, chunk) has no non-zero weight, i.e. whether kernels can skip anything.
+
+        Cached (reading it syncs with the device once, not on every matmul); ``update_word`` resets it.
+        """
+        if self._has_inactive is None:
+            self._has_inactive = bool((self.active == 0).any())
+        return self._has_inactive
+
     def update_word(self, row: int, word: int, nonzero: torch.Tensor) -> None:
         """O(1) in place: set or clear the bit of ``word`` in ``row`` (``nonzero``: 0-d bool tensor)."""
         c, j = divmod(word, CHUNK_WORDS)
@@ -168,6 +178,7 @@ class SparsityMetadata:
         bit = _bit_i64(j)
         m.copy_(torch.where(nonzero, m | bit, m & ~bit))
         self.active[row, c].copy_((m != 0).to(torch.int32))
+        self._has_inactive = None
 
     def to(self, device) -> "SparsityMetadata":
         return SparsityMetadata(self.word_masks.to(device), self.active.to(device), self.in_features)
