@@ -18,22 +18,35 @@ Custom ops (traceable by torch.compile(fullgraph=True)):
 final_state is an empty tensor when output_final_state is False; the public functions turn it
 into None.
 
-The backward is, for now, an interim PyTorch path (``chunk_bwd_torch``, called from the op's
-registered autograd formula): it recomputes the chunked algorithm in fp32
-(``reference.chunk_ref_stages``) under autograd and differentiates it with torch.autograd.grad.
-It is correct, not fast (a Python loop over chunks), and it is not a custom op of its own:
-autograd is off inside custom op implementations. Under torch.compile the backward graph is traced
-through it, unrolled over chunks. Triton backward kernels (wrapped in a
-``triforge::chunk_gated_delta_rule_bwd`` op) will replace it.
+Backward. Two implementations, picked by the environment variable ``TRIFORGE_DELTANET_BWD`` when
+the backward runs (under torch.compile: when its backward graph is traced):
+
+- ``torch`` (the default): ``chunk_bwd_torch``, called from the op's registered autograd formula.
+  It recomputes the chunked algorithm in fp32 (``reference.chunk_ref_stages``) under autograd and
+  differentiates it with torch.autograd.grad: correct, not fast (a Python loop over chunks, every
+  chunk's intermediates kept), and not a custom op of its own (autograd is off inside custom op
+  implementations); under torch.compile the backward graph is traced through it, unrolled over chunks.
+- ``triton``: the Triton kernels of ``chunk_bwd`` (the stages of ``reference.chunk_bwd_ref_stages``),
+  wrapped in the custom op
+
+      torch.ops.triforge.chunk_gated_delta_rule_bwd(do, dht, q, k, v, g, beta, scale, initial_state,
+          use_qk_l2norm_in_kernel, cu_seqlens) -> (dq, dk, dv, dg, dbeta, dh0)
+
+  (dht may be None; dh0 is an empty tensor without an initial state). Opt-in until it has been
+  checked compiled on the H100: Triton 3.4-3.7.0 miscompiles fla's gated chunk backward on Hopper.
+  ``chunk_gated_delta_rule_bwd_stages`` gives its stages for comparison with the reference's.
+
+Any other value of ``TRIFORGE_DELTANET_BWD`` raises ValueError when a backward runs.
 """
 
+import os
 from collections import OrderedDict
 
 import torch
 
 from triforge.ops._checks import FLOAT_DTYPES, check_same_device, check_tensor
-from triforge.ops.deltanet import chunk, fused_recurrent
-from triforge.ops.deltanet.reference import chunk_ref_stages, recurrent_ref
+from triforge.ops.deltanet import chunk, chunk_bwd, fused_recurrent
+from triforge.ops.deltanet.reference import chunk_bwd_ref_stages, chunk_ref_stages, recurrent_ref
 from triforge.registry import OpSpec, register
 from triforge.tune import Tunable
 from triforge.tune import register as register_tunable
@@ -158,6 +171,53 @@ def chunk_bwd_torch(do, dht, q, k, v, g, beta, scale, initial_state, use_qk_l2no
     return (*d[:5], d[5] if h0 is not None else None)
 
 
+BWD_ENV = "TRIFORGE_DELTANET_BWD"
+BWD_IMPLS = ("torch", "triton")
+
+
+def backward_impl() -> str:
+    """The chunked backward in use: ``TRIFORGE_DELTANET_BWD`` (torch or triton), torch when unset."""
+    impl = os.environ.get(BWD_ENV, "torch")
+    if impl not in BWD_IMPLS:
+        raise ValueError(f"{BWD_ENV} must be one of {BWD_IMPLS}, got {impl!r}")
+    return impl
+
+
+@torch.library.custom_op("triforge::chunk_gated_delta_rule_bwd", mutates_args=())
+def _chunk_bwd_op(
+    do: torch.Tensor, dht: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+    beta: torch.Tensor, scale: float, initial_state: torch.Tensor | None, use_qk_l2norm_in_kernel: bool,
+    cu_seqlens: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    _validate(q, k, v, g, beta, scale, initial_state, False, use_qk_l2norm_in_kernel, cu_seqlens)
+    _check_bwd_grads(do, dht, q, v, cu_seqlens)
+    q, k, v, g, beta, initial_state = _contiguous(q, k, v, g, beta, initial_state)
+    do = do.to(v.dtype).contiguous()
+    dht = dht.float().contiguous() if dht is not None else None
+    dq, dk, dv, dg, dbeta, dh0 = chunk_bwd.chunk_bwd(do, dht, q, k, v, g, beta, scale, initial_state,
+                                                     l2norm=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens)
+    return dq, dk, dv, dg, dbeta, dh0 if dh0 is not None else q.new_empty((0,), dtype=torch.float32)
+
+
+def _check_bwd_grads(do, dht, q, v, cu_seqlens):
+    check_tensor("do", do, dtypes=FLOAT_DTYPES, ndim=4)
+    if do.shape != v.shape:
+        raise ValueError(f"do must have v's shape {tuple(v.shape)}, got {tuple(do.shape)}")
+    if dht is not None:
+        check_tensor("dht", dht, dtypes=FLOAT_DTYPES, ndim=4)
+        want = (_n_seqs(q, cu_seqlens), v.shape[2], q.shape[3], v.shape[3])
+        if tuple(dht.shape) != want:
+            raise ValueError(f"dht must have the final state's shape [N, HV, K, V] = {want}, got {tuple(dht.shape)}")
+    check_same_device(q=q, do=do, dht=dht)
+
+
+@_chunk_bwd_op.register_fake
+def _chunk_bwd_fake(do, dht, q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens):
+    dh0_shape = initial_state.shape if initial_state is not None else (0,)
+    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), g.new_empty(g.shape),
+            beta.new_empty(beta.shape), q.new_empty(dh0_shape, dtype=torch.float32))
+
+
 def _chunk_setup(ctx, inputs, output):
     q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens = inputs
     ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens)
@@ -167,8 +227,12 @@ def _chunk_setup(ctx, inputs, output):
 def _chunk_backward(ctx, do, dht):
     q, k, v, g, beta, initial_state, cu_seqlens = ctx.saved_tensors
     dht = dht if ctx.output_final_state and dht is not None else None
-    dq, dk, dv, dg, dbeta, dh0 = chunk_bwd_torch(do, dht, q, k, v, g, beta, ctx.scale, initial_state, ctx.l2norm,
-                                                 cu_seqlens)
+    if backward_impl() == "triton":
+        dq, dk, dv, dg, dbeta, dh0 = torch.ops.triforge.chunk_gated_delta_rule_bwd(
+            do, dht, q, k, v, g, beta, ctx.scale, initial_state, ctx.l2norm, cu_seqlens)
+    else:
+        dq, dk, dv, dg, dbeta, dh0 = chunk_bwd_torch(do, dht, q, k, v, g, beta, ctx.scale, initial_state,
+                                                     ctx.l2norm, cu_seqlens)
     return dq, dk, dv, dg, dbeta, None, dh0 if initial_state is not None else None, None, None, None
 
 
@@ -210,7 +274,8 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     q, k [B, T, H, K]; v [B, T, HV, V]; g, beta [B, T, HV] (fp32 or the input dtype); scale
     defaults to K^-1/2; initial_state [N, HV, K, V] fp32; cu_seqlens int32/int64 [N + 1] with
     B = 1. Returns (o [B, T, HV, V] in v's dtype, final state [N, HV, K, V] fp32 or None).
-    Gradients (q, k, v, g, beta, initial_state) come from the interim PyTorch backward.
+    Gradients (q, k, v, g, beta, initial_state) come from the backward ``TRIFORGE_DELTANET_BWD`` picks
+    (the interim PyTorch one unless it says triton).
     """
     _validate(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens)
     o, final = torch.ops.triforge.chunk_gated_delta_rule_fwd(
@@ -245,6 +310,20 @@ def chunk_gated_delta_rule_stages(q, k, v, g, beta, scale=None, initial_state=No
                           cu_seqlens=cu_seqlens, stages=True, fuse_o=fuse_o)
     names = STAGE_NAMES if output_final_state else STAGE_NAMES[:-1]
     return OrderedDict((n, got[n]) for n in names)
+
+
+def chunk_gated_delta_rule_bwd_stages(q, k, v, g, beta, do, dht=None, scale=None, initial_state=None,
+                                      use_qk_l2norm_in_kernel=False, cu_seqlens=None):
+    """The Triton backward's own buffers, named as ``reference.chunk_bwd_ref_stages`` names them
+    (``chunk_bwd.BWD_STAGE_NAMES``; dh0 only with an initial state). do [B, T, HV, V] in v's
+    dtype, dht [N, HV, K, V] or None."""
+    _validate(q, k, v, g, beta, scale, initial_state, False, use_qk_l2norm_in_kernel, cu_seqlens)
+    _check_cu_seqlens(cu_seqlens, q.shape[1])
+    _check_bwd_grads(do, dht, q, v, cu_seqlens)
+    q, k, v, g, beta, initial_state = _contiguous(q, k, v, g, beta, initial_state)
+    dht = dht.float().contiguous() if dht is not None else None
+    return chunk_bwd.chunk_bwd(do.to(v.dtype).contiguous(), dht, q, k, v, g, beta, _scale(q, scale), initial_state,
+                               l2norm=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens, stages=True)
 
 
 # ----------------------------------------------------------------------------- registry
@@ -426,6 +505,34 @@ def _tune_setup(kernel):
     return setup
 
 
+def _tune_bwd_setup(kernel):
+    """The Triton backward's kernels at a shape: the ones before ``kernel`` run once for its inputs."""
+
+    def setup(shape, dtype, device):
+        i = _tune_inputs(shape, dtype, device)
+        q, k, v, g, beta, h0 = (i[n] for n in ("q", "k", "v", "g", "beta", "initial_state"))
+        B, T, H, HV, K, V = _shape_of(i)
+        scale = K**-0.5
+        do = torch.randn(v.shape, generator=torch.Generator().manual_seed(1)).to(device, dtype)
+        intra = chunk.chunk_fwd_intra(k, v, g, beta, l2norm=True, store_t=True)
+        gamma, w = intra["gamma"], intra["w"]
+        h, v_new, _ = chunk.chunk_fwd_h(k, w, intra["u"], gamma, h0, l2norm=True, output_final_state=False)
+        qn, kn = chunk_bwd.chunk_bwd_l2norm(q, k)
+        if kernel == "gated_delta_rule_bwd_dh":
+            return (lambda cfg: chunk_bwd.chunk_bwd_dh(qn, kn, w, gamma, do, None, scale, cfg=cfg),
+                    chunk_bwd.config_key(K, V, dtype, B * HV))
+        dh, dv_new, _ = chunk_bwd.chunk_bwd_dh(qn, kn, w, gamma, do, None, scale)
+        if kernel == "gated_delta_rule_bwd_dqkw":
+            return (lambda cfg: chunk_bwd.chunk_bwd_dqkw(qn, kn, v_new, h, dh, do, dv_new, gamma, scale, cfg=cfg),
+                    chunk_bwd.config_key(K, V, dtype))
+        local = chunk_bwd.chunk_bwd_dqkw(qn, kn, v_new, h, dh, do, dv_new, gamma, scale)
+        return (lambda cfg: chunk_bwd.chunk_bwd_wy(kn, v, beta, g.dtype, gamma, intra["T"], local["dw"], dv_new,
+                                                   local["dk_local"], local["dgamma_local"], cfg=cfg),
+                chunk_bwd.config_key(K, V, dtype))
+
+    return setup
+
+
 _TUNE_SHAPE = {"B": 8, "T": 4096, "H": 16, "HV": 32, "K": 128, "V": 128}
 _SHAPE_NAMES = ("B", "T", "H", "HV", "K", "V")
 for _kernel, _space, _shape in (
@@ -440,6 +547,15 @@ for _kernel, _space, _shape in (
 ):
     register_tunable(Tunable(kernel=_kernel, space=_space, setup=_tune_setup(_kernel), shape_names=_SHAPE_NAMES,
                              default_shape=dict(_shape)))
+# the Triton backward (opt-in; not yet tuned or measured on the H100)
+for _kernel, _space in (
+    ("gated_delta_rule_bwd_dh", {"BV": [32, 64, 128], "num_warps": [4, 8], "num_stages": [1, 2, 3]}),
+    ("gated_delta_rule_bwd_dqkw", {"BK": [32, 64], "BV": [32, 64], "num_warps": [4, 8], "num_stages": [1, 2, 3]}),
+    ("gated_delta_rule_bwd_wy", {"BK": [32, 64], "BV": [32, 64], "num_warps": [4, 8], "num_stages": [1, 2]}),
+):
+    register_tunable(Tunable(kernel=_kernel, space=_space, setup=_tune_bwd_setup(_kernel), shape_names=_SHAPE_NAMES,
+                             default_shape=dict(_TUNE_SHAPE)))
 
 __all__ = ["chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "chunk_gated_delta_rule_stages",
-           "chunk_bwd_torch", "recurrent_ref", "chunk_ref_stages"]
+           "chunk_gated_delta_rule_bwd_stages", "backward_impl", "chunk_bwd_torch", "recurrent_ref", "chunk_ref_stages",
+           "chunk_bwd_ref_stages"]

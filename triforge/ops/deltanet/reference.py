@@ -28,6 +28,56 @@ Layouts (shared with the kernels' stage buffers): q, k [B, T, H, K]; v [B, T, HV
 indexed from the chunk start); w [B, T, HV, K]; u, v_new, o [B, T, HV, V]; h [B, NT, HV, K, V]
 (the state entering each chunk; with cu_seqlens B = 1 and NT counts the chunks of every sequence);
 states [N, HV, K, V]. With cu_seqlens (B = 1) each sequence [cu[i], cu[i+1]) starts its own chunks.
+
+Backward (``chunk_bwd_ref_stages``). Upstream gradients dO [B, T, HV, V] and dS_end = dht (the final
+state's gradient, or 0). Below q is the scaled, normalised, head-expanded query (scale folded in as
+in the forward), k the normalised expanded key, P = (Q K^T) * decay, e = e^gamma and
+l = e^(gamma_last - gamma) [C]. Every exponent is <= 0 (no e^-gamma anywhere), so extreme decays
+underflow to 0 and never overflow.
+
+1. Recompute gamma, T, w, u (the intra stage), h (state entering each chunk) and v_new.
+2. dh: a reverse recurrence over the chunks of each sequence. dh_n is the gradient of the state
+   *leaving* chunk n (dh_last = dS_end); the one entering chunk 0 is d(initial_state):
+
+       dv_new = P^T dO + diag(l) K dh_n                                   [C, V]   (= du)
+       dh_n-1 = e^gamma_last dh_n + Q^T diag(e) dO - w^T dv_new           [K, V]
+
+3. Per chunk, with S = h_n the state entering it and dS' = dh_n the one leaving it
+   (dP = causal(dO v_new^T) * decay, the gradient of Q K^T through P):
+
+       dq_hv        = diag(e) dO S^T + dP K                               [C, K]
+       dk_local     = dP^T Q + diag(l) v_new dS'^T                        [C, K]
+       dw           = -dv_new S^T                                         [C, K]
+       dgamma_local = e * rowsum(Q * dO S^T) + rowsum(M) - colsum(M) - a,  M = dP * Q K^T,
+                      a = l * rowsum(K * v_new dS'^T), and at the chunk's last row
+                      + sum(a) + e^gamma_last sum(dS' * S)
+
+4. Back through the WY representation (w = T diag(beta e) K, u = T diag(beta) V, T = (I + A)^-1):
+
+       dT     = strictly_lower(dw (diag(beta e) K)^T + du (diag(beta) V)^T)   (the rest of T is constant)
+       dA     = -strictly_lower(T^T dT T^T)
+       dv     = diag(beta) T^T du
+       dbeta  = rowsum(T^T du * V) + e * rowsum(T^T dw * K) + rowsum(dA * K K^T * decay)
+       dk_hv  = dk_local + diag(beta e) T^T dw + (dKK + dKK^T) K,   dKK = diag(beta) dA * decay
+       dgamma = dgamma_local + beta e * rowsum(T^T dw * K) + rowsum(M2) - colsum(M2),   M2 = dA * A
+       dg     = reverse cumsum of dgamma inside each chunk (gamma = cumsum(g) there)
+
+5. dq = l2norm_bwd(scale * sum over the HV / H value heads of a group of dq_hv), dk likewise from
+   dk_hv (no scale); l2norm_bwd(x, dy) = r (dy - y (y . dy)) with r = rsqrt(|x|^2 + 1e-6), y = x r.
+   Without the in-kernel l2norm the group sums are dq and dk.
+
+Backward stage layouts: dh like h; dv_new, dv like v; dq_hv, dk_local, dw, dk_hv [B, T, HV, K];
+dgamma_local, dgamma, dbeta, dg [B, T, HV]; dT, dA like T; dq, dk like q; dh0 like the states.
+
+Stored intermediates (``store_dtype``). The Triton kernels keep gamma, T, the state and state
+gradient they carry across chunks, dq_hv, dk_local and dgamma_local in fp32, but store these in the
+input dtype, rounded to nearest (ties to even), and read them back from there: the normalised q and k
+(with the in-kernel l2norm; A's k k^T is formed from the unrounded unit rows), w, u, h, v_new
+(forward, and the backward's recompute), dh, dv_new and dw (backward). With ``store_dtype`` the
+references round exactly these tensors at exactly those points (fp32 first, then ``store_dtype``, as
+a kernel's fp32 register is rounded) and go on from the rounded values where the kernels read them
+back; the carried state and state gradient stay unrounded. Not modelled: 16-bit tensor-core operands
+rounded inside a kernel (T, P, dP, diag(beta) V, ...). Default None: no rounding.
 """
 
 from collections import OrderedDict
@@ -51,13 +101,22 @@ def sequences(B: int, T: int, cu_seqlens) -> list[tuple[int, int, int]]:
     return [(0, cu[i], cu[i + 1]) for i in range(len(cu) - 1)]
 
 
-def _prepare(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, dtype):
-    """Upcast to ``dtype``, expand q/k heads to HV, l2-normalise if asked; scale folded into q."""
+def _store(x: torch.Tensor, store_dtype) -> torch.Tensor:
+    """x rounded to ``store_dtype`` and back (fp32 first, then to nearest, ties to even: as a kernel
+    stores an fp32 register); x itself when ``store_dtype`` is None."""
+    if store_dtype is None:
+        return x
+    return x.to(torch.float32).to(store_dtype).to(x.dtype)
+
+
+def _prepare(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, dtype, store_dtype=None):
+    """Upcast to ``dtype``, expand q/k heads to HV, l2-normalise if asked (the unit rows rounded to
+    ``store_dtype`` when given, as the kernels store them); scale folded into q after that."""
     H, HV, K = q.shape[2], v.shape[2], q.shape[3]
     scale = K**-0.5 if scale is None else scale
     q, k, v, g, beta = (x.to(dtype) for x in (q, k, v, g, beta))
     if use_qk_l2norm_in_kernel:
-        q, k = l2norm(q), l2norm(k)
+        q, k = _store(l2norm(q), store_dtype), _store(l2norm(k), store_dtype)
     q, k = q.repeat_interleave(HV // H, dim=2), k.repeat_interleave(HV // H, dim=2)
     return q * scale, k, v, g, beta
 
@@ -119,6 +178,7 @@ def chunk_ref_stages(
     *,
     dtype=torch.float64,
     chunk_size=CHUNK,
+    store_dtype=None,
 ):
     """The chunked algorithm stage by stage, in ``dtype``; returns an OrderedDict of stages.
 
@@ -126,11 +186,16 @@ def chunk_ref_stages(
     in the layouts of the module docstring. Every stage is in ``dtype``; o is not cast back.
     Loops over chunks, vectorised over batch rows and value heads; with cu_seqlens, over
     sequences too. Differentiable (no in-place writes), so autograd through it gives gradients.
+    ``store_dtype``: round the normalised k, w, u, h and v_new where the kernels store them (module
+    docstring); the state carried to the next chunk stays unrounded.
     """
     B, T = q.shape[:2]
     HV, K, V = v.shape[2], q.shape[3], v.shape[3]
     C = chunk_size
-    q, k, v, g, beta = _prepare(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, dtype)
+    raw = (q, k, v, g, beta)
+    q, k, v, g, beta = _prepare(*raw, scale, use_qk_l2norm_in_kernel, dtype, store_dtype)
+    # k_a: the keys of A's k k^T, which the intra kernel forms from the unrounded unit rows
+    k_a = k if store_dtype is None else _prepare(*raw, scale, use_qk_l2norm_in_kernel, dtype)[1]
     if cu_seqlens is None:
         groups = [(0, T, initial_state)]  # every batch row at once
     else:
@@ -147,27 +212,180 @@ def chunk_ref_stages(
             e = min(s + C, eos)
             c = e - s
             # [Bg, HV, c, *]
-            qc, kc, vc = (x[:, s:e].transpose(1, 2) for x in (q, k, v))
+            qc, kc, vc, kac = (x[:, s:e].transpose(1, 2) for x in (q, k, v, k_a))
             gc, bc = g[:, s:e].transpose(1, 2), beta[:, s:e].transpose(1, 2)  # [Bg, HV, c]
             gam = gc.cumsum(-1)
             incl = torch.ones(c, c, dtype=torch.bool, device=v.device).tril()
             dec = (gam[..., :, None] - gam[..., None, :]).masked_fill(~incl, float("-inf")).exp()
-            Ac = (bc[..., None] * (kc @ kc.transpose(-1, -2)) * dec).tril(-1)
+            Ac = (bc[..., None] * (kac @ kac.transpose(-1, -2)) * dec).tril(-1)
             eye = torch.eye(c, dtype=dtype, device=v.device)
             Tc = torch.linalg.solve_triangular(eye + Ac, eye.expand_as(Ac), upper=False, unitriangular=True)
-            wc = Tc @ ((bc * gam.exp())[..., None] * kc)
-            uc = Tc @ (bc[..., None] * vc)
-            vn = uc - wc @ S
-            oc = gam.exp()[..., None] * (qc @ S) + ((qc @ kc.transpose(-1, -2)) * dec) @ vn
-            out["h"].append(S)
+            wc = _store(Tc @ ((bc * gam.exp())[..., None] * kc), store_dtype)
+            uc = _store(Tc @ (bc[..., None] * vc), store_dtype)
+            hc = _store(S, store_dtype)
+            vn = uc - wc @ hc
+            vns = _store(vn, store_dtype)
+            oc = gam.exp()[..., None] * (qc @ hc) + ((qc @ kc.transpose(-1, -2)) * dec) @ vns
+            out["h"].append(hc)
             S = gam[..., -1:, None].exp() * S + kc.transpose(-1, -2) @ ((gam[..., -1:] - gam).exp()[..., None] * vn)
             out["gamma"].append(gam.transpose(1, 2))
             for n, x in (("decay", dec), ("A", Ac), ("T", Tc)):
                 out[n].append(torch.nn.functional.pad(x, (0, C - c)).transpose(1, 2))
-            for n, x in (("w", wc), ("u", uc), ("v_new", vn), ("o", oc)):
+            for n, x in (("w", wc), ("u", uc), ("v_new", vns), ("o", oc)):
                 out[n].append(x.transpose(1, 2))
         finals.append(S)
     stages = OrderedDict((n, torch.stack(x, 1) if n == "h" else torch.cat(x, 1)) for n, x in out.items())
     if output_final_state:
         stages["final_state"] = torch.cat(finals)
     return stages
+
+
+def l2norm_bwd(x: torch.Tensor, dy: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:
+    """Gradient of ``l2norm`` at x: r (dy - y (y . dy)) with r = rsqrt(sum(x^2) + eps), y = x r."""
+    r = torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+    y = x * r
+    return r * (dy - y * (y * dy).sum(-1, keepdim=True))
+
+
+def _chunks(B, T, cu_seqlens, C):
+    """Per sequence group: (batch rows, [(h index, start, end) of each chunk], state rows)."""
+    if cu_seqlens is None:
+        return [(slice(0, B), [(i, s, min(s + C, T)) for i, s in enumerate(range(0, T, C))], slice(0, B))]
+    groups, n = [], 0
+    for i, (_, bos, eos) in enumerate(sequences(B, T, cu_seqlens)):
+        chunks = [(n + j, s, min(s + C, eos)) for j, s in enumerate(range(bos, eos, C))]
+        n += len(chunks)
+        groups.append((slice(0, 1), chunks, slice(i, i + 1)))
+    return groups
+
+
+def chunk_bwd_ref_stages(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    do,
+    dht=None,
+    scale=None,
+    initial_state=None,
+    use_qk_l2norm_in_kernel=False,
+    cu_seqlens=None,
+    *,
+    dtype=torch.float64,
+    chunk_size=CHUNK,
+    store_dtype=None,
+):
+    """The chunked backward stage by stage (the module docstring's steps 2-5), in ``dtype``.
+
+    do [B, T, HV, V] (the output's gradient), dht [N, HV, K, V] or None (the final state's).
+    Returns an OrderedDict: dh, dv_new, dq_hv, dk_local, dw, dgamma_local, dT, dA, dv, dbeta, dk_hv,
+    dgamma, dg, dq, dk (and dh0 with an initial state), in the layouts of the module docstring.
+    Explicit formulas (no autograd); ``test_deltanet_bwd`` checks them against autograd.
+    ``store_dtype``: round the normalised q and k, the recomputed w, u, h, v_new and dh, dv_new, dw
+    where the Triton backward stores them (module docstring); the dh, dv_new and dw stages are then
+    the rounded values, and the state gradient carried to the previous chunk stays unrounded.
+    """
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    C = chunk_size
+    scale = K**-0.5 if scale is None else scale
+    fwd = chunk_ref_stages(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                           use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens, dtype=dtype,
+                           chunk_size=C, store_dtype=store_dtype)
+    qs, kn, vv, _, bb = _prepare(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, dtype, store_dtype)
+    do = do.to(dtype)
+    gam, Tm, w, h, vn = (fwd[n] for n in ("gamma", "T", "w", "h", "v_new"))
+    new = {n: torch.zeros_like(like) for n, like in (
+        ("dh", h), ("dv_new", vn), ("dq_hv", w), ("dk_local", w), ("dw", w), ("dgamma_local", gam), ("dT", Tm),
+        ("dA", Tm), ("dv", vn), ("dbeta", gam), ("dk_hv", w), ("dgamma", gam), ("dg", gam))}
+    N = B if cu_seqlens is None else len(sequences(B, T, cu_seqlens))
+    dh0 = torch.zeros(N, HV, K, V, dtype=dtype, device=v.device)
+
+    def rows(x, s, e):  # [b, T, HV, *] -> [b, HV, c, *]
+        return x[:, s:e].transpose(1, 2)
+
+    def put(name, b, s, e, x):  # [b, HV, c, *] -> the stage's [b, T, HV, *] rows
+        c = e - s
+        if name in ("dT", "dA"):
+            x = torch.nn.functional.pad(x, (0, C - c))
+        new[name][b, s:e] = x.transpose(1, 2)
+
+    groups = _chunks(B, T, cu_seqlens, C)
+    for b, chunks, n in groups:
+        dS = torch.zeros_like(dh0[n]) if dht is None else dht[n].to(dtype)
+        for i, s, e in reversed(chunks):  # step 2: dh, dv_new
+            dSs = _store(dS, store_dtype)
+            new["dh"][b, i] = dSs
+            qc, kc, wc, doc = (rows(x[b], s, e) for x in (qs, kn, w, do))
+            gm = rows(gam[b], s, e)
+            dec = _decay_ref(gm)
+            el = (gm[..., -1:] - gm).exp()
+            dvn = _store(((qc @ kc.transpose(-1, -2)) * dec).transpose(-1, -2) @ doc + el[..., None] * (kc @ dSs),
+                         store_dtype)
+            put("dv_new", b, s, e, dvn)
+            dS = gm[..., -1, None, None].exp() * dS + (gm.exp()[..., None] * qc).transpose(-1, -2) @ doc \
+                - wc.transpose(-1, -2) @ dvn
+        dh0[n] = dS
+        for i, s, e in chunks:  # steps 3 and 4
+            c = e - s
+            S, dSn = h[b, i], new["dh"][b, i]
+            qc, kc, vc, wc, doc, vnc, dvn = (rows(x[b], s, e) for x in (qs, kn, vv, w, do, vn, new["dv_new"]))
+            gm, bc = rows(gam[b], s, e), rows(bb[b], s, e)
+            Tc = rows(Tm[b], s, e)[..., :c]
+            dec = _decay_ref(gm)
+            eg, el = gm.exp(), (gm[..., -1:] - gm).exp()
+            dOS = doc @ S.transpose(-1, -2)
+            dP = (doc @ vnc.transpose(-1, -2)) * dec
+            qk = qc @ kc.transpose(-1, -2)
+            vdS = vnc @ dSn.transpose(-1, -2)
+            put("dq_hv", b, s, e, eg[..., None] * dOS + dP @ kc)
+            dk_local = dP.transpose(-1, -2) @ qc + el[..., None] * vdS
+            put("dk_local", b, s, e, dk_local)
+            dw = _store(-dvn @ S.transpose(-1, -2), store_dtype)
+            put("dw", b, s, e, dw)
+            M = dP * qk
+            a = el * (kc * vdS).sum(-1)
+            dgl = eg * (qc * dOS).sum(-1) + M.sum(-1) - M.sum(-2) - a
+            last = torch.zeros_like(dgl)
+            last[..., -1] = a.sum(-1) + gm[..., -1].exp() * (dSn * S).sum((-2, -1))
+            dgl = dgl + last
+            put("dgamma_local", b, s, e, dgl)
+
+            kbg = (bc * eg)[..., None] * kc
+            dT = (dw @ kbg.transpose(-1, -2) + dvn @ (bc[..., None] * vc).transpose(-1, -2)).tril(-1)
+            put("dT", b, s, e, dT)
+            dA = -(Tc.transpose(-1, -2) @ dT @ Tc.transpose(-1, -2)).tril(-1)
+            put("dA", b, s, e, dA)
+            dvb = Tc.transpose(-1, -2) @ dvn
+            dkbg = Tc.transpose(-1, -2) @ dw
+            put("dv", b, s, e, bc[..., None] * dvb)
+            kk = kc @ kc.transpose(-1, -2)
+            G = dA * kk * dec
+            dkbg_k = (dkbg * kc).sum(-1)
+            put("dbeta", b, s, e, (dvb * vc).sum(-1) + eg * dkbg_k + G.sum(-1))
+            dKK = bc[..., None] * dA * dec
+            put("dk_hv", b, s, e, dk_local + (bc * eg)[..., None] * dkbg + (dKK + dKK.transpose(-1, -2)) @ kc)
+            M2 = bc[..., None] * G
+            dgamma = dgl + bc * eg * dkbg_k + M2.sum(-1) - M2.sum(-2)
+            put("dgamma", b, s, e, dgamma)
+            put("dg", b, s, e, dgamma.flip(-1).cumsum(-1).flip(-1))
+
+    G_ = HV // H
+    dq = (scale * new["dq_hv"]).view(B, T, H, G_, K).sum(3)
+    dk = new["dk_hv"].view(B, T, H, G_, K).sum(3)
+    if use_qk_l2norm_in_kernel:
+        dq, dk = l2norm_bwd(q.to(dtype), dq), l2norm_bwd(k.to(dtype), dk)
+    stages = OrderedDict((n, new[n]) for n in ("dh", "dv_new", "dq_hv", "dk_local", "dw", "dgamma_local", "dT", "dA",
+                                               "dv", "dbeta", "dk_hv", "dgamma", "dg"))
+    stages["dq"], stages["dk"] = dq, dk
+    if initial_state is not None:
+        stages["dh0"] = dh0
+    return stages
+
+
+def _decay_ref(gam):
+    """[.., c] -> [.., c, c] exp(gamma_i - gamma_j) for i >= j, else 0."""
+    c = gam.shape[-1]
+    incl = torch.ones(c, c, dtype=torch.bool, device=gam.device).tril()
+    return (gam[..., :, None] - gam[..., None, :]).masked_fill(~incl, float("-inf")).exp()

@@ -1,0 +1,582 @@
+"""Gated DeltaNet chunked backward (``triforge.ops.deltanet.chunk_bwd``, opt-in through
+``TRIFORGE_DELTANET_BWD=triton``): the float64 reference backward (``chunk_bwd_ref_stages``)
+against autograd through ``chunk_ref_stages``; every Triton stage against the reference's (whole
+pipeline, and each kernel fed the reference's inputs); odd lengths, grouped value heads, initial
+state and final-state gradient on and off, l2norm on and off, packed sequences, extreme decays and
+beta near 0 and 1; the switch, the custom op (opcheck, torch.compile); the kernels compiled for
+sm90 (no spills, wgmma); GPU tests at K = V = 128 for the session that flips the default.
+
+Kernel calls run under ``poisoned()``; inputs are fresh random draws every run (the ``gen``
+fixture). Interpreter shapes stay at K = V in {32, 64} and T <= 150 (about a minute in all).
+fp32 results are judged at the default fp32 tolerance; 16-bit ones at their dtype's default
+tolerance with per-element error scales from the reference run with the kernels' 16-bit stores
+(``stored_error_scales``).
+"""
+
+from collections import OrderedDict
+
+import pytest
+import torch
+
+from triforge.launch import poisoned
+from triforge.ops.deltanet import (
+    backward_impl,
+    chunk_bwd,
+    chunk_bwd_torch,
+    chunk_gated_delta_rule,
+    chunk_gated_delta_rule_bwd_stages,
+    recurrent_ref,
+)
+from triforge.ops.deltanet.reference import chunk_bwd_ref_stages, chunk_ref_stages, l2norm, l2norm_bwd
+from triforge.testing import Tolerance, compare, compare_stages, tolerance_for
+
+from .test_deltanet import DTYPE_IDS, _f64, _inputs
+
+# fp32 gamma near -1900 (g to -30 a token) is off by ~1e-4 (ulp 1.2e-4): exp(gamma_i - gamma_j) ~1e-4 relative
+EXTREME = Tolerance(rel_rms=1e-3, atol=1e-3, rtol=1e-3)
+GRAD_NAMES = ("q", "k", "v", "g", "beta", "initial_state")
+STORE_C = 4.0  # the kernel's error allowed at an element: the default bound + STORE_C x the storing change
+
+
+def stored_error_scales(exact, stored, dtype, c=STORE_C):
+    """Per-element error scales (``compare``'s ``scale``) for a 16-bit run of the Triton backward.
+
+    The kernels keep their intermediates in fp32 but store some in the input dtype, rounded to
+    nearest, and read them back (reference module docstring: the normalised q and k, w, u, h,
+    v_new, dh, dv_new, dw). ``stored`` is the float64 reference rounding exactly those tensors at
+    exactly those points, so |stored - exact| is the change one instance of those roundings makes to
+    each element, cancellation after them included (the recurrence over chunks, T = (I + A)^-1, the
+    sum over value heads, the l2norm's backward): where an element's terms cancel it is of the
+    terms' size, not the element's. The kernel rounds at the same points (other instances: its values
+    before rounding differ in their last fp32 bits) plus factors of its tensor-core products (the
+    same kind and size), so its error is of that size too. scale = rms(exact) + (c / atol) |stored -
+    exact| makes the bound atol * scale + rtol |ref| the dtype's default bound plus c times that
+    change. Returns {stage: scale}.
+    """
+    atol = tolerance_for(dtype).atol
+    out = {}
+    for n, r in exact.items():
+        rms = float(r.square().mean().sqrt()) if r.numel() else 0.0
+        out[n] = (rms if rms > 0 else 1.0) + (c / atol) * (stored[n] - r).abs()
+    return out
+
+
+def _bwd_inputs(B, T, H, HV, K, V, dtype, gen, *, h0=True, dht=True, l2norm=True, N=None, g_scale=1.0):
+    x = _inputs(B, T, H, HV, K, V, dtype, gen, h0=h0, normalized_k=not l2norm, N=N, g_scale=g_scale)
+    x["do"] = torch.randn(x["v"].shape, generator=gen).to(dtype)
+    x["dht"] = torch.randn(N or B, HV, K, V, generator=gen) if dht else None
+    return x
+
+
+def _ref_and_scales(x, dtype, **kw):
+    """(float64 reference stages, their error scales: ``stored_error_scales`` for 16-bit inputs, else
+    None, the default rms)."""
+    ref = chunk_bwd_ref_stages(**_f64(x), **kw)
+    if dtype not in (torch.float16, torch.bfloat16):
+        return ref, None
+    return ref, stored_error_scales(ref, chunk_bwd_ref_stages(**_f64(x), **kw, store_dtype=dtype), dtype)
+
+
+def _bwd_stages(x, l2norm, cu=None, scale=None):
+    """(float64 reference stages, Triton stages, error scales or None) of the same inputs."""
+    ref, scales = _ref_and_scales(x, x["q"].dtype, scale=scale, use_qk_l2norm_in_kernel=l2norm, cu_seqlens=cu)
+    with poisoned():
+        got = chunk_gated_delta_rule_bwd_stages(**x, scale=scale, use_qk_l2norm_in_kernel=l2norm, cu_seqlens=cu)
+    return ref, got, scales
+
+
+def _assert_stages(ref, got, dtype, scales=None, tol=None):
+    """Every stage within its dtype's default tolerance (``tol`` where given), at ``scales``."""
+    assert list(got) == list(ref)
+    results, failed = compare_stages(ref, got, dtype=dtype, tols={n: tol for n in ref} if tol else None,
+                                     scales=scales)
+    assert failed is None, results[-1].line()
+
+
+# ----------------------------------------------------------------------------- the float64 reference
+
+_REF_CASES = [
+    # B, T, H, HV, K, V, h0, dht, l2norm, cu_seqlens, g_scale
+    (2, 130, 2, 4, 16, 8, True, True, True, None, 1.0),
+    (2, 17, 1, 3, 16, 16, False, False, False, None, 1.0),
+    (1, 64, 2, 2, 8, 16, True, False, True, None, 1.0),
+    (1, 1, 1, 2, 16, 8, False, True, True, None, 1.0),
+    (1, 150, 1, 2, 16, 8, True, True, True, [0, 30, 31, 31, 150], 1.0),
+    (2, 100, 1, 2, 16, 16, True, True, True, None, 30.0),
+]
+
+
+@pytest.mark.parametrize("case", _REF_CASES, ids=[f"T{c[1]}-G{c[3] // c[2]}-h0{int(c[6])}-dht{int(c[7])}-l2{int(c[8])}"
+                                                  f"{'-varlen' if c[9] else ''}{'-extreme' if c[10] > 1 else ''}"
+                                                  for c in _REF_CASES])
+def test_reference_backward_equals_autograd_float64(case, gen):
+    """Every input gradient of the explicit backward stages equals autograd through chunk_ref_stages."""
+    B, T, H, HV, K, V, h0, dht, l2, cu, g_scale = case
+    cu = torch.tensor(cu) if cu is not None else None
+    N = len(cu) - 1 if cu is not None else None
+    x = _f64(_bwd_inputs(B, T, H, HV, K, V, torch.float64, gen, h0=h0, dht=dht, l2norm=l2, N=N, g_scale=g_scale))
+    leaves = {n: x[n].clone().requires_grad_(True) for n in GRAD_NAMES if x[n] is not None}
+    st = chunk_ref_stages(**{n: leaves.get(n, x[n]) for n in GRAD_NAMES}, scale=0.3, output_final_state=True,
+                          use_qk_l2norm_in_kernel=l2, cu_seqlens=cu)
+    outs, grads = [st["o"]], [x["do"]]
+    if dht:
+        outs.append(st["final_state"])
+        grads.append(x["dht"])
+    want = dict(zip(leaves, torch.autograd.grad(outs, list(leaves.values()), grads)))
+    got = chunk_bwd_ref_stages(**x, scale=0.3, use_qk_l2norm_in_kernel=l2, cu_seqlens=cu)
+    assert ("dh0" in got) == h0
+    for n, w in want.items():
+        d = got["dh0" if n == "initial_state" else f"d{n}"]
+        assert (d - w).abs().max() <= 1e-10 * w.abs().max(), n
+
+
+def test_reference_state_gradient_by_suffix(gen):
+    """dh of chunk n (the gradient of the state leaving it) equals autograd's gradient of the initial
+    state of the same problem started at chunk n + 1 from that state."""
+    x = _f64(_bwd_inputs(2, 170, 1, 2, 16, 8, torch.float64, gen))
+    ref = chunk_bwd_ref_stages(**x, use_qk_l2norm_in_kernel=True)
+    fwd = chunk_ref_stages(**{n: x[n] for n in GRAD_NAMES}, use_qk_l2norm_in_kernel=True)
+    for n in (0, 1):
+        s = 64 * (n + 1)
+        h = fwd["h"][:, n + 1].clone().requires_grad_(True)
+        st = chunk_ref_stages(*(x[m][:, s:] for m in ("q", "k", "v", "g", "beta")), initial_state=h,
+                              output_final_state=True, use_qk_l2norm_in_kernel=True)
+        (dh,) = torch.autograd.grad([st["o"], st["final_state"]], [h], [x["do"][:, s:], x["dht"]])
+        assert (ref["dh"][:, n] - dh).abs().max() <= 1e-10 * dh.abs().max()
+
+
+def test_l2norm_backward_equals_autograd(gen):
+    x = torch.randn(5, 3, 32, generator=gen, dtype=torch.float64, requires_grad=True)
+    dy = torch.randn(5, 3, 32, generator=gen, dtype=torch.float64)
+    (want,) = torch.autograd.grad(l2norm(x), [x], [dy])
+    torch.testing.assert_close(l2norm_bwd(x.detach(), dy), want, rtol=1e-12, atol=1e-14)
+
+
+# ----------------------------------------------------------------------------- Triton stages
+
+# (B, T, H, HV, K, dtype, h0, dht, l2norm): every T, every dtype, both head dims, groups of 1-3
+_STAGE_CASES = [
+    (2, 1, 1, 2, 32, torch.float32, True, True, True),
+    (2, 17, 2, 2, 32, torch.float16, False, True, False),
+    (1, 64, 1, 3, 64, torch.bfloat16, True, False, True),
+    (2, 100, 2, 4, 32, torch.float32, True, True, True),
+    (1, 100, 1, 1, 64, torch.float32, False, False, False),
+    (1, 130, 1, 2, 32, torch.bfloat16, True, True, True),
+    (1, 130, 2, 2, 32, torch.float16, True, False, True),
+]
+
+
+_STAGE_IDS = [f"T{c[1]}-K{c[4]}-G{c[3] // c[2]}-{DTYPE_IDS[c[5]]}-h0{int(c[6])}-dht{int(c[7])}-l2{int(c[8])}"
+              for c in _STAGE_CASES]
+
+
+@pytest.mark.parametrize("B,T,H,HV,K,dtype,h0,dht,l2", _STAGE_CASES, ids=_STAGE_IDS)
+def test_kernel_stages_match_reference(B, T, H, HV, K, dtype, h0, dht, l2, gen):
+    """dh, dv_new, dq_hv, dk_local, dw, dgamma_local, dT, dA, dv, dbeta, dk_hv, dgamma, dg, dq, dk, dh0
+    in order (stops at the first failing stage)."""
+    x = _bwd_inputs(B, T, H, HV, K, K, dtype, gen, h0=h0, dht=dht, l2norm=l2)
+    ref, got, scales = _bwd_stages(x, l2, scale=0.3 if K == 64 else None)
+    for n in ("dq", "dk", "dv"):
+        assert got[n].dtype == dtype
+    assert got["dg"].dtype == x["g"].dtype and got["dbeta"].dtype == dtype
+    _assert_stages(ref, got, dtype, scales)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=DTYPE_IDS.get)
+def test_kernel_stages_varlen(dtype, gen):
+    """Packed sequences with an empty and a one-token sequence; per-sequence states and dht."""
+    lengths = [37, 1, 0, 70]
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
+    x = _bwd_inputs(1, sum(lengths), 1, 2, 32, 32, dtype, gen, N=len(lengths))
+    ref, got, scales = _bwd_stages(x, True, cu=cu)
+    _assert_stages(ref, got, dtype, scales)
+    assert torch.equal(got["dh0"][2], x["dht"][2])  # an empty sequence passes its final state's gradient on
+
+
+def test_stored_error_scales_catch_a_planted_error(gen):
+    """The Triton bf16 dq and dk pass under ``stored_error_scales``; one element at a
+    well-conditioned place (scale within 10% of the rms, |ref| <= rms / 2: bound <= 0.08 rms) moved
+    by a tenth of the tensor's rms fails, and is located: it is the one element over its bound."""
+    dtype = torch.bfloat16
+    x = _bwd_inputs(1, 130, 1, 2, 32, 32, dtype, gen)
+    ref, got, scales = _bwd_stages(x, True)
+    tol = tolerance_for(dtype)
+    for name in ("dq", "dk"):
+        r, g, s = ref[name], got[name].double(), scales[name]
+        clean = compare(name, r, g, dtype=dtype, scale=s)
+        assert clean.ok, clean.line()
+        rms = float(r.square().mean().sqrt())
+        well = (s <= 1.1 * rms) & (r.abs() <= 0.5 * rms)
+        assert well.float().mean() > 0.2, name  # most elements are well conditioned
+        slack = torch.where(well, tol.atol * s + tol.rtol * r.abs() - (g - r).abs(), torch.inf)
+        idx = tuple(int(i) for i in torch.unravel_index(slack.argmin(), slack.shape))
+        bad = g.clone()
+        bad[idx] += 0.1 * rms * (1.0 if g[idx] >= r[idx] else -1.0)
+        res = compare(name, r, bad, dtype=dtype, scale=s, verbose=False)
+        assert not res.ok and res.n_over == 1, res.line()
+        assert not compare(name, r[idx], bad[idx], dtype=dtype, scale=s[idx], verbose=False).ok, (name, idx)
+
+
+def test_reference_store_dtype_rounds_the_stored_tensors(gen):
+    """store_dtype rounds w, u, h, v_new (forward recompute), dh, dv_new, dw: those stages are
+    exact in bf16, the exact reference's are not; the gradients move by about bf16's rounding."""
+    x = _f64(_bwd_inputs(1, 100, 1, 2, 16, 16, torch.float64, gen))
+    names = {n: x[n] for n in GRAD_NAMES}
+    exact, stored = chunk_bwd_ref_stages(**x, use_qk_l2norm_in_kernel=True), chunk_bwd_ref_stages(
+        **x, use_qk_l2norm_in_kernel=True, store_dtype=torch.bfloat16)
+    fe, fs = (chunk_ref_stages(**names, use_qk_l2norm_in_kernel=True, store_dtype=d) for d in (None, torch.bfloat16))
+    for n, e, st in [(n, fe[n], fs[n]) for n in ("w", "u", "h", "v_new")] + [
+            (n, exact[n], stored[n]) for n in ("dh", "dv_new", "dw")]:
+        assert torch.equal(st, st.to(torch.bfloat16).double()), n
+        assert not torch.equal(e, e.to(torch.bfloat16).double()), n
+    for n in ("dq", "dk", "dv", "dg", "dbeta", "dh0"):
+        rel = float((stored[n] - exact[n]).norm() / exact[n].norm())
+        assert 1e-5 < rel < 2e-2, (n, rel)
+
+
+def test_each_kernel_from_reference_inputs(gen):
+    """Each launcher fed the reference's own upstream stages (fp32), so a failure names one kernel
+    whatever the stages before it did: kernel 1 (dh, dv_new, dh0), 2 (dq_hv, dk_local, dw,
+    dgamma_local), 3 (dv, dbeta, dk_hv, dg, dT, dA, dgamma), 4 (dq, dk)."""
+    x = _bwd_inputs(2, 100, 1, 2, 32, 32, torch.float32, gen)
+    x64 = _f64(x)
+    ref = chunk_bwd_ref_stages(**x64, use_qk_l2norm_in_kernel=True)
+    fwd = chunk_ref_stages(**{n: x64[n] for n in GRAD_NAMES}, use_qk_l2norm_in_kernel=True)
+    f32 = {n: t.float().contiguous() for n, t in {**fwd, **ref}.items()}
+    scale = 32**-0.5
+    qn, kn = (l2norm(x64[n]).float() for n in ("q", "k"))
+    with poisoned():
+        qn2, kn2 = chunk_bwd.chunk_bwd_l2norm(x["q"], x["k"])
+        dh, dv_new, dh0 = chunk_bwd.chunk_bwd_dh(qn, kn, f32["w"], f32["gamma"], x["do"], x["dht"], scale)
+        local = chunk_bwd.chunk_bwd_dqkw(qn, kn, f32["v_new"], f32["h"], f32["dh"], x["do"], f32["dv_new"],
+                                         f32["gamma"], scale)
+        dgl = f32["dgamma_local"][None]
+        wy = chunk_bwd.chunk_bwd_wy(kn, x["v"], x["beta"], torch.float32, f32["gamma"], f32["T"], f32["dw"],
+                                    f32["dv_new"], f32["dk_local"].clone(), dgl, stages=True)
+        dq, dk = chunk_bwd.chunk_bwd_qk(x["q"], x["k"], f32["dq_hv"], f32["dk_hv"], scale, l2norm=True)
+    got = OrderedDict(qn=qn2, kn=kn2, dh=dh, dv_new=dv_new, dh0=dh0, dq_hv=local["dq_hv"], dk_local=local["dk_local"],
+                      dw=local["dw"], dgamma_local=local["dgamma_local"].sum(0), dT=wy["dT"], dA=wy["dA"], dv=wy["dv"],
+                      dbeta=wy["dbeta"], dk_hv=wy["dk_hv"], dgamma=wy["dgamma"], dg=wy["dg"], dq=dq, dk=dk)
+    want = {**ref, "qn": l2norm(x64["q"]), "kn": l2norm(x64["k"])}
+    for n, t in got.items():
+        res = compare(n, want[n], t, dtype=torch.float32)
+        assert res.ok, res.line()
+
+
+@pytest.mark.parametrize("dtype,beta_value", [(torch.float32, 1e-4), (torch.float32, 0.9999),
+                                              (torch.bfloat16, 0.9999), (torch.float16, 1e-4)],
+                         ids=["fp32-beta0", "fp32-beta1", "bf16-beta1", "fp16-beta0"])
+def test_extreme_decay_and_beta_stay_finite(dtype, beta_value, gen):
+    """g down to -30 per token (gamma to about -1900 in a chunk), some tokens at g = 0, beta near 0
+    or 1: every stage finite. fp32 and bf16 (fp32's range) match the reference; fp16 gradients such
+    as dh0 shrink to ~1e-9 there, below fp16's normal range (w and u underflow), so only finite."""
+    x = _bwd_inputs(1, 130, 1, 2, 32, 32, dtype, gen)
+    x["g"] = -30.0 * torch.rand(x["g"].shape, generator=gen)
+    x["g"][:, ::7] = 0.0
+    x["beta"] = torch.full_like(x["beta"], beta_value)
+    ref, got, scales = _bwd_stages(x, True)
+    for n, t in got.items():
+        assert t.isfinite().all(), n
+    if dtype != torch.float16:
+        _assert_stages(ref, got, dtype, scales, EXTREME if dtype == torch.float32 else None)
+
+
+# ----------------------------------------------------------------------------- switch, autograd, custom op
+
+
+def test_switch_defaults_to_torch(monkeypatch, gen):
+    monkeypatch.delenv("TRIFORGE_DELTANET_BWD", raising=False)
+    assert backward_impl() == "torch"
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the Triton backward ran without being asked")
+
+    monkeypatch.setattr(chunk_bwd, "chunk_bwd", refuse)
+    x = _inputs(1, 20, 1, 2, 32, 32, torch.float32, gen)
+    leaves = {n: x[n].clone().requires_grad_(True) for n in GRAD_NAMES}
+    o, _ = chunk_gated_delta_rule(**leaves)
+    o.sum().backward()
+    monkeypatch.setenv("TRIFORGE_DELTANET_BWD", "cuda")
+    o, _ = chunk_gated_delta_rule(**leaves)
+    with pytest.raises(ValueError, match="TRIFORGE_DELTANET_BWD"):
+        o.sum().backward()
+
+
+_GRAD_CASES = [
+    # T, dtype, h0, use the final state, l2norm, cu_seqlens
+    (70, torch.float32, True, True, True, None),
+    (40, torch.bfloat16, False, False, True, [0, 13, 40]),
+    (130, torch.float16, True, True, False, None),
+]
+
+
+@pytest.mark.parametrize("T,dtype,h0,use_final,l2,cu", _GRAD_CASES,
+                         ids=["fp32-h0-final", "bf16-varlen", "fp16-noL2"])
+def test_triton_backward_gradients_through_autograd(T, dtype, h0, use_final, l2, cu, monkeypatch, gen):
+    """The public function's gradients with TRIFORGE_DELTANET_BWD=triton against float64 autograd
+    through the recurrent reference (an independent formulation of the forward)."""
+    monkeypatch.setenv("TRIFORGE_DELTANET_BWD", "triton")
+    cu = torch.tensor(cu) if cu is not None else None
+    N = len(cu) - 1 if cu is not None else None
+    x = _inputs(1 if cu is not None else 2, T, 1, 2, 32, 32, dtype, gen, h0=h0, normalized_k=not l2, N=N)
+    names = [n for n in GRAD_NAMES if x[n] is not None]
+    leaves = {n: x[n].clone().requires_grad_(True) for n in names}
+    leaves64 = {n: x[n].double().requires_grad_(True) for n in names}
+    kw = dict(output_final_state=True, use_qk_l2norm_in_kernel=l2, cu_seqlens=cu)
+    o, final = chunk_gated_delta_rule(**leaves, **kw)
+    o64, final64 = recurrent_ref(**leaves64, **kw)
+    do = torch.randn(o.shape, generator=gen).to(dtype)
+    dht = torch.randn(final.shape, generator=gen)
+    outs, outs64, grads = ([o, final], [o64, final64], [do, dht]) if use_final else ([o], [o64], [do])
+    with poisoned():
+        got = torch.autograd.grad(outs, list(leaves.values()), grads)
+    want = torch.autograd.grad(outs64, list(leaves64.values()), [t.double() for t in grads])
+    _, scales = _ref_and_scales({**x, "do": do, "dht": dht if use_final else None}, dtype, use_qk_l2norm_in_kernel=l2,
+                                cu_seqlens=cu)
+    for n, w, gg in zip(names, want, got):
+        assert gg.dtype == leaves[n].dtype
+        scale = scales["dh0" if n == "initial_state" else f"d{n}"] if scales else None
+        res = compare(f"d{n}", w, gg, dtype=dtype, scale=scale)
+        assert res.ok, res.line()
+
+
+def _both_backwards_match_reference(x, scale, l2norm):
+    """The Triton and the interim PyTorch backward (fp32) each against the float64 reference backward
+    at the default fp32 tolerance (so within twice it of each other)."""
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"], scale, x["initial_state"], l2norm, None)
+    want = chunk_bwd_torch(x["do"], x["dht"], *args)
+    with poisoned():
+        got = torch.ops.triforge.chunk_gated_delta_rule_bwd(x["do"], x["dht"], *args)
+    ref = chunk_bwd_ref_stages(**_f64(x), scale=scale, use_qk_l2norm_in_kernel=l2norm)
+    for n, w, gg in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), want, got):
+        for impl, t in (("torch", w), ("triton", gg)):
+            res = compare(f"{n} {impl}", ref[n], t, dtype=torch.float32)
+            assert res.ok, res.line()
+
+
+def test_triton_backward_matches_torch_backward(gen):
+    """The two implementations side by side (fp32, grouped heads, no l2norm, scale given)."""
+    _both_backwards_match_reference(_bwd_inputs(1, 90, 2, 4, 32, 32, torch.float32, gen, l2norm=False), 0.25, False)
+
+
+def test_bwd_op_opcheck(gen):
+    x = _inputs(1, 20, 1, 2, 32, 32, torch.float32, gen)
+    do = torch.randn(x["v"].shape, generator=gen)
+    dht = torch.randn(x["initial_state"].shape, generator=gen)
+    op = torch.ops.triforge.chunk_gated_delta_rule_bwd.default
+    base = (x["q"], x["k"], x["v"], x["g"], x["beta"], 0.2)
+    for args in ((do, dht, *base, x["initial_state"], True, None),
+                 (do, None, *base, None, False, torch.tensor([0, 7, 20]))):
+        torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
+
+
+def test_torch_compile_traces_the_triton_backward(monkeypatch, gen):
+    monkeypatch.setenv("TRIFORGE_DELTANET_BWD", "triton")
+    x = _inputs(1, 20, 1, 2, 32, 32, torch.float32, gen)
+    do = torch.randn(x["v"].shape, generator=gen)
+
+    def loss(q, k, v, g, beta, initial_state):
+        o, s = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=initial_state, output_final_state=True,
+                                      use_qk_l2norm_in_kernel=True)
+        return (o * do).sum() + s.square().sum()
+
+    def grads(fn):
+        leaves = [x[n].clone().requires_grad_(True) for n in GRAD_NAMES]
+        return torch.autograd.grad(fn(*leaves), leaves)
+
+    calls = []
+    real = chunk_bwd.chunk_bwd
+    monkeypatch.setattr(chunk_bwd, "chunk_bwd", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    got = grads(torch.compile(loss, fullgraph=True))
+    assert calls, "the compiled backward did not run the Triton kernels"
+    for a, b in zip(got, grads(loss)):
+        torch.testing.assert_close(a, b)
+
+
+def test_bwd_bad_inputs_name_the_argument(gen):
+    x = _inputs(1, 8, 1, 2, 32, 32, torch.float32, gen)
+    op = torch.ops.triforge.chunk_gated_delta_rule_bwd
+    base = (x["q"], x["k"], x["v"], x["g"], x["beta"], 0.2, x["initial_state"], False, None)
+    with pytest.raises(ValueError, match="do"):
+        op(torch.randn(1, 8, 2, 16), None, *base)
+    with pytest.raises(ValueError, match="dht"):
+        op(torch.randn(1, 8, 2, 32), torch.randn(2, 2, 32, 32), *base)
+
+
+# ----------------------------------------------------------------------------- compiled for sm90 (no GPU needed)
+
+# Appended to test_flash_attn's compile prelude (its ``compile_``: triton.compile for sm90, ptxas -v);
+# cases: [kernel, dtype, K, V, varlen, l2norm]; the launchers' fallback configs as the H100 takes them.
+_SM90_DRIVER = r'''
+import triforge.ops.deltanet.chunk as fwd
+import triforge.ops.deltanet.chunk_bwd as bwd
+
+rows = []
+for kernel, dt, K, V, varlen, l2 in json.loads(sys.argv[1]):
+    dtype = getattr(torch, dt)
+    t = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}[dt]
+    flags = dict(PREC="tf32x3" if dtype == torch.float32 else "tf32", UPCAST=False, RNE=False)
+    shape = dict(H=2, HV=4, K=K, V=V, BT=fwd.BT, L2NORM=l2, IS_VARLEN=varlen, **flags)
+    if kernel in ("fwd_intra", "fwd_h"):
+        cfg = fwd.fwd_config("gated_delta_rule_" + kernel, K, V, dtype, 4096)
+    else:
+        cfg = bwd.bwd_config("gated_delta_rule_bwd_" + kernel, K, V, dtype, 4096)
+    if kernel == "fwd_intra":  # as the backward recomputes it: T stored
+        fn = fwd.chunk_gated_delta_rule_fwd_kernel_intra
+        ptrs = {n: "*" + t for n in ("k_ptr", "v_ptr", "w_ptr", "u_ptr", "beta_ptr")}
+        ptrs.update({n: "*fp32" for n in ("g_ptr", "gamma_ptr", "t_ptr", "decay_ptr", "a_ptr")})
+        consts = dict(shape, BC=fwd.BC, STORE_T=True, STAGES=False)
+    elif kernel == "fwd_h":  # unfused, h and v_new stored
+        fn = fwd.chunk_gated_delta_rule_fwd_kernel_h
+        ptrs = {n: "*" + t for n in ("q_ptr", "k_ptr", "w_ptr", "u_ptr", "h_ptr", "v_new_ptr", "o_ptr")}
+        ptrs.update({n: "*fp32" for n in ("gamma_ptr", "h0_ptr", "ht_ptr")})
+        consts = dict(shape, BV=cfg["BV"], USE_H0=True, STORE_FINAL=False, FUSE_O=False, STORE_H=True,
+                      STORE_V_NEW=True)
+    elif kernel == "l2norm":
+        fn = bwd.chunk_gated_delta_rule_bwd_kernel_l2norm
+        ptrs = {n: "*" + t for n in ("q_ptr", "k_ptr", "qn_ptr", "kn_ptr")}
+        consts = dict(K=K, BR=cfg["BR"], RNE=False)
+    elif kernel == "dh":
+        fn = bwd.chunk_gated_delta_rule_bwd_kernel_dh
+        ptrs = {n: "*" + t for n in ("q_ptr", "k_ptr", "w_ptr", "do_ptr", "dh_ptr", "dv_new_ptr")}
+        ptrs.update({n: "*fp32" for n in ("gamma_ptr", "dht_ptr", "dh0_ptr")})
+        consts = dict(shape, BV=cfg["BV"], USE_DHT=True, STORE_DH0=True)
+    elif kernel == "dqkw":
+        fn = bwd.chunk_gated_delta_rule_bwd_kernel_dqkw
+        ptrs = {n: "*" + t for n in ("q_ptr", "k_ptr", "v_new_ptr", "h_ptr", "dh_ptr", "do_ptr", "dv_new_ptr",
+                                     "dw_ptr")}
+        ptrs.update({n: "*fp32" for n in ("gamma_ptr", "dq_ptr", "dk_ptr", "dgamma_ptr")})
+        consts = dict(shape, BK=cfg["BK"], BV=cfg["BV"])
+    elif kernel == "wy":
+        fn = bwd.chunk_gated_delta_rule_bwd_kernel_wy
+        ptrs = {n: "*" + t for n in ("k_ptr", "v_ptr", "beta_ptr", "dw_ptr", "dv_new_ptr", "dv_ptr", "dbeta_ptr")}
+        ptrs.update({n: "*fp32" for n in ("gamma_ptr", "t_ptr", "dk_local_ptr", "dgamma_local_ptr", "dk_ptr",
+                                          "dg_ptr", "dgamma_ptr", "dt_ptr", "da_ptr")})
+        consts = dict(shape, BK=cfg["BK"], BV=cfg["BV"], NP=K // cfg["BK"], STAGES=False)
+    else:
+        fn = bwd.chunk_gated_delta_rule_bwd_kernel_qk
+        ptrs = {n: "*" + t for n in ("q_ptr", "k_ptr", "dq_ptr", "dk_ptr")}
+        ptrs.update({n: "*fp32" for n in ("dq_hv_ptr", "dk_hv_ptr")})
+        consts = dict(H=2, HV=4, K=K, BR=cfg["BR"], L2NORM=l2)
+    ptrs.update({n: "*i32" for n in ("cu_seqlens_ptr", "chunk_indices_ptr", "chunk_offsets_ptr") if n in fn.arg_names})
+    consts = {n: c for n, c in consts.items() if n in fn.arg_names}
+    r = compile_(fn, ptrs, ("scale",), consts, {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]})
+    rows.append(dict(r, kernel=kernel, dtype=t, K=K, V=V, varlen=varlen, cfg=cfg))
+print("RESULT" + json.dumps(rows))
+'''
+
+_DOT_KERNELS = ("fwd_intra", "fwd_h", "dh", "dqkw", "wy")
+
+
+def _sm90_compile(monkeypatch, cases):
+    """test_flash_attn's compile machinery (subprocess, TRITON_INTERPRET=0, sm90a, ptxas from the
+    triton wheel) with this family's driver in place of attention's."""
+    from tests.ops.attention import test_flash_attn as fa
+
+    assert "\nrows = []" in fa._SM90_COMPILE, "test_flash_attn's compile script changed shape"
+    prelude = fa._SM90_COMPILE.split("\nrows = []", 1)[0]
+    monkeypatch.setattr(fa, "_SM90_COMPILE", prelude + "\n" + _SM90_DRIVER)
+    return fa._sm90_compile(cases)
+
+
+def _check_sm90_rows(rows):
+    for r in rows:
+        assert r["spills"] == 0, r
+        assert r["shared"] <= 227 * 1024, r
+        if r["kernel"] in _DOT_KERNELS:
+            assert r["wgmma"] > 0, r  # Hopper tensor cores
+
+
+def test_backward_kernels_compile_for_sm90(monkeypatch):
+    """The backward's kernels as the H100 builds them (no device needed): compiled for sm90a with
+    their fallback configs, no register spills, shared memory within 227 KiB, wgmma in every kernel
+    with matrix products. bf16 at K = V = 128 (dense and packed), fp16 there, bf16 at K = V = 64,
+    and the forward kernels the backward recomputes with (intra storing T, the unfused recurrence).
+    The interpreter never compiles them."""
+    cases = [[k, "bfloat16", 128, 128, False, True] for k in ("l2norm", "dh", "dqkw", "wy", "qk", "fwd_h")]
+    cases += [[k, "bfloat16", 128, 128, True, False] for k in ("dh", "dqkw", "wy")]
+    cases += [[k, "float16", 128, 128, False, True] for k in ("dh", "dqkw", "wy")]
+    cases += [[k, "bfloat16", 64, 64, False, True] for k in ("dh", "dqkw", "wy", "fwd_intra")]
+    _check_sm90_rows(_sm90_compile(monkeypatch, cases))
+
+
+@pytest.mark.slow
+def test_backward_kernels_compile_for_sm90_other_head_dims(monkeypatch):
+    """V = 256, K = 32 and unequal head dims (the recurrence takes V-blocks of 32 at K = 32)."""
+    cases = [[k, "bfloat16", K, V, False, True] for k in ("dh", "dqkw", "wy") for K, V in ((128, 256), (32, 128),
+                                                                                           (128, 32), (32, 32))]
+    _check_sm90_rows(_sm90_compile(monkeypatch, cases))
+
+
+# ----------------------------------------------------------------------------- GPU (compiled kernels)
+
+
+def _cuda(x):
+    return {n: (t.cuda() if isinstance(t, torch.Tensor) else t) for n, t in x.items()}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=DTYPE_IDS.get)
+def test_gpu_bwd_stages_head_dim_128(dtype, gen):
+    x = _cuda(_bwd_inputs(2, 300, 4, 8, 128, 128, dtype, gen))
+    ref, got, scales = _bwd_stages(x, True)
+    _assert_stages(ref, got, dtype, scales)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("K,V", [(64, 64), (128, 256), (32, 128), (128, 32)])
+def test_gpu_bwd_stages_head_dims_varlen(K, V, gen):
+    lengths = [200, 1, 64, 135]
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), device="cuda")
+    x = _cuda(_bwd_inputs(1, sum(lengths), 2, 4, K, V, torch.bfloat16, gen, N=len(lengths)))
+    ref, got, scales = _bwd_stages(x, True, cu=cu)
+    _assert_stages(ref, got, torch.bfloat16, scales)
+
+
+@pytest.mark.gpu
+def test_gpu_bwd_stages_extreme_decay(gen):
+    x = _cuda(_bwd_inputs(1, 1000, 2, 4, 128, 128, torch.bfloat16, gen))
+    x["g"] = -30.0 * torch.rand(x["g"].shape, device="cuda")
+    x["g"][:, ::7] = 0.0
+    x["beta"] = torch.full_like(x["beta"], 0.9999)
+    ref, got, scales = _bwd_stages(x, True)
+    for n, t in got.items():
+        assert t.isfinite().all(), n
+    _assert_stages(ref, got, torch.bfloat16, scales)
+
+
+@pytest.mark.gpu
+def test_gpu_bwd_gradients_at_a_bench_shape(monkeypatch, gen):
+    """Half of the bench's (8, 4096, 16, 32) shape through autograd with TRIFORGE_DELTANET_BWD=triton,
+    against the float64 reference backward."""
+    monkeypatch.setenv("TRIFORGE_DELTANET_BWD", "triton")
+    x = _cuda(_bwd_inputs(4, 4096, 16, 32, 128, 128, torch.bfloat16, gen))
+    leaves = {n: x[n].clone().requires_grad_(True) for n in GRAD_NAMES}
+    o, final = chunk_gated_delta_rule(**leaves, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    with poisoned():
+        got = torch.autograd.grad([o, final], list(leaves.values()), [x["do"], x["dht"]])
+    ref, scales = _ref_and_scales(x, torch.bfloat16, use_qk_l2norm_in_kernel=True)
+    for n, gg in zip(GRAD_NAMES, got):
+        m = "dh0" if n == "initial_state" else f"d{n}"
+        res = compare(n, ref[m], gg, dtype=torch.bfloat16, scale=scales[m])
+        assert res.ok, res.line()
+
+
+@pytest.mark.gpu
+def test_gpu_triton_backward_matches_torch_backward(gen):
+    _both_backwards_match_reference(_cuda(_bwd_inputs(2, 1000, 4, 8, 128, 128, torch.float32, gen)), 128**-0.5, True)
+
+
+
+def test_tunables_run_every_kernel_at_a_small_shape():
+    """The backward's tunables (``triforge tune gated_delta_rule_bwd``) build their inputs and launch
+    one config each."""
+    from triforge import tune
+
+    shape = {"B": 1, "T": 70, "H": 1, "HV": 2, "K": 32, "V": 32}
+    for kernel in ("gated_delta_rule_bwd_dh", "gated_delta_rule_bwd_dqkw", "gated_delta_rule_bwd_wy"):
+        t = tune.get(kernel)
+        run, key = t.setup(shape, torch.float32, torch.device("cpu"))
+        cfg = tune.grid(t.space)[0]
+        run({**cfg, "BK": 16, "BV": 16})
+        assert "k=32" in key and "v=32" in key
