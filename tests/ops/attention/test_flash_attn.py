@@ -879,7 +879,8 @@ def _magnitudes_by_loops(q, k, v, do, causal):
 def test_magnitudes_equal_the_elementwise_definition(causal, gen):
     """GQA, Sq > Sk (causal rows that see no key get 0) and Sq < Sk."""
     for Sq, Sk in ((6, 4), (3, 7)):
-        q, k, v = (t.double() for t in _qkv(2, Sq, Sk, 4, 2, 8, torch.float32, gen))
+        # float64 references only (no kernel): on the CPU, whatever device the kernels use
+        q, k, v = (t.double().cpu() for t in _qkv(2, Sq, Sk, 4, 2, 8, torch.float32, gen))
         do = torch.randn(q.shape, generator=gen, dtype=torch.float64)
         got = attn.attention_magnitudes(q, k, v, do, causal)
         want = _magnitudes_by_loops(q, k, v, do, causal)
@@ -888,7 +889,8 @@ def test_magnitudes_equal_the_elementwise_definition(causal, gen):
 
 
 def test_magnitudes_chunked_equal_whole(gen):
-    q, k, v = (t.double() for t in _qkv(2, 9, 11, 4, 2, 32, torch.float32, gen))
+    # float64 references only (no kernel): on the CPU, where chunked and whole sum in the same order
+    q, k, v = (t.double().cpu() for t in _qkv(2, 9, 11, 4, 2, 32, torch.float32, gen))
     do = torch.randn(q.shape, generator=gen, dtype=torch.float64)
     whole = attn.attention_magnitudes(q, k, v, do, True)
     sliced = attn.attention_magnitudes_chunked(q, k, v, do, True, max_scores=1)
@@ -900,7 +902,7 @@ def test_gradient_check_under_magnitudes_passes_the_kernel_and_catches_an_error(
     """The kernel's bf16 gradients pass against their error scales; one dq element moved by a fifth
     of its own scale (plus its value) fails, and is located."""
     q, k, v = _qkv(2, 37, 37, 4, 2, 64, torch.bfloat16, gen)
-    do64 = torch.randn(q.shape, generator=gen, dtype=torch.float64)
+    do64 = torch.randn(q.shape, generator=gen, dtype=torch.float64).to(device)
     leaves = [_leaf(t.to(device)) for t in (q, k, v)]
     o = flash_attn_func(*leaves, causal=True)
     dq, dk, dv = torch.autograd.grad(o, leaves, do64.to(device, torch.bfloat16))

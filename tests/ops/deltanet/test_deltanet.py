@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import triforge
-from triforge import registry
+from triforge import _runtime, registry
 from triforge.check import check_op
 from triforge.launch import poisoned
 from triforge.ops.deltanet import (
@@ -28,13 +28,15 @@ from triforge.ops.deltanet.reference import chunk_ref_stages, recurrent_ref
 from triforge.testing import Tolerance, compare, compare_stages
 
 DTYPE_IDS = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+DEV = _runtime.default_device()  # where the kernels run: every tensor they see lives here
 
 
 def _inputs(B, T, H, HV, K, V, dtype, gen, *, h0=True, normalized_k=True, g_scale=1.0, N=None):
-    """Random inputs; k unit-length when the kernel does not normalise it (keeps the rule stable)."""
+    """Random inputs on DEV (drawn on the CPU from gen, so reproducible); k unit-length when the kernel
+    does not normalise it (keeps the rule stable)."""
 
     def rand(*shape):
-        return torch.randn(shape, generator=gen, dtype=torch.float32)
+        return torch.randn(shape, generator=gen, dtype=torch.float32).to(DEV)
 
     k = rand(B, T, H, K)
     if normalized_k:
@@ -72,7 +74,7 @@ def test_recurrent_ref_matches_chunk_ref_float64(l2norm, gen):
 
 def test_recurrent_ref_matches_chunk_ref_varlen_float64(gen):
     x = _f64(_inputs(1, 150, 1, 2, 16, 8, torch.float64, gen, N=4))
-    cu = torch.tensor([0, 30, 31, 31, 150])
+    cu = torch.tensor([0, 30, 31, 31, 150], device=DEV)
     o, final = recurrent_ref(**x, output_final_state=True, cu_seqlens=cu)
     st = chunk_ref_stages(**x, output_final_state=True, cu_seqlens=cu)
     assert (o - st["o"]).abs().max() < 1e-10
@@ -170,7 +172,7 @@ def test_chunk_output_and_final_state(T, dtype, h0, l2norm, gen):
 def test_varlen_equals_separate_calls(cu_dtype, gen):
     lengths = [37, 1, 0, 70]
     x = _inputs(1, sum(lengths), 2, 4, 32, 32, torch.float32, gen, N=len(lengths))
-    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=cu_dtype)
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=cu_dtype, device=DEV)
     with poisoned():
         o, final = chunk_gated_delta_rule(**x, output_final_state=True, use_qk_l2norm_in_kernel=False, cu_seqlens=cu)
         for i, (s, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
@@ -190,7 +192,7 @@ def test_varlen_equals_separate_calls(cu_dtype, gen):
 def test_extreme_decay_and_beta_stay_finite(beta_value, gen):
     """g down to -30 per token (gamma to about -1900 in a chunk) and beta near 0 or 1."""
     x = _inputs(1, 130, 1, 2, 32, 32, torch.float32, gen, normalized_k=False)
-    x["g"] = -30.0 * torch.rand(x["g"].shape, generator=gen)
+    x["g"] = -30.0 * torch.rand(x["g"].shape, generator=gen).to(DEV)
     x["g"][:, ::7] = 0.0  # some tokens keep the state whole
     x["beta"] = torch.full_like(x["beta"], beta_value)
     with poisoned():
@@ -222,7 +224,7 @@ def test_recurrent_kernel_matches_reference(T, dtype, l2norm, gen):
 
 def test_recurrent_kernel_varlen_without_state(gen):
     x = _inputs(1, 24, 1, 2, 32, 32, torch.float32, gen, h0=False)
-    cu = torch.tensor([0, 5, 6, 24], dtype=torch.int32)
+    cu = torch.tensor([0, 5, 6, 24], dtype=torch.int32, device=DEV)
     with poisoned():
         o, final = fused_recurrent_gated_delta_rule(**x, output_final_state=True, cu_seqlens=cu, scale=0.5)
     o_ref, final_ref = recurrent_ref(**_f64(x), output_final_state=True, cu_seqlens=cu, scale=0.5)
@@ -239,8 +241,8 @@ def test_gradients_match_float64_reference(use_final, gen):
     names = ["q", "k", "v", "g", "beta", "initial_state"]
     leaves = {n: x[n].clone().requires_grad_(True) for n in names}
     leaves64 = {n: x[n].double().requires_grad_(True) for n in names}
-    do = torch.randn(x["v"].shape, generator=gen)
-    dht = torch.randn(x["initial_state"].shape, generator=gen)
+    do = torch.randn(x["v"].shape, generator=gen).to(DEV)
+    dht = torch.randn(x["initial_state"].shape, generator=gen).to(DEV)
     o, final = chunk_gated_delta_rule(**leaves, output_final_state=True, use_qk_l2norm_in_kernel=True)
     o64, final64 = recurrent_ref(**leaves64, output_final_state=True, use_qk_l2norm_in_kernel=True)
     outs, outs64, grads = ([o, final], [o64, final64], [do, dht]) if use_final else ([o], [o64], [do])
@@ -253,13 +255,13 @@ def test_gradients_match_float64_reference(use_final, gen):
 
 def test_gradients_bf16_varlen_without_state(gen):
     x = _inputs(1, 40, 1, 2, 32, 32, torch.bfloat16, gen, h0=False)
-    cu = torch.tensor([0, 13, 40])
+    cu = torch.tensor([0, 13, 40], device=DEV)
     names = ["q", "k", "v", "g", "beta"]
     leaves = {n: x[n].clone().requires_grad_(True) for n in names}
     leaves64 = {n: x[n].double().requires_grad_(True) for n in names}
     o, _ = chunk_gated_delta_rule(**leaves, cu_seqlens=cu)
     o64, _ = recurrent_ref(**leaves64, cu_seqlens=cu)
-    do = torch.randn(o.shape, generator=gen).to(torch.bfloat16)
+    do = torch.randn(o.shape, generator=gen).to(DEV, torch.bfloat16)
     got = torch.autograd.grad(o, list(leaves.values()), do)
     ref = torch.autograd.grad(o64, list(leaves64.values()), do.double())
     for n, r, gg in zip(names, ref, got):
@@ -289,7 +291,7 @@ def test_opcheck(gen):
     args = (x["q"], x["k"], x["v"], x["g"], x["beta"], 0.2, x["initial_state"], True, True, None)
     for op in (torch.ops.triforge.chunk_gated_delta_rule_fwd, torch.ops.triforge.fused_recurrent_gated_delta_rule_fwd):
         torch.library.opcheck(op.default, args, test_utils=("test_schema", "test_faketensor"))
-    cu = torch.tensor([0, 7, 20])
+    cu = torch.tensor([0, 7, 20], device=DEV)
     torch.library.opcheck(torch.ops.triforge.chunk_gated_delta_rule_fwd.default,
                           (*args[:6], None, False, False, cu), test_utils=("test_schema", "test_faketensor"))
 
@@ -319,7 +321,12 @@ def _bad_cases():
         x.update(over)
         return x
 
-    t = torch.randn
+    def t(*shape):
+        return torch.randn(shape).to(DEV)
+
+    def cu(values):
+        return torch.tensor(values, device=DEV)
+
     return [
         ("HV not a multiple of H", base(v=t(1, 8, 3, 32)), ValueError, "HV"),
         ("unsupported K", base(q=t(1, 8, 2, 48), k=t(1, 8, 2, 48)), ValueError, "K"),
@@ -329,7 +336,7 @@ def _bad_cases():
         ("v dtype", base(v=t(1, 8, 4, 32).half()), TypeError, "v"),
         ("g shape", base(g=t(1, 8, 2)), ValueError, "g"),
         ("beta shape", base(beta=t(1, 8, 4, 1)), ValueError, "beta"),
-        ("beta int", base(beta=torch.ones(1, 8, 4, dtype=torch.int32)), TypeError, "beta"),
+        ("beta int", base(beta=torch.ones(1, 8, 4, dtype=torch.int32, device=DEV)), TypeError, "beta"),
         ("state shape", base(initial_state=t(1, 4, 32, 16)), ValueError, "initial_state"),
         ("state dtype", base(initial_state=t(1, 4, 32, 32).half()), TypeError, "initial_state"),
         ("empty", base(q=t(1, 0, 2, 32), k=t(1, 0, 2, 32), v=t(1, 0, 4, 32), g=t(1, 0, 4), beta=t(1, 0, 4)),
@@ -337,14 +344,14 @@ def _bad_cases():
         ("q not a tensor", base(q=[1.0]), TypeError, "q"),
         ("scale str", base(scale="0.1"), TypeError, "scale"),
         ("cu_seqlens with B = 2", base(q=t(2, 8, 2, 32), k=t(2, 8, 2, 32), v=t(2, 8, 4, 32), g=t(2, 8, 4),
-                                       beta=t(2, 8, 4), initial_state=None, cu_seqlens=torch.tensor([0, 8])),
+                                       beta=t(2, 8, 4), initial_state=None, cu_seqlens=cu([0, 8])),
          ValueError, "cu_seqlens"),
-        ("cu_seqlens float", base(cu_seqlens=torch.tensor([0.0, 8.0])), TypeError, "cu_seqlens"),
-        ("cu_seqlens not from 0", base(initial_state=None, cu_seqlens=torch.tensor([1, 8])), ValueError, "start at 0"),
-        ("cu_seqlens decreasing", base(initial_state=None, cu_seqlens=torch.tensor([0, 5, 3, 8])), ValueError,
+        ("cu_seqlens float", base(cu_seqlens=cu([0.0, 8.0])), TypeError, "cu_seqlens"),
+        ("cu_seqlens not from 0", base(initial_state=None, cu_seqlens=cu([1, 8])), ValueError, "start at 0"),
+        ("cu_seqlens decreasing", base(initial_state=None, cu_seqlens=cu([0, 5, 3, 8])), ValueError,
          "non-decreasing"),
-        ("cu_seqlens short of T", base(initial_state=None, cu_seqlens=torch.tensor([0, 5, 7])), ValueError, "end at"),
-        ("state count with cu_seqlens", base(cu_seqlens=torch.tensor([0, 5, 8])), ValueError, "initial_state"),
+        ("cu_seqlens short of T", base(initial_state=None, cu_seqlens=cu([0, 5, 7])), ValueError, "end at"),
+        ("state count with cu_seqlens", base(cu_seqlens=cu([0, 5, 8])), ValueError, "initial_state"),
     ]
 
 

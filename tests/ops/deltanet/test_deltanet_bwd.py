@@ -30,7 +30,7 @@ from triforge.ops.deltanet import (
 from triforge.ops.deltanet.reference import chunk_bwd_ref_stages, chunk_ref_stages, l2norm, l2norm_bwd
 from triforge.testing import Tolerance, compare, compare_stages, tolerance_for
 
-from .test_deltanet import DTYPE_IDS, _f64, _inputs
+from .test_deltanet import DEV, DTYPE_IDS, _f64, _inputs
 
 # fp32 gamma near -1900 (g to -30 a token) is off by ~1e-4 (ulp 1.2e-4): exp(gamma_i - gamma_j) ~1e-4 relative
 EXTREME = Tolerance(rel_rms=1e-3, atol=1e-3, rtol=1e-3)
@@ -63,8 +63,8 @@ def stored_error_scales(exact, stored, dtype, c=STORE_C):
 
 def _bwd_inputs(B, T, H, HV, K, V, dtype, gen, *, h0=True, dht=True, l2norm=True, N=None, g_scale=1.0):
     x = _inputs(B, T, H, HV, K, V, dtype, gen, h0=h0, normalized_k=not l2norm, N=N, g_scale=g_scale)
-    x["do"] = torch.randn(x["v"].shape, generator=gen).to(dtype)
-    x["dht"] = torch.randn(N or B, HV, K, V, generator=gen) if dht else None
+    x["do"] = torch.randn(x["v"].shape, generator=gen).to(DEV, dtype)
+    x["dht"] = torch.randn(N or B, HV, K, V, generator=gen).to(DEV) if dht else None
     return x
 
 
@@ -112,7 +112,7 @@ _REF_CASES = [
 def test_reference_backward_equals_autograd_float64(case, gen):
     """Every input gradient of the explicit backward stages equals autograd through chunk_ref_stages."""
     B, T, H, HV, K, V, h0, dht, l2, cu, g_scale = case
-    cu = torch.tensor(cu) if cu is not None else None
+    cu = torch.tensor(cu, device=DEV) if cu is not None else None
     N = len(cu) - 1 if cu is not None else None
     x = _f64(_bwd_inputs(B, T, H, HV, K, V, torch.float64, gen, h0=h0, dht=dht, l2norm=l2, N=N, g_scale=g_scale))
     leaves = {n: x[n].clone().requires_grad_(True) for n in GRAD_NAMES if x[n] is not None}
@@ -186,7 +186,7 @@ def test_kernel_stages_match_reference(B, T, H, HV, K, dtype, h0, dht, l2, gen):
 def test_kernel_stages_varlen(dtype, gen):
     """Packed sequences with an empty and a one-token sequence; per-sequence states and dht."""
     lengths = [37, 1, 0, 70]
-    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
     x = _bwd_inputs(1, sum(lengths), 1, 2, 32, 32, dtype, gen, N=len(lengths))
     ref, got, scales = _bwd_stages(x, True, cu=cu)
     _assert_stages(ref, got, dtype, scales)
@@ -271,7 +271,7 @@ def test_extreme_decay_and_beta_stay_finite(dtype, beta_value, gen):
     or 1: every stage finite. fp32 and bf16 (fp32's range) match the reference; fp16 gradients such
     as dh0 shrink to ~1e-9 there, below fp16's normal range (w and u underflow), so only finite."""
     x = _bwd_inputs(1, 130, 1, 2, 32, 32, dtype, gen)
-    x["g"] = -30.0 * torch.rand(x["g"].shape, generator=gen)
+    x["g"] = -30.0 * torch.rand(x["g"].shape, generator=gen).to(DEV)
     x["g"][:, ::7] = 0.0
     x["beta"] = torch.full_like(x["beta"], beta_value)
     ref, got, scales = _bwd_stages(x, True)
@@ -316,7 +316,7 @@ def test_triton_backward_gradients_through_autograd(T, dtype, h0, use_final, l2,
     """The public function's gradients with TRIFORGE_DELTANET_BWD=triton against float64 autograd
     through the recurrent reference (an independent formulation of the forward)."""
     monkeypatch.setenv("TRIFORGE_DELTANET_BWD", "triton")
-    cu = torch.tensor(cu) if cu is not None else None
+    cu = torch.tensor(cu, device=DEV) if cu is not None else None
     N = len(cu) - 1 if cu is not None else None
     x = _inputs(1 if cu is not None else 2, T, 1, 2, 32, 32, dtype, gen, h0=h0, normalized_k=not l2, N=N)
     names = [n for n in GRAD_NAMES if x[n] is not None]
@@ -325,8 +325,8 @@ def test_triton_backward_gradients_through_autograd(T, dtype, h0, use_final, l2,
     kw = dict(output_final_state=True, use_qk_l2norm_in_kernel=l2, cu_seqlens=cu)
     o, final = chunk_gated_delta_rule(**leaves, **kw)
     o64, final64 = recurrent_ref(**leaves64, **kw)
-    do = torch.randn(o.shape, generator=gen).to(dtype)
-    dht = torch.randn(final.shape, generator=gen)
+    do = torch.randn(o.shape, generator=gen).to(DEV, dtype)
+    dht = torch.randn(final.shape, generator=gen).to(DEV)
     outs, outs64, grads = ([o, final], [o64, final64], [do, dht]) if use_final else ([o], [o64], [do])
     with poisoned():
         got = torch.autograd.grad(outs, list(leaves.values()), grads)
@@ -361,19 +361,19 @@ def test_triton_backward_matches_torch_backward(gen):
 
 def test_bwd_op_opcheck(gen):
     x = _inputs(1, 20, 1, 2, 32, 32, torch.float32, gen)
-    do = torch.randn(x["v"].shape, generator=gen)
-    dht = torch.randn(x["initial_state"].shape, generator=gen)
+    do = torch.randn(x["v"].shape, generator=gen).to(DEV)
+    dht = torch.randn(x["initial_state"].shape, generator=gen).to(DEV)
     op = torch.ops.triforge.chunk_gated_delta_rule_bwd.default
     base = (x["q"], x["k"], x["v"], x["g"], x["beta"], 0.2)
     for args in ((do, dht, *base, x["initial_state"], True, None),
-                 (do, None, *base, None, False, torch.tensor([0, 7, 20]))):
+                 (do, None, *base, None, False, torch.tensor([0, 7, 20], device=DEV))):
         torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
 
 
 def test_torch_compile_traces_the_triton_backward(monkeypatch, gen):
     monkeypatch.setenv("TRIFORGE_DELTANET_BWD", "triton")
     x = _inputs(1, 20, 1, 2, 32, 32, torch.float32, gen)
-    do = torch.randn(x["v"].shape, generator=gen)
+    do = torch.randn(x["v"].shape, generator=gen).to(DEV)
 
     def loss(q, k, v, g, beta, initial_state):
         o, s = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=initial_state, output_final_state=True,
@@ -398,9 +398,9 @@ def test_bwd_bad_inputs_name_the_argument(gen):
     op = torch.ops.triforge.chunk_gated_delta_rule_bwd
     base = (x["q"], x["k"], x["v"], x["g"], x["beta"], 0.2, x["initial_state"], False, None)
     with pytest.raises(ValueError, match="do"):
-        op(torch.randn(1, 8, 2, 16), None, *base)
+        op(torch.randn(1, 8, 2, 16, device=DEV), None, *base)
     with pytest.raises(ValueError, match="dht"):
-        op(torch.randn(1, 8, 2, 32), torch.randn(2, 2, 32, 32), *base)
+        op(torch.randn(1, 8, 2, 32, device=DEV), torch.randn(2, 2, 32, 32, device=DEV), *base)
 
 
 # ----------------------------------------------------------------------------- compiled for sm90 (no GPU needed)
@@ -576,7 +576,7 @@ def test_tunables_run_every_kernel_at_a_small_shape():
     shape = {"B": 1, "T": 70, "H": 1, "HV": 2, "K": 32, "V": 32}
     for kernel in ("gated_delta_rule_bwd_dh", "gated_delta_rule_bwd_dqkw", "gated_delta_rule_bwd_wy"):
         t = tune.get(kernel)
-        run, key = t.setup(shape, torch.float32, torch.device("cpu"))
+        run, key = t.setup(shape, torch.float32, DEV)
         cfg = tune.grid(t.space)[0]
         run({**cfg, "BK": 16, "BV": 16})
         assert "k=32" in key and "v=32" in key
