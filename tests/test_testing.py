@@ -148,6 +148,24 @@ def test_compare_zero_scale_admits_only_exact_values(gen):
     assert not compare("exact", ref, got, tol=tol, scale=scale, verbose=False).ok
 
 
+def test_compare_fp16_store_of_a_subnormal_value_passes_and_twice_its_floor_fails(gen):
+    """An fp16 output whose exact value is ~1e-9 (a causal key seen by one query, at a coordinate
+    where q ~ 0) is stored as a multiple of 2^-24 whatever the kernel computed: the rounding of the
+    exact value itself passes even with error scale 0; an error of two subnormal spacings fails."""
+    from triforge.testing import storage_floor
+
+    assert storage_floor(torch.float16) == 2.0**-25
+    assert storage_floor(torch.bfloat16) < 1e-40 and storage_floor(torch.float64) == 0.0
+    ref = torch.randn(4, 64, generator=gen, dtype=torch.float64)
+    ref[:, :16] = torch.rand(4, 16, generator=gen, dtype=torch.float64) * 2.0**-20  # subnormal in fp16
+    scale = torch.where(ref.abs() > 2.0**-14, ref.abs(), 0.0)  # error scale 0 at the tiny elements
+    assert compare("stored", ref, ref.half(), dtype=torch.float16, scale=scale, verbose=False).ok
+    got = ref.half()
+    got[1, 7] += 2 * 2.0**-24  # a tiny element
+    r = compare("off", ref, got, dtype=torch.float16, scale=scale, verbose=False)
+    assert not r.ok and r.n_over == 1
+
+
 def test_compare_dtype_argument_picks_the_tolerance(gen):
     """fp32 storage of a bf16-accurate result passes when told it came from bf16, fails as fp32."""
     ref = _ref((32, 32), gen)

@@ -87,18 +87,30 @@ class CompareResult:
         return text
 
 
+def storage_floor(dtype: torch.dtype) -> float:
+    """The error that storing a value in ``dtype`` alone can make where relative bounds vanish: half
+    the spacing of its subnormals (fp16: 2^-25 ~ 3.0e-8; bf16 and fp32: below 1e-40). An fp16
+    gradient element of exact value 1e-9 is stored as 0 or 6e-8 whatever the kernel computed before
+    the store, so no bound proportional to the element or its terms can hold there."""
+    if not dtype.is_floating_point or dtype == torch.float64:
+        return 0.0
+    fi = torch.finfo(dtype)
+    return fi.smallest_normal * fi.eps / 2
+
+
 def compare(name, ref, got, *, dtype=None, tol=None, scale=None, verbose=True) -> CompareResult:
     """Compare ``got`` with the float64 reference ``ref``; print and return one row.
 
     ``dtype`` is the dtype the op computed from (it picks the tolerance; default got.dtype).
     Non-finite values pass only where the reference has the same value (NaN never passes).
-    An element fails when |got - ref| > atol * scale + rtol * |ref|. ``scale`` defaults to the rms of
+    An element fails when |got - ref| > atol * scale + rtol * |ref| + storage_floor(got.dtype). ``scale`` defaults to the rms of
     ``ref``; an op whose elements' error scales differ by orders passes its own (a tensor shaped like
     ``ref``): for a dot product, the sum of its terms' absolute values, which bounds its rounding
     error where the result itself cancels to ~0 (see attention_magnitudes).
     """
     if tol is None:
         tol = tolerance_for(dtype or got.dtype)
+    floor = storage_floor(got.dtype)
     ref_d = ref.detach().to(torch.float64)
     got_d = got.detach().to(ref_d.device, torch.float64)
     if ref_d.shape != got_d.shape:
@@ -119,7 +131,7 @@ def compare(name, ref, got, *, dtype=None, tol=None, scale=None, verbose=True) -
         scale = scale if scale > 0 else 1.0
     else:
         scale = scale.detach().to(ref_d.device, torch.float64)
-    over = diff > tol.atol * scale + tol.rtol * ref_d.abs().nan_to_num(0.0, 0.0, 0.0)
+    over = diff > tol.atol * scale + tol.rtol * ref_d.abs().nan_to_num(0.0, 0.0, 0.0) + floor
     # a non-finite got passes only where the reference holds the same infinity
     bad_nonfinite = ~got_d.isfinite() & ~((got_d == ref_d) & ref_d.isinf())
     bad_nonfinite |= ~ref_fin & got_d.isfinite()
