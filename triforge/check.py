@@ -46,7 +46,7 @@ def check_op(spec, dtype, *, tier=None, seed=0, dump_dir=None, verbose=False) ->
         ref_stages = spec.reference(**inputs64)
         with poisoned():
             got_stages = spec.stages(**inputs)
-        scales = spec.magnitudes(inputs64, None) if spec.magnitudes else None
+        scales = spec.magnitudes(inputs64, None, dtype) if spec.magnitudes else None
         results, failed = compare_stages(
             ref_stages, got_stages, dtype=dtype, tols=spec.stage_tols, scales=scales, prefix="fwd.", verbose=verbose,
         )
@@ -70,7 +70,7 @@ def check_op(spec, dtype, *, tier=None, seed=0, dump_dir=None, verbose=False) ->
         with poisoned():
             got_grads = torch.autograd.grad(got_outs, [got_in[k] for k in spec.grad_inputs], grads_out)
         tol = tolerance_for(dtype)
-        scales = spec.magnitudes(inputs64, [g.double() for g in grads_out]) if spec.magnitudes else {}
+        scales = spec.magnitudes(inputs64, [g.double() for g in grads_out], dtype) if spec.magnitudes else {}
         for k, rg, gg in zip(spec.grad_inputs, ref_grads, got_grads):
             res = compare(f"bwd.d{k}", rg, gg, dtype=dtype, tol=spec.stage_tols.get(f"d{k}", tol),
                           scale=scales.get(f"d{k}"), verbose=verbose)

@@ -12,9 +12,10 @@ An op registers:
 - ``peers``: name -> builder(inputs) returning a callable with ``call``'s signature, or None
   when that peer is not installed.
 - ``stage_tols``: per stage or gradient (``d<input>``), a Tolerance replacing the dtype's.
-- ``magnitudes(inputs64, grads64)``: optional; per stage or gradient name, the float64 scale of each
+- ``magnitudes(inputs64, grads64, dtype)``: optional; per stage or gradient name, the float64 scale of each
   element's rounding error (the sum of its terms' absolute values; grads64 are the upstream
-  gradients, None for the forward stages) replacing the reference's rms (see testing.compare).
+  gradients, None for the forward stages; dtype the op's input dtype) replacing the reference's rms
+  (see testing.compare).
 - ``bench_shapes``: the shapes ``triforge bench`` sweeps (dict tiers, as ``make_inputs`` takes them);
   empty: the real tier alone.
 """

@@ -127,14 +127,18 @@ def test_kernel_stages_match_reference(dtype, fuse_o, gen):
     assert failed is None, results[-1].line()
 
 
+# head dim of the tests that call the launchers directly: those take no dim below chunk.PAD_MIN compiled
+DIRECT_D = 64 if chunk.PAD_SMALL_DIMS else 32
+
+
 def test_unfused_state_and_output_kernels_match_reference(gen):
     """chunk_fwd_h (h, v_new, final) then chunk_fwd_o: the launchers a backward reuses."""
-    x = _inputs(2, 80, 1, 2, 32, 32, torch.float32, gen, normalized_k=False)
+    x = _inputs(2, 80, 1, 2, DIRECT_D, DIRECT_D, torch.float32, gen, normalized_k=False)
     ref = chunk_ref_stages(**_f64(x), output_final_state=True, use_qk_l2norm_in_kernel=True)
     with poisoned():
         intra = chunk.chunk_fwd_intra(x["k"], x["v"], x["g"], x["beta"], l2norm=True, store_t=True)
         h, v_new, final = chunk.chunk_fwd_h(x["k"], intra["w"], intra["u"], intra["gamma"], x["initial_state"], l2norm=True)
-        o = chunk.chunk_fwd_o(x["q"], x["k"], v_new, h, intra["gamma"], 32**-0.5, l2norm=True)
+        o = chunk.chunk_fwd_o(x["q"], x["k"], v_new, h, intra["gamma"], DIRECT_D**-0.5, l2norm=True)
     got = OrderedDict(T=intra["T"], h=h, v_new=v_new, o=o, final_state=final)
     _, failed = compare_stages(OrderedDict((n, ref[n]) for n in got), got, dtype=torch.float32)
     assert failed is None
@@ -381,6 +385,36 @@ def test_gpu_stages_and_outputs_head_dim_128(dtype, fuse_o, gen):
     assert failed is None
     _check("o", ref["o"], o, dtype)
     _check("final_state", ref["final_state"], final, dtype)
+
+
+@pytest.mark.parametrize("K,V", [(32, 32), (32, 64), (64, 32)])
+def test_small_head_dims_run_padded_exactly(K, V, monkeypatch, gen):
+    """With PAD_SMALL_DIMS (on for compiled kernels: Triton 3.6 miscompiles K or V = 32 on sm_90) a
+    head dim of 32 runs zero-padded to 64: forward stages, final state and every gradient still
+    match the float64 reference, at the shapes the caller gave; the launchers refuse 32 then."""
+    monkeypatch.setattr(chunk, "PAD_SMALL_DIMS", True)
+    x = _inputs(1, 70, 1, 2, K, V, torch.float32, gen)
+    ref = chunk_ref_stages(**_f64(x), output_final_state=True, use_qk_l2norm_in_kernel=True)
+    with poisoned():
+        got = chunk_gated_delta_rule_stages(**x, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    assert got["w"].shape[-1] == K and got["h"].shape[-2:] == (K, V) and got["o"].shape[-1] == V
+    results, failed = compare_stages(ref, got, dtype=torch.float32)
+    assert failed is None, results[-1].line()
+    leaves = {n: x[n].clone().requires_grad_(True) for n in ("q", "k", "v", "g", "beta", "initial_state")}
+    leaves64 = {n: t.detach().double().requires_grad_(True) for n, t in leaves.items()}
+    do = torch.randn(x["v"].shape, generator=gen).to(DEV)
+    dht = torch.randn(x["initial_state"].shape, generator=gen).to(DEV)
+    monkeypatch.setenv("TRIFORGE_DELTANET_BWD", "triton")
+    o, final = chunk_gated_delta_rule(**leaves, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    with poisoned():
+        got_g = torch.autograd.grad([o, final], list(leaves.values()), [do, dht])
+    o64, f64 = recurrent_ref(**leaves64, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    want = torch.autograd.grad([o64, f64], list(leaves64.values()), [do.double(), dht.double()])
+    for n, w, g in zip(leaves, want, got_g):
+        assert g.shape == leaves[n].shape
+        _check(f"d{n}", w, g, torch.float32)
+    with pytest.raises(ValueError, match="head dims >= 64"):
+        chunk.chunk_fwd_intra(x["k"], x["v"], x["g"], x["beta"])
 
 
 @pytest.mark.gpu

@@ -27,38 +27,20 @@ from triforge.ops.deltanet import (
     chunk_gated_delta_rule_bwd_stages,
     recurrent_ref,
 )
-from triforge.ops.deltanet.reference import chunk_bwd_ref_stages, chunk_ref_stages, l2norm, l2norm_bwd
+from triforge.ops.deltanet.reference import (
+    chunk_bwd_ref_stages,
+    chunk_ref_stages,
+    l2norm,
+    l2norm_bwd,
+    stored_error_scales,
+)
 from triforge.testing import Tolerance, compare, compare_stages, tolerance_for
 
-from .test_deltanet import DEV, DTYPE_IDS, _f64, _inputs
+from .test_deltanet import DEV, DIRECT_D, DTYPE_IDS, _f64, _inputs
 
 # fp32 gamma near -1900 (g to -30 a token) is off by ~1e-4 (ulp 1.2e-4): exp(gamma_i - gamma_j) ~1e-4 relative
 EXTREME = Tolerance(rel_rms=1e-3, atol=1e-3, rtol=1e-3)
 GRAD_NAMES = ("q", "k", "v", "g", "beta", "initial_state")
-STORE_C = 4.0  # the kernel's error allowed at an element: the default bound + STORE_C x the storing change
-
-
-def stored_error_scales(exact, stored, dtype, c=STORE_C):
-    """Per-element error scales (``compare``'s ``scale``) for a 16-bit run of the Triton backward.
-
-    The kernels keep their intermediates in fp32 but store some in the input dtype, rounded to
-    nearest, and read them back (reference module docstring: the normalised q and k, w, u, h,
-    v_new, dh, dv_new, dw). ``stored`` is the float64 reference rounding exactly those tensors at
-    exactly those points, so |stored - exact| is the change one instance of those roundings makes to
-    each element, cancellation after them included (the recurrence over chunks, T = (I + A)^-1, the
-    sum over value heads, the l2norm's backward): where an element's terms cancel it is of the
-    terms' size, not the element's. The kernel rounds at the same points (other instances: its values
-    before rounding differ in their last fp32 bits) plus factors of its tensor-core products (the
-    same kind and size), so its error is of that size too. scale = rms(exact) + (c / atol) |stored -
-    exact| makes the bound atol * scale + rtol |ref| the dtype's default bound plus c times that
-    change. Returns {stage: scale}.
-    """
-    atol = tolerance_for(dtype).atol
-    out = {}
-    for n, r in exact.items():
-        rms = float(r.square().mean().sqrt()) if r.numel() else 0.0
-        out[n] = (rms if rms > 0 else 1.0) + (c / atol) * (stored[n] - r).abs()
-    return out
 
 
 def _bwd_inputs(B, T, H, HV, K, V, dtype, gen, *, h0=True, dht=True, l2norm=True, N=None, g_scale=1.0):
@@ -74,7 +56,8 @@ def _ref_and_scales(x, dtype, **kw):
     ref = chunk_bwd_ref_stages(**_f64(x), **kw)
     if dtype not in (torch.float16, torch.bfloat16):
         return ref, None
-    return ref, stored_error_scales(ref, chunk_bwd_ref_stages(**_f64(x), **kw, store_dtype=dtype), dtype)
+    return ref, stored_error_scales(ref, chunk_bwd_ref_stages(**_f64(x), **kw, store_dtype=dtype),
+                                    tolerance_for(dtype).atol)
 
 
 def _bwd_stages(x, l2norm, cu=None, scale=None):
@@ -238,12 +221,12 @@ def test_each_kernel_from_reference_inputs(gen):
     """Each launcher fed the reference's own upstream stages (fp32), so a failure names one kernel
     whatever the stages before it did: kernel 1 (dh, dv_new, dh0), 2 (dq_hv, dk_local, dw,
     dgamma_local), 3 (dv, dbeta, dk_hv, dg, dT, dA, dgamma), 4 (dq, dk)."""
-    x = _bwd_inputs(2, 100, 1, 2, 32, 32, torch.float32, gen)
+    x = _bwd_inputs(2, 100, 1, 2, DIRECT_D, DIRECT_D, torch.float32, gen)
     x64 = _f64(x)
     ref = chunk_bwd_ref_stages(**x64, use_qk_l2norm_in_kernel=True)
     fwd = chunk_ref_stages(**{n: x64[n] for n in GRAD_NAMES}, use_qk_l2norm_in_kernel=True)
     f32 = {n: t.float().contiguous() for n, t in {**fwd, **ref}.items()}
-    scale = 32**-0.5
+    scale = DIRECT_D**-0.5
     qn, kn = (l2norm(x64[n]).float() for n in ("q", "k"))
     with poisoned():
         qn2, kn2 = chunk_bwd.chunk_bwd_l2norm(x["q"], x["k"])

@@ -749,7 +749,7 @@ def attention_magnitudes_chunked(q, k, v, do=None, causal=False, softmax_scale=N
     return out
 
 
-def _magnitudes(inputs, grads):
+def _magnitudes(inputs, grads, dtype=None):
     """The registry's error scales (see attention_magnitudes): o, and with the upstream gradient dq/dk/dv."""
     do = None if grads is None else grads[0]
     return attention_magnitudes_chunked(inputs["q"], inputs["k"], inputs["v"], do, bool(inputs["causal"]))
@@ -1022,7 +1022,7 @@ register(OpSpec(
     flops=_varlen_flops,
     bytes=_bytes,
     describe=_varlen_describe,
-    magnitudes=lambda inputs, grads: varlen_attention_magnitudes(
+    magnitudes=lambda inputs, grads, dtype=None: varlen_attention_magnitudes(
         inputs["q"], inputs["k"], inputs["v"], inputs["cu_seqlens_q"], inputs["cu_seqlens_k"],
         None if grads is None else grads[0], bool(inputs["causal"])),
 ))

@@ -46,7 +46,7 @@ import torch
 
 from triforge.ops._checks import FLOAT_DTYPES, check_same_device, check_tensor
 from triforge.ops.deltanet import chunk, chunk_bwd, fused_recurrent
-from triforge.ops.deltanet.reference import chunk_bwd_ref_stages, chunk_ref_stages, recurrent_ref
+from triforge.ops.deltanet.reference import chunk_bwd_ref_stages, chunk_ref_stages, recurrent_ref, stored_error_scales
 from triforge.registry import OpSpec, register
 from triforge.tune import Tunable
 from triforge.tune import register as register_tunable
@@ -402,6 +402,29 @@ def _chunk_reference(q, k, v, g, beta, initial_state, output_final_state, use_qk
                             use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
 
 
+def _chunk_magnitudes(inputs, grads, dtype=None):
+    """Error scales of a 16-bit run (``reference.stored_error_scales``): the float64 reference again
+    with the kernels' 16-bit stores rounded, forward stages (grads None) or input gradients (grads:
+    the upstream gradients of o and final_state). fp32 runs store nothing in 16 bits: the rms."""
+    if dtype not in (torch.float16, torch.bfloat16):
+        return None if grads is None else {}
+    from triforge.testing import tolerance_for
+
+    atol = tolerance_for(dtype).atol
+    args = {n: inputs[n] for n in ("q", "k", "v", "g", "beta", "initial_state")}
+    l2 = bool(inputs.get("use_qk_l2norm_in_kernel", False))
+    if grads is None:
+        kw = dict(output_final_state=bool(inputs.get("output_final_state", False)), use_qk_l2norm_in_kernel=l2)
+        exact = chunk_ref_stages(**args, **kw)
+        return stored_error_scales(exact, chunk_ref_stages(**args, **kw, store_dtype=dtype), atol)
+    dht = grads[1] if len(grads) > 1 and grads[1] is not None and grads[1].numel() else None
+    kw = dict(do=grads[0], dht=dht, use_qk_l2norm_in_kernel=l2)
+    exact = chunk_bwd_ref_stages(**args, **kw)
+    scales = stored_error_scales(exact, chunk_bwd_ref_stages(**args, **kw, store_dtype=dtype), atol)
+    names = {"dq": "dq", "dk": "dk", "dv": "dv", "dg": "dg", "dbeta": "dbeta", "dh0": "dinitial_state"}
+    return {names[n]: t for n, t in scales.items() if n in names}
+
+
 def _fla_peer(name):
     def build(inputs):
         if not torch.cuda.is_available():
@@ -429,6 +452,7 @@ register(OpSpec(
     make_inputs=lambda tier, dtype, device, gen: _make_inputs(tier, dtype, device, gen, _CHUNK_DIMS),
     reference=_chunk_reference,
     stages=lambda **kw: chunk_gated_delta_rule_stages(**kw),
+    magnitudes=_chunk_magnitudes,
     call=lambda **kw: chunk_gated_delta_rule(**kw),
     outputs=("o", "final_state"),
     grad_inputs=("q", "k", "v", "g", "beta", "initial_state"),

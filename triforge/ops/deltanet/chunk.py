@@ -382,6 +382,63 @@ FUSED_BV = (64, 128)
 _RECURRENCES = ("gated_delta_rule_fwd_h", "gated_delta_rule_fwd_h_o")
 
 
+# Compiled (Triton 3.6, sm_90) the kernels go wrong at head dims of 32: an illegal address in the intra
+# kernel at K = 32 (V = 128), NaN in the recurrence at V = 32 (K = 128) (benchmarks/deltanet_probe.py on
+# the H100); 64, 128 and 256 give the reference's values. chunk_fwd and chunk_bwd therefore run head
+# dims below 64 zero-padded to 64 there, which is exact: padded q/k coordinates add 0 to every dot
+# product and to the l2norm, padded v columns stay 0 through u, v_new, the state and o, and padded
+# state rows / columns of the initial state are 0. The launchers refuse smaller dims when compiled.
+PAD_MIN = 64
+PAD_SMALL_DIMS = not _runtime.INTERPRET  # tests switch it on in the interpreter to check the padding
+_K_NAMES = frozenset({"w", "dq_hv", "dk_local", "dw", "dk_hv", "dq", "dk"})
+_V_NAMES = frozenset({"u", "v_new", "o", "dv_new", "dv"})
+_KV_NAMES = frozenset({"h", "final_state", "dh", "dh0"})
+
+
+def padded_dims(K, V):
+    """The head dims the kernels run at (K, V itself unless PAD_SMALL_DIMS and one is below PAD_MIN)."""
+    if not PAD_SMALL_DIMS:
+        return K, V
+    return max(K, PAD_MIN), max(V, PAD_MIN)
+
+
+def pad_last(x, n, dims=1):
+    """x zero-padded to n along its last ``dims`` dims (None stays None)."""
+    if x is None or all(d == n for d in x.shape[-dims:]):
+        return x
+    pads = []
+    for d in reversed(x.shape[-dims:]):
+        pads += [0, n - d]
+    return torch.nn.functional.pad(x, pads)
+
+
+def pad_state(x, K, V):
+    """[..., k, v] zero-padded to [..., K, V] (None stays None)."""
+    if x is None or x.shape[-2:] == (K, V):
+        return x
+    return torch.nn.functional.pad(x, (0, V - x.shape[-1], 0, K - x.shape[-2]))
+
+
+def unpad(name, x, K, V):
+    """A stage or result named ``name`` of a padded run, cut back to head dims K, V."""
+    if x is None:
+        return x
+    if name in _K_NAMES:
+        return x[..., :K].contiguous()
+    if name in _V_NAMES:
+        return x[..., :V].contiguous()
+    if name in _KV_NAMES:
+        return x[..., :K, :V].contiguous()
+    return x
+
+
+def check_kernel_dims(K, V):
+    """Compiled launches need K, V >= PAD_MIN when PAD_SMALL_DIMS (chunk_fwd / chunk_bwd pad)."""
+    if PAD_SMALL_DIMS and min(K, V) < PAD_MIN:
+        raise ValueError(f"compiled Gated DeltaNet kernels take head dims >= {PAD_MIN} (K={K}, V={V}): "
+                         "chunk_fwd / chunk_bwd pad smaller ones")
+
+
 def config_key(K, V, dtype, nh=None):
     """Config key: head dims, dtype and (for the recurrence) the bucket of sequences x heads."""
     fields = {"k": K, "v": V, "dtype": launch.dtype_tag(dtype)}
@@ -466,6 +523,7 @@ def chunk_fwd_intra(k, v, g, beta, *, l2norm=False, varlen=None, store_t=False, 
     [B, T, HV, 64] fp32."""
     B, T, H, K = k.shape
     HV, V = v.shape[2], v.shape[3]
+    check_kernel_dims(K, V)
     cfg = cfg or fwd_config("gated_delta_rule_fwd_intra", K, V, k.dtype)
     dev = k.device
     out = {
@@ -498,6 +556,7 @@ def _fwd_h_launch(q, k, w, u, gamma, initial_state, scale, *, l2norm, varlen, fu
                   output_final_state, cfg):
     B, T, H, K = k.shape
     HV, V = u.shape[2], u.shape[3]
+    check_kernel_dims(K, V)
     N = B if varlen is None else varlen.n_seqs
     kernel = "gated_delta_rule_fwd_h_o" if fuse_o else "gated_delta_rule_fwd_h"
     cfg = cfg or fwd_config(kernel, K, V, k.dtype, N * HV)
@@ -547,6 +606,7 @@ def chunk_fwd_o(q, k, v_new, h, gamma, scale, *, l2norm=False, varlen=None, cfg=
     """Kernel 3: o [B, T, HV, V] from the stored states h and v_new."""
     B, T, H, K = q.shape
     HV, V = v_new.shape[2], v_new.shape[3]
+    check_kernel_dims(K, V)
     cfg = cfg or fwd_config("gated_delta_rule_fwd_o", K, V, q.dtype)
     n_b, n_c = _n_chunks(T, varlen, B)
     o = new_output((B, T, HV, V), v_new.dtype, q.device)
@@ -571,6 +631,15 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state=None, *, output_final_state
     Returns (o, final_state); with ``stages`` a dict of every stage instead (gamma, decay, A, T, w,
     u, h, v_new, o, final_state), all from the kernels' own buffers.
     """
+    K, V = q.shape[3], v.shape[3]
+    Kp, Vp = padded_dims(K, V)
+    if (Kp, Vp) != (K, V):
+        res = chunk_fwd(pad_last(q, Kp), pad_last(k, Kp), pad_last(v, Vp), g, beta, scale,
+                        pad_state(initial_state, Kp, Vp), output_final_state=output_final_state, l2norm=l2norm,
+                        cu_seqlens=cu_seqlens, stages=stages, fuse_o=fuse_o)
+        if stages:
+            return {n: unpad(n, t, K, V) for n, t in res.items()}
+        return unpad("o", res[0], K, V), unpad("final_state", res[1], K, V)
     varlen = prepare_varlen(cu_seqlens)
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]

@@ -61,9 +61,14 @@ from triforge.ops.deltanet.chunk import (
     _l2norm_rows,
     _n_chunks,
     _varlen_ptrs,
+    check_kernel_dims,
     chunk_fwd_h,
     chunk_fwd_intra,
+    pad_last,
+    pad_state,
+    padded_dims,
     prepare_varlen,
+    unpad,
 )
 
 # ----------------------------------------------------------------------------- kernels
@@ -502,6 +507,7 @@ def chunk_bwd_dh(qn, kn, w, gamma, do, dht, scale, *, varlen=None, store_dh0=Tru
     (normalised when it normalises); dht [N, HV, K, V] fp32 or None."""
     B, T, H, K = qn.shape
     HV, V = do.shape[2], do.shape[3]
+    check_kernel_dims(K, V)
     N = B if varlen is None else varlen.n_seqs
     cfg = cfg or bwd_config("gated_delta_rule_bwd_dh", K, V, qn.dtype, N * HV)
     dev = qn.device
@@ -528,6 +534,7 @@ def chunk_bwd_dqkw(qn, kn, v_new, h, dh, do, dv_new, gamma, scale, *, varlen=Non
     dgamma_local [K / BK, B, T, HV] fp32 (one partial sum per K-block)."""
     B, T, H, K = qn.shape
     HV, V = do.shape[2], do.shape[3]
+    check_kernel_dims(K, V)
     cfg = cfg or bwd_config("gated_delta_rule_bwd_dqkw", K, V, qn.dtype)
     dev = qn.device
     n_b, n_c = _n_chunks(T, varlen, B)
@@ -617,6 +624,15 @@ def chunk_bwd(do, dht, q, k, v, g, beta, scale, initial_state=None, *, l2norm=Fa
     OrderedDict of the reference's backward stages (``BWD_STAGE_NAMES``; dh0 only with an initial
     state) from the kernels' own buffers (dgamma_local: the sum of kernel 2's K-block partials).
     """
+    K, V = q.shape[3], v.shape[3]
+    Kp, Vp = padded_dims(K, V)
+    if (Kp, Vp) != (K, V):  # see chunk.PAD_MIN: exact, the padded coordinates get zero gradients
+        res = chunk_bwd(pad_last(do, Vp), pad_state(dht, Kp, Vp), pad_last(q, Kp), pad_last(k, Kp), pad_last(v, Vp),
+                        g, beta, scale, pad_state(initial_state, Kp, Vp), l2norm=l2norm, cu_seqlens=cu_seqlens,
+                        stages=stages)
+        if stages:
+            return OrderedDict((n, unpad(n, t, K, V)) for n, t in res.items())
+        return tuple(unpad(n, t, K, V) for n, t in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), res))
     varlen = prepare_varlen(cu_seqlens)
     intra = chunk_fwd_intra(k, v, g, beta, l2norm=l2norm, varlen=varlen, store_t=True)
     gamma, w, t = intra["gamma"], intra["w"], intra["T"]

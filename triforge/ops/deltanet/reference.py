@@ -389,3 +389,29 @@ def _decay_ref(gam):
     c = gam.shape[-1]
     incl = torch.ones(c, c, dtype=torch.bool, device=gam.device).tril()
     return (gam[..., :, None] - gam[..., None, :]).masked_fill(~incl, float("-inf")).exp()
+
+
+STORE_C = 4.0  # a kernel's error allowed at an element: the default bound + STORE_C x the storing change
+
+
+def stored_error_scales(exact, stored, atol, c=STORE_C):
+    """Per-element error scales (``testing.compare``'s ``scale``) for a 16-bit run of the kernels.
+
+    The kernels keep their intermediates in fp32 but store some in the input dtype, rounded to
+    nearest, and read them back (``store_dtype`` above). ``stored`` is the float64 reference rounding
+    exactly those tensors at exactly those points, so |stored - exact| is the change one instance of
+    those roundings makes to each element, cancellation after them included (the recurrence over
+    chunks, T = (I + A)^-1, q S + (q k^T) v_new, the sum over value heads): where an element's terms
+    cancel it is of the terms' size, not the element's. The kernel rounds at the same points (other
+    instances: its values before rounding differ in their last fp32 bits) plus factors of its
+    tensor-core products (the same kind and size), so its error is of that size too.
+    scale = rms(exact) + (c / atol) |stored - exact| makes the bound atol * scale + rtol |ref| the
+    dtype's default bound plus c times that change. Returns {name: scale} for the names in both.
+    """
+    out = {}
+    for n, r in exact.items():
+        if n not in stored or not isinstance(r, torch.Tensor) or not r.is_floating_point():
+            continue
+        rms = float(r.square().mean().sqrt()) if r.numel() else 0.0
+        out[n] = (rms if rms > 0 else 1.0) + (c / atol) * (stored[n] - r).abs()
+    return out
