@@ -126,12 +126,63 @@ def worst(spec, tier):
             print(f"    {name}{list(idx)} err/bound {val:.2f} ref {float(r[idx]):+.4e} got {float(g[idx]):+.4e}")
 
 
+def grads(shape):
+    """The Triton backward's gradients at a bench shape against the float64 reference under the
+    registry's error scales (stored_error_scales): elements over, the worst ones with the reference
+    run with 16-bit stores and the fp32 PyTorch backward at the same place."""
+    import torch
+
+    from triforge import _runtime, registry
+    from triforge.ops.deltanet import chunk_bwd, chunk_bwd_torch
+    from triforge.ops.deltanet.reference import chunk_bwd_ref_stages, stored_error_scales
+    from triforge.testing import tolerance_for
+
+    B, T, H, HV = (int(x) for x in shape.split("x"))
+    spec = registry.get("gated_delta_rule")
+    x = spec.make_inputs({"B": B, "T": T, "H": H, "HV": HV, "K": 128, "V": 128}, torch.bfloat16,
+                         _runtime.default_device(), torch.Generator().manual_seed(3))
+    gen = torch.Generator().manual_seed(4)
+    do = torch.randn(x["v"].shape, generator=gen, dtype=torch.float64).to(DEV, torch.bfloat16)
+    dht = torch.randn(x["initial_state"].shape, generator=gen, dtype=torch.float64).to(DEV, torch.float32)
+    args = [x[n] for n in ("q", "k", "v", "g", "beta")]
+    scale = 128 ** -0.5
+    got = chunk_bwd.chunk_bwd(do, dht, *args, scale, x["initial_state"], l2norm=True)
+    fp32 = chunk_bwd_torch(do, dht, *args, scale, x["initial_state"], True, None)
+    x64 = {n: x[n].double() for n in ("q", "k", "v", "g", "beta", "initial_state")}
+    kw = dict(do=do.double(), dht=dht.double(), scale=scale, use_qk_l2norm_in_kernel=True)
+    exact = chunk_bwd_ref_stages(**x64, **kw)
+    stored = chunk_bwd_ref_stages(**x64, **kw, store_dtype=torch.bfloat16)
+    tol = tolerance_for(torch.bfloat16)
+    scales = stored_error_scales(exact, stored, tol.atol)
+    for i, n in enumerate(("dq", "dk", "dv", "dg", "dbeta", "dh0")):
+        r, g, f, st, sc = exact[n], got[i].double(), fp32[i].double(), stored[n], scales[n]
+        bound = tol.atol * sc + tol.rtol * r.abs()
+        ratio = (g - r).abs() / bound
+        rel = float((g - r).norm() / r.norm())
+        print(f"GRAD {shape} {n}: rel {rel:.2e} (fp32 bwd {float((f - r).norm() / r.norm()):.2e}, stored ref "
+              f"{float((st - r).norm() / r.norm()):.2e}), over {int((ratio > 1).sum())} of {r.numel()}, "
+              f"fp32 bwd over {int(((f - r).abs() / bound > 1).sum())}")
+        top = ratio.flatten().topk(4)
+        for val, flat in zip(top.values.tolist(), top.indices.tolist()):
+            idx = tuple(int(j) for j in torch.unravel_index(torch.tensor(flat), r.shape))
+            row = r[idx[:-1]] if r.dim() == 4 else None
+            extra = f" row rms {float(row.square().mean().sqrt()):.2e}" if row is not None else ""
+            print(f"    {n}{list(idx)} err/bound {val:.2f} ref {float(r[idx]):+.4e} got {float(g[idx]):+.4e} "
+                  f"stored {float(st[idx]):+.4e} fp32 {float(f[idx]):+.4e} scale {float(sc[idx]):.2e}{extra}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", default=CASES)
     ap.add_argument("--one", default=None)
     ap.add_argument("--check", default=None, help="shapes BxTxHxHV,... for check_op (then the cases)")
+    ap.add_argument("--grads", default=None, help="shapes BxTxHxHV,... for grads()")
     a = ap.parse_args()
+    for shape in (a.grads.split(",") if a.grads else []):
+        grads(shape)
+        sys.stdout.flush()
+    if a.grads and not a.check:
+        return
     for shape in (a.check.split(",") if a.check else []):
         check(shape)
         sys.stdout.flush()
