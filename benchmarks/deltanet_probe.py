@@ -154,6 +154,14 @@ def grads(shape):
     stored = chunk_bwd_ref_stages(**x64, **kw, store_dtype=torch.bfloat16)
     tol = tolerance_for(torch.bfloat16)
     scales = stored_error_scales(exact, stored, tol.atol)
+    if torch.cuda.is_available():  # timing of the unverified Triton backward beside the forward (NOTES only)
+        from triton.testing import do_bench
+
+        from triforge.ops.deltanet import chunk
+
+        fwd_ms = do_bench(lambda: chunk.chunk_fwd(*args, scale, x["initial_state"], l2norm=True), rep=200)
+        bwd_ms = do_bench(lambda: chunk_bwd.chunk_bwd(do, dht, *args, scale, x["initial_state"], l2norm=True), rep=200)
+        print(f"TIME {shape}: forward {fwd_ms:.3f} ms, Triton backward {bwd_ms:.3f} ms ({bwd_ms / fwd_ms:.2f}x)")
     for i, n in enumerate(("dq", "dk", "dv", "dg", "dbeta", "dh0")):
         r, g, f, st, sc = exact[n], got[i].double(), fp32[i].double(), stored[n], scales[n]
         bound = tol.atol * sc + tol.rtol * r.abs()

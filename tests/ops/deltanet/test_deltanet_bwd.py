@@ -556,10 +556,10 @@ def test_tunables_run_every_kernel_at_a_small_shape():
     one config each."""
     from triforge import tune
 
-    shape = {"B": 1, "T": 70, "H": 1, "HV": 2, "K": 32, "V": 32}
+    shape = {"B": 1, "T": 70, "H": 1, "HV": 2, "K": DIRECT_D, "V": DIRECT_D}
     for kernel in ("gated_delta_rule_bwd_dh", "gated_delta_rule_bwd_dqkw", "gated_delta_rule_bwd_wy"):
         t = tune.get(kernel)
         run, key = t.setup(shape, torch.float32, DEV)
         cfg = tune.grid(t.space)[0]
         run({**cfg, "BK": 16, "BV": 16})
-        assert "k=32" in key and "v=32" in key
+        assert f"k={DIRECT_D}" in key and f"v={DIRECT_D}" in key

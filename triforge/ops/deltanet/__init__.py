@@ -405,8 +405,10 @@ def _chunk_reference(q, k, v, g, beta, initial_state, output_final_state, use_qk
 def _chunk_magnitudes(inputs, grads, dtype=None):
     """Error scales of a 16-bit run (``reference.stored_error_scales``): the float64 reference again
     with the kernels' 16-bit stores rounded, forward stages (grads None) or input gradients (grads:
-    the upstream gradients of o and final_state). fp32 runs store nothing in 16 bits: the rms."""
-    if dtype not in (torch.float16, torch.bfloat16):
+    the upstream gradients of o and final_state). fp32 runs store in fp32: the same model with fp32
+    stores (the fp32 backward's dk failed the rms-scaled bound by 2.8e-6 where the l2norm's backward
+    cancels, at the real shape on the H100)."""
+    if dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return None if grads is None else {}
     from triforge.testing import tolerance_for
 

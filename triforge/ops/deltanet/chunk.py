@@ -421,7 +421,7 @@ def pad_state(x, K, V):
 
 def unpad(name, x, K, V):
     """A stage or result named ``name`` of a padded run, cut back to head dims K, V."""
-    if x is None:
+    if x is None or x.numel() == 0:  # absent: None or an empty placeholder (final state not asked for)
         return x
     if name in _K_NAMES:
         return x[..., :K].contiguous()
