@@ -67,19 +67,29 @@ def _l2norm_rows(b_x):
 
 
 @triton.jit
+def _seq_span(i_n, T, cu_seqlens_ptr, IS_VARLEN: tl.constexpr):
+    """(bos, seq_len) of sequence i_n: its first row (int64) and its length (packed: from cu_seqlens;
+    else every sequence has T rows)."""
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens_ptr + i_n).to(tl.int64)
+        seq_len = (tl.load(cu_seqlens_ptr + i_n + 1) - bos).to(tl.int32)
+    else:
+        bos = i_n.to(tl.int64) * T
+        seq_len = T
+    return bos, seq_len
+
+
+@triton.jit
 def _chunk_coords(i_c, i_b, T, cu_seqlens_ptr, chunk_indices_ptr, IS_VARLEN: tl.constexpr):
     """(bos, seq_len, i_t, i_n) of program chunk i_c: sequence start row, its length, the chunk
     inside the sequence and the sequence index."""
     if IS_VARLEN:
         i_n = tl.load(chunk_indices_ptr + i_c * 2).to(tl.int64)
         i_t = tl.load(chunk_indices_ptr + i_c * 2 + 1)
-        bos = tl.load(cu_seqlens_ptr + i_n).to(tl.int64)
-        seq_len = (tl.load(cu_seqlens_ptr + i_n + 1) - bos).to(tl.int32)
     else:
         i_n = i_b.to(tl.int64)
         i_t = i_c
-        bos = i_n * T
-        seq_len = T
+    bos, seq_len = _seq_span(i_n, T, cu_seqlens_ptr, IS_VARLEN)
     return bos, seq_len, i_t, i_n
 
 
@@ -255,13 +265,10 @@ def chunk_gated_delta_rule_fwd_kernel_h(
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_hv = i_nh // HV, i_nh % HV
     i_h = i_hv // (HV // H)
-    if IS_VARLEN:
-        bos = tl.load(cu_seqlens_ptr + i_n).to(tl.int64)
-        seq_len = (tl.load(cu_seqlens_ptr + i_n + 1) - bos).to(tl.int32)
+    bos, seq_len = _seq_span(i_n, T, cu_seqlens_ptr, IS_VARLEN)
+    if IS_VARLEN:  # the sequence's first chunk in h
         boh = tl.load(chunk_offsets_ptr + i_n).to(tl.int64)
     else:
-        bos = i_n.to(tl.int64) * T
-        seq_len = T
         boh = i_n.to(tl.int64) * tl.cdiv(T, BT)
     NT = tl.cdiv(seq_len, BT)
 

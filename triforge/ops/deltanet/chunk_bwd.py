@@ -60,6 +60,7 @@ from triforge.ops.deltanet.chunk import (
     _flags,
     _l2norm_rows,
     _n_chunks,
+    _seq_span,
     _varlen_ptrs,
     check_kernel_dims,
     chunk_fwd_h,
@@ -133,13 +134,10 @@ def chunk_gated_delta_rule_bwd_kernel_dh(
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_hv = i_nh // HV, i_nh % HV
     i_h = i_hv // (HV // H)
-    if IS_VARLEN:
-        bos = tl.load(cu_seqlens_ptr + i_n).to(tl.int64)
-        seq_len = (tl.load(cu_seqlens_ptr + i_n + 1) - bos).to(tl.int32)
+    bos, seq_len = _seq_span(i_n, T, cu_seqlens_ptr, IS_VARLEN)
+    if IS_VARLEN:  # the sequence's first chunk in h
         boh = tl.load(chunk_offsets_ptr + i_n).to(tl.int64)
     else:
-        bos = i_n.to(tl.int64) * T
-        seq_len = T
         boh = i_n.to(tl.int64) * tl.cdiv(T, BT)
     NT = tl.cdiv(seq_len, BT)
 

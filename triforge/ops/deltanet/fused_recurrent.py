@@ -14,7 +14,7 @@ import triton.language as tl
 
 from triforge import _runtime, launch
 from triforge.launch import new_output
-from triforge.ops.deltanet.chunk import L2NORM_EPS, _cast
+from triforge.ops.deltanet.chunk import L2NORM_EPS, _cast, _seq_span
 
 @triton.jit(do_not_specialize=["T"])
 def fused_recurrent_gated_delta_rule_fwd_kernel(
@@ -43,12 +43,7 @@ def fused_recurrent_gated_delta_rule_fwd_kernel(
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_hv = i_nh // HV, i_nh % HV
     i_h = i_hv // (HV // H)
-    if IS_VARLEN:
-        bos = tl.load(cu_seqlens_ptr + i_n).to(tl.int64)
-        seq_len = (tl.load(cu_seqlens_ptr + i_n + 1) - bos).to(tl.int32)
-    else:
-        bos = i_n.to(tl.int64) * T
-        seq_len = T
+    bos, seq_len = _seq_span(i_n, T, cu_seqlens_ptr, IS_VARLEN)
 
     o_k = tl.arange(0, K)
     o_v = i_v * BV + tl.arange(0, BV)
