@@ -126,6 +126,25 @@ def worst(spec, tier):
             print(f"    {name}{list(idx)} err/bound {val:.2f} ref {float(r[idx]):+.4e} got {float(g[idx]):+.4e}")
 
 
+def _kernel_breakdown(shape, fn, reps=20):
+    """Each GPU kernel's mean time per call of ``fn`` (torch.profiler), largest first: where the
+    backward's time goes."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    rows = [(e.key, e.device_time_total / reps / 1e3, e.count // reps) for e in prof.key_averages()
+            if e.device_time_total > 0]
+    total = sum(ms for _, ms, _ in rows)
+    for name, ms, n in sorted(rows, key=lambda r: -r[1])[:12]:
+        print(f"KERNEL {shape} {name[:60]:60s} {ms:.3f} ms x{n} ({100 * ms / total:.0f}%)")
+
+
 def grads(shape):
     """The Triton backward's gradients at a bench shape against the float64 reference under the
     registry's error scales (stored_error_scales): elements over, the worst ones with the reference
@@ -134,7 +153,7 @@ def grads(shape):
 
     from triforge import _runtime, registry
     from triforge.ops.deltanet import chunk_bwd, chunk_bwd_torch
-    from triforge.ops.deltanet.reference import chunk_bwd_ref_stages, stored_error_scales
+    from triforge.ops.deltanet.reference import chunk_bwd_ref_stages, rounding_samples, stored_error_scales
     from triforge.testing import tolerance_for
 
     B, T, H, HV = (int(x) for x in shape.split("x"))
@@ -151,9 +170,10 @@ def grads(shape):
     x64 = {n: x[n].double() for n in ("q", "k", "v", "g", "beta", "initial_state")}
     kw = dict(do=do.double(), dht=dht.double(), scale=scale, use_qk_l2norm_in_kernel=True)
     exact = chunk_bwd_ref_stages(**x64, **kw)
-    stored = chunk_bwd_ref_stages(**x64, **kw, store_dtype=torch.bfloat16)
+    samples = rounding_samples(lambda **r: chunk_bwd_ref_stages(**x64, **kw, **r), torch.bfloat16)
+    stored = samples[0]
     tol = tolerance_for(torch.bfloat16)
-    scales = stored_error_scales(exact, stored, tol.atol)
+    scales = stored_error_scales(exact, samples, tol.atol)
     if torch.cuda.is_available():  # timing of the unverified Triton backward beside the forward (NOTES only)
         from triton.testing import do_bench
 
@@ -162,6 +182,7 @@ def grads(shape):
         fwd_ms = do_bench(lambda: chunk.chunk_fwd(*args, scale, x["initial_state"], l2norm=True), rep=200)
         bwd_ms = do_bench(lambda: chunk_bwd.chunk_bwd(do, dht, *args, scale, x["initial_state"], l2norm=True), rep=200)
         print(f"TIME {shape}: forward {fwd_ms:.3f} ms, Triton backward {bwd_ms:.3f} ms ({bwd_ms / fwd_ms:.2f}x)")
+        _kernel_breakdown(shape, lambda: chunk_bwd.chunk_bwd(do, dht, *args, scale, x["initial_state"], l2norm=True))
     for i, n in enumerate(("dq", "dk", "dv", "dg", "dbeta", "dh0")):
         r, g, f, st, sc = exact[n], got[i].double(), fp32[i].double(), stored[n], scales[n]
         bound = tol.atol * sc + tol.rtol * r.abs()

@@ -129,8 +129,8 @@ def test_w158a8_through_the_popcount_kernel_matches_the_reference(dtype, device)
     assert compare("W1.58A8 kernel vs reference", want, got, dtype=dtype).ok
 
 
-@pytest.mark.parametrize("M", [1, 16, 17])
-def test_public_matmul_dispatches_decode_gemv_up_to_16_rows(M, monkeypatch, device, gen):
+@pytest.mark.parametrize("M", [1, 4, 5, 16])
+def test_public_matmul_dispatches_decode_gemv_up_to_4_rows(M, monkeypatch, device, gen):
     import triforge.ops.ternary.kernels as kernels
     from triforge.ops.ternary import TernaryTensor, matmul
 
@@ -141,7 +141,8 @@ def test_public_matmul_dispatches_decode_gemv_up_to_16_rows(M, monkeypatch, devi
     tt = TernaryTensor.from_float(torch.randn(20, 64, generator=gen)).to(device)
     x = torch.randn(M, 64, generator=gen).to(device)
     y = matmul(x, tt)
-    assert calls == ["ternary_gemv" if M <= kernels.DECODE_MAX_M else "ternary_matmul"]
+    assert kernels.GEMV_DISPATCH_M == 4 <= kernels.DECODE_MAX_M
+    assert calls == ["ternary_gemv" if M <= 4 else "ternary_matmul"]
     assert compare("dispatched matmul", x.double() @ tt.to_float(torch.float64).T, y, dtype=torch.float32).ok
 
 

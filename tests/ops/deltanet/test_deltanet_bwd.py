@@ -32,6 +32,8 @@ from triforge.ops.deltanet.reference import (
     chunk_ref_stages,
     l2norm,
     l2norm_bwd,
+    Rounding,
+    rounding_samples,
     stored_error_scales,
 )
 from triforge.testing import Tolerance, compare, compare_stages, tolerance_for
@@ -56,8 +58,8 @@ def _ref_and_scales(x, dtype, **kw):
     ref = chunk_bwd_ref_stages(**_f64(x), **kw)
     if dtype not in (torch.float16, torch.bfloat16):
         return ref, None
-    return ref, stored_error_scales(ref, chunk_bwd_ref_stages(**_f64(x), **kw, store_dtype=dtype),
-                                    tolerance_for(dtype).atol)
+    samples = rounding_samples(lambda **r: chunk_bwd_ref_stages(**_f64(x), **kw, **r), dtype)
+    return ref, stored_error_scales(ref, samples, tolerance_for(dtype).atol)
 
 
 def _bwd_stages(x, l2norm, cu=None, scale=None):
@@ -178,8 +180,8 @@ def test_kernel_stages_varlen(dtype, gen):
 
 def test_stored_error_scales_catch_a_planted_error(gen):
     """The Triton bf16 dq and dk pass under ``stored_error_scales``; one element at a
-    well-conditioned place (scale within 10% of the rms, |ref| <= rms / 2: bound <= 0.08 rms) moved
-    by a tenth of the tensor's rms fails, and is located: it is the one element over its bound."""
+    well-conditioned place (scale within 2x the rms, |ref| <= rms / 2: bound <= 0.125 rms) moved
+    by a quarter of the tensor's rms fails, and is located: it is the one element over its bound."""
     dtype = torch.bfloat16
     x = _bwd_inputs(1, 130, 1, 2, 32, 32, dtype, gen)
     ref, got, scales = _bwd_stages(x, True)
@@ -189,12 +191,12 @@ def test_stored_error_scales_catch_a_planted_error(gen):
         clean = compare(name, r, g, dtype=dtype, scale=s)
         assert clean.ok, clean.line()
         rms = float(r.square().mean().sqrt())
-        well = (s <= 1.1 * rms) & (r.abs() <= 0.5 * rms)
+        well = (s <= 2.0 * rms) & (r.abs() <= 0.5 * rms)
         assert well.float().mean() > 0.2, name  # most elements are well conditioned
         slack = torch.where(well, tol.atol * s + tol.rtol * r.abs() - (g - r).abs(), torch.inf)
         idx = tuple(int(i) for i in torch.unravel_index(slack.argmin(), slack.shape))
         bad = g.clone()
-        bad[idx] += 0.1 * rms * (1.0 if g[idx] >= r[idx] else -1.0)
+        bad[idx] += 0.25 * rms * (1.0 if g[idx] >= r[idx] else -1.0)
         res = compare(name, r, bad, dtype=dtype, scale=s, verbose=False)
         assert not res.ok and res.n_over == 1, res.line()
         assert not compare(name, r[idx], bad[idx], dtype=dtype, scale=s[idx], verbose=False).ok, (name, idx)
@@ -215,6 +217,35 @@ def test_reference_store_dtype_rounds_the_stored_tensors(gen):
     for n in ("dq", "dk", "dv", "dg", "dbeta", "dh0"):
         rel = float((stored[n] - exact[n]).norm() / exact[n].norm())
         assert 1e-5 < rel < 2e-2, (n, rel)
+
+
+def test_rounding_instances_are_roundings_of_the_same_size(gen):
+    """``Rounding``: to nearest equals the dtype cast; a dithered instance is representable, within one
+    unit in the last place of x, differs from nearest at a sizeable share of elements, and is
+    reproducible from its seed."""
+    x = torch.randn(4096, generator=gen, dtype=torch.float64) * torch.logspace(-6, 6, 4096, dtype=torch.float64)
+    for dtype, mant in ((torch.bfloat16, 7), (torch.float16, 10), (torch.float32, 23)):
+        x_d = x.clamp(-6e4, 6e4) if dtype == torch.float16 else x
+        near = Rounding(dtype)(x_d)
+        assert torch.equal(near, x_d.float().to(dtype).double()), dtype
+        a, b = Rounding(dtype, seed=7)(x_d), Rounding(dtype, seed=7)(x_d)
+        assert torch.equal(a, b) and torch.equal(a, a.to(dtype).double()), dtype
+        _, e = torch.frexp(x_d)
+        ulp = torch.ldexp(torch.ones_like(x_d), (e - 1).clamp(min=-14 if dtype == torch.float16 else -126) - mant)
+        assert ((a - x_d).abs() <= ulp * (1 + 1e-12)).all(), dtype
+        assert 0.1 < float((a != near).double().mean()) < 0.5, dtype
+
+
+def test_rounding_model_is_where_the_kernels_round(gen):
+    """The float64 reference with the kernels' roundings to nearest (stores and tensor-core
+    operands) reproduces the Triton backward's fp32 stages (dh, dq_hv, dk_local, dgamma_local) to a
+    quarter of their error against the exact reference: the model rounds where the kernels do."""
+    x = _bwd_inputs(1, 150, 1, 2, 32, 32, torch.bfloat16, gen)
+    ref, got, _ = _bwd_stages(x, True)
+    model = chunk_bwd_ref_stages(**_f64(x), use_qk_l2norm_in_kernel=True, store_dtype=torch.bfloat16)
+    for n in ("dh", "dq_hv", "dk_local", "dgamma_local"):
+        g = got[n].double()
+        assert float((g - model[n]).norm()) < 0.25 * float((g - ref[n]).norm()), n
 
 
 def test_each_kernel_from_reference_inputs(gen):

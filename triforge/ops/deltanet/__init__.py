@@ -46,7 +46,13 @@ import torch
 
 from triforge.ops._checks import FLOAT_DTYPES, check_same_device, check_tensor
 from triforge.ops.deltanet import chunk, chunk_bwd, fused_recurrent
-from triforge.ops.deltanet.reference import chunk_bwd_ref_stages, chunk_ref_stages, recurrent_ref, stored_error_scales
+from triforge.ops.deltanet.reference import (
+    chunk_bwd_ref_stages,
+    chunk_ref_stages,
+    recurrent_ref,
+    rounding_samples,
+    stored_error_scales,
+)
 from triforge.registry import OpSpec, register
 from triforge.tune import Tunable
 from triforge.tune import register as register_tunable
@@ -403,9 +409,10 @@ def _chunk_reference(q, k, v, g, beta, initial_state, output_final_state, use_qk
 
 
 def _chunk_magnitudes(inputs, grads, dtype=None):
-    """Error scales of a 16-bit run (``reference.stored_error_scales``): the float64 reference again
-    with the kernels' 16-bit stores rounded, forward stages (grads None) or input gradients (grads:
-    the upstream gradients of o and final_state). fp32 runs store in fp32: the same model with fp32
+    """Error scales of a 16-bit run (``reference.stored_error_scales``): the float64 reference again,
+    ``ROUNDING_SAMPLES`` times with the kernels' 16-bit roundings (stores and tensor-core operands),
+    forward stages (grads None) or input gradients (grads: the upstream gradients of o and
+    final_state). fp32 runs store in fp32: the same model with fp32
     stores (the fp32 backward's dk failed the rms-scaled bound by 2.8e-6 where the l2norm's backward
     cancels, at the real shape on the H100)."""
     if dtype not in (torch.float16, torch.bfloat16, torch.float32):
@@ -418,11 +425,12 @@ def _chunk_magnitudes(inputs, grads, dtype=None):
     if grads is None:
         kw = dict(output_final_state=bool(inputs.get("output_final_state", False)), use_qk_l2norm_in_kernel=l2)
         exact = chunk_ref_stages(**args, **kw)
-        return stored_error_scales(exact, chunk_ref_stages(**args, **kw, store_dtype=dtype), atol)
+        return stored_error_scales(exact, rounding_samples(lambda **r: chunk_ref_stages(**args, **kw, **r), dtype), atol)
     dht = grads[1] if len(grads) > 1 and grads[1] is not None and grads[1].numel() else None
     kw = dict(do=grads[0], dht=dht, use_qk_l2norm_in_kernel=l2)
     exact = chunk_bwd_ref_stages(**args, **kw)
-    scales = stored_error_scales(exact, chunk_bwd_ref_stages(**args, **kw, store_dtype=dtype), atol)
+    scales = stored_error_scales(exact, rounding_samples(lambda **r: chunk_bwd_ref_stages(**args, **kw, **r), dtype),
+                                 atol)
     names = {"dq": "dq", "dk": "dk", "dv": "dv", "dg": "dg", "dbeta": "dbeta", "dh0": "dinitial_state"}
     return {names[n]: t for n, t in scales.items() if n in names}
 

@@ -2,7 +2,7 @@
 
 ``matmul(x, tt, bias=None)``: float activations [..., in_features] times a ``TernaryTensor`` -> [..., out_features]
 in x's dtype. ``_dispatch`` picks the implementation: on the kernels' device the decode GEMV for up to
-``DECODE_MAX_M`` rows and the tiled tensor-core GEMM above (``kernels.py``; both skip inactive chunks),
+``GEMV_DISPATCH_M`` rows and the tiled tensor-core GEMM above (``kernels.py``; both skip inactive chunks),
 elsewhere dense expansion in PyTorch (``_matmul_dense``).
 """
 
@@ -76,7 +76,7 @@ def _matmul_kernel(x2d: torch.Tensor, tt: TernaryTensor, bias=None) -> torch.Ten
 
 
 def _matmul_decode(x2d: torch.Tensor, tt: TernaryTensor, bias=None) -> torch.Tensor:
-    """The decode GEMV (M <= DECODE_MAX_M) on the bit planes, with the same chunk skipping."""
+    """The decode GEMV (M <= GEMV_DISPATCH_M here) on the bit planes, with the same chunk skipping."""
     from triforge.ops.ternary.kernels import ternary_gemv
 
     return ternary_gemv(x2d.contiguous(), tt.plus, tt.minus, tt.row_scales(), bias=bias, active=_active_chunks(tt))
@@ -86,18 +86,18 @@ def _dispatch(x2d: torch.Tensor, tt: TernaryTensor):
     """Pick the implementation for this call: a callable (x2d, tt, bias) -> y2d.
 
     Tensors on the kernels' device (CUDA, or the CPU under Triton's interpreter) run a Triton kernel: the
-    decode GEMV (bits into fp32 FMAs) for M <= DECODE_MAX_M = 16 rows, the tensor-core GEMM above. The
-    threshold is the GEMV's design limit (its FMAs grow with M), not a measurement: the crossover with the
-    GEMM is still to be measured on the GPU. Anything else (CPU tensors in a CUDA process) runs the dense
+    decode GEMV (bits into fp32 FMAs) for M <= GEMV_DISPATCH_M = 4 rows, the tensor-core GEMM above
+    (measured on the H100: the GEMV wins 1.7-1.9x at M = 4 and loses 1.3-2.2x at M = 16; ``kernels.py``
+    has the numbers; M = 5..15 is unmeasured). Anything else (CPU tensors in a CUDA process) runs the dense
     expansion. Open decision: no cuBLAS fallback where the kernels lose to fp16 (it would keep an fp16
     copy of the weights, 8x their memory).
     """
     from triforge import _runtime
-    from triforge.ops.ternary.kernels import DECODE_MAX_M
+    from triforge.ops.ternary.kernels import GEMV_DISPATCH_M
 
     kernel_device = "cpu" if _runtime.INTERPRET else "cuda"
     if x2d.device.type == kernel_device and tt.device.type == kernel_device:
-        return _matmul_decode if x2d.shape[0] <= DECODE_MAX_M else _matmul_kernel
+        return _matmul_decode if x2d.shape[0] <= GEMV_DISPATCH_M else _matmul_kernel
     return _matmul_dense
 
 

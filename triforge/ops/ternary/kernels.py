@@ -211,7 +211,12 @@ def ternary_matmul(x2d, plus, minus, scales, bias=None, active=None):
 
 # ----------------------------------------------------------------------------- decode GEMV (M <= 16)
 
-DECODE_MAX_M = 16  # M above this runs ternary_matmul (tensor cores); the crossover is still to be measured
+DECODE_MAX_M = 16  # the GEMV's design limit (its fp32 FMAs grow with M)
+# matmul() sends M <= GEMV_DISPATCH_M rows to the GEMV, more to ternary_matmul (tensor cores). Measured on
+# the H100 (results/h100-2026-11-22-3c95182-ternary.json against -00c5aa1-ternary-attention-causal.json):
+# at M = 4 the GEMV is 1.7-1.9x faster than the tile kernel (8192^2: 0.136 vs 0.262 ms; 28672x8192: 0.167
+# vs 0.285), at M = 16 it is 1.3-2.2x slower (0.247 vs 0.186; 0.609 vs 0.282). M = 5..15 is unmeasured.
+GEMV_DISPATCH_M = 4
 WORD_BITS = 32
 # kernel-side constants (jit functions read globals only as constexpr)
 BITS = tl.constexpr(WORD_BITS)
