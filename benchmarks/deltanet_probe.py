@@ -200,13 +200,161 @@ def grads(shape):
                   f"stored {float(st[idx]):+.4e} fp32 {float(f[idx]):+.4e} scale {float(sc[idx]):.2e}{extra}")
 
 
+def _bf(x):
+    import torch
+    return x.float().to(torch.bfloat16).double()
+
+
+def kernels(shape):
+    """Each backward kernel (2: dqkw, 3: wy) against float64 arithmetic on the kernels' *own* inputs
+    (their upstream buffers, as stored), with the kernel's operand roundings: what is left is the
+    kernel's own error (fp32 accumulation, and a rounding that flips), so an outlier names its kernel.
+    bf16, K = V = 128, T a multiple of 64, B = 1."""
+    import torch
+
+    from triforge import _runtime, registry
+    from triforge.ops.deltanet import chunk, chunk_bwd
+
+    B, T, H, HV = (int(x) for x in shape.split("x"))
+    assert B == 1 and T % 64 == 0
+    spec = registry.get("gated_delta_rule")
+    x = spec.make_inputs({"B": B, "T": T, "H": H, "HV": HV, "K": 128, "V": 128}, torch.bfloat16,
+                         _runtime.default_device(), torch.Generator().manual_seed(3))
+    gen = torch.Generator().manual_seed(4)
+    do = torch.randn(x["v"].shape, generator=gen, dtype=torch.float64).to(DEV, torch.bfloat16)
+    dht = torch.randn(x["initial_state"].shape, generator=gen, dtype=torch.float64).to(DEV, torch.float32)
+    q, k, v, g, beta = (x[n] for n in ("q", "k", "v", "g", "beta"))
+    scale = 128 ** -0.5
+    intra = chunk.chunk_fwd_intra(k, v, g, beta, l2norm=True, store_t=True)
+    gamma, w, tt = intra["gamma"], intra["w"], intra["T"]
+    h, v_new, _ = chunk.chunk_fwd_h(k, w, intra["u"], gamma, x["initial_state"], l2norm=True, output_final_state=False)
+    qn, kn = chunk_bwd.chunk_bwd_l2norm(q, k)
+    dh, dv_new, _ = chunk_bwd.chunk_bwd_dh(qn, kn, w, gamma, do, dht, scale)
+    local = chunk_bwd.chunk_bwd_dqkw(qn, kn, v_new, h, dh, do, dv_new, gamma, scale)
+    wy = chunk_bwd.chunk_bwd_wy(kn, v, beta, g.dtype, gamma, tt, local["dw"], dv_new, local["dk_local"].clone(),
+                                local["dgamma_local"], stages=True)
+    _sync()
+    NT, C, G = T // 64, 64, HV // H
+
+    def ch(t, heads=HV):  # [1, T, heads, D] -> [NT, HV, C, D] (q/k heads expanded)
+        t = t.double().reshape(NT, C, heads, -1)
+        if heads != HV:
+            t = t.repeat_interleave(G, dim=2)
+        return t.permute(0, 2, 1, 3)
+
+    def back(t):  # [NT, HV, C, D] -> [1, T, HV, D]
+        return t.permute(0, 2, 1, 3).reshape(1, T, HV, -1)
+
+    qc, kc = ch(qn, H), ch(kn, H)
+    vnc, doc, dvn = ch(v_new), ch(do), ch(dv_new)
+    S, dS = h.double().reshape(NT, HV, 128, 128), dh.double().reshape(NT, HV, 128, 128)
+    gm = gamma.double().reshape(NT, C, HV).permute(0, 2, 1)  # [NT, HV, C]
+    incl = torch.ones(C, C, dtype=torch.bool, device=gm.device).tril()
+    dec = (gm[..., :, None] - gm[..., None, :]).masked_fill(~incl, float("-inf")).exp()
+    eg, el = gm.exp(), (gm[..., -1:] - gm).exp()
+    dOS = doc @ S.transpose(-1, -2)
+    dP = (doc @ vnc.transpose(-1, -2)) * dec
+    dPr = _bf(dP)
+    vdS = vnc @ dS.transpose(-1, -2)
+    want = {"dq_hv": back(eg[..., None] * dOS + dPr @ kc),
+            "dk_local": back((dPr.transpose(-1, -2) @ qc) * scale + el[..., None] * vdS),
+            "dw": back(-(dvn @ S.transpose(-1, -2)))}
+    M = dP * (qc @ kc.transpose(-1, -2)) * scale
+    a = el * (kc * vdS).sum(-1)
+    dgl = eg * (qc * dOS).sum(-1) * scale + M.sum(-1) - M.sum(-2) - a
+    dgl[..., -1] += a.sum(-1) + gm[..., -1].exp() * (dS * S).sum((-2, -1))
+    want["dgamma_local"] = dgl.permute(0, 2, 1).reshape(1, T, HV)
+    got = {"dq_hv": local["dq_hv"], "dk_local": local["dk_local"], "dw": local["dw"],
+           "dgamma_local": local["dgamma_local"].sum(0)}
+    # kernel 3 from kernel 2's outputs as stored
+    dwc, dk_loc = ch(local["dw"]), ch(local["dk_local"])
+    dgl_k = local["dgamma_local"].double().sum(0).reshape(NT, C, HV).permute(0, 2, 1)
+    vc = ch(v)
+    bc = beta.double().reshape(NT, C, HV).permute(0, 2, 1)
+    Tm = tt.double().reshape(NT, C, HV, C).permute(0, 2, 1, 3).tril(-1) + torch.eye(C, dtype=torch.float64, device=gm.device)
+    Tr = _bf(Tm)
+    kbg, vb = _bf((bc * eg)[..., None] * kc), _bf(bc[..., None] * vc)
+    dT = (dwc @ kbg.transpose(-1, -2) + dvn @ vb.transpose(-1, -2)).tril(-1)
+    dA = -(Tm.transpose(-1, -2) @ dT @ Tm.transpose(-1, -2)).tril(-1)
+    dvb, dkbg = Tr.transpose(-1, -2) @ dvn, Tr.transpose(-1, -2) @ dwc
+    kk = kc @ kc.transpose(-1, -2)
+    Gm = dA * kk * dec
+    dkbg_k = (dkbg * kc).sum(-1)
+    dbeta = (dvb * vc).sum(-1) + eg * dkbg_k + Gm.sum(-1)
+    M2 = bc[..., None] * Gm
+    dgamma = dgl_k + bc * eg * dkbg_k + M2.sum(-1) - M2.sum(-2)
+    dKK = _bf(bc[..., None] * dA * dec)
+    sc = lambda t: t.permute(0, 2, 1).reshape(1, T, HV)  # noqa: E731
+    want.update(dT=back(dT), dA=back(dA), dv=back(bc[..., None] * dvb), dbeta=sc(dbeta), dgamma=sc(dgamma),
+                dg=sc(dgamma.flip(-1).cumsum(-1).flip(-1)),
+                dk_hv=back(dk_loc + (bc * eg)[..., None] * dkbg + (dKK + dKK.transpose(-1, -2)) @ kc))
+    for n in ("dT", "dA", "dv", "dbeta", "dgamma", "dg", "dk_hv"):
+        got[n] = wy[n]
+
+    def report(tag, got):
+        for n, gv in got.items():
+            wv = want[n]
+            gv = gv.double().reshape(wv.shape)
+            if got[n].dtype == torch.bfloat16:  # stored rounded to nearest: compare with the rounded value
+                wv = _bf(wv)
+            err = (gv - wv).abs()
+            rms = float(wv.square().mean().sqrt())
+            flat = int(err.flatten().argmax())
+            idx = tuple(int(j) for j in torch.unravel_index(torch.tensor(flat), wv.shape))
+            print(f"KERN {shape} {tag} {n:13s} rel {float((gv - wv).norm() / wv.norm()):.2e} max/rms "
+                  f"{float(err.max()) / rms:.2e} at {list(idx)} (chunk row {idx[1] % 64}) want {float(wv[idx]):+.4e} "
+                  f"got {float(gv[idx]):+.4e} n>1e-2rms {int((err > 1e-2 * rms).sum())}")
+            sys.stdout.flush()
+
+    report("default", got)
+    # the same inputs through other launch configs of kernels 2 and 3: a miscompile follows its config
+    for var in ({"num_stages": 1}, {"num_warps": 8}, {"num_warps": 2}):
+        for kern in ("dqkw", "wy"):
+            cfg = dict(chunk_bwd.bwd_config(f"gated_delta_rule_bwd_{kern}", 128, 128, torch.bfloat16), **var)
+            tag = kern + "-" + ",".join(f"{a}={b}" for a, b in var.items())
+            try:
+                if kern == "dqkw":
+                    out = chunk_bwd.chunk_bwd_dqkw(qn, kn, v_new, h, dh, do, dv_new, gamma, scale, cfg=cfg)
+                    out["dgamma_local"] = out["dgamma_local"].sum(0)
+                else:
+                    out = chunk_bwd.chunk_bwd_wy(kn, v, beta, g.dtype, gamma, tt, local["dw"], dv_new,
+                                                 local["dk_local"].clone(), local["dgamma_local"], stages=True, cfg=cfg)
+                _sync()
+            except Exception as e:  # noqa: BLE001 - a config that does not compile is reported
+                print(f"KERN {shape} {tag} failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
+                continue
+            report(tag, {n: out[n] for n in want if n in out})
+
+
+def _set_prec(prec):
+    """Every Gated DeltaNet kernel's fp32 tensor-core products at ``prec`` (tf32, tf32x3, ieee): the
+    intra kernel's k k^T and triangular solve, the backward's dA."""
+    from triforge.ops.deltanet import chunk, chunk_bwd
+
+    flags = chunk._flags
+
+    def patched(dtype):
+        return {**flags(dtype), "PREC": prec}
+
+    chunk._flags = chunk_bwd._flags = patched
+    print(f"PREC {prec}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", default=CASES)
     ap.add_argument("--one", default=None)
     ap.add_argument("--check", default=None, help="shapes BxTxHxHV,... for check_op (then the cases)")
     ap.add_argument("--grads", default=None, help="shapes BxTxHxHV,... for grads()")
+    ap.add_argument("--kernels", default=None, help="shapes 1xTxHxHV,... for kernels()")
+    ap.add_argument("--prec", default=None, help="fp32 products at tf32 / tf32x3 / ieee (default: the kernels' own)")
     a = ap.parse_args()
+    if a.prec:
+        _set_prec(a.prec)
+    for shape in (a.kernels.split(",") if a.kernels else []):
+        kernels(shape)
+    if a.kernels and not (a.grads or a.check):
+        return
     for shape in (a.grads.split(",") if a.grads else []):
         grads(shape)
         sys.stdout.flush()

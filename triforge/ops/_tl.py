@@ -16,7 +16,8 @@ def rne_bf16(x):
 
 @triton.jit
 def cast(x, dtype: tl.constexpr, RNE: tl.constexpr):
-    """fp32 x in ``dtype``; RNE rounds to the nearest bf16 first (the value is then exact in bf16)."""
-    if RNE:
+    """fp32 x in ``dtype``; RNE (and a bf16 ``dtype``) rounds to the nearest bf16 first (the value is
+    then exact in bf16); other dtypes convert as compiled kernels do."""
+    if RNE and dtype == tl.bfloat16:
         return rne_bf16(x).to(dtype)
     return x.to(dtype)

@@ -381,8 +381,8 @@ def chunk_gated_delta_rule_bwd_kernel_wy(
     b_m2 = b_G * b_beta[:, None]
     b_dgamma += tl.sum(b_m2, axis=1) - tl.sum(b_m2, axis=0)
     b_dg = tl.cumsum(b_dgamma, axis=0, reverse=True)  # padded rows hold 0
-    tl.store(dbeta_ptr + o_hrow, b_dbeta.to(dbeta_ptr.dtype.element_ty), mask=m_t)
-    tl.store(dg_ptr + o_hrow, b_dg.to(dg_ptr.dtype.element_ty), mask=m_t)
+    tl.store(dbeta_ptr + o_hrow, _cast(b_dbeta, dbeta_ptr.dtype.element_ty, RNE), mask=m_t)
+    tl.store(dg_ptr + o_hrow, _cast(b_dg, dg_ptr.dtype.element_ty, RNE), mask=m_t)
     if STAGES:
         tl.store(dgamma_ptr + o_hrow, b_dgamma, mask=m_t)
         tl.store(dt_ptr + o_sq, b_dT, mask=m_t[:, None])
