@@ -307,9 +307,12 @@ def kernels(shape):
             sys.stdout.flush()
 
     report("default", got)
-    # the same inputs through other launch configs of kernels 2 and 3: a miscompile follows its config
-    for var in ({"num_stages": 1}, {"num_warps": 8}, {"num_warps": 2}):
-        for kern in ("dqkw", "wy"):
+    # the same inputs through other launch configs of kernel 3 (WY): a miscompile follows its config;
+    # each variant timed too (do_bench median, ms)
+    variants = [{"num_warps": w, "num_stages": st} for w in (2, 4, 8) for st in (1, 2)]
+    variants += [{"num_warps": 2, "num_stages": 1, "BK": 32, "BV": 32}]
+    for var in variants:
+        for kern in ("wy",):
             cfg = dict(chunk_bwd.bwd_config(f"gated_delta_rule_bwd_{kern}", 128, 128, torch.bfloat16), **var)
             tag = kern + "-" + ",".join(f"{a}={b}" for a, b in var.items())
             try:
@@ -324,6 +327,12 @@ def kernels(shape):
                 print(f"KERN {shape} {tag} failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
                 continue
             report(tag, {n: out[n] for n in want if n in out})
+            if torch.cuda.is_available():
+                from triton.testing import do_bench
+
+                ms = do_bench(lambda: chunk_bwd.chunk_bwd_wy(kn, v, beta, g.dtype, gamma, tt, local["dw"], dv_new,
+                                                             local["dk_local"], local["dgamma_local"], cfg=cfg), rep=100)
+                print(f"KTIME {shape} {tag} {ms:.3f} ms")
 
 
 def _set_prec(prec):

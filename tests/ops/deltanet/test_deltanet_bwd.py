@@ -493,10 +493,19 @@ def _sm90_compile(monkeypatch, cases):
     return fa._sm90_compile(cases)
 
 
+# The WY kernel runs with 2 warps on sm90 (4 and 8 miscompile there: chunk_bwd._FALLBACK): below a
+# warpgroup there is no wgmma, and its [64, 64] fp32 tiles (T, dT, K K^T, dA) over 64 threads spill.
+# A known cost of correctness, bounded here so that it cannot grow unnoticed.
+_WY_2_WARPS_MAX_SPILLS = 3072  # measured: 1604 bytes at K = V = 128, 2504 the most (other head dims)
+
+
 def _check_sm90_rows(rows):
     for r in rows:
-        assert r["spills"] == 0, r
         assert r["shared"] <= 227 * 1024, r
+        if r["kernel"] == "wy" and r["cfg"]["num_warps"] == 2:
+            assert r["spills"] <= _WY_2_WARPS_MAX_SPILLS, r
+            continue
+        assert r["spills"] == 0, r
         if r["kernel"] in _DOT_KERNELS:
             assert r["wgmma"] > 0, r  # Hopper tensor cores
 
@@ -504,7 +513,7 @@ def _check_sm90_rows(rows):
 def test_backward_kernels_compile_for_sm90(monkeypatch):
     """The backward's kernels as the H100 builds them (no device needed): compiled for sm90a with
     their fallback configs, no register spills, shared memory within 227 KiB, wgmma in every kernel
-    with matrix products. bf16 at K = V = 128 (dense and packed), fp16 there, bf16 at K = V = 64,
+    with matrix products (the WY kernel at 2 warps: bounded spills, no wgmma; see above). bf16 at K = V = 128 (dense and packed), fp16 there, bf16 at K = V = 64,
     and the forward kernels the backward recomputes with (intra storing T, the unfused recurrence).
     The interpreter never compiles them."""
     cases = [[k, "bfloat16", 128, 128, False, True] for k in ("l2norm", "dh", "dqkw", "wy", "qk", "fwd_h")]
