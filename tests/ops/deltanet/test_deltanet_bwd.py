@@ -426,7 +426,8 @@ import triforge.ops.deltanet.chunk as fwd
 import triforge.ops.deltanet.chunk_bwd as bwd
 
 rows = []
-for kernel, dt, K, V, varlen, l2 in json.loads(sys.argv[1]):
+for case in json.loads(sys.argv[1]):  # kernel, dtype, K, V, varlen, l2norm[, config override]
+    kernel, dt, K, V, varlen, l2 = case[:6]
     dtype = getattr(torch, dt)
     t = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}[dt]
     flags = dict(PREC="tf32x3" if dtype == torch.float32 else "tf32", UPCAST=False, RNE=False)
@@ -435,6 +436,7 @@ for kernel, dt, K, V, varlen, l2 in json.loads(sys.argv[1]):
         cfg = fwd.fwd_config("gated_delta_rule_" + kernel, K, V, dtype, 4096)
     else:
         cfg = bwd.bwd_config("gated_delta_rule_bwd_" + kernel, K, V, dtype, 4096)
+    cfg = dict(cfg, **(case[6] if len(case) > 6 else {}))
     if kernel == "fwd_intra":  # as the backward recomputes it: T stored
         fn = fwd.chunk_gated_delta_rule_fwd_kernel_intra
         ptrs = {n: "*" + t for n in ("k_ptr", "v_ptr", "w_ptr", "u_ptr", "beta_ptr")}
@@ -493,19 +495,23 @@ def _sm90_compile(monkeypatch, cases):
     return fa._sm90_compile(cases)
 
 
-# The WY kernel runs with 2 warps on sm90 (4 and 8 miscompile there: chunk_bwd._FALLBACK): below a
-# warpgroup there is no wgmma, and its [64, 64] fp32 tiles (T, dT, K K^T, dA) over 64 threads spill.
-# A known cost of correctness, bounded here so that it cannot grow unnoticed.
-_WY_2_WARPS_MAX_SPILLS = 3072  # measured: 1604 bytes at K = V = 128, 2504 the most (other head dims)
+# The WY kernel runs unpipelined (1 stage: pipelined it miscompiles on sm90, chunk_bwd._FALLBACK) at 4
+# warps, at 255 registers: dense K = V = 128 does not spill, packed sequences spill 16 bytes and K = V = 64
+# 92. At 2 warps (a tunable choice) there is no wgmma and its [64, 64] fp32 tiles (T, dT, K K^T, dA)
+# over 64 threads spill 1604 bytes at K = V = 128, 2504 the most over the other head dims. Bounded so
+# that neither can grow unnoticed.
+_WY_MAX_SPILLS = {4: 128, 2: 3072}
 
 
 def _check_sm90_rows(rows):
     for r in rows:
         assert r["shared"] <= 227 * 1024, r
-        if r["kernel"] == "wy" and r["cfg"]["num_warps"] == 2:
-            assert r["spills"] <= _WY_2_WARPS_MAX_SPILLS, r
-            continue
-        assert r["spills"] == 0, r
+        if r["kernel"] == "wy" and r["cfg"]["num_warps"] in _WY_MAX_SPILLS:
+            assert r["spills"] <= _WY_MAX_SPILLS[r["cfg"]["num_warps"]], r
+            if r["cfg"]["num_warps"] == 2:
+                continue  # no warpgroup, no wgmma
+        else:
+            assert r["spills"] == 0, r
         if r["kernel"] in _DOT_KERNELS:
             assert r["wgmma"] > 0, r  # Hopper tensor cores
 
@@ -513,10 +519,11 @@ def _check_sm90_rows(rows):
 def test_backward_kernels_compile_for_sm90(monkeypatch):
     """The backward's kernels as the H100 builds them (no device needed): compiled for sm90a with
     their fallback configs, no register spills, shared memory within 227 KiB, wgmma in every kernel
-    with matrix products (the WY kernel at 2 warps: bounded spills, no wgmma; see above). bf16 at K = V = 128 (dense and packed), fp16 there, bf16 at K = V = 64,
+    with matrix products. bf16 at K = V = 128 (dense and packed), fp16 there, bf16 at K = V = 64,
     and the forward kernels the backward recomputes with (intra storing T, the unfused recurrence).
     The interpreter never compiles them."""
     cases = [[k, "bfloat16", 128, 128, False, True] for k in ("l2norm", "dh", "dqkw", "wy", "qk", "fwd_h")]
+    cases += [["wy", "bfloat16", 128, 128, False, True, {"num_warps": 2}]]
     cases += [[k, "bfloat16", 128, 128, True, False] for k in ("dh", "dqkw", "wy")]
     cases += [[k, "float16", 128, 128, False, True] for k in ("dh", "dqkw", "wy")]
     cases += [[k, "bfloat16", 64, 64, False, True] for k in ("dh", "dqkw", "wy", "fwd_intra")]

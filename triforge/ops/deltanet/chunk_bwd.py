@@ -450,10 +450,13 @@ _FALLBACK = {
     "gated_delta_rule_bwd_l2norm": {"BR": 64, "num_warps": 4, "num_stages": 1},
     "gated_delta_rule_bwd_dh": {"BV": 64, "num_warps": 4, "num_stages": 2},
     "gated_delta_rule_bwd_dqkw": {"BK": 64, "BV": 64, "num_warps": 8, "num_stages": 2},
-    # 2 warps: Triton 3.6 miscompiles this kernel on sm90 at 4 and 8 warps (measured on the H100 against
-    # float64 on the kernel's own inputs: dbeta / dgamma rel. error 4e-3 at 8 warps, 6e-4 at 2, the rest
-    # being dA's tf32 products; fla pins its WY backward to 2 warps on Hopper for the same reason, fla #988)
-    "gated_delta_rule_bwd_wy": {"BK": 64, "BV": 64, "num_warps": 2, "num_stages": 2},
+    # num_stages 1: Triton 3.6 miscompiles this kernel on sm90 when it pipelines its loops (num_stages 2)
+    # at 4 and 8 warps. Measured on the H100 at (1, 8192, 32, 32) against float64 on the kernel's own
+    # inputs (benchmarks/deltanet_probe.py --kernels): dgamma rel. error 6e-3 (4 warps) and 5.6e-3 (8)
+    # with 2 stages, 8.7e-5 with 1 stage at 2, 4 and 8 warps alike (what is left: dA's tf32 products).
+    # 4 warps, 1 stage is also the fastest: 0.326 ms against 0.587 (8 warps, 2 stages) and 0.58 (2 warps).
+    # (fla pins its WY backward to 2 warps on Hopper for a miscompile of the same family, fla #988.)
+    "gated_delta_rule_bwd_wy": {"BK": 64, "BV": 64, "num_warps": 4, "num_stages": 1},
     "gated_delta_rule_bwd_qk": {"BR": 32, "num_warps": 4, "num_stages": 1},
 }
 
