@@ -151,18 +151,11 @@ def grads(shape):
     run with 16-bit stores and the fp32 PyTorch backward at the same place."""
     import torch
 
-    from triforge import _runtime, registry
     from triforge.ops.deltanet import chunk_bwd, chunk_bwd_torch
     from triforge.ops.deltanet.reference import chunk_bwd_ref_stages, rounding_samples, stored_error_scales
     from triforge.testing import tolerance_for
 
-    B, T, H, HV = (int(x) for x in shape.split("x"))
-    spec = registry.get("gated_delta_rule")
-    x = spec.make_inputs({"B": B, "T": T, "H": H, "HV": HV, "K": 128, "V": 128}, torch.bfloat16,
-                         _runtime.default_device(), torch.Generator().manual_seed(3))
-    gen = torch.Generator().manual_seed(4)
-    do = torch.randn(x["v"].shape, generator=gen, dtype=torch.float64).to(DEV, torch.bfloat16)
-    dht = torch.randn(x["initial_state"].shape, generator=gen, dtype=torch.float64).to(DEV, torch.float32)
+    x, do, dht = _bench_inputs(shape)
     args = [x[n] for n in ("q", "k", "v", "g", "beta")]
     scale = 128 ** -0.5
     got = chunk_bwd.chunk_bwd(do, dht, *args, scale, x["initial_state"], l2norm=True)
@@ -200,9 +193,30 @@ def grads(shape):
                   f"stored {float(st[idx]):+.4e} fp32 {float(f[idx]):+.4e} scale {float(sc[idx]):.2e}{extra}")
 
 
-def _bf(x):
+def _bench_inputs(shape):
+    """(registry inputs, dO, dht) at a bench shape BxTxHxHV (K = V = 128, bf16), fixed seeds: the
+    probes see the same inputs run to run."""
     import torch
-    return x.float().to(torch.bfloat16).double()
+
+    from triforge import _runtime, registry
+
+    B, T, H, HV = (int(x) for x in shape.split("x"))
+    x = registry.get("gated_delta_rule").make_inputs({"B": B, "T": T, "H": H, "HV": HV, "K": 128, "V": 128},
+                                                     torch.bfloat16, _runtime.default_device(),
+                                                     torch.Generator().manual_seed(3))
+    gen = torch.Generator().manual_seed(4)
+    do = torch.randn(x["v"].shape, generator=gen, dtype=torch.float64).to(DEV, torch.bfloat16)
+    dht = torch.randn(x["initial_state"].shape, generator=gen, dtype=torch.float64).to(DEV, torch.float32)
+    return x, do, dht
+
+
+def _bf(x):
+    """x rounded to bf16 as a kernel stores it (the reference's rounding model)."""
+    import torch
+
+    from triforge.ops.deltanet.reference import Rounding
+
+    return Rounding(torch.bfloat16)(x)
 
 
 def kernels(shape):
@@ -212,17 +226,11 @@ def kernels(shape):
     bf16, K = V = 128, T a multiple of 64, B = 1."""
     import torch
 
-    from triforge import _runtime, registry
     from triforge.ops.deltanet import chunk, chunk_bwd
 
     B, T, H, HV = (int(x) for x in shape.split("x"))
     assert B == 1 and T % 64 == 0
-    spec = registry.get("gated_delta_rule")
-    x = spec.make_inputs({"B": B, "T": T, "H": H, "HV": HV, "K": 128, "V": 128}, torch.bfloat16,
-                         _runtime.default_device(), torch.Generator().manual_seed(3))
-    gen = torch.Generator().manual_seed(4)
-    do = torch.randn(x["v"].shape, generator=gen, dtype=torch.float64).to(DEV, torch.bfloat16)
-    dht = torch.randn(x["initial_state"].shape, generator=gen, dtype=torch.float64).to(DEV, torch.float32)
+    x, do, dht = _bench_inputs(shape)
     q, k, v, g, beta = (x[n] for n in ("q", "k", "v", "g", "beta"))
     scale = 128 ** -0.5
     intra = chunk.chunk_fwd_intra(k, v, g, beta, l2norm=True, store_t=True)
@@ -231,8 +239,11 @@ def kernels(shape):
     qn, kn = chunk_bwd.chunk_bwd_l2norm(q, k)
     dh, dv_new, _ = chunk_bwd.chunk_bwd_dh(qn, kn, w, gamma, do, dht, scale)
     local = chunk_bwd.chunk_bwd_dqkw(qn, kn, v_new, h, dh, do, dv_new, gamma, scale)
-    wy = chunk_bwd.chunk_bwd_wy(kn, v, beta, g.dtype, gamma, tt, local["dw"], dv_new, local["dk_local"].clone(),
-                                local["dgamma_local"], stages=True)
+    def run_wy(**kw):  # on a copy of dk_local: the WY kernel writes dk_hv over it unless stages
+        return chunk_bwd.chunk_bwd_wy(kn, v, beta, g.dtype, gamma, tt, local["dw"], dv_new, local["dk_local"].clone(),
+                                      local["dgamma_local"], **kw)
+
+    wy = run_wy(stages=True)
     _sync()
     NT, C, G = T // 64, 64, HV // H
 
@@ -320,8 +331,7 @@ def kernels(shape):
                     out = chunk_bwd.chunk_bwd_dqkw(qn, kn, v_new, h, dh, do, dv_new, gamma, scale, cfg=cfg)
                     out["dgamma_local"] = out["dgamma_local"].sum(0)
                 else:
-                    out = chunk_bwd.chunk_bwd_wy(kn, v, beta, g.dtype, gamma, tt, local["dw"], dv_new,
-                                                 local["dk_local"].clone(), local["dgamma_local"], stages=True, cfg=cfg)
+                    out = run_wy(stages=True, cfg=cfg)
                 _sync()
             except Exception as e:  # noqa: BLE001 - a config that does not compile is reported
                 print(f"KERN {shape} {tag} failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
@@ -330,8 +340,7 @@ def kernels(shape):
             if torch.cuda.is_available():
                 from triton.testing import do_bench
 
-                ms = do_bench(lambda: chunk_bwd.chunk_bwd_wy(kn, v, beta, g.dtype, gamma, tt, local["dw"], dv_new,
-                                                             local["dk_local"], local["dgamma_local"], cfg=cfg), rep=100)
+                ms = do_bench(lambda: run_wy(cfg=cfg), rep=100)  # includes the dk_local copy, alike in every config
                 print(f"KTIME {shape} {tag} {ms:.3f} ms")
 
 
