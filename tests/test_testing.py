@@ -564,6 +564,7 @@ def _fake_tunable(fail_p=3, calls=None):
         seen.append(("setup", dict(shape), dtype, device))
 
         def run(cfg):
+            cfg = cfg or {"p": 2, "q": 10}  # None: the launcher's own config
             if cfg["p"] == fail_p:
                 raise ValueError(f"p={fail_p} exceeds resources\nsecond line of the message")
             last["cfg"] = dict(cfg)
@@ -628,6 +629,55 @@ def test_tune_counts_timer_failures_and_calls_progress():
     assert len(ticks) == 8
     assert res["n_failed"] == sum(cost(c) > 15 for c in tune.grid(t.space)) > 0
     assert all(r["ms"] <= 15 for r in res["top"])
+
+
+def test_tune_refuses_configs_whose_outputs_disagree_with_the_launchers():
+    """A miscompiled config (its outputs off by 1 % of their RMS, or NaN in one element, or another
+    shape) is refused like a failing one, even where it is the fastest; configs that differ only by
+    fp32 summation order (1e-6) are timed. Fresh random outputs for every run."""
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    base = torch.randn(64, 33, generator=gen, dtype=torch.float64)
+
+    def setup(shape, dtype, device):
+        def run(cfg):
+            p = (cfg or {"p": 2})["p"]
+            y = base * (1 + 1e-6 * torch.randn(base.shape, generator=gen, dtype=torch.float64))
+            y = y.to(dtype)
+            if p == 1:
+                y = y + 0.01 * base.norm() / base.numel() ** 0.5 * torch.randn(base.shape, generator=gen).to(dtype)
+            if p == 3:
+                y[int(torch.randint(0, 64, (), generator=gen)), 5] = float("nan")
+            if p == 4:
+                return y[:, :32], torch.arange(3)
+            return y, torch.arange(3)
+
+        return run, "k"
+
+    t = tune.Tunable(kernel="fake_kernel", space={"p": [1, 2, 3, 4, 5]}, setup=setup, shape_names=("M",))
+    res = tune.tune(t, {"M": 1}, torch.float32, timer=lambda fn: (fn(), 1.0)[1])
+    assert res["checked"] and res["n_mismatch"] == 3 == res["n_failed"]
+    assert sorted(r["config"]["p"] for r in res["top"]) == [2, 5]
+    errors = {f["config"]["p"]: f["error"] for f in res["failed"]}
+    assert "rel. RMS" in errors[1] and "NaN/Inf" in errors[3] and "(64, 32)" in errors[4]
+    # the same 1 % at bf16 is inside bf16's rounding tolerance; the NaN is not
+    res = tune.tune(t, {"M": 1}, torch.bfloat16, timer=lambda fn: 1.0)
+    assert sorted(f["config"]["p"] for f in res["failed"]) == [3, 4]
+
+
+def test_output_mismatch_rules():
+    w = torch.randn(10, 7) + 2
+    assert tune.output_mismatch([w], [w.clone()]) is None
+    assert tune.output_mismatch([w], [w, w]).startswith("mismatch: 2 outputs")
+    assert "dtype" not in (tune.output_mismatch([w], [w.double()]) or "") and tune.output_mismatch([w], [w.double()])
+    inf_w = w.clone()
+    inf_w[0, 0] = float("inf")
+    assert tune.output_mismatch([inf_w], [inf_w.clone()]) is None  # infinite where the launcher's is too
+    assert "NaN/Inf" in tune.output_mismatch([w], [inf_w])
+    assert tune.output_mismatch([torch.zeros(3)], [torch.zeros(3)]) is None
+    assert tune.output_mismatch([torch.zeros(3)], [torch.full((3,), 0.5)]) is not None
+    assert tune.output_mismatch([torch.arange(4)], [torch.arange(4) * 2]) is not None
+    assert tune.output_mismatch([torch.empty(0, 3)], [torch.empty(0, 3)]) is None
+    assert tune._tensors({"a": w, "b": (None, [w, 1])}) == [w, w]
 
 
 @pytest.fixture

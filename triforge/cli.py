@@ -146,7 +146,8 @@ def _tune_one(args, t) -> int:
     with _progress() as prog:
         task = prog.add_task(f"tuning {t.kernel}", total=n)
         result = tune.tune(t, shape, args.dtype, top=args.top, progress=lambda: prog.advance(task))
-    table = Table(title=f"{t.kernel} at {shape} {result['dtype']} — {result['n_tried']} tried, {result['n_failed']} failed")
+    table = Table(title=f"{t.kernel} at {shape} {result['dtype']} — {result['n_tried']} tried, {result['n_failed']} failed"
+                  f" ({result['n_mismatch']} whose outputs disagree with the launcher's config)")
     table.add_column("rank")
     table.add_column("config")
     table.add_column("median ms", justify="right")

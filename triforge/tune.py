@@ -3,6 +3,14 @@
 A kernel registers a :class:`Tunable`; ``tune()`` times every point of its grid, skipping (and
 counting) configs that fail to compile or exceed resources, and ``write_config`` stores the best
 in ``triforge/configs/<arch>.json`` where the launcher finds it.
+
+Each config's outputs are also checked against those of the launcher's own config (``run(None)``):
+a config that returns NaN/Inf where that one is finite, or differs from it by more than
+``MISMATCH_RTOL`` (relative RMS, by output dtype), is refused like one that fails to compile. Launch
+configs change only the order of fp32 accumulations, so correct configs agree to a fraction of the
+output's rounding; a config-dependent miscompile (found on the H100: Triton 3.6 pipelining the
+Gated DeltaNet WY kernel at 4 and 8 warps) does not. The check compares configs with each other,
+not with the math: the parity checks (``triforge check``, the tests) do that for the launcher's one.
 """
 
 import itertools
@@ -19,7 +27,9 @@ from triforge import _runtime, launch
 class Tunable:
     kernel: str
     space: dict  # parameter -> candidate values
-    setup: Callable  # (shape: dict, dtype, device) -> (run(cfg) -> None, config key)
+    # (shape: dict, dtype, device) -> (run, config key); run(cfg) launches with cfg (None: the
+    # launcher's own config) and returns the outputs (tensors, or tuples/lists/dicts of them) or None
+    setup: Callable
     shape_names: tuple  # e.g. ("M", "N")
     default_shape: dict = field(default_factory=dict)
 
@@ -51,20 +61,77 @@ def grid(space: dict) -> list[dict]:
     return [dict(zip(keys, vals)) for vals in itertools.product(*(space[k] for k in keys))]
 
 
+# relative RMS difference from the launcher's config's outputs above which a config is refused
+MISMATCH_RTOL = {torch.float32: 1e-3, torch.float16: 4e-3, torch.bfloat16: 1.6e-2}
+
+
+def _tensors(out) -> list:
+    """The tensors of a run's outputs, in order (None entries skipped)."""
+    if out is None:
+        return []
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, dict):
+        out = list(out.values())
+    if isinstance(out, (tuple, list)):
+        return [t for o in out for t in _tensors(o)]
+    return []
+
+
+def output_mismatch(want: list, got: list) -> str | None:
+    """Why ``got`` (one config's output tensors) disagrees with ``want`` (the launcher's config's), or
+    None: same count, shapes and dtypes; no NaN/Inf where ``want`` is finite; relative RMS difference
+    within MISMATCH_RTOL of the dtype (integer outputs: equal)."""
+    if len(got) != len(want):
+        return f"mismatch: {len(got)} outputs, the launcher's config gives {len(want)}"
+    for i, (w, g) in enumerate(zip(want, got)):
+        if g.shape != w.shape or g.dtype != w.dtype:
+            return f"mismatch: output {i} is {tuple(g.shape)} {g.dtype}, expected {tuple(w.shape)} {w.dtype}"
+        if not w.is_floating_point():
+            if not torch.equal(g, w):
+                return f"mismatch: output {i} ({g.dtype}) differs from the launcher's config's"
+            continue
+        w64, g64 = w.double(), g.double()
+        finite = torch.isfinite(w64)
+        bad = int((finite & ~torch.isfinite(g64)).sum())
+        if bad:
+            return f"mismatch: output {i} has {bad} NaN/Inf where the launcher's config's is finite"
+        w64, g64 = w64[finite], g64[finite]
+        if w64.numel() == 0:
+            continue
+        norm = float(w64.norm())
+        rel = float((g64 - w64).norm()) / norm if norm > 0 else float((g64 - w64).abs().max())
+        tol = MISMATCH_RTOL.get(w.dtype, 1e-3)
+        if not rel <= tol:
+            return f"mismatch: output {i} differs from the launcher's config's by rel. RMS {rel:.2e} (> {tol:g})"
+    return None
+
+
 def tune(tunable: Tunable, shape: dict, dtype: torch.dtype, *, top: int = 5, timer=None, progress=None) -> dict:
-    """Time every config of ``tunable`` at ``shape``; return best, top-N and the failures."""
+    """Time every config of ``tunable`` at ``shape``; return best, top-N and the failures (configs
+    that raise, and configs whose outputs disagree with the launcher's config's: ``n_mismatch``)."""
     if timer is None:
         from triforge.bench import time_ms
 
         timer = lambda fn: time_ms(fn, warmup=10, rep=60)["median_ms"]  # noqa: E731
     device = _runtime.default_device()
     run, key = tunable.setup(shape, dtype, device)
+    want = [t.clone() for t in _tensors(run(None))]
     timed, failed = [], []
+    n_mismatch = 0
     for cfg in grid(tunable.space):
         try:
-            run(cfg)
+            got = _tensors(run(cfg))
             if device.type == "cuda":
                 torch.cuda.synchronize()
+            why = output_mismatch(want, got) if want else None
+            del got
+            if why:
+                n_mismatch += 1
+                failed.append({"config": cfg, "error": why})
+                if progress is not None:
+                    progress()
+                continue
             ms = timer(lambda: run(cfg))
         except Exception as e:  # compile errors, OutOfResources: skipped and counted
             failed.append({"config": cfg, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"})
@@ -84,6 +151,8 @@ def tune(tunable: Tunable, shape: dict, dtype: torch.dtype, *, top: int = 5, tim
         "top": timed[:top],
         "n_tried": len(timed) + len(failed),
         "n_failed": len(failed),
+        "n_mismatch": n_mismatch,
+        "checked": bool(want),
         "failed": failed,
     }
 

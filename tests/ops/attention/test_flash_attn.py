@@ -427,16 +427,26 @@ def test_interpreter_and_fallback_configs():
             if _runtime.INTERPRET:
                 assert cfg["BLOCK_M"] == cfg["BLOCK_N"] == 16
     bf16 = torch.bfloat16
-    # the measured H100 configs (portable path) until the Hopper variants are timed on the GPU
-    assert attn.fallback_config("flash_attn_fwd", 128, bf16) == {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}
-    assert attn.fallback_config("flash_attn_fwd", 64, bf16) == {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
+    # the measured H100 configs: at D = 128 the TMA loads where they were faster (non-causal forward,
+    # both backward kernels), the portable path elsewhere
+    assert attn.fallback_config("flash_attn_fwd", 128, bf16, causal=True) == {
+        "BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}
+    assert attn.fallback_config("flash_attn_fwd", 128, bf16, causal=False) == {
+        "BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2, "TMA": 1}
+    assert attn.fallback_config("flash_attn_fwd", 64, bf16, causal=False) == {
+        "BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
+    assert attn.fallback_config("flash_attn_bwd_dkdv", 128, torch.float16)["TMA"] == 1
+    assert attn.fallback_config("flash_attn_bwd_dq", 128, bf16)["TMA"] == 1
     for kernel in ("flash_attn_fwd", "flash_attn_bwd_dkdv", "flash_attn_bwd_dq"):
         for D in attn.HEAD_DIMS:
             for dtype in (torch.float16, bf16, torch.float32):
-                cfg = attn.fallback_config(kernel, D, dtype)
-                assert cfg["BLOCK_M"] >= 16 and cfg["BLOCK_N"] >= 16
-                if dtype == torch.float32 or D == 256:  # the portable path only
-                    assert not (cfg.get("TMA") or cfg.get("WARP_SPEC") or cfg.get("ATOMIC_DQ")), (kernel, D, dtype)
+                for causal in (False, True):
+                    cfg = attn.fallback_config(kernel, D, dtype, causal)
+                    assert cfg["BLOCK_M"] >= 16 and cfg["BLOCK_N"] >= 16
+                    # warp specialization miscompiles on Triton 3.6; atomic dQ is not deterministic
+                    assert not (cfg.get("WARP_SPEC") or cfg.get("ATOMIC_DQ")), (kernel, D, dtype, causal)
+                    if dtype == torch.float32 or D != 128:  # the portable path only
+                        assert not cfg.get("TMA"), (kernel, D, dtype, causal)
     assert {"flash_attn_fwd", "flash_attn_bwd_dkdv", "flash_attn_bwd_dq"} <= set(tune.all_tunables())
     for kernel, space in attn.TUNE_SPACES.items():
         assert tune.get(kernel).space == space and len(tune.grid(space)) <= 24
@@ -718,7 +728,7 @@ for kernel, dt, D, causal, *extra in json.loads(sys.argv[1]):
                      {"num_warps": 4, "num_stages": 1})
         rows.append(dict(r, kernel=kernel, dtype=t, D=D, causal=causal))
         continue
-    cfg = dict(attn.fallback_config(kernel, D, dtype), **override)
+    cfg = dict(attn.fallback_config(kernel, D, dtype, causal), **override)
     # as the launchers decide: varlen launches use neither warp specialization nor atomic dQ
     tma = bool(cfg.get("TMA", 0))
     ws = bool(cfg.get("WARP_SPEC", 0)) and tma and not varlen
@@ -825,16 +835,16 @@ def test_variants_and_tune_spaces_compile_for_sm90():
     """Every point of the tune grids (at their tune shape: bf16, D = 128, not causal) and the other
     variants benchmarks/attention_variants.py times compile for sm90 without spills: the
     warp-specialized forward (12 warps, setmaxnreg), TMA loads, TMA reductions of dQ, and the dQ
-    conversion. The grids' forward points with WARP_SPEC but not TMA are refused by the launcher; the
-    one with 128 x 128 tiles, WARP_SPEC and 3 stages needs more shared memory than an H100 has at
-    D = 128 (the tuner skips it; it fits at D = 64)."""
+    conversion. No grid has WARP_SPEC (it gives wrong results on Triton 3.6, found on the H100); the
+    variants script still times it, with 2 stages at 128 x 128 tiles and D = 128 (3 need more shared
+    memory than an H100 has)."""
     from triforge import tune
 
     cases = []
     for kernel, space in attn.TUNE_SPACES.items():
+        assert "WARP_SPEC" not in space, kernel
         for cfg in tune.grid(space):
-            if not (cfg.get("WARP_SPEC") and not cfg.get("TMA")):
-                cases.append([kernel, "bfloat16", 128, False, False, cfg])
+            cases.append([kernel, "bfloat16", 128, False, False, cfg])
     ws = {"BLOCK_M": 128, "num_warps": 8, "TMA": 1, "WARP_SPEC": 1}
     for D, c in ((64, False), (64, True), (128, False), (128, True)):
         cases.append(["flash_attn_fwd", "bfloat16", D, c, False, {**ws, "BLOCK_N": 64, "num_stages": 3}])
@@ -846,7 +856,7 @@ def test_variants_and_tune_spaces_compile_for_sm90():
     cases.append(["convert", "bfloat16", 128, False])
     rows = _sm90_compile(cases)
     too_big = [r for r in rows if r["shared"] > 227 * 1024]
-    assert [(r["D"], r["cfg"]["BLOCK_N"], r["cfg"]["num_stages"], r["ws"]) for r in too_big] == [(128, 128, 3, True)]
+    assert [(r["D"], r["cfg"]["BLOCK_N"], r["cfg"]["num_stages"], r["ws"]) for r in too_big] == []
     _check_sm90_rows([r for r in rows if r not in too_big])
     assert sum(r.get("ws", False) for r in rows) >= 8 and sum(r.get("atomic") == 2 for r in rows) >= 3
 

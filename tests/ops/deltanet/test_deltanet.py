@@ -2,7 +2,7 @@
 Hugging Face's Qwen3-Next PyTorch functions; every chunked-forward kernel stage against the
 reference stage; outputs and final states over dtypes, awkward lengths, grouped value heads,
 initial states, in-kernel l2norm and packed sequences; extreme decays; the recurrent (decode)
-kernel; the interim backward's gradients; torch.compile and opcheck; input validation.
+kernel; the PyTorch backward's gradients (the Triton one: test_deltanet_bwd); torch.compile and opcheck; input validation.
 
 Kernel calls run under ``poisoned()`` (outputs start as NaN, so an element never written fails).
 Shapes stay small (K = V = 32, a few heads) so the file runs in about a minute on the interpreter.
@@ -245,11 +245,13 @@ def test_recurrent_kernel_varlen_without_state(gen):
     _check("final_state", final_ref, final, torch.float32)
 
 
-# ----------------------------------------------------------------------------- gradients (interim backward)
+# ----------------------------------------------------------------------------- gradients (the PyTorch backward)
+# (the Triton backward, the default: test_deltanet_bwd.py)
 
 
 @pytest.mark.parametrize("use_final", [True, False])
-def test_gradients_match_float64_reference(use_final, gen):
+def test_gradients_match_float64_reference(use_final, gen, monkeypatch):
+    monkeypatch.setenv("TRIFORGE_DELTANET_BWD", "torch")
     x = _inputs(2, 70, 1, 2, 32, 32, torch.float32, gen, normalized_k=False)
     names = ["q", "k", "v", "g", "beta", "initial_state"]
     leaves = {n: x[n].clone().requires_grad_(True) for n in names}
@@ -266,7 +268,8 @@ def test_gradients_match_float64_reference(use_final, gen):
         _check(f"d{n}", r, gg, torch.float32)
 
 
-def test_gradients_bf16_varlen_without_state(gen):
+def test_gradients_bf16_varlen_without_state(gen, monkeypatch):
+    monkeypatch.setenv("TRIFORGE_DELTANET_BWD", "torch")
     x = _inputs(1, 40, 1, 2, 32, 32, torch.bfloat16, gen, h0=False)
     cu = torch.tensor([0, 13, 40], device=DEV)
     names = ["q", "k", "v", "g", "beta"]

@@ -1,5 +1,5 @@
-"""Gated DeltaNet chunked backward (``triforge.ops.deltanet.chunk_bwd``, opt-in through
-``TRIFORGE_DELTANET_BWD=triton``): the float64 reference backward (``chunk_bwd_ref_stages``)
+"""Gated DeltaNet chunked backward (``triforge.ops.deltanet.chunk_bwd``, the default; the tests
+set ``TRIFORGE_DELTANET_BWD=triton`` where they go through autograd): the float64 reference backward (``chunk_bwd_ref_stages``)
 against autograd through ``chunk_ref_stages``; every Triton stage against the reference's (whole
 pipeline, and each kernel fed the reference's inputs); odd lengths, grouped value heads, initial
 state and final-state gradient on and off, l2norm on and off, packed sequences, extreme decays and
@@ -13,6 +13,7 @@ tolerance with per-element error scales from the reference run with the kernels'
 (``stored_error_scales``).
 """
 
+import dataclasses
 from collections import OrderedDict
 
 import pytest
@@ -52,14 +53,29 @@ def _bwd_inputs(B, T, H, HV, K, V, dtype, gen, *, h0=True, dht=True, l2norm=True
     return x
 
 
+class _Scales(dict):
+    """Per-element error scales (``stored_error_scales``) and, in ``rel``, each stage's relative RMS
+    change under the kernels' roundings to nearest (the model's own error, ``rounding_samples[0]``)."""
+
+    rel: dict
+
+
+# a stage's relative RMS error may reach this multiple of what its roundings alone make (the
+# rounding model's nearest instance); the dtype's default (1e-2) where that is larger. Measured on
+# the interpreter with extreme decays (bf16, beta = 0.9999): dbeta at 1.0-1.3x the model's 1e-3..8e-3
+REL_OF_MODEL = 2.0
+
+
 def _ref_and_scales(x, dtype, **kw):
-    """(float64 reference stages, their error scales: ``stored_error_scales`` for 16-bit inputs, else
-    None, the default rms)."""
+    """(float64 reference stages, their error scales: a ``_Scales`` for 16-bit inputs, else None, the
+    default rms)."""
     ref = chunk_bwd_ref_stages(**_f64(x), **kw)
     if dtype not in (torch.float16, torch.bfloat16):
         return ref, None
     samples = rounding_samples(lambda **r: chunk_bwd_ref_stages(**_f64(x), **kw, **r), dtype)
-    return ref, stored_error_scales(ref, samples, tolerance_for(dtype).atol)
+    scales = _Scales(stored_error_scales(ref, samples, tolerance_for(dtype).atol))
+    scales.rel = {n: float((samples[0][n] - ref[n]).norm() / ref[n].norm().clamp_min(1e-300)) for n in scales}
+    return ref, scales
 
 
 def _bwd_stages(x, l2norm, cu=None, scale=None):
@@ -71,10 +87,15 @@ def _bwd_stages(x, l2norm, cu=None, scale=None):
 
 
 def _assert_stages(ref, got, dtype, scales=None, tol=None):
-    """Every stage within its dtype's default tolerance (``tol`` where given), at ``scales``."""
+    """Every stage within its dtype's default tolerance (``tol`` where given), at ``scales``; with a
+    rounding model (16-bit), a stage's relative RMS bound is at least REL_OF_MODEL times the model's."""
     assert list(got) == list(ref)
-    results, failed = compare_stages(ref, got, dtype=dtype, tols={n: tol for n in ref} if tol else None,
-                                     scales=scales)
+    tols = {n: tol for n in ref} if tol else None
+    if tol is None and isinstance(scales, _Scales):
+        base = tolerance_for(dtype)
+        tols = {n: dataclasses.replace(base, rel_rms=max(base.rel_rms, REL_OF_MODEL * scales.rel.get(n, 0.0)))
+                for n in ref}
+    results, failed = compare_stages(ref, got, dtype=dtype, tols=tols, scales=scales)
     assert failed is None, results[-1].line()
 
 
@@ -298,16 +319,28 @@ def test_extreme_decay_and_beta_stay_finite(dtype, beta_value, gen):
 # ----------------------------------------------------------------------------- switch, autograd, custom op
 
 
-def test_switch_defaults_to_torch(monkeypatch, gen):
+def test_switch_defaults_to_triton(monkeypatch, gen):
     monkeypatch.delenv("TRIFORGE_DELTANET_BWD", raising=False)
-    assert backward_impl() == "torch"
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("the Triton backward ran without being asked")
-
-    monkeypatch.setattr(chunk_bwd, "chunk_bwd", refuse)
+    assert backward_impl() == "triton"
     x = _inputs(1, 20, 1, 2, 32, 32, torch.float32, gen)
     leaves = {n: x[n].clone().requires_grad_(True) for n in GRAD_NAMES}
+    calls = []
+    real = chunk_bwd.chunk_bwd
+
+    def spy(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(chunk_bwd, "chunk_bwd", spy)
+    o, _ = chunk_gated_delta_rule(**leaves)
+    o.sum().backward()
+    assert calls, "the default backward did not run the Triton kernels"
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the Triton backward ran though torch was asked for")
+
+    monkeypatch.setattr(chunk_bwd, "chunk_bwd", refuse)
+    monkeypatch.setenv("TRIFORGE_DELTANET_BWD", "torch")
     o, _ = chunk_gated_delta_rule(**leaves)
     o.sum().backward()
     monkeypatch.setenv("TRIFORGE_DELTANET_BWD", "cuda")
@@ -355,7 +388,7 @@ def test_triton_backward_gradients_through_autograd(T, dtype, h0, use_final, l2,
 
 
 def _both_backwards_match_reference(x, scale, l2norm):
-    """The Triton and the interim PyTorch backward (fp32) each against the float64 reference backward
+    """The Triton and the PyTorch backward (fp32) each against the float64 reference backward
     at the default fp32 tolerance (so within twice it of each other)."""
     args = (x["q"], x["k"], x["v"], x["g"], x["beta"], scale, x["initial_state"], l2norm, None)
     want = chunk_bwd_torch(x["do"], x["dht"], *args)

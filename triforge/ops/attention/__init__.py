@@ -78,26 +78,30 @@ def _c(bm, bn, w, s, **variant):
 #   (1: atomic adds, 2: TMA bulk reductions), then scaled into q's dtype; no dQ kernel. dq is then
 #   not bitwise reproducible: flash_attn_func(deterministic=True) and varlen use the dQ kernel.
 #
-# H100 fallbacks: the configs measured on the H100 (2026-11-22, results/h100-2026-11-22-4bc4ed3-*),
-# all on the portable path. Every one was compiled for sm90a with Triton 3.6 and checked with ptxas:
-# no register spills (test_kernels_compile_for_sm90).
+# H100 fallbacks, as measured on the H100 (results/h100-2026-11-22-4bc4ed3-*, and the Hopper variants
+# by benchmarks/attention_variants.py: results/*-attention-variants-{fwd,bwd}-d128.script.json). Every
+# one was compiled for sm90a with Triton 3.6 and checked with ptxas: no register spills
+# (test_kernels_compile_for_sm90).
 # - forward (16-bit): FlashAttention-2 tiles, 128 query rows x 64-key tiles: the fp32 score tile and
 #   the fp32 accumulator (128 x D) stay in registers; 4 warps for D <= 64, 8 warps (two warpgroups of
 #   wgmma) at D = 128; 3 stages of K/V loads in flight (128 KiB of shared memory at D = 128).
-#   D = 256 halves the query tile (the 64 x 256 accumulator) with 2 stages.
+#   D = 256 halves the query tile (the 64 x 256 accumulator) with 2 stages. Non-causal at D = 128:
+#   TMA loads of 128-key tiles, 2 stages (4.74 ms vs 5.61 at (4, 16, 8192, 128)); causal keeps the
+#   plain 128 x 64 tiles (2.51 ms vs 2.63 with TMA 128 x 128: half the key blocks are diagonal ones).
 # - dK/dV (16-bit): two fp32 accumulators BLOCK_N x D plus K and V stay resident while Q/dO tiles
-#   stream; 128 keys x 32 queries with 8 warps for D <= 64 (FA2's 128x32 tile, 244 registers), 64 x 32
-#   at D = 128 (64 x 64 spills 96 B at 8 warps, 4 warps spill more), 32 x 32 (mma.sync) at D = 256.
-# - dQ (16-bit): mirrors the forward loop with one accumulator: 128 queries x 64 keys, 8 warps; 64 x 32
-#   at D = 256.
-# The Hopper variants (TMA, WARP_SPEC, ATOMIC_DQ) compile spill-free for sm90a and pass the interpreter
-# tests but have not run on a GPU yet: benchmarks/attention_variants.py times them against these; the
-# predicted best (not measured) is TMA 128 x 128 forward tiles and a 128-key dK/dV with ATOMIC_DQ = 2
-# (at D = 128 with 8 warps and 64 keys both wgmma warpgroups compute the same P and dP, found in the
-# TTGIR). They become the fallbacks, or tuned entries, once measured.
+#   stream; 128 keys x 32 queries with 8 warps for D <= 64 (FA2's 128x32 tile, 244 registers), 32 x 32
+#   (mma.sync) at D = 256. D = 128: 128 keys x 32 queries with the Q/dO tiles by TMA and 1 stage (212
+#   registers, 80 KiB); the plain-load kernel spills at 128 keys and needed 64 (30.6 ms backward at
+#   (4, 16, 8192, 128) vs 24.5 with TMA; causal 15.3 vs 13.0).
+# - dQ (16-bit): mirrors the forward loop with one accumulator: 128 queries x 64 keys, 8 warps (K/V by
+#   TMA at D = 128); 64 x 32 at D = 256.
+# Not fallbacks: WARP_SPEC (wrong results on Triton 3.6 at D = 128: rel. RMS 0.09-0.19, NaN) and
+# ATOMIC_DQ (34.2 ms with TMA reductions; 64-query tiles with it spill and are not deterministic).
+# D <= 64 keeps the plain loads: the variants there are not measured.
 _FWD = {32: _c(128, 64, 4, 3), 64: _c(128, 64, 4, 3), 128: _c(128, 64, 8, 3), 256: _c(64, 64, 8, 2)}
-_BWD_DKDV = {32: _c(32, 128, 8, 2), 64: _c(32, 128, 8, 2), 128: _c(32, 64, 8, 2), 256: _c(32, 32, 8, 2)}
-_BWD_DQ = {32: _c(128, 64, 8, 2), 64: _c(128, 64, 8, 2), 128: _c(128, 64, 8, 2), 256: _c(64, 32, 8, 2)}
+_FWD_NONCAUSAL = {128: _c(128, 128, 8, 2, TMA=1)}  # overrides _FWD when not causal
+_BWD_DKDV = {32: _c(32, 128, 8, 2), 64: _c(32, 128, 8, 2), 128: _c(32, 128, 8, 1, TMA=1), 256: _c(32, 32, 8, 2)}
+_BWD_DQ = {32: _c(128, 64, 8, 2), 64: _c(128, 64, 8, 2), 128: _c(128, 64, 8, 2, TMA=1), 256: _c(64, 32, 8, 2)}
 _FWD_FP32 = {32: _c(32, 32, 4, 2), 64: _c(64, 32, 8, 2), 128: _c(32, 32, 8, 1), 256: _c(32, 16, 8, 1)}
 _BWD_DKDV_FP32 = {32: _c(32, 32, 8, 1), 64: _c(32, 32, 8, 1), 128: _c(32, 32, 8, 1), 256: _c(16, 32, 8, 1)}
 _BWD_DQ_FP32 = {32: _c(32, 32, 4, 2), 64: _c(32, 32, 4, 2), 128: _c(32, 32, 4, 2), 256: _c(32, 16, 8, 1)}
@@ -108,8 +112,10 @@ _FALLBACKS = {
 }
 
 
-def fallback_config(kernel, D, dtype) -> dict:
+def fallback_config(kernel, D, dtype, causal=True) -> dict:
     """The compiled-GPU fallback launch config (what a GPU without a tuned entry uses)."""
+    if kernel == "flash_attn_fwd" and not causal and dtype != torch.float32 and D in _FWD_NONCAUSAL:
+        return dict(_FWD_NONCAUSAL[D])
     return dict(_FALLBACKS[(kernel, dtype == torch.float32)][D])
 
 
@@ -122,7 +128,7 @@ def config_key(D, causal, dtype) -> str:
 
 
 def _cfg(kernel, D, causal, dtype):
-    fallback = dict(_INTERPRET_CFG) if _runtime.INTERPRET else fallback_config(kernel, D, dtype)
+    fallback = dict(_INTERPRET_CFG) if _runtime.INTERPRET else fallback_config(kernel, D, dtype, causal)
     return launch.config(kernel, config_key(D, causal, dtype), fallback)
 
 
@@ -833,12 +839,13 @@ def _tune_setup(kernel):
 def _dkdv_and_dq(q, k, v, do, lse, delta, causal, scale, cfg):
     """What a dK/dV config costs: the kernel, plus the dQ kernel (its own config) or, with ATOMIC_DQ,
     the accumulator's zeroing and conversion."""
+    cfg = cfg or _cfg("flash_attn_bwd_dkdv", q.shape[-1], causal, q.dtype)
     if cfg.get("ATOMIC_DQ", 0):
         dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        attn_bwd_dkdv(q, k, v, do, lse, delta, causal, scale, cfg, dq_acc=dq_acc)
-        return attn_bwd_dq_convert(dq_acc, scale, q.dtype)
-    attn_bwd_dkdv(q, k, v, do, lse, delta, causal, scale, cfg)
-    return attn_bwd_dq(q, k, v, do, lse, delta, causal, scale)
+        dk, dv = attn_bwd_dkdv(q, k, v, do, lse, delta, causal, scale, cfg, dq_acc=dq_acc)
+        return attn_bwd_dq_convert(dq_acc, scale, q.dtype), dk, dv
+    dk, dv = attn_bwd_dkdv(q, k, v, do, lse, delta, causal, scale, cfg)
+    return attn_bwd_dq(q, k, v, do, lse, delta, causal, scale), dk, dv
 
 
 _TUNE_SHAPE = {"B": 4, "H": 16, "S": 8192, "D": 128, "causal": 0}
@@ -849,8 +856,7 @@ _SHAPE_NAMES = ("B", "H", "S", "D", "causal")
 # the tuner as failures; the latter fits at D = 64). dK/dV: at D = 128 only 32-query tiles by TMA
 # with 1 stage stay spill-free; its timing includes the dQ pass its ATOMIC_DQ implies.
 TUNE_SPACES = {
-    "flash_attn_fwd": {"BLOCK_M": [128], "BLOCK_N": [64, 128], "num_warps": [8], "num_stages": [2, 3], "TMA": [0, 1],
-                       "WARP_SPEC": [0, 1]},
+    "flash_attn_fwd": {"BLOCK_M": [128], "BLOCK_N": [64, 128], "num_warps": [8], "num_stages": [2, 3], "TMA": [0, 1]},
     "flash_attn_bwd_dkdv": {"BLOCK_M": [32], "BLOCK_N": [64, 128], "num_warps": [8], "num_stages": [1], "TMA": [1],
                             "ATOMIC_DQ": [0, 1, 2]},
     "flash_attn_bwd_dq": {"BLOCK_M": [64, 128], "BLOCK_N": [64], "num_warps": [8], "num_stages": [2, 3], "TMA": [0, 1]},

@@ -21,20 +21,21 @@ into None.
 Backward. Two implementations, picked by the environment variable ``TRIFORGE_DELTANET_BWD`` when
 the backward runs (under torch.compile: when its backward graph is traced):
 
-- ``torch`` (the default): ``chunk_bwd_torch``, called from the op's registered autograd formula.
-  It recomputes the chunked algorithm in fp32 (``reference.chunk_ref_stages``) under autograd and
-  differentiates it with torch.autograd.grad: correct, not fast (a Python loop over chunks, every
-  chunk's intermediates kept), and not a custom op of its own (autograd is off inside custom op
-  implementations); under torch.compile the backward graph is traced through it, unrolled over chunks.
-- ``triton``: the Triton kernels of ``chunk_bwd`` (the stages of ``reference.chunk_bwd_ref_stages``),
-  wrapped in the custom op
+- ``triton`` (the default): the Triton kernels of ``chunk_bwd`` (the stages of
+  ``reference.chunk_bwd_ref_stages``), wrapped in the custom op
 
       torch.ops.triforge.chunk_gated_delta_rule_bwd(do, dht, q, k, v, g, beta, scale, initial_state,
           use_qk_l2norm_in_kernel, cu_seqlens) -> (dq, dk, dv, dg, dbeta, dh0)
 
-  (dht may be None; dh0 is an empty tensor without an initial state). Opt-in until it has been
-  checked compiled on the H100: Triton 3.4-3.7.0 miscompiles fla's gated chunk backward on Hopper.
-  ``chunk_gated_delta_rule_bwd_stages`` gives its stages for comparison with the reference's.
+  (dht may be None; dh0 is an empty tensor without an initial state). Checked compiled on the H100
+  (Triton 3.6), where the WY kernel had to be unpipelined (pipelined at 4 or 8 warps it is
+  miscompiled: see chunk_bwd). ``chunk_gated_delta_rule_bwd_stages`` gives its stages for comparison
+  with the reference's.
+- ``torch``: ``chunk_bwd_torch``, called from the op's registered autograd formula.
+  It recomputes the chunked algorithm in fp32 (``reference.chunk_ref_stages``) under autograd and
+  differentiates it with torch.autograd.grad: correct, not fast (a Python loop over chunks, every
+  chunk's intermediates kept), and not a custom op of its own (autograd is off inside custom op
+  implementations); under torch.compile the backward graph is traced through it, unrolled over chunks.
 
 Any other value of ``TRIFORGE_DELTANET_BWD`` raises ValueError when a backward runs.
 """
@@ -182,8 +183,8 @@ BWD_IMPLS = ("torch", "triton")
 
 
 def backward_impl() -> str:
-    """The chunked backward in use: ``TRIFORGE_DELTANET_BWD`` (torch or triton), torch when unset."""
-    impl = os.environ.get(BWD_ENV, "torch")
+    """The chunked backward in use: ``TRIFORGE_DELTANET_BWD`` (triton or torch), triton when unset."""
+    impl = os.environ.get(BWD_ENV, "triton")
     if impl not in BWD_IMPLS:
         raise ValueError(f"{BWD_ENV} must be one of {BWD_IMPLS}, got {impl!r}")
     return impl
@@ -280,8 +281,8 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     q, k [B, T, H, K]; v [B, T, HV, V]; g, beta [B, T, HV] (fp32 or the input dtype); scale
     defaults to K^-1/2; initial_state [N, HV, K, V] fp32; cu_seqlens int32/int64 [N + 1] with
     B = 1. Returns (o [B, T, HV, V] in v's dtype, final state [N, HV, K, V] fp32 or None).
-    Gradients (q, k, v, g, beta, initial_state) come from the backward ``TRIFORGE_DELTANET_BWD`` picks
-    (the interim PyTorch one unless it says triton).
+    Gradients (q, k, v, g, beta, initial_state) come from the Triton backward kernels
+    (``TRIFORGE_DELTANET_BWD=torch`` picks an fp32 PyTorch recompute instead).
     """
     _validate(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens)
     o, final = torch.ops.triforge.chunk_gated_delta_rule_fwd(
@@ -557,12 +558,20 @@ def _tune_bwd_setup(kernel):
                     chunk_bwd.config_key(K, V, dtype, B * HV))
         dh, dv_new, _ = chunk_bwd.chunk_bwd_dh(qn, kn, w, gamma, do, None, scale)
         if kernel == "gated_delta_rule_bwd_dqkw":
-            return (lambda cfg: chunk_bwd.chunk_bwd_dqkw(qn, kn, v_new, h, dh, do, dv_new, gamma, scale, cfg=cfg),
-                    chunk_bwd.config_key(K, V, dtype))
+            def dqkw(cfg):  # dgamma_local's partials are one per K-block of the config: their sum
+                out = chunk_bwd.chunk_bwd_dqkw(qn, kn, v_new, h, dh, do, dv_new, gamma, scale, cfg=cfg)
+                return {**out, "dgamma_local": out["dgamma_local"].sum(0)}
+
+            return dqkw, chunk_bwd.config_key(K, V, dtype)
         local = chunk_bwd.chunk_bwd_dqkw(qn, kn, v_new, h, dh, do, dv_new, gamma, scale)
-        return (lambda cfg: chunk_bwd.chunk_bwd_wy(kn, v, beta, g.dtype, gamma, intra["T"], local["dw"], dv_new,
-                                                   local["dk_local"], local["dgamma_local"], cfg=cfg),
-                chunk_bwd.config_key(K, V, dtype))
+        dk_local, dk_work = local["dk_local"], torch.empty_like(local["dk_local"])
+
+        def wy(cfg):  # the kernel writes dk over its dk_local input: each run starts from a copy (timed too)
+            dk_work.copy_(dk_local)
+            return chunk_bwd.chunk_bwd_wy(kn, v, beta, g.dtype, gamma, intra["T"], local["dw"], dv_new, dk_work,
+                                          local["dgamma_local"], cfg=cfg)
+
+        return wy, chunk_bwd.config_key(K, V, dtype)
 
     return setup
 
@@ -581,12 +590,12 @@ for _kernel, _space, _shape in (
 ):
     register_tunable(Tunable(kernel=_kernel, space=_space, setup=_tune_setup(_kernel), shape_names=_SHAPE_NAMES,
                              default_shape=dict(_shape)))
-# the Triton backward (opt-in; not yet tuned or measured on the H100)
+# the Triton backward (the fallback configs were timed on the H100 by deltanet_probe.py; not tuned)
 for _kernel, _space in (
     ("gated_delta_rule_bwd_dh", {"BV": [32, 64, 128], "num_warps": [4, 8], "num_stages": [1, 2, 3]}),
     ("gated_delta_rule_bwd_dqkw", {"BK": [32, 64], "BV": [32, 64], "num_warps": [4, 8], "num_stages": [1, 2, 3]}),
-    # 1 stage only: pipelined (2 stages) it miscompiles on sm90 (chunk_bwd._FALLBACK); the tuner times, it
-    # does not check
+    # 1 stage only: pipelined (2 stages) it miscompiles on sm90 (chunk_bwd._FALLBACK); the tuner would
+    # also refuse those points now (their outputs disagree with the fallback's)
     ("gated_delta_rule_bwd_wy", {"BK": [32, 64], "BV": [32, 64], "num_warps": [2, 4, 8], "num_stages": [1]}),
 ):
     register_tunable(Tunable(kernel=_kernel, space=_space, setup=_tune_bwd_setup(_kernel), shape_names=_SHAPE_NAMES,

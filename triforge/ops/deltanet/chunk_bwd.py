@@ -37,9 +37,10 @@ are applied to the [BT, BV] side or after the product, so no fp32 [BT, K] tempor
 Register budget (sm90, bf16, K = V = 128, the fallback configs; ``test_deltanet_bwd`` compiles them):
 no spills. fp32 inputs at K = 128 spill (tf32x3 splits every operand), as the forward's do.
 
-Not the default (``TRIFORGE_DELTANET_BWD=triton`` selects it; see ``__init__``): Triton
-3.4-3.7.0 miscompiles fla's gated chunk backward on Hopper, so this one waits for a compiled check
-on the H100.
+The default backward (``TRIFORGE_DELTANET_BWD=torch`` selects a PyTorch recompute; see ``__init__``).
+Triton 3.6 miscompiles the WY kernel on sm90 when it is pipelined at 4 or 8 warps (dbeta/dgamma
+rel. error 4-6e-3 against float64 on its own inputs, 1e-4 unpipelined: benchmarks/NOTES.md), so its
+configs have 1 stage; the tuner refuses configs whose outputs disagree with the fallback's.
 """
 
 from collections import OrderedDict
