@@ -465,7 +465,7 @@ for case in json.loads(sys.argv[1]):  # kernel, dtype, K, V, varlen, l2norm[, co
     t = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}[dt]
     flags = dict(PREC="tf32x3" if dtype == torch.float32 else "tf32", UPCAST=False, RNE=False)
     shape = dict(H=2, HV=4, K=K, V=V, BT=fwd.BT, L2NORM=l2, IS_VARLEN=varlen, **flags)
-    if kernel in ("fwd_intra", "fwd_h"):
+    if kernel in ("fwd_intra", "fwd_h", "fwd_h_o"):
         cfg = fwd.fwd_config("gated_delta_rule_" + kernel, K, V, dtype, 4096)
     else:
         cfg = bwd.bwd_config("gated_delta_rule_bwd_" + kernel, K, V, dtype, 4096)
@@ -481,6 +481,12 @@ for case in json.loads(sys.argv[1]):  # kernel, dtype, K, V, varlen, l2norm[, co
         ptrs.update({n: "*fp32" for n in ("gamma_ptr", "h0_ptr", "ht_ptr")})
         consts = dict(shape, BV=cfg["BV"], USE_H0=True, STORE_FINAL=False, FUSE_O=False, STORE_H=True,
                       STORE_V_NEW=True)
+    elif kernel == "fwd_h_o":  # the forward's fused recurrence + output, as chunk_fwd runs it
+        fn = fwd.chunk_gated_delta_rule_fwd_kernel_h
+        ptrs = {n: "*" + t for n in ("q_ptr", "k_ptr", "w_ptr", "u_ptr", "h_ptr", "v_new_ptr", "o_ptr")}
+        ptrs.update({n: "*fp32" for n in ("gamma_ptr", "h0_ptr", "ht_ptr")})
+        consts = dict(shape, BV=cfg["BV"], USE_H0=True, STORE_FINAL=True, FUSE_O=True, STORE_H=False,
+                      STORE_V_NEW=False)
     elif kernel == "l2norm":
         fn = bwd.chunk_gated_delta_rule_bwd_kernel_l2norm
         ptrs = {n: "*" + t for n in ("q_ptr", "k_ptr", "qn_ptr", "kn_ptr")}

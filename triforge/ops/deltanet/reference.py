@@ -441,13 +441,15 @@ STORE_C = 4.0  # a kernel's error allowed at an element: the default bound + STO
 ROUNDING_SAMPLES = 3  # instances of the kernel's roundings whose largest change sets an element's scale
 
 
-def rounding_samples(run, dtype, n=ROUNDING_SAMPLES):
+def rounding_samples(run, dtype, n=ROUNDING_SAMPLES, lazy=False):
     """``run(store_dtype=...)`` (a reference stage function) with ``n`` instances of the kernels'
-    roundings to ``dtype``: to nearest, then ``n - 1`` dithered (``Rounding``)."""
-    return [run(store_dtype=Rounding(dtype, seed=None if i == 0 else i)) for i in range(n)]
+    roundings to ``dtype``: to nearest, then ``n - 1`` dithered (``Rounding``). A list, or with
+    ``lazy`` a generator (one instance alive at a time: at LLM shapes each is gigabytes)."""
+    gen = (run(store_dtype=Rounding(dtype, seed=None if i == 0 else i)) for i in range(n))
+    return gen if lazy else list(gen)
 
 
-def stored_error_scales(exact, stored, atol, c=STORE_C):
+def stored_error_scales(exact, stored, atol, c=STORE_C, keep=None):
     """Per-element error scales (``testing.compare``'s ``scale``) for a 16-bit run of the kernels.
 
     The kernels keep their intermediates in fp32 but round some to the input dtype - where they
@@ -463,14 +465,23 @@ def stored_error_scales(exact, stored, atol, c=STORE_C):
     where the kernel's is not (1-4 elements of a million failed so on the H100); with several the
     largest change is taken. scale = rms(exact) + (c / atol) max |stored - exact| makes the bound
     atol * scale + rtol |ref| the dtype's default bound plus c times that change. Returns
-    {name: scale} for the names in all.
+    {name: scale} for the names in all (of ``keep``, where given). ``stored`` may be an iterator
+    (``rounding_samples(lazy=True)``): one instance is held at a time.
     """
-    samples = stored if isinstance(stored, (list, tuple)) else [stored]
+    samples = [stored] if isinstance(stored, dict) else stored  # a list, or an iterator consumed once
+    names = [n for n, r in exact.items() if isinstance(r, torch.Tensor) and r.is_floating_point()]
+    if keep is not None:
+        names = [n for n in names if n in keep]
+    change = {}
+    for st in samples:
+        names = [n for n in names if n in st]
+        for n in names:
+            d = (st[n] - exact[n]).abs()
+            change[n] = d if n not in change else torch.maximum(change[n], d)
+        del st
     out = {}
-    for n, r in exact.items():
-        if any(n not in st for st in samples) or not isinstance(r, torch.Tensor) or not r.is_floating_point():
-            continue
+    for n in names:
+        r = exact[n]
         rms = float(r.square().mean().sqrt()) if r.numel() else 0.0
-        change = torch.stack([(st[n] - r).abs() for st in samples]).amax(0)
-        out[n] = (rms if rms > 0 else 1.0) + (c / atol) * change
+        out[n] = (rms if rms > 0 else 1.0) + (c / atol) * change[n]
     return out
