@@ -22,6 +22,13 @@ def test_real_tier_parity(op, dtype):
     assert res.ok, f"failed at stage {res.failed_stage}"
 
 
+# kernels allowed to spill, with the most registers each may spill (measured on the H100). The Gated
+# DeltaNet fused recurrence + output spills 60 registers at its fallback (every config of its grid
+# spills, ptxas: 88-2020 bytes) and is still 15% faster than the spill-free recurrence and output
+# kernels apart at the real shape (1.80 vs 2.12 ms at (8, 4096, 16, 32): benchmarks/deltanet_wy_check.py).
+KNOWN_SPILLS = {"gated_delta_rule_fwd_h_o": 64}
+
+
 @pytest.mark.parametrize("op", OPS)
 def test_no_register_spills(op):
     spec = registry.get(op)
@@ -35,4 +42,4 @@ def test_no_register_spills(op):
     assert launch.recorded_kernels(), "no compiled launch was recorded"
     for name in launch.recorded_kernels():
         res = launch.kernel_resources(name)
-        assert res["spills"] == 0, f"{name} spills {res['spills']} registers: {res}"
+        assert res["spills"] <= KNOWN_SPILLS.get(name, 0), f"{name} spills {res['spills']} registers: {res}"

@@ -457,6 +457,10 @@ _FALLBACK = {
     # with 2 stages, 8.7e-5 with 1 stage at 2, 4 and 8 warps alike (what is left: dA's tf32 products).
     # 4 warps, 1 stage is also the fastest: 0.326 ms against 0.587 (8 warps, 2 stages) and 0.58 (2 warps).
     # (fla pins its WY backward to 2 warps on Hopper for a miscompile of the same family, fla #988.)
+    # At 4 warps, 1 stage it is also wrong where its K loop has one block and its V loop two (K = 32 or
+    # 64 with V = 128: dT rel. error 1.0 against float64, every seed; 2 and 8 warps correct on the same
+    # inputs; K = 128 with V = 32..256 correct: benchmarks/deltanet_wy_check.py on the H100), so bwd_config
+    # keeps 4 warps for K >= 128 only and takes 8 below.
     "gated_delta_rule_bwd_wy": {"BK": 64, "BV": 64, "num_warps": 4, "num_stages": 1},
     "gated_delta_rule_bwd_qk": {"BR": 32, "num_warps": 4, "num_stages": 1},
 }
@@ -484,6 +488,8 @@ def bwd_config(kernel, K, V, dtype, nh=None):
             fallback["BV"] = min(fallback["BV"], 32)
         if K * fallback["BV"] >= 128 * 64:
             fallback["num_warps"] = 8
+    if kernel == "gated_delta_rule_bwd_wy" and not _runtime.INTERPRET and K < 128:
+        fallback["num_warps"] = 8  # 4 warps miscompile with one K-block and two V-blocks (_FALLBACK)
     key = config_key(K, V, dtype, nh if kernel == "gated_delta_rule_bwd_dh" else None)
     return launch.config(kernel, key, fallback)
 

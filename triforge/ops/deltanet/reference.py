@@ -110,9 +110,16 @@ class Rounding:
     size the kernel's own (whose values before rounding differ from the reference's in their last
     fp32 bits) can take. ``rounding_samples`` uses a few of them: one draw per element can be small
     by chance where the kernel's is not.
+
+    fp32: the kernels' fp32 matrix products run at 3xTF32 (each operand split into two tf32 parts of
+    11 significant bits: ~22 bits, the product of the low parts dropped), so a dithered fp32 instance
+    moves x by up to half a unit of a 21-bit mantissa (2^-22 relative, 4 fp32 units) before rounding
+    to fp32: the size of the perturbation the kernels' products make (the fp32 real-shape check of the
+    Triton backward failed 8 of 67M dk elements on the H100 under fp32-sized draws).
     """
 
     MANTISSA = {torch.bfloat16: 7, torch.float16: 10, torch.float32: 23}
+    DITHER_MANTISSA = {torch.bfloat16: 7, torch.float16: 10, torch.float32: 21}
     MIN_EXP = {torch.bfloat16: -126, torch.float16: -14, torch.float32: -126}
 
     def __init__(self, dtype: torch.dtype, seed: int | None = None):
@@ -126,7 +133,8 @@ class Rounding:
             if gen is None:
                 gen = self._gens[x.device] = torch.Generator(device=x.device).manual_seed(self.seed)
             _, e = torch.frexp(x)  # x = m 2^e, |m| in [0.5, 1): one unit in the last place 2^(e - 1 - mantissa)
-            ulp = torch.ldexp(torch.ones_like(x), (e - 1).clamp(min=self.MIN_EXP[self.dtype]) - self.MANTISSA[self.dtype])
+            ulp = torch.ldexp(torch.ones_like(x),
+                              (e - 1).clamp(min=self.MIN_EXP[self.dtype]) - self.DITHER_MANTISSA[self.dtype])
             x = x + (torch.rand(x.shape, generator=gen, device=x.device, dtype=x.dtype) - 0.5) * ulp
         return x.to(torch.float32).to(self.dtype).to(x.dtype)
 
