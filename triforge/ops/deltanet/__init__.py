@@ -21,7 +21,7 @@ into None.
 Backward. Two implementations, picked by the environment variable ``TRIFORGE_DELTANET_BWD`` when
 the backward runs (under torch.compile: when its backward graph is traced):
 
-- ``triton`` (the default for 16-bit inputs): the Triton kernels of ``chunk_bwd`` (the stages of
+- ``triton`` (the default): the Triton kernels of ``chunk_bwd`` (the stages of
   ``reference.chunk_bwd_ref_stages``), wrapped in the custom op
 
       torch.ops.triforge.chunk_gated_delta_rule_bwd(do, dht, q, k, v, g, beta, scale, initial_state,
@@ -31,8 +31,7 @@ the backward runs (under torch.compile: when its backward graph is traced):
   (Triton 3.6), where the WY kernel had to be unpipelined (pipelined at 4 or 8 warps it is
   miscompiled: see chunk_bwd). ``chunk_gated_delta_rule_bwd_stages`` gives its stages for comparison
   with the reference's.
-- ``torch`` (the default for fp32 inputs): ``chunk_bwd_torch``, called from the op's registered
-  autograd formula.
+- ``torch``: ``chunk_bwd_torch``, called from the op's registered autograd formula.
   It recomputes the chunked algorithm in fp32 (``reference.chunk_ref_stages``) under autograd and
   differentiates it with torch.autograd.grad: correct, not fast (a Python loop over chunks, every
   chunk's intermediates kept), and not a custom op of its own (autograd is off inside custom op
@@ -183,11 +182,9 @@ BWD_ENV = "TRIFORGE_DELTANET_BWD"
 BWD_IMPLS = ("torch", "triton")
 
 
-def backward_impl(dtype: torch.dtype | None = None) -> str:
-    """The chunked backward in use for inputs of ``dtype``: ``TRIFORGE_DELTANET_BWD`` (triton or
-    torch); when unset, triton for 16-bit inputs and torch for fp32 (the Triton fp32 backward misses
-    the fp32 real-shape check on the H100 by 4 of 67M dk elements, at 3.9e-6: not yet explained)."""
-    impl = os.environ.get(BWD_ENV) or ("torch" if dtype == torch.float32 else "triton")
+def backward_impl() -> str:
+    """The chunked backward in use: ``TRIFORGE_DELTANET_BWD`` (triton or torch), triton when unset."""
+    impl = os.environ.get(BWD_ENV, "triton")
     if impl not in BWD_IMPLS:
         raise ValueError(f"{BWD_ENV} must be one of {BWD_IMPLS}, got {impl!r}")
     return impl
@@ -237,7 +234,7 @@ def _chunk_setup(ctx, inputs, output):
 def _chunk_backward(ctx, do, dht):
     q, k, v, g, beta, initial_state, cu_seqlens = ctx.saved_tensors
     dht = dht if ctx.output_final_state and dht is not None else None
-    if backward_impl(q.dtype) == "triton":
+    if backward_impl() == "triton":
         dq, dk, dv, dg, dbeta, dh0 = torch.ops.triforge.chunk_gated_delta_rule_bwd(
             do, dht, q, k, v, g, beta, ctx.scale, initial_state, ctx.l2norm, cu_seqlens)
     else:
@@ -284,9 +281,8 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     q, k [B, T, H, K]; v [B, T, HV, V]; g, beta [B, T, HV] (fp32 or the input dtype); scale
     defaults to K^-1/2; initial_state [N, HV, K, V] fp32; cu_seqlens int32/int64 [N + 1] with
     B = 1. Returns (o [B, T, HV, V] in v's dtype, final state [N, HV, K, V] fp32 or None).
-    Gradients (q, k, v, g, beta, initial_state) come from the Triton backward kernels for 16-bit
-    inputs and from an fp32 PyTorch recompute for fp32 ones (``TRIFORGE_DELTANET_BWD=triton|torch``
-    picks one for all).
+    Gradients (q, k, v, g, beta, initial_state) come from the Triton backward kernels
+    (``TRIFORGE_DELTANET_BWD=torch`` picks an fp32 PyTorch recompute instead).
     """
     _validate(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens)
     o, final = torch.ops.triforge.chunk_gated_delta_rule_fwd(
