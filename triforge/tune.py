@@ -126,17 +126,15 @@ def tune(tunable: Tunable, shape: dict, dtype: torch.dtype, *, top: int = 5, tim
                 torch.cuda.synchronize()
             why = output_mismatch(want, got) if want else None
             del got
-            if why:
-                n_mismatch += 1
-                failed.append({"config": cfg, "error": why})
-                if progress is not None:
-                    progress()
-                continue
-            ms = timer(lambda: run(cfg))
+            ms = None if why else timer(lambda: run(cfg))
         except Exception as e:  # compile errors, OutOfResources: skipped and counted
             failed.append({"config": cfg, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"})
         else:
-            timed.append({"config": cfg, "ms": ms})
+            if why:
+                n_mismatch += 1
+                failed.append({"config": cfg, "error": why})
+            else:
+                timed.append({"config": cfg, "ms": ms})
         if progress is not None:
             progress()
     timed.sort(key=lambda r: r["ms"])

@@ -80,6 +80,22 @@ def _seq_span(i_n, T, cu_seqlens_ptr, IS_VARLEN: tl.constexpr):
 
 
 @triton.jit
+def _state_program(i_nh, T, cu_seqlens_ptr, chunk_offsets_ptr, H: tl.constexpr, HV: tl.constexpr, BT: tl.constexpr,
+                   IS_VARLEN: tl.constexpr):
+    """(i_hv, i_h, bos, seq_len, boh, NT) of the recurrences' program i_nh = sequence x value head: the
+    value head and its q/k head, the sequence's first row and length, its first chunk in the per-chunk
+    state buffers (h, dh; packed: from chunk_offsets) and its number of chunks."""
+    i_n, i_hv = i_nh // HV, i_nh % HV
+    i_h = i_hv // (HV // H)
+    bos, seq_len = _seq_span(i_n, T, cu_seqlens_ptr, IS_VARLEN)
+    if IS_VARLEN:
+        boh = tl.load(chunk_offsets_ptr + i_n).to(tl.int64)
+    else:
+        boh = i_n.to(tl.int64) * tl.cdiv(T, BT)
+    return i_hv, i_h, bos, seq_len, boh, tl.cdiv(seq_len, BT)
+
+
+@triton.jit
 def _chunk_coords(i_c, i_b, T, cu_seqlens_ptr, chunk_indices_ptr, IS_VARLEN: tl.constexpr):
     """(bos, seq_len, i_t, i_n) of program chunk i_c: sequence start row, its length, the chunk
     inside the sequence and the sequence index."""
@@ -263,14 +279,8 @@ def chunk_gated_delta_rule_fwd_kernel_h(
     RNE: tl.constexpr,
 ):
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
-    i_n, i_hv = i_nh // HV, i_nh % HV
-    i_h = i_hv // (HV // H)
-    bos, seq_len = _seq_span(i_n, T, cu_seqlens_ptr, IS_VARLEN)
-    if IS_VARLEN:  # the sequence's first chunk in h
-        boh = tl.load(chunk_offsets_ptr + i_n).to(tl.int64)
-    else:
-        boh = i_n.to(tl.int64) * tl.cdiv(T, BT)
-    NT = tl.cdiv(seq_len, BT)
+    i_hv, i_h, bos, seq_len, boh, NT = _state_program(i_nh, T, cu_seqlens_ptr, chunk_offsets_ptr, H, HV, BT,
+                                                      IS_VARLEN)
 
     o_i = tl.arange(0, BT)
     o_k = tl.arange(0, K)

@@ -61,7 +61,7 @@ from triforge.ops.deltanet.chunk import (
     _flags,
     _l2norm_rows,
     _n_chunks,
-    _seq_span,
+    _state_program,
     _varlen_ptrs,
     check_kernel_dims,
     chunk_fwd_h,
@@ -133,14 +133,8 @@ def chunk_gated_delta_rule_bwd_kernel_dh(
     RNE: tl.constexpr,
 ):
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
-    i_n, i_hv = i_nh // HV, i_nh % HV
-    i_h = i_hv // (HV // H)
-    bos, seq_len = _seq_span(i_n, T, cu_seqlens_ptr, IS_VARLEN)
-    if IS_VARLEN:  # the sequence's first chunk in h
-        boh = tl.load(chunk_offsets_ptr + i_n).to(tl.int64)
-    else:
-        boh = i_n.to(tl.int64) * tl.cdiv(T, BT)
-    NT = tl.cdiv(seq_len, BT)
+    i_hv, i_h, bos, seq_len, boh, NT = _state_program(i_nh, T, cu_seqlens_ptr, chunk_offsets_ptr, H, HV, BT,
+                                                      IS_VARLEN)
 
     o_i = tl.arange(0, BT)
     o_k = tl.arange(0, K)

@@ -457,7 +457,7 @@ def rounding_samples(run, dtype, n=ROUNDING_SAMPLES, lazy=False):
     return gen if lazy else list(gen)
 
 
-def stored_error_scales(exact, stored, atol, c=STORE_C, keep=None):
+def stored_error_scales(exact, stored, atol, c=STORE_C):
     """Per-element error scales (``testing.compare``'s ``scale``) for a 16-bit run of the kernels.
 
     The kernels keep their intermediates in fp32 but round some to the input dtype - where they
@@ -473,13 +473,11 @@ def stored_error_scales(exact, stored, atol, c=STORE_C, keep=None):
     where the kernel's is not (1-4 elements of a million failed so on the H100); with several the
     largest change is taken. scale = rms(exact) + (c / atol) max |stored - exact| makes the bound
     atol * scale + rtol |ref| the dtype's default bound plus c times that change. Returns
-    {name: scale} for the names in all (of ``keep``, where given). ``stored`` may be an iterator
+    {name: scale} for the names in all. ``stored`` may be an iterator
     (``rounding_samples(lazy=True)``): one instance is held at a time.
     """
     samples = [stored] if isinstance(stored, dict) else stored  # a list, or an iterator consumed once
     names = [n for n, r in exact.items() if isinstance(r, torch.Tensor) and r.is_floating_point()]
-    if keep is not None:
-        names = [n for n in names if n in keep]
     change = {}
     for st in samples:
         names = [n for n in names if n in st]
