@@ -146,8 +146,8 @@ def probe_rope(rows, checks):
             from liger_kernel.ops.rope import rope_backward, rope_forward
 
             ql, kl = q.transpose(1, 2).clone(), k.transpose(1, 2).clone()  # Liger rotates in place
-            fn = rope_backward if bwd else rope_forward
-            variants["liger (in place)"] = (lambda: fn(ql, kl, cos[None], sin[None])[:2])
+            lfn = rope_backward if bwd else rope_forward
+            variants["liger (in place)"] = (lambda lfn=lfn: lfn(ql, kl, cos[None], sin[None])[:2])
         except ImportError:
             pass
         if not bwd:
