@@ -113,30 +113,33 @@ def test_cos_sin_with_batch_of_one(gen, device):
     _assert_ok("out", _ref(x, cos[0], sin[0]), out, torch.float32)
 
 
-def test_head_loop(monkeypatch, gen, device):
-    """More heads than one tile holds: the kernel walks the heads BLOCK_H at a time."""
-    monkeypatch.setattr(rope, "_TILE", 16)
-    B, T, HQ, HK, D = 2, 5, 5, 3, 16
-    assert rope._blocks(HQ, HK, D) == (2, 2, 8)
+@pytest.mark.parametrize("block", [8, 16, 64])
+def test_blocks_split_positions_and_heads(block, gen, device):
+    """Blocks of the flattened tensor smaller than a position or a head, not dividing q's or k's
+    element count: a block's elements find their partner, position and cos/sin row on their own,
+    and the last q block, the first k block and the ragged end are each right."""
+    B, T, HQ, HK, D = 2, 5, 5, 3, 16  # q 800 elements, k 480: neither a multiple of 64
     q, k = _randn((B, T, HQ, D), gen, device), _randn((B, T, HK, D), gen, device)
     cos, sin = _cos_sin(B, T, D, gen, device, batched=True)
+    cfg = {"BLOCK": block, "num_warps": 4}
     with poisoned():
-        q_out, k_out = rope.rope_launch(q, k, cos, sin)
-        dq, dk = rope.rope_launch(q_out, k_out, cos, sin, backward=True)
+        q_out, k_out = rope.rope_launch(q, k, cos, sin, cfg=cfg)
+        dq, dk = rope.rope_launch(q_out, k_out, cos, sin, backward=True, cfg=cfg)
     _assert_ok("q_out", _ref(q, cos, sin), q_out, torch.float32)
     _assert_ok("k_out", _ref(k, cos, sin), k_out, torch.float32)
-    q64 = _leaf(q.double())
-    (g,) = torch.autograd.grad(_ref(q64, cos, sin), q64, q_out.double())
-    _assert_ok("dq", g, dq, torch.float32)
+    q64, k64 = _leaf(q.double()), _leaf(k.double())
+    gq, gk = torch.autograd.grad((_ref(q64, cos, sin), _ref(k64, cos, sin)), (q64, k64), (q_out.double(), k_out.double()))
+    _assert_ok("dq", gq, dq, torch.float32)
+    _assert_ok("dk", gk, dk, torch.float32)
 
 
 @pytest.mark.parametrize("kind", ["fwd", "bwd"])
 def test_every_launch_config(kind, gen, device):
-    """Every ROWS (positions per program) of the tuning space, with a ragged last program."""
+    """Every point of the tuning space (block sizes, warps), with a ragged last program."""
     t = tune.get(f"rope_{kind}")
     configs = tune.grid(t.space)
     if _runtime.INTERPRET:  # num_warps means nothing to the interpreter
-        configs = [{"num_warps": 4, "ROWS": r} for r in t.space["ROWS"]]
+        configs = [{"num_warps": 4, "BLOCK": b} for b in t.space["BLOCK"]]
     B, T, HQ, HK, D = 1, 11, 3, 2, 12
     q, k = _randn((B, T, HQ, D), gen, device), _randn((B, T, HK, D), gen, device)
     cos, sin = _cos_sin(B, T, D, gen, device, batched=False)
