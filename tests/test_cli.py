@@ -160,8 +160,8 @@ def test_launch_annotates_bytes_while_profiling():
 
     from triforge.ops.norm import rms_norm
 
-    x = torch.randn(5, 64)
-    w = torch.randn(64)
+    x = torch.randn(5, 64, device=_runtime.default_device())
+    w = torch.randn(64, device=_runtime.default_device())
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         rms_norm(x, w)
     names = [e.name for e in prof.events()]

@@ -32,6 +32,7 @@ from triforge.testing import (
     tolerance_for,
 )
 
+DEV = _runtime.default_device()  # where kernels run: cpu through the interpreter, cuda when compiled
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 DTYPE_IDS = ["fp32", "fp16", "bf16"]
 
@@ -334,7 +335,7 @@ def _copy_launcher(x, n_write):
 
 def test_poisoning_catches_a_kernel_that_skips_half_its_output(gen):
     N = 100
-    x = _ref((N,), gen).float()
+    x = _ref((N,), gen).to(DEV, torch.float32)
     with poisoned():
         good = _copy_launcher(x, N)
         broken = _copy_launcher(x, N // 2)
@@ -472,14 +473,14 @@ def _seed(gen):
 
 
 def test_check_op_passes_on_registered_rms_norm(gen):
-    res = check_op(registry.get("rms_norm"), torch.float32, seed=_seed(gen))
+    res = check_op(registry.get("rms_norm"), torch.float32, tier="tiny", seed=_seed(gen))
     assert res.ok and res.failed_stage is None and res.error is None
     assert [r.name for r in res.results] == ["fwd.rstd", "fwd.y", "bwd.dx", "bwd.dweight"]
 
 
 def test_check_op_wrong_rstd_stops_there(gen):
     spec = dataclasses.replace(registry.get("rms_norm"), stages=_perturbed_stages("rstd", 1.01))
-    res = check_op(spec, torch.float32, seed=_seed(gen))
+    res = check_op(spec, torch.float32, tier="tiny", seed=_seed(gen))
     assert not res.ok
     assert res.error is None
     assert res.failed_stage == "rstd"
@@ -488,7 +489,7 @@ def test_check_op_wrong_rstd_stops_there(gen):
 
 def test_check_op_wrong_y_reports_y(gen):
     spec = dataclasses.replace(registry.get("rms_norm"), stages=_perturbed_stages("y", 1.01))
-    res = check_op(spec, torch.float32, seed=_seed(gen))
+    res = check_op(spec, torch.float32, tier="tiny", seed=_seed(gen))
     assert not res.ok and res.failed_stage == "y"
     assert [r.name for r in res.results] == ["fwd.rstd", "fwd.y"]
     assert res.results[0].ok
@@ -498,7 +499,7 @@ def test_check_op_wrong_gradient_reports_first_bad_grad(gen):
     from triforge.ops.norm import rms_norm
 
     spec = dataclasses.replace(registry.get("rms_norm"), call=lambda x, weight, eps: (rms_norm(x, weight, eps) * 1.1,))
-    res = check_op(spec, torch.float32, seed=_seed(gen))
+    res = check_op(spec, torch.float32, tier="tiny", seed=_seed(gen))
     assert not res.ok and res.error is None
     assert res.failed_stage == "dx"
     # forward stages passed; every gradient was still compared and reported
@@ -511,7 +512,7 @@ def test_check_op_kernel_raising_is_an_error(gen):
         raise RuntimeError("kernel exploded")
 
     spec = dataclasses.replace(registry.get("rms_norm"), stages=boom)
-    res = check_op(spec, torch.float32, seed=_seed(gen))
+    res = check_op(spec, torch.float32, tier="tiny", seed=_seed(gen))
     assert res.ok is False
     assert res.error == "RuntimeError: kernel exploded"
     assert res.results == []
@@ -527,13 +528,13 @@ def test_check_op_unwritten_output_is_caught_by_poisoning(gen):
         return out
 
     spec = dataclasses.replace(registry.get("rms_norm"), stages=stages)
-    res = check_op(spec, torch.float32, seed=_seed(gen))
+    res = check_op(spec, torch.float32, tier="tiny", seed=_seed(gen))
     assert not res.ok and res.failed_stage == "y"
     assert res.results[-1].nan_got > 0
 
 
 def test_check_op_dump_dir(tmp_path, gen):
-    res = check_op(registry.get("rms_norm"), torch.float32, seed=_seed(gen), dump_dir=tmp_path)
+    res = check_op(registry.get("rms_norm"), torch.float32, tier="tiny", seed=_seed(gen), dump_dir=tmp_path)
     assert res.ok
     rows = compare_dumps(tmp_path / "rms_norm-float32" / "ref", tmp_path / "rms_norm-float32" / "got")
     assert [r["stage"] for r in rows] == ["rstd", "y"]
@@ -763,7 +764,7 @@ def test_real_tunable_config_reaches_the_launcher(config_dir, monkeypatch):
         return real_launch(name, fn, grid, *args, **kwargs)
 
     monkeypatch.setattr(launch, "launch", spy)
-    x, w = torch.randn(5, 40) + 0.1, torch.rand(40) + 0.5
+    x, w = (torch.randn(5, 40) + 0.1).to(DEV), (torch.rand(40) + 0.5).to(DEV)
     with poisoned():
         y = rms_norm(x, w)
     assert seen[0][0] == "rms_norm_fwd"

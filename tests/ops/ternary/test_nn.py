@@ -75,9 +75,11 @@ def _tiny_qwen2():
     return transformers.Qwen2ForCausalLM(cfg).eval()
 
 
-def test_quantize_model_on_tiny_qwen2(gen, capsys):
-    model = _tiny_qwen2()
-    ids = torch.randint(0, 128, (2, 11), generator=gen)
+def test_quantize_model_on_tiny_qwen2(gen, capsys, device):
+    # on the kernels' device: the quantized model's TernaryLinear layers run the Triton kernels (elsewhere
+    # matmul falls back to dense expansion)
+    model = _tiny_qwen2().to(device)
+    ids = torch.randint(0, 128, (2, 11), generator=gen).to(device)
     with torch.no_grad():
         before = model(ids).logits
     lm_head = model.lm_head.weight.detach().clone()
@@ -110,7 +112,7 @@ def test_quantize_model_on_tiny_qwen2(gen, capsys):
     assert float(cos) > 0.3
 
 
-def test_quantize_model_skip_and_multihead_attention(gen):
+def test_quantize_model_skip_and_multihead_attention(gen, device):
     model = nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.Linear(32, 8))
     model.add_module("embed_proj", nn.Linear(8, 8))
     mha = nn.MultiheadAttention(8, 2)
@@ -119,7 +121,8 @@ def test_quantize_model_skip_and_multihead_attention(gen):
     assert report["names"] == ["0", "2"]
     assert isinstance(model[1], nn.LayerNorm) and type(model.embed_proj) is nn.Linear
     assert not isinstance(mha.out_proj, TernaryLinear)
-    x = torch.randn(3, 16, generator=gen)
+    model.to(device)
+    x = torch.randn(3, 16, generator=gen).to(device)
     y = model[2](model[1](model[0](x)))
     assert bool(torch.isfinite(y).all())
     with pytest.raises(ValueError, match="method"):
