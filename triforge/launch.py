@@ -57,6 +57,35 @@ def config(kernel: str, key: str, fallback: dict) -> dict:
     return merged
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # Parameter disables __torch_function__: a plain tensor
+
+
+def eager(*tensors) -> bool:
+    """Whether a custom op may be bypassed: plain tensors and no tracer (dynamo, or the dispatch
+    modes AOTAutograd and make_fx trace under). Then an op's eager path calls its launcher directly
+    under a plain autograd.Function: torch.library's dispatch and autograd wrappers cost more host
+    time per call than the launch itself (RoPE's backward on the H100 machine: 310 us per call through
+    the custom op's autograd against 186 through an autograd.Function; benchmarks/host_overhead_probe.py),
+    which starves the GPU at shapes whose kernels take a few hundred microseconds."""
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
+        return False
+    return all(type(t) in _PLAIN for t in tensors if t is not None)
+
+
+def eager_function(name: str, impl, setup_context, backward):
+    """An autograd.Function running ``impl`` (the custom op's own body) with the op's
+    ``setup_context`` and ``backward``: the eager twin of a torch.library op with registered autograd."""
+
+    def forward(ctx, *inputs):
+        out = impl(*inputs)
+        setup_context(ctx, inputs, out)
+        return out
+
+    return type(name, (torch.autograd.Function,), {
+        "forward": staticmethod(forward), "backward": staticmethod(backward),
+    })
+
+
 def launch(kernel_name: str, jit_fn, grid, *args, nbytes: int | None = None, **kwargs):
     """Launch a Triton kernel and remember its compiled form (registers, spills, shared memory).
 

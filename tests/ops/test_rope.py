@@ -304,6 +304,54 @@ def test_torch_compile_fullgraph(gen, device):
         _assert_ok(f"d{n}", r, g, torch.float32)
 
 
+def test_eager_calls_bypass_the_custom_op_traced_calls_use_it(gen, device):
+    """Eager calls run the launchers under a plain autograd.Function (launch.eager: the custom op's
+    dispatch and autograd wrappers cost more host time than the launch); under a dispatch mode (what
+    AOTAutograd and make_fx trace with) the custom op runs. Both give the same outputs and gradients."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Passthrough(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    B, T, HQ, HK, D = 2, 5, 3, 1, 8
+    base = [_randn((B, T, HQ, D), gen, device), _randn((B, T, HK, D), gen, device)]
+    base += list(_cos_sin(B, T, D, gen, device, batched=False))
+    results = {}
+    for path in ("eager", "op"):
+        leaves = [_leaf(t) for t in base]
+        if path == "eager":
+            q_out, k_out = rope.apply_rotary_qk(*leaves)
+            x_out = rope.apply_rotary(leaves[0], leaves[2], leaves[3])
+        else:
+            with Passthrough():
+                q_out, k_out = rope.apply_rotary_qk(*leaves)
+                x_out = rope.apply_rotary(leaves[0], leaves[2], leaves[3])
+        names = {type(t.grad_fn).__name__ for t in (q_out, k_out, x_out)}
+        assert (names <= {"_RopeQKFunctionBackward", "_RopeFunctionBackward"}) == (path == "eager"), names
+        loss = (q_out * x_out).sum() + (k_out * k_out).sum()
+        results[path] = [q_out, k_out, x_out] + list(torch.autograd.grad(loss, leaves))
+    for e, o in zip(results["eager"], results["op"]):
+        torch.testing.assert_close(o, e, rtol=0, atol=0)
+
+
+def test_launch_eager_sees_tracers_and_subclasses(device):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from triforge import launch
+
+    t = torch.ones(3, device=device)
+    assert launch.eager(t, None, t)
+    with FakeTensorMode() as mode:
+        assert not launch.eager(mode.from_tensor(t))
+    assert launch.eager(torch.nn.Parameter(t.clone()))  # Parameter disables __torch_function__
+
+    class Sub(torch.Tensor):  # a subclass with its own __torch_function__: the op path
+        pass
+
+    assert not launch.eager(t.as_subclass(Sub))
+
+
 # ----------------------------------------------------------------------------- validation
 
 

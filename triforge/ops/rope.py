@@ -162,9 +162,25 @@ def rope_launch(q, k, cos, sin, backward=False, cfg=None):
 # ----------------------------------------------------------------------------- custom ops + autograd
 
 
+def _rope_fwd_impl(x, cos, sin):
+    return rope_launch(x.contiguous(), None, cos.contiguous(), sin.contiguous())[0]
+
+
+def _rope_bwd_impl(dy, cos, sin):
+    return rope_launch(dy.contiguous(), None, cos.contiguous(), sin.contiguous(), backward=True)[0]
+
+
+def _rope_qk_fwd_impl(q, k, cos, sin):
+    return rope_launch(q.contiguous(), k.contiguous(), cos.contiguous(), sin.contiguous())
+
+
+def _rope_qk_bwd_impl(dq, dk, cos, sin):
+    return rope_launch(dq.contiguous(), dk.contiguous(), cos.contiguous(), sin.contiguous(), backward=True)
+
+
 @torch.library.custom_op("triforge::rope_fwd", mutates_args=())
 def _rope_fwd_op(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    return rope_launch(x.contiguous(), None, cos.contiguous(), sin.contiguous())[0]
+    return _rope_fwd_impl(x, cos, sin)
 
 
 @_rope_fwd_op.register_fake
@@ -174,7 +190,7 @@ def _(x, cos, sin):
 
 @torch.library.custom_op("triforge::rope_bwd", mutates_args=())
 def _rope_bwd_op(dy: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    return rope_launch(dy.contiguous(), None, cos.contiguous(), sin.contiguous(), backward=True)[0]
+    return _rope_bwd_impl(dy, cos, sin)
 
 
 @_rope_bwd_op.register_fake
@@ -186,8 +202,7 @@ def _(dy, cos, sin):
 def _rope_qk_fwd_op(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    q_out, k_out = rope_launch(q.contiguous(), k.contiguous(), cos.contiguous(), sin.contiguous())
-    return q_out, k_out
+    return _rope_qk_fwd_impl(q, k, cos, sin)
 
 
 @_rope_qk_fwd_op.register_fake
@@ -199,8 +214,7 @@ def _(q, k, cos, sin):
 def _rope_qk_bwd_op(
     dq: torch.Tensor, dk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    dq_in, dk_in = rope_launch(dq.contiguous(), dk.contiguous(), cos.contiguous(), sin.contiguous(), backward=True)
-    return dq_in, dk_in
+    return _rope_qk_bwd_impl(dq, dk, cos, sin)
 
 
 @_rope_qk_bwd_op.register_fake
@@ -237,7 +251,9 @@ def _fwd_setup(ctx, inputs, output):
 
 def _fwd_backward(ctx, dy):
     cos, sin, x = ctx.saved_tensors
-    dx = torch.ops.triforge.rope_bwd(dy, cos, sin) if ctx.needs_input_grad[0] else None
+    dx = None
+    if ctx.needs_input_grad[0]:
+        dx = _rope_bwd_impl(dy, cos, sin) if launch.eager(dy, cos, sin) else torch.ops.triforge.rope_bwd(dy, cos, sin)
     dcos, dsin = None, None
     if any(ctx.need_cs):
         dcos, dsin = _cos_sin_grads([(dy, x)], cos, sin, *ctx.need_cs)
@@ -264,7 +280,10 @@ def _qk_backward(ctx, dq_out, dk_out):
             g if g is not None else torch.zeros(shape, dtype=dtype, device=cos.device)
             for g, (shape, dtype) in zip((dq_out, dk_out), ctx.qk_meta)
         )
-        dq, dk = torch.ops.triforge.rope_qk_bwd(g_q, g_k, cos, sin)
+        if launch.eager(g_q, g_k, cos, sin):
+            dq, dk = _rope_qk_bwd_impl(g_q, g_k, cos, sin)
+        else:
+            dq, dk = torch.ops.triforge.rope_qk_bwd(g_q, g_k, cos, sin)
     dcos = dsin = None
     if any(ctx.need_cs):
         pairs = [(g, x) for g, x in ((dq_out, q), (dk_out, k)) if g is not None]
@@ -274,6 +293,10 @@ def _qk_backward(ctx, dq_out, dk_out):
 
 
 _rope_qk_fwd_op.register_autograd(_qk_backward, setup_context=_qk_setup)
+
+# eager twins of the two forward ops (see launch.eager): same bodies, setup and backward
+_RopeFunction = launch.eager_function("_RopeFunction", _rope_fwd_impl, _fwd_setup, _fwd_backward)
+_RopeQKFunction = launch.eager_function("_RopeQKFunction", _rope_qk_fwd_impl, _qk_setup, _qk_backward)
 
 
 # ----------------------------------------------------------------------------- public API
@@ -318,6 +341,8 @@ def apply_rotary(x, cos, sin):
     _validate_cos_sin("x", x, cos, sin)
     check_same_device(x=x, cos=cos, sin=sin)
     cos, sin = _squeeze_cs(cos, sin)
+    if launch.eager(x, cos, sin):
+        return _RopeFunction.apply(x, cos, sin)
     return torch.ops.triforge.rope_fwd(x, cos, sin)
 
 
@@ -340,6 +365,8 @@ def apply_rotary_qk(q, k, cos, sin):
     in one kernel launch; ``cos``/``sin`` [T, D] or [B, T, D] (also [1, T, D]). Returns (q_out, k_out)."""
     _validate_qk(q, k, cos, sin)
     cos, sin = _squeeze_cs(cos, sin)
+    if launch.eager(q, k, cos, sin):
+        return _RopeQKFunction.apply(q, k, cos, sin)
     return torch.ops.triforge.rope_qk_fwd(q, k, cos, sin)
 
 
