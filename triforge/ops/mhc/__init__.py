@@ -15,7 +15,12 @@ import triton
 from triforge import _runtime, launch
 from triforge.launch import new_output
 from triforge.ops._checks import check_same_device, check_tensor
-from triforge.ops.mhc.backward import mhc_post_res_bwd_kernel, mhc_pre_map_bwd_kernel, mhc_project_bwd_kernel
+from triforge.ops.mhc.backward import (
+    mhc_post_res_bwd_kernel,
+    mhc_pre_map_bwd_kernel,
+    mhc_project_bwd_kernel,
+    mhc_project_bwd_prologue_kernel,
+)
 from triforge.ops.mhc.forward import mhc_post_res_fwd_kernel, mhc_pre_map_fwd_kernel, mhc_project_fwd_kernel
 from triforge.ops.mhc.reference import (
     EPS,
@@ -56,6 +61,9 @@ def _cfg(kernel, C, dtype):
     return launch.config(kernel, launch.config_key(c=bucket, dtype=launch.dtype_tag(dtype)), fallback)
 
 
+_PROLOGUE_T = 64  # tokens per program of K1 backward's prologue ([64, 32] fp32 tiles)
+
+
 def _split16(t, dtype):
     """t (fp32) as hi + lo in a 16-bit dtype, keeping ~16 mantissa bits for a tensor-core dot."""
     hi = t.to(dtype)
@@ -87,18 +95,17 @@ def project_bwd(x_flat, W, proj, inv_rms, dproj, dinv, cfg=None):
     T, K = x_flat.shape
     R = W.shape[0]
     cfg = cfg or _cfg("mhc_project_bwd", K // N_STREAMS, x_flat.dtype)
-    a = dproj.float() * inv_rms[:, None]
-    coef = inv_rms.square() * (dproj.float() * proj).sum(1)
-    if dinv is not None:
-        coef = coef + inv_rms.pow(3) * dinv.float()
-    coef = (coef / K).contiguous()
     split = x_flat.dtype != torch.float32
-    if split:  # a in two 16-bit parts for dW; W rounded once for dx (see backward.py)
-        a_hi, a_lo = _split16(a, x_flat.dtype)
-        w = W.to(x_flat.dtype).contiguous()
-    else:
-        a_hi = a_lo = a.contiguous()
-        w = W.float().contiguous()
+    # a = inv_rms * dproj (in two 16-bit parts for dW when split) and coef, one prologue kernel
+    a_hi = new_output((T, R), x_flat.dtype if split else torch.float32, x_flat.device)
+    a_lo = new_output((T, R), x_flat.dtype, x_flat.device) if split else a_hi
+    coef = new_output((T,), torch.float32, x_flat.device)
+    launch.launch(
+        "mhc_project_bwd_prologue", mhc_project_bwd_prologue_kernel, (triton.cdiv(T, _PROLOGUE_T),),
+        dproj, proj, inv_rms, dinv if dinv is not None else inv_rms, a_hi, a_lo, coef, T, K,
+        R=R, BLOCK_T=_PROLOGUE_T, HAS_DINV=dinv is not None, SPLIT=split, RNE=_runtime.INTERPRET, num_warps=4,
+    )
+    w = W.to(x_flat.dtype).contiguous() if split else W.float().contiguous()  # W rounded once for dx
     n_k = triton.cdiv(K, cfg["BLOCK_K"])
     n_t = triton.cdiv(T, cfg["BLOCK_T"])
     splits = max(1, min(n_t, triton.cdiv(_runtime.num_sms() * cfg["programs_per_sm"], n_k)))
