@@ -142,9 +142,10 @@ def _warps_for(block_n: int) -> int:
     return 4 if block_n <= 1024 else 8 if block_n <= 4096 else 16
 
 
-def _fwd_config(block_n, dtype):
+def _fwd_config(block_n, dtype, residual):
     fallback = {"num_warps": _warps_for(block_n), "ROWS": max(1, min(16, 2048 // block_n))}
-    return launch.config("rms_norm_fwd", launch.config_key(block_n=block_n, dtype=launch.dtype_tag(dtype)), fallback)
+    key = launch.config_key(block_n=block_n, dtype=launch.dtype_tag(dtype), residual=int(residual))
+    return launch.config("rms_norm_fwd", key, fallback)
 
 
 def _bwd_config(block_n, dtype, residual):
@@ -159,7 +160,7 @@ def rms_norm_fwd(x, weight, residual, eps, cfg=None):
     """x, residual [M, N]; weight [N]. Returns (y, h or an empty tensor, rstd [M] fp32)."""
     M, N = x.shape
     block_n = triton.next_power_of_2(N)
-    cfg = cfg or _fwd_config(block_n, x.dtype)
+    cfg = cfg or _fwd_config(block_n, x.dtype, residual is not None)
     y = new_output((M, N), torch.promote_types(x.dtype, weight.dtype), x.device)
     h = new_output((M, N), x.dtype, x.device) if residual is not None else x.new_empty(0)
     rstd = new_output((M,), torch.float32, x.device)
@@ -346,12 +347,12 @@ def _tune_setup(kind):
         x = torch.randn(M, N, device=device, dtype=dtype)
         w = torch.randn(N, device=device, dtype=dtype)
         block_n = triton.next_power_of_2(N)
-        if kind == "fwd":
-            key = launch.config_key(block_n=block_n, dtype=launch.dtype_tag(dtype))
-            return (lambda cfg: rms_norm_fwd(x, w, None, 1e-6, cfg)), key
-        # R=1: the backward of the residual form (it also reads the h output's gradient)
+        # R=1: the residual form (forward: adds and stores h too; backward: also reads h's gradient)
         residual = bool(shape.get("R", 0))
         key = launch.config_key(block_n=block_n, dtype=launch.dtype_tag(dtype), residual=int(residual))
+        if kind == "fwd":
+            r = torch.randn_like(x) if residual else None
+            return (lambda cfg: rms_norm_fwd(x, w, r, 1e-6, cfg)), key
         _, _, rstd = rms_norm_fwd(x, w, None, 1e-6)
         dy = torch.randn_like(x)
         dh = torch.randn_like(x) if residual else None
@@ -363,7 +364,7 @@ def _tune_setup(kind):
 register_tunable(Tunable(
     kernel="rms_norm_fwd",
     space={"num_warps": [1, 2, 4, 8, 16, 32], "ROWS": [1, 2, 4, 8]},
-    setup=_tune_setup("fwd"), shape_names=("M", "N"), default_shape={"M": 65536, "N": 4096},
+    setup=_tune_setup("fwd"), shape_names=("M", "N", "R"), default_shape={"M": 65536, "N": 4096, "R": 1},
 ))
 register_tunable(Tunable(
     kernel="rms_norm_bwd",
