@@ -79,11 +79,7 @@ def prologue(x_flat, W, proj, inv_rms, dproj, dinv):
 
 def kernel_only(x_flat, a_hi, a_lo, coef, w, cfg, R):
     T, K = x_flat.shape
-    n_k = triton.cdiv(K, cfg["BLOCK_K"])
-    n_t = triton.cdiv(T, cfg["BLOCK_T"])
-    splits = max(1, min(n_t, triton.cdiv(_runtime.num_sms() * cfg["programs_per_sm"], n_k)))
-    tps = triton.cdiv(n_t, splits) * cfg["BLOCK_T"]
-    splits = triton.cdiv(T, tps)
+    n_k, splits, tps = M.project_bwd_grid(T, K, cfg)
     dx = torch.empty_like(x_flat)
     part = torch.empty(splits, R, K, device=x_flat.device, dtype=torch.float32)
     M.mhc_project_bwd_kernel[(n_k, splits)](
@@ -95,11 +91,7 @@ def kernel_only(x_flat, a_hi, a_lo, coef, w, cfg, R):
 
 def cat_kernel(x_flat, a_hi, a_cat, coef, w, cfg, R):
     T, K = x_flat.shape
-    n_k = triton.cdiv(K, cfg["BLOCK_K"])
-    n_t = triton.cdiv(T, cfg["BLOCK_T"])
-    splits = max(1, min(n_t, triton.cdiv(_runtime.num_sms() * cfg["programs_per_sm"], n_k)))
-    tps = triton.cdiv(n_t, splits) * cfg["BLOCK_T"]
-    splits = triton.cdiv(T, tps)
+    n_k, splits, tps = M.project_bwd_grid(T, K, cfg)
     dx = torch.empty_like(x_flat)
     part = torch.empty(splits, 2 * R, K, device=x_flat.device, dtype=torch.float32)
     project_bwd_cat_kernel[(n_k, splits)](

@@ -91,6 +91,16 @@ def project_fwd(x_flat, W, eps, cfg=None):
     return proj, inv_rms
 
 
+def project_bwd_grid(T, K, cfg):
+    """K1 backward's grid: (column blocks, token splits, tokens per split); about programs_per_sm
+    programs per SM, each over a run of whole BLOCK_T tiles."""
+    n_k = triton.cdiv(K, cfg["BLOCK_K"])
+    n_t = triton.cdiv(T, cfg["BLOCK_T"])
+    splits = max(1, min(n_t, triton.cdiv(_runtime.num_sms() * cfg["programs_per_sm"], n_k)))
+    tokens_per_split = triton.cdiv(n_t, splits) * cfg["BLOCK_T"]
+    return n_k, triton.cdiv(T, tokens_per_split), tokens_per_split
+
+
 def project_bwd(x_flat, W, proj, inv_rms, dproj, dinv, cfg=None):
     T, K = x_flat.shape
     R = W.shape[0]
@@ -106,11 +116,7 @@ def project_bwd(x_flat, W, proj, inv_rms, dproj, dinv, cfg=None):
         R=R, BLOCK_T=_PROLOGUE_T, HAS_DINV=dinv is not None, SPLIT=split, RNE=_runtime.INTERPRET, num_warps=4,
     )
     w = W.to(x_flat.dtype).contiguous() if split else W.float().contiguous()  # W rounded once for dx
-    n_k = triton.cdiv(K, cfg["BLOCK_K"])
-    n_t = triton.cdiv(T, cfg["BLOCK_T"])
-    splits = max(1, min(n_t, triton.cdiv(_runtime.num_sms() * cfg["programs_per_sm"], n_k)))
-    tokens_per_split = triton.cdiv(n_t, splits) * cfg["BLOCK_T"]
-    splits = triton.cdiv(T, tokens_per_split)
+    n_k, splits, tokens_per_split = project_bwd_grid(T, K, cfg)
     dx = new_output((T, K), x_flat.dtype, x_flat.device)
     dw_part = new_output((splits, R, K), torch.float32, x_flat.device)
     launch.launch(
