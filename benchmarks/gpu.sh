@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call on the lent GPU: compiled tests, sanitizer, peaks, tuning, benchmark, report.
-#   benchmarks/gpu.sh [STEP...]   steps: tests realtier sanitize tune bench attnprobe scripts qwen2 (default: tests sanitize tune bench)
+#   benchmarks/gpu.sh [STEP...]   steps: tests realtier sanitize tune bench attnprobe scripts ncu qwen2 (default: tests sanitize tune bench)
 # Each step runs under a time limit (TESTS_S, REAL_S, SANITIZE_S, TUNE_S, BENCH_S, QWEN2_S seconds) so one
 # call fits the lease. Selection:
 #   TESTS="tests/x.py ..."  files for the tests step (run with pytest-xdist, TEST_WORKERS processes, when installed)
@@ -85,6 +85,14 @@ for step in $STEPS; do
         cur+=("$sc")
       done
       [ ${#cur[@]} -gt 0 ] && run_script "${cur[@]}" ;;
+    ncu)  # NCU="target:kernel_regex ...": Nsight Compute on one launch of each (benchmarks/ncu_targets.py)
+      for tk in ${NCU:-}; do
+        t=${tk%%:*}; k=${tk#*:}
+        timeout "${NCU_S:-120}" ncu --clock-control none -k "regex:$k" -s 2 -c 1 --section SpeedOfLight \
+          --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats --section WarpStateStats \
+          --section SchedulerStats python3 benchmarks/ncu_targets.py "$t" > "$OUT/ncu-$t.log" 2>&1 || status=1
+        echo "ncu $t: ${SECONDS}s"; grep -E "Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Stall|Issued Ipc|No Eligible|Waves Per SM|Block Limit" "$OUT/ncu-$t.log" | head -24
+      done ;;
     qwen2)
       timeout "${QWEN2_S:-300}" python3 benchmarks/qwen2_decode.py --json "$OUT/qwen2-decode-$(date -u +%Y-%m-%d)-$TRIFORGE_COMMIT.json" \
         ${QWEN2_ARGS:-} > "$OUT/qwen2.log" 2>&1 || status=1

@@ -1,0 +1,189 @@
+"""Where mHC K1's backward (79.7% of copy, floor 0.895 ms at T = 65536, C = 2560) loses its time:
+the library kernel against variants that leave one stage out or change one thing, all at the same
+grid and tiles, in one process.
+
+    PYTHONPATH=. python benchmarks/mhc_k1_probe.py [--json PATH] [--ncu]
+
+Variants (flags of one probe kernel):
+  copy      stream x -> dx with the kernel's tiles and grid (no dots, no a/coef loads): the access
+            pattern's own ceiling
+  dx        dx = a_hi W - coef x only (no dW)
+  dw        copy + dW (x^T a_hi + x^T a_lo) (dx = x stored, no dx dot)
+  full      dx and dW (the library's math)
+  full-cat  dW as ONE dot [a_hi | a_lo]^T x ([2R, BLOCK_K], x is the B operand as loaded: no x^T)
+  +evict    x loaded evict_first, dx stored .cs (streaming)
+Each variant's dx (and dW where computed) is checked against the library's outputs.
+With --ncu: one launch of the library kernel only (for `ncu -k regex:mhc_project_bwd_kernel`).
+"""
+
+import argparse
+import json
+
+import torch
+import triton
+import triton.language as tl
+import triton.testing
+
+from triforge import _runtime, bench
+from triforge.ops import mhc as M
+from triforge.ops.mhc.forward import dot16
+
+DEV = _runtime.default_device()
+
+
+@triton.jit
+def k1_bwd_probe_kernel(
+    x_ptr, a_hi_ptr, a_lo_ptr, a_cat_ptr, coef_ptr, w_ptr, dx_ptr, dw_part_ptr, T, K, tokens_per_split,
+    R: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+    DO_DX: tl.constexpr, DO_DW: tl.constexpr, CAT: tl.constexpr, EVICT: tl.constexpr, UPCAST: tl.constexpr,
+):
+    i_k, i_s = tl.program_id(0), tl.program_id(1)
+    o_k = i_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    m_k = o_k < K
+    o_r = tl.arange(0, R)
+    o_r2 = tl.arange(0, 2 * R)
+    b_w = tl.load(w_ptr + o_r[:, None] * K + o_k[None, :], mask=m_k[None, :], other=0.0)
+    if CAT:
+        b_dw = tl.zeros([2 * R, BLOCK_K], dtype=tl.float32)
+    else:
+        b_dw = tl.zeros([BLOCK_K, R], dtype=tl.float32)
+    t_start = i_s * tokens_per_split
+    t_end = tl.minimum(t_start + tokens_per_split, T)
+    for t0 in range(t_start, t_end, BLOCK_T):
+        o_t = t0 + tl.arange(0, BLOCK_T)
+        m_t = o_t < t_end
+        o_t64 = o_t.to(tl.int64)
+        m_tk = m_t[:, None] & m_k[None, :]
+        o_x = o_t64[:, None] * K + o_k[None, :]
+        if EVICT:
+            b_x = tl.load(x_ptr + o_x, mask=m_tk, other=0.0, eviction_policy="evict_first")
+        else:
+            b_x = tl.load(x_ptr + o_x, mask=m_tk, other=0.0)
+        if DO_DX:
+            b_a_hi = tl.load(a_hi_ptr + o_t64[:, None] * R + o_r[None, :], mask=m_t[:, None], other=0.0)
+            b_coef = tl.load(coef_ptr + o_t, mask=m_t, other=0.0)
+            b_dx = dot16(b_a_hi, b_w, tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32), UPCAST)
+            b_out = b_dx - b_coef[:, None] * b_x.to(tl.float32)
+        else:
+            b_out = b_x.to(tl.float32)
+        if DO_DW:
+            if CAT:
+                b_ac = tl.load(a_cat_ptr + o_t64[:, None] * (2 * R) + o_r2[None, :], mask=m_t[:, None], other=0.0)
+                b_dw = dot16(tl.trans(b_ac), b_x, b_dw, UPCAST)
+            else:
+                b_ah = tl.load(a_hi_ptr + o_t64[:, None] * R + o_r[None, :], mask=m_t[:, None], other=0.0)
+                b_al = tl.load(a_lo_ptr + o_t64[:, None] * R + o_r[None, :], mask=m_t[:, None], other=0.0)
+                b_xT = tl.trans(b_x)
+                b_dw = dot16(b_xT, b_ah, b_dw, UPCAST)
+                b_dw = dot16(b_xT, b_al, b_dw, UPCAST)
+        if EVICT:
+            tl.store(dx_ptr + o_x, b_out.to(dx_ptr.dtype.element_ty), mask=m_tk, cache_modifier=".cs")
+        else:
+            tl.store(dx_ptr + o_x, b_out.to(dx_ptr.dtype.element_ty), mask=m_tk)
+    if DO_DW:
+        if CAT:
+            o_dw = i_s.to(tl.int64) * 2 * R * K + o_r2[:, None] * K + o_k[None, :]
+            tl.store(dw_part_ptr + o_dw, b_dw, mask=m_k[None, :])
+        else:
+            o_dw = i_s.to(tl.int64) * 2 * R * K + o_r[None, :] * K + o_k[:, None]
+            tl.store(dw_part_ptr + o_dw, b_dw, mask=m_k[:, None])
+
+
+VARIANTS = {  # name: (DO_DX, DO_DW, CAT, EVICT)
+    "copy": (False, False, False, False),
+    "dx": (True, False, False, False),
+    "dw": (False, True, False, False),
+    "full": (True, True, False, False),
+    "full-cat": (True, True, True, False),
+    "full+evict": (True, True, False, True),
+    "full-cat+evict": (True, True, True, True),
+    "copy+evict": (False, False, False, True),
+}
+
+
+def run_variant(flags, x, a_hi, a_lo, a_cat, coef, w, cfg, R):
+    T, K = x.shape
+    n_k, splits, tps = M.project_bwd_grid(T, K, cfg)
+    dx = torch.empty_like(x)
+    part = torch.zeros(splits, 2 * R, K, device=x.device, dtype=torch.float32)
+    do_dx, do_dw, cat, evict = flags
+    k1_bwd_probe_kernel[(n_k, splits)](
+        x, a_hi, a_lo, a_cat, coef, w, dx, part, T, K, tps, R=R, BLOCK_T=cfg["BLOCK_T"], BLOCK_K=cfg["BLOCK_K"],
+        DO_DX=do_dx, DO_DW=do_dw, CAT=cat, EVICT=evict, UPCAST=_runtime.INTERPRET, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    return dx, part.sum(0)[:R] + part.sum(0)[R:]
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--json")
+    p.add_argument("--T", type=int, default=65536)
+    p.add_argument("--C", type=int, default=2560)
+    p.add_argument("--ncu", action="store_true", help="one launch of the library kernel, nothing timed")
+    args = p.parse_args()
+    dt = torch.bfloat16
+    T, C = args.T, args.C
+    K, R = 4 * C, M.N_PROJ
+    x = torch.randn(T, K, device=DEV, dtype=dt)
+    W = torch.randn(R, K, device=DEV) * 0.02
+    proj, inv_rms = M.project_fwd(x, W, M.EPS)
+    dproj = torch.randn(T, R, device=DEV)
+    if args.ncu:
+        for _ in range(3):
+            M.project_bwd(x, W, proj, inv_rms, dproj, None)
+        torch.cuda.synchronize()
+        return
+    copy = bench.peaks()["copy_tbps"] * 1e3  # GB/s
+    ref_dx, ref_dw = M.project_bwd(x, W, proj, inv_rms, dproj, None)
+    a = dproj * inv_rms[:, None]
+    coef = (inv_rms.square() * (dproj * proj).sum(1) / K).contiguous()
+    a_hi = a.to(dt)
+    a_lo = (a - a_hi.float()).to(dt)
+    a_cat = torch.cat([a_hi, a_lo], 1).contiguous()
+    w = W.to(dt).contiguous()
+    nbytes = 2 * x.numel() * 2
+    rows = []
+    lib = M._cfg("mhc_project_bwd", C, dt)
+    cfgs = [lib,
+            {"BLOCK_T": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "programs_per_sm": 2},
+            {"BLOCK_T": 64, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3, "programs_per_sm": 1},
+            {"BLOCK_T": 32, "BLOCK_K": 256, "num_warps": 8, "num_stages": 3, "programs_per_sm": 2},
+            {"BLOCK_T": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4, "programs_per_sm": 4},
+            {"BLOCK_T": 32, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4, "programs_per_sm": 4}]
+    t_lib = triton.testing.do_bench(lambda: M.project_bwd(x, W, proj, inv_rms, dproj, None), warmup=25, rep=300,
+                                    return_mode="median")
+    rows.append({"variant": "library project_bwd", "cfg": lib, "ms": t_lib, "pct": 100 * nbytes / t_lib / 1e9 / copy})
+    y = torch.empty_like(x)
+    t_copy = triton.testing.do_bench(lambda: y.copy_(x), warmup=25, rep=300, return_mode="median")
+    rows.append({"variant": "torch copy_ x->dx", "cfg": None, "ms": t_copy, "pct": 100 * nbytes / t_copy / 1e9 / copy})
+    for ci, cfg in enumerate(cfgs):
+        for name, flags in VARIANTS.items():
+            if ci > 0 and name not in ("copy", "full", "full-cat", "full-cat+evict"):
+                continue
+            try:
+                dx, dw = run_variant(flags, x, a_hi, a_lo, a_cat, coef, w, cfg, R)
+                torch.cuda.synchronize()
+            except Exception as e:  # out of resources
+                rows.append({"variant": name, "cfg": cfg, "ms": None, "error": repr(e)[:160]})
+                continue
+            want_dx = ref_dx if flags[0] else x
+            err_dx = (dx.float() - want_dx.float()).abs().max().item()
+            err_dw = ((dw - ref_dw.float()).norm() / ref_dw.float().norm()).item() if flags[1] else None
+            t = triton.testing.do_bench(lambda f=flags, c=cfg: run_variant(f, x, a_hi, a_lo, a_cat, coef, w, c, R),
+                                        warmup=25, rep=300, return_mode="median")
+            rows.append({"variant": name, "cfg": cfg, "ms": t, "pct": 100 * nbytes / t / 1e9 / copy,
+                         "dx_max_abs": err_dx, "dw_rel": err_dw})
+    for r in rows:
+        c = r["cfg"]
+        cs = "" if c is None else "bt{BLOCK_T} bk{BLOCK_K} w{num_warps} s{num_stages} pps{programs_per_sm}".format(**c)
+        if r.get("ms") is None:
+            print(f"{r['variant']:<22} {cs:<28} ERROR {r.get('error')}")
+        else:
+            print(f"{r['variant']:<22} {cs:<28} {r['ms']:8.4f} ms {r['pct']:6.1f}%  dx {r.get('dx_max_abs')}  dW {r.get('dw_rel')}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"rows": rows, "copy_GBps": copy, "device": torch.cuda.get_device_name(), "T": T, "C": C}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

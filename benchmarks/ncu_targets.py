@@ -1,0 +1,52 @@
+"""Run one library kernel a few times at its benchmark shape, for Nsight Compute to profile:
+
+    ncu --clock-control none -k regex:KERNEL -s 2 -c 1 --section ... python benchmarks/ncu_targets.py TARGET
+
+Targets: mhc_k1_bwd (T=65536, C=2560), gate_up (Qwen2.5-0.5B gate/up GEMV + RMSNorm, M=1),
+down (down_proj GEMV + residual, M=1), ternary_m1 (ternary GEMV, M=1, 8192 x 8192).
+"""
+
+import sys
+
+import torch
+
+import triforge  # noqa: F401  (sets the interpreter up before any kernel is defined)
+
+
+def main():
+    target = sys.argv[1]
+    dt = torch.bfloat16
+    if target == "mhc_k1_bwd":
+        from triforge.ops import mhc as M
+        T, K = 65536, 4 * 2560
+        x = torch.randn(T, K, device="cuda", dtype=dt)
+        W = torch.randn(M.N_PROJ, K, device="cuda") * 0.02
+        proj, inv = M.project_fwd(x, W, M.EPS)
+        dproj = torch.randn_like(proj)
+        fn = lambda: M.project_bwd(x, W, proj, inv, dproj, None)  # noqa: E731
+    elif target in ("gate_up", "down"):
+        from triforge.ops import gemv as G
+        if target == "gate_up":
+            x = torch.randn(1, 896, device="cuda", dtype=dt)
+            w = torch.randn(9728, 896, device="cuda", dtype=dt) * 0.03
+            nw = torch.ones(896, device="cuda", dtype=dt)
+            fn = lambda: G.gemv_gate_up_launch(x, w, nw)  # noqa: E731
+        else:
+            x = torch.randn(1, 4864, device="cuda", dtype=dt)
+            w = torch.randn(896, 4864, device="cuda", dtype=dt) * 0.014
+            r = torch.randn(1, 896, device="cuda", dtype=dt)
+            fn = lambda: G.gemv_launch(x, w, residual=r)  # noqa: E731
+    elif target == "ternary_m1":
+        from triforge.ternary import TernaryTensor, matmul
+        tt = TernaryTensor.from_float(torch.randn(8192, 8192, device="cuda"), method="absmean")
+        x = torch.randn(1, 8192, device="cuda", dtype=dt)
+        fn = lambda: matmul(x, tt)  # noqa: E731
+    else:
+        raise SystemExit(f"unknown target {target}")
+    for _ in range(4):
+        fn()
+    torch.cuda.synchronize()
+
+
+if __name__ == "__main__":
+    main()
