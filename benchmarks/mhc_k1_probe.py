@@ -4,7 +4,9 @@ grid and tiles, in one process.
 
     PYTHONPATH=. python benchmarks/mhc_k1_probe.py [--json PATH] [--ncu]
 
-Variants (flags of one probe kernel):
+Rows "persistent": the library's kernel (one wave of balanced runs) at launch configs; its dx and
+dW are compared with the library's at its tuned config.
+Variants (--variants; flags of one probe kernel on the former 2-D grid):
   copy      stream x -> dx with the kernel's tiles and grid (no dots, no a/coef loads): the access
             pattern's own ceiling
   dx        dx = a_hi W - coef x only (no dW)
@@ -101,9 +103,18 @@ VARIANTS = {  # name: (DO_DX, DO_DW, CAT, EVICT)
 }
 
 
+def grid2d(T, K, cfg):
+    """The 2-D grid K1's backward had before the persistent one (column blocks x token splits)."""
+    n_k = triton.cdiv(K, cfg["BLOCK_K"])
+    n_t = triton.cdiv(T, cfg["BLOCK_T"])
+    splits = max(1, min(n_t, triton.cdiv(_runtime.num_sms() * cfg["programs_per_sm"], n_k)))
+    tps = triton.cdiv(n_t, splits) * cfg["BLOCK_T"]
+    return n_k, triton.cdiv(T, tps), tps
+
+
 def run_variant(flags, x, a_hi, a_lo, a_cat, coef, w, cfg, R):
     T, K = x.shape
-    n_k, splits, tps = M.project_bwd_grid(T, K, cfg)
+    n_k, splits, tps = grid2d(T, K, cfg)
     dx = torch.empty_like(x)
     part = torch.zeros(splits, 2 * R, K, device=x.device, dtype=torch.float32)
     do_dx, do_dw, cat, evict = flags
@@ -120,6 +131,7 @@ def main():
     p.add_argument("--T", type=int, default=65536)
     p.add_argument("--C", type=int, default=2560)
     p.add_argument("--ncu", action="store_true", help="one launch of the library kernel, nothing timed")
+    p.add_argument("--variants", action="store_true", help="also the 2-D-grid stage-removal variants")
     args = p.parse_args()
     dt = torch.bfloat16
     T, C = args.T, args.C
@@ -134,7 +146,8 @@ def main():
         torch.cuda.synchronize()
         return
     copy = bench.peaks()["copy_tbps"] * 1e3  # GB/s
-    ref_dx, ref_dw = M.project_bwd(x, W, proj, inv_rms, dproj, None)
+    ref_dx, ref_dw = M.project_bwd(x, W, proj, inv_rms, dproj, None, {"BLOCK_T": 32, "BLOCK_K": 128, "num_warps": 4,
+                                                                       "num_stages": 3, "programs_per_sm": 2})
     a = dproj * inv_rms[:, None]
     coef = (inv_rms.square() * (dproj * proj).sum(1) / K).contiguous()
     a_hi = a.to(dt)
@@ -156,7 +169,21 @@ def main():
     y = torch.empty_like(x)
     t_copy = triton.testing.do_bench(lambda: y.copy_(x), warmup=25, rep=300, return_mode="median")
     rows.append({"variant": "torch copy_ x->dx", "cfg": None, "ms": t_copy, "pct": 100 * nbytes / t_copy / 1e9 / copy})
-    for ci, cfg in enumerate(cfgs):
+    # the library's persistent kernel (balanced runs over column-block x token-tile units) at launch configs
+    for cfg in [lib] + [dict(c, programs_per_sm=p) for c in cfgs for p in (2, 3, 4)]:
+        try:
+            dx, dw = M.project_bwd(x, W, proj, inv_rms, dproj, None, cfg)
+            torch.cuda.synchronize()
+        except Exception as e:
+            rows.append({"variant": "persistent", "cfg": cfg, "ms": None, "error": repr(e)[:160]})
+            continue
+        err_dx = (dx.float() - ref_dx.float()).abs().max().item()
+        err_dw = ((dw.float() - ref_dw.float()).norm() / ref_dw.float().norm()).item()
+        t = triton.testing.do_bench(lambda c=cfg: M.project_bwd(x, W, proj, inv_rms, dproj, None, c), warmup=25,
+                                    rep=300, return_mode="median")
+        rows.append({"variant": "persistent", "cfg": cfg, "ms": t, "pct": 100 * nbytes / t / 1e9 / copy,
+                     "dx_max_abs": err_dx, "dw_rel": err_dw})
+    for ci, cfg in enumerate(cfgs if args.variants else []):
         for name, flags in VARIANTS.items():
             if ci > 0 and name not in ("copy", "full", "full-cat", "full-cat+evict"):
                 continue

@@ -78,20 +78,22 @@ def prologue(x_flat, W, proj, inv_rms, dproj, dinv):
 
 
 def kernel_only(x_flat, a_hi, a_lo, coef, w, cfg, R):
-    T, K = x_flat.shape
-    n_k, splits, tps = M.project_bwd_grid(T, K, cfg)
-    dx = torch.empty_like(x_flat)
-    part = torch.empty(splits, R, K, device=x_flat.device, dtype=torch.float32)
-    M.mhc_project_bwd_kernel[(n_k, splits)](
-        x_flat, a_hi, a_lo, coef, w, dx, part, T, K, tps, R=R, BLOCK_T=cfg["BLOCK_T"], BLOCK_K=cfg["BLOCK_K"],
-        SPLIT=True, UPCAST=False, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-    )
-    return dx, part
+    dx, part = M.project_bwd_main(x_flat, a_hi, a_lo, coef, w, cfg)
+    return dx, M.project_bwd_reduce(part, *x_flat.shape, cfg, torch.float32)[None]  # errs() sums dim 0
+
+
+def _grid2d(T, K, cfg):
+    """The 2-D grid K1's backward had before the persistent one (column blocks x token splits)."""
+    n_k = triton.cdiv(K, cfg["BLOCK_K"])
+    n_t = triton.cdiv(T, cfg["BLOCK_T"])
+    splits = max(1, min(n_t, triton.cdiv(_runtime.num_sms() * cfg["programs_per_sm"], n_k)))
+    tps = triton.cdiv(n_t, splits) * cfg["BLOCK_T"]
+    return n_k, triton.cdiv(T, tps), tps
 
 
 def cat_kernel(x_flat, a_hi, a_cat, coef, w, cfg, R):
     T, K = x_flat.shape
-    n_k, splits, tps = M.project_bwd_grid(T, K, cfg)
+    n_k, splits, tps = _grid2d(T, K, cfg)
     dx = torch.empty_like(x_flat)
     part = torch.empty(splits, 2 * R, K, device=x_flat.device, dtype=torch.float32)
     project_bwd_cat_kernel[(n_k, splits)](
@@ -182,9 +184,9 @@ def probe_k4_premap(rows, checks, T, C, copy):
         rows.append({"op": "k4_bwd", "variant": name, "ms": t, "pct_copy": 100 * nb_k4 / t / 1e9 / copy})
     nb_pm = 5 * T * C * 2 + 16 * T
     ref = M.pre_map_fwd(x, hp)
-    grid = [{"BLOCK_T": bt, "BLOCK_C": bc, "num_warps": w} for bt in (1, 2, 4, 8) for bc in (256, 512, 1024, 2048) for w in (4, 8)]
+    grid = [{"BLOCK": b, "num_warps": w} for b in (1024, 2048, 4096, 8192) for w in (4, 8)]
     for cfg in [M._cfg("mhc_pre_map_fwd", C, dt)] + grid:
-        name = "pre-map fwd bt{BLOCK_T} bc{BLOCK_C} w{num_warps}".format(**cfg)
+        name = "pre-map fwd b{BLOCK} w{num_warps}".format(**cfg)
         got = M.pre_map_fwd(x, hp, cfg)
         checks.append({"op": "premap_fwd", "variant": name, "max_abs": (got.float() - ref.float()).abs().max().item()})
         t = ms(lambda cfg=cfg: M.pre_map_fwd(x, hp, cfg))

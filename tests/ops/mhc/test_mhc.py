@@ -4,7 +4,8 @@ K4 post-res against the float64 reference, forward and every gradient; the regis
 
 Every kernel call runs under ``poisoned()``: outputs start as NaN, so an element the kernel never
 writes fails the comparison. Under the interpreter the project kernel uses 16-wide T/K blocks and the
-stream kernels 32-wide C blocks (BLOCK_T 4 for pre-map, 2 for post-res), so T in {1, 17, 63} and
+stream kernels 32-wide C blocks (BLOCK_T 4 for the pre-map backward, 2 for post-res; the pre-map forward
+64-element blocks of the flattened output), so T in {1, 17, 63} and
 C in {1, 24, 40, 100} hit partial blocks, masks and multi-iteration loops.
 
 Inputs are drawn on the CPU from the per-test generator (reproducible on any machine), then moved to
@@ -167,6 +168,67 @@ def test_project_w_is_used_in_full_precision(gen, device):
     assert rel < 1e-4, rel
 
 
+@pytest.mark.parametrize("n_k,n_t,P", [(1, 1, 1), (3, 7, 2), (10, 3, 4), (10, 3, 20), (80, 2048, 396),
+                                       (80, 2048, 264), (5, 1, 5), (7, 13, 91), (2, 100, 3)])
+def test_project_bwd_partition_covers_each_unit_once(n_k, n_t, P):
+    """K1 backward's persistent partition, in plain Python: the runs [p U // P, (p + 1) U // P) tile the
+    U = n_k x n_t units exactly once, a run touches at most J column blocks, and the reduce kernel's
+    formula p_of(u) = ((u + 1) P - 1) // U names exactly the programs whose runs touch each block."""
+    from triforge.ops.mhc import project_bwd_grid
+
+    U = n_k * n_t
+    seen = [0] * U
+    touching = {kb: set() for kb in range(n_k)}
+    J = triton_cdiv(U, P) // n_t + 2  # project_bwd_grid's bound
+    for p in range(P):
+        lo, hi = p * U // P, (p + 1) * U // P
+        for u in range(lo, hi):
+            seen[u] += 1
+            touching[u // n_t].add(p)
+        if hi > lo:
+            assert (hi - 1) // n_t - lo // n_t + 1 <= J
+    assert seen == [1] * U
+    for kb in range(n_k):
+        p_lo = ((kb * n_t + 1) * P - 1) // U
+        p_hi = ((kb + 1) * n_t * P - 1) // U
+        assert set(range(p_lo, p_hi + 1)) == touching[kb]
+    # the launcher's own numbers agree with the model above (T and K chosen to give n_t and n_k)
+    from triforge import _runtime
+
+    got = project_bwd_grid(16 * n_t, 16 * n_k, {"BLOCK_T": 16, "BLOCK_K": 16, "programs_per_sm": 1})
+    P_launch = max(1, min(U, _runtime.num_sms()))
+    assert got == (n_t, U, P_launch, triton_cdiv(U, P_launch) // n_t + 2)
+
+
+def triton_cdiv(a, b):
+    return -(-a // b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("cfg", [
+    {"BLOCK_T": 16, "BLOCK_K": 16, "num_warps": 4, "num_stages": 1, "programs_per_sm": 1},   # runs span 3-4 blocks
+    {"BLOCK_T": 16, "BLOCK_K": 16, "num_warps": 4, "num_stages": 1, "programs_per_sm": 5},   # 1.5 units per run
+    {"BLOCK_T": 16, "BLOCK_K": 32, "num_warps": 4, "num_stages": 1, "programs_per_sm": 16},  # more programs than units
+], ids=["span", "split", "capped"])
+def test_project_backward_persistent_runs(cfg, dtype, gen, device):
+    """K1 backward at launch configs whose runs start and end inside column blocks (and T, K that are
+    not multiples of the tiles): dx and dW against float64 autograd through the reference."""
+    from triforge.ops import mhc as M
+
+    T, C = 40, 37  # 3 token tiles of 16 (the last partial), K = 148: 10 or 5 column blocks (the last partial)
+    x = _x((T, 4 * C), dtype, gen, device=device)
+    W = _W(C, gen, device=device)
+    dproj = _x((T, N_PROJ), torch.float32, gen, device=device)
+    dinv = _x((T,), torch.float32, gen, device=device)
+    x64, W64 = _leaf(_to64(x)), _leaf(_to64(W))
+    p64, i64 = rmsnorm_project_ref(x64, W64, 1e-6)
+    ref_dx, ref_dW = torch.autograd.grad([p64, i64], [x64, W64], [_to64(dproj), _to64(dinv)])
+    with poisoned():
+        proj, inv = M.project_fwd(x, W, 1e-6)
+        dx, dW = M.project_bwd(x, W, proj, inv, dproj, dinv, cfg)
+    _assert_ok(compare("dx", ref_dx, dx, dtype=dtype, verbose=False), compare("dW", ref_dW, dW, dtype=dtype, verbose=False))
+
+
 # ----------------------------------------------------------------------------- K3: pre-map
 
 
@@ -192,6 +254,26 @@ def test_pre_map_forward_and_gradients(dtype, T, C, gen, device):
         compare("dx", ref_dx, dx, dtype=dtype, verbose=False),
         compare("dh_pre", ref_dh, dh, dtype=dtype, verbose=False),
     )
+
+
+@pytest.mark.parametrize("even,i64", [(True, False), (False, False), (True, True), (False, True)],
+                         ids=["even", "masked", "even-int64", "masked-int64"])
+def test_pre_map_forward_kernel_paths(even, i64, gen, device):
+    """The flat pre-map forward's four compiled paths (no masks when BLOCK divides T * C; 64-bit offsets,
+    which the launcher picks only past 2^31 elements) against the float64 reference, on the NaN-poisoned
+    output (a block the unmasked path skipped or overran shows as NaN or a mismatch)."""
+    import triton
+
+    from triforge.ops.mhc.forward import mhc_pre_map_fwd_kernel
+
+    T, C, block = (16, 40, 64) if even else (17, 40, 64)
+    x = _x((T, 4, C), torch.bfloat16, gen, device=device)
+    h = _x((T, 4), torch.float32, gen, device=device)
+    assert (T * C % block == 0) == even
+    with poisoned():
+        y = torch.full((T, C), float("nan"), dtype=x.dtype, device=device)
+        mhc_pre_map_fwd_kernel[(triton.cdiv(T * C, block),)](x, h, y, T * C, C=C, BLOCK=block, EVEN=even, I64=i64)
+    _assert_ok(compare("y", pre_map_ref(_to64(x), _to64(h)), y, dtype=torch.bfloat16, verbose=False))
 
 
 # ----------------------------------------------------------------------------- K4: post-res

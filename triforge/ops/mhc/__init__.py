@@ -20,6 +20,7 @@ from triforge.ops.mhc.backward import (
     mhc_pre_map_bwd_kernel,
     mhc_project_bwd_kernel,
     mhc_project_bwd_prologue_kernel,
+    mhc_project_bwd_reduce_kernel,
 )
 from triforge.ops.mhc.forward import mhc_post_res_fwd_kernel, mhc_pre_map_fwd_kernel, mhc_project_fwd_kernel
 from triforge.ops.mhc.reference import (
@@ -44,8 +45,8 @@ STREAM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 _FALLBACK = {
     "mhc_project_fwd": {"BLOCK_T": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3},
-    "mhc_project_bwd": {"BLOCK_T": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 2, "programs_per_sm": 4},
-    "mhc_pre_map_fwd": {"BLOCK_T": 4, "BLOCK_C": 256, "num_warps": 4},
+    "mhc_project_bwd": {"BLOCK_T": 32, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "programs_per_sm": 3},
+    "mhc_pre_map_fwd": {"BLOCK": 4096, "num_warps": 4},
     "mhc_pre_map_bwd": {"BLOCK_T": 4, "BLOCK_C": 256, "num_warps": 4},
     "mhc_post_res_fwd": {"BLOCK_T": 2, "BLOCK_C": 256, "num_warps": 4},
     "mhc_post_res_bwd": {"BLOCK_T": 2, "BLOCK_C": 256, "num_warps": 4},
@@ -57,6 +58,7 @@ def _cfg(kernel, C, dtype):
     if _runtime.INTERPRET:  # keep interpreter blocks small so odd sizes exercise masks and loops
         fallback.update({k: 16 for k in ("BLOCK_T", "BLOCK_K") if k in fallback and kernel.startswith("mhc_project")})
         fallback.update({"BLOCK_C": 32} if "BLOCK_C" in fallback else {})
+        fallback.update({"BLOCK": 64} if "BLOCK" in fallback else {})
     bucket = "C" + str(triton.next_power_of_2(C))
     return launch.config(kernel, launch.config_key(c=bucket, dtype=launch.dtype_tag(dtype)), fallback)
 
@@ -92,13 +94,13 @@ def project_fwd(x_flat, W, eps, cfg=None):
 
 
 def project_bwd_grid(T, K, cfg):
-    """K1 backward's grid: (column blocks, token splits, tokens per split); about programs_per_sm
-    programs per SM, each over a run of whole BLOCK_T tiles."""
-    n_k = triton.cdiv(K, cfg["BLOCK_K"])
+    """K1 backward's persistent grid: (n_t token tiles, U units, P programs, J dW slots per program).
+    U = column blocks x token tiles; P = SMs x programs_per_sm (at most U), each a run of ~U / P units."""
     n_t = triton.cdiv(T, cfg["BLOCK_T"])
-    splits = max(1, min(n_t, triton.cdiv(_runtime.num_sms() * cfg["programs_per_sm"], n_k)))
-    tokens_per_split = triton.cdiv(n_t, splits) * cfg["BLOCK_T"]
-    return n_k, triton.cdiv(T, tokens_per_split), tokens_per_split
+    U = triton.cdiv(K, cfg["BLOCK_K"]) * n_t
+    P = max(1, min(U, _runtime.num_sms() * cfg["programs_per_sm"]))
+    J = triton.cdiv(U, P) // n_t + 2  # column blocks one run can touch
+    return n_t, U, P, J
 
 
 def project_bwd(x_flat, W, proj, inv_rms, dproj, dinv, cfg=None):
@@ -116,28 +118,49 @@ def project_bwd(x_flat, W, proj, inv_rms, dproj, dinv, cfg=None):
         R=R, BLOCK_T=_PROLOGUE_T, HAS_DINV=dinv is not None, SPLIT=split, RNE=_runtime.INTERPRET, num_warps=4,
     )
     w = W.to(x_flat.dtype).contiguous() if split else W.float().contiguous()  # W rounded once for dx
-    n_k, splits, tokens_per_split = project_bwd_grid(T, K, cfg)
-    dx = new_output((T, K), x_flat.dtype, x_flat.device)
-    dw_part = new_output((splits, R, K), torch.float32, x_flat.device)
+    dx, dw_part = project_bwd_main(x_flat, a_hi, a_lo, coef, w, cfg)
+    return dx, project_bwd_reduce(dw_part, T, K, cfg, W.dtype)
+
+
+def project_bwd_reduce(dw_part, T, K, cfg, dtype):
+    """dW [R, K] in ``dtype`` from K1 backward's per-program partials, summed in a fixed order."""
+    R = dw_part.shape[2]
+    n_t, U, P, J = project_bwd_grid(T, K, cfg)
+    dW = new_output((R, K), dtype, dw_part.device)
     launch.launch(
-        "mhc_project_bwd", mhc_project_bwd_kernel, (n_k, splits),
-        x_flat, a_hi, a_lo, coef, w, dx, dw_part, T, K, tokens_per_split,
+        "mhc_project_bwd_reduce", mhc_project_bwd_reduce_kernel, (triton.cdiv(K, cfg["BLOCK_K"]),),
+        dw_part, dW, K, n_t, U, P, J, nbytes=dw_part.numel() * 4 + dW.numel() * dW.element_size(),
+        R=R, BLOCK_K=cfg["BLOCK_K"], num_warps=4,
+    )
+    return dW
+
+
+def project_bwd_main(x_flat, a_hi, a_lo, coef, w, cfg):
+    """K1 backward's streaming kernel alone (the prologue's outputs in): (dx, dW partials [P, J, R, BLOCK_K])."""
+    T, K = x_flat.shape
+    R = w.shape[0]
+    n_t, U, P, J = project_bwd_grid(T, K, cfg)
+    dx = new_output((T, K), x_flat.dtype, x_flat.device)
+    dw_part = new_output((P, J, R, cfg["BLOCK_K"]), torch.float32, x_flat.device)
+    launch.launch(
+        "mhc_project_bwd", mhc_project_bwd_kernel, (P,),
+        x_flat, a_hi, a_lo, coef, w, dx, dw_part, T, K, n_t, U, P, J,
         nbytes=2 * x_flat.numel() * x_flat.element_size() + T * (R + 1) * 4,
-        R=R, BLOCK_T=cfg["BLOCK_T"], BLOCK_K=cfg["BLOCK_K"], SPLIT=split,
+        R=R, BLOCK_T=cfg["BLOCK_T"], BLOCK_K=cfg["BLOCK_K"], SPLIT=x_flat.dtype != torch.float32,
         UPCAST=_runtime.INTERPRET and x_flat.dtype == torch.bfloat16,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
-    return dx, dw_part.sum(0).to(W.dtype)
+    return dx, dw_part
 
 
 def pre_map_fwd(x, h_pre, cfg=None):
     T, _, C = x.shape
     cfg = cfg or _cfg("mhc_pre_map_fwd", C, x.dtype)
     y = new_output((T, C), x.dtype, x.device)
-    grid = (triton.cdiv(T, cfg["BLOCK_T"]), triton.cdiv(C, cfg["BLOCK_C"]))
-    launch.launch("mhc_pre_map_fwd", mhc_pre_map_fwd_kernel, grid, x, h_pre, y, T, C,
+    n, block = T * C, cfg["BLOCK"]
+    launch.launch("mhc_pre_map_fwd", mhc_pre_map_fwd_kernel, (triton.cdiv(n, block),), x, h_pre, y, n,
                   nbytes=5 * T * C * x.element_size() + 16 * T,
-                  BLOCK_T=cfg["BLOCK_T"], BLOCK_C=cfg["BLOCK_C"], num_warps=cfg["num_warps"])
+                  C=C, BLOCK=block, EVEN=n % block == 0, I64=x.numel() + block >= 2**31, num_warps=cfg["num_warps"])
     return y
 
 
@@ -528,8 +551,8 @@ _ROW_SPACE = {"BLOCK_T": [1, 2, 4], "BLOCK_C": [256, 512, 1024], "num_warps": [4
 _tunable("mhc_project_fwd", {"BLOCK_T": [64, 128], "BLOCK_K": [64, 128], "num_warps": [4, 8], "num_stages": [2, 3]},
          _run_project_fwd)
 _tunable("mhc_project_bwd", {"BLOCK_T": [32, 64, 128], "BLOCK_K": [64, 128], "num_warps": [4, 8], "num_stages": [2, 3],
-                             "programs_per_sm": [2, 4]}, _run_project_bwd)
-_tunable("mhc_pre_map_fwd", _ROW_SPACE, _run_pre_map("fwd"))
+                             "programs_per_sm": [2, 3, 4]}, _run_project_bwd)
+_tunable("mhc_pre_map_fwd", {"BLOCK": [1024, 2048, 4096, 8192], "num_warps": [4, 8]}, _run_pre_map("fwd"))
 _tunable("mhc_pre_map_bwd", _ROW_SPACE, _run_pre_map("bwd"))
 _tunable("mhc_post_res_fwd", _ROW_SPACE, _run_post_res("fwd"))
 _tunable("mhc_post_res_bwd", _ROW_SPACE, _run_post_res("bwd"))

@@ -67,47 +67,90 @@ def mhc_project_bwd_kernel(
     coef_ptr,  # [T] fp32
     w_ptr,  # [R, K] W in x's dtype (fp32 when x is fp32)
     dx_ptr,  # [T, K] x's dtype
-    dw_part_ptr,  # [S, R, K] fp32: dW summed over this program's run of tokens
+    dw_part_ptr,  # [P, J, R, BLOCK_K] fp32: slot j of program p = dW^T over its tiles of its j-th column block
     T,
     K,
-    tokens_per_split,
+    n_t,  # token tiles: cdiv(T, BLOCK_T)
+    U,  # work units: column blocks x token tiles
+    P,  # programs (the grid)
+    J,  # slots per program in dw_part
     R: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SPLIT: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
-    i_k, i_s = tl.program_id(0), tl.program_id(1)
-    o_k = i_k * BLOCK_K + tl.arange(0, BLOCK_K)
-    m_k = o_k < K
+    """Persistent and balanced: the U = n_k x n_t units (column block, token tile), ordered column-block
+    major, are cut into P equal runs, one per program (P = SMs x programs_per_sm, one wave). A run
+    spans one or a few column blocks; for each it loads W's [R, BLOCK_K] block once, walks its token
+    tiles (the pipelined inner loop) and stores its dW^T partial in its next slot; project_bwd_reduce
+    sums the partials of each column block in program order (deterministic). With a 2-D grid
+    (column blocks x token splits) 80 column blocks never spread evenly over 132 SMs: a third of the
+    SMs ran 3 programs and the rest 2, and the kernel took the 3-program time (81% of copy)."""
+    p = tl.program_id(0).to(tl.int64)
+    u_start = p * U // P
+    u_end = (p + 1) * U // P
+    kb_first = u_start // n_t
+    kb_last = (u_end - 1) // n_t
     o_r = tl.arange(0, R)
-    b_w = tl.load(w_ptr + o_r[:, None] * K + o_k[None, :], mask=m_k[None, :], other=0.0)
-    b_dwT = tl.zeros([BLOCK_K, R], dtype=tl.float32)  # dW^T: the dot's M is BLOCK_K, not R
-    t_start = i_s * tokens_per_split
-    t_end = tl.minimum(t_start + tokens_per_split, T)
-    for t0 in range(t_start, t_end, BLOCK_T):
-        o_t = t0 + tl.arange(0, BLOCK_T)
-        m_t = o_t < t_end
-        o_t64 = o_t.to(tl.int64)
-        m_tk = m_t[:, None] & m_k[None, :]
-        o_x = o_t64[:, None] * K + o_k[None, :]
-        b_x = tl.load(x_ptr + o_x, mask=m_tk, other=0.0)
-        o_a = o_t64[:, None] * R + o_r[None, :]
-        b_a_hi = tl.load(a_hi_ptr + o_a, mask=m_t[:, None], other=0.0)
-        b_coef = tl.load(coef_ptr + o_t, mask=m_t, other=0.0)
-        b_xT = tl.trans(b_x)
-        if SPLIT:
-            b_a_lo = tl.load(a_lo_ptr + o_a, mask=m_t[:, None], other=0.0)
-            b_dx = dot16(b_a_hi, b_w, tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32), UPCAST)
-            b_dwT = dot16(b_xT, b_a_hi, b_dwT, UPCAST)
-            b_dwT = dot16(b_xT, b_a_lo, b_dwT, UPCAST)
-        else:
-            b_dx = tl.dot(b_a_hi, b_w, input_precision="tf32x3")
-            b_dwT = tl.dot(b_xT, b_a_hi, b_dwT, input_precision="tf32x3")
-        b_dx -= b_coef[:, None] * b_x.to(tl.float32)
-        tl.store(dx_ptr + o_x, b_dx.to(dx_ptr.dtype.element_ty), mask=m_tk)
-    o_dw = i_s.to(tl.int64) * R * K + o_r[None, :] * K + o_k[:, None]
-    tl.store(dw_part_ptr + o_dw, b_dwT, mask=m_k[:, None])
+    o_kk = tl.arange(0, BLOCK_K)
+    for kb in range(kb_first, kb_last + 1):
+        o_k = kb * BLOCK_K + o_kk
+        m_k = o_k < K
+        b_w = tl.load(w_ptr + o_r[:, None] * K + o_k[None, :], mask=m_k[None, :], other=0.0)
+        b_dwT = tl.zeros([BLOCK_K, R], dtype=tl.float32)  # dW^T: the dot's M is BLOCK_K, not R
+        t_lo = tl.maximum(u_start - kb * n_t, 0)
+        t_hi = tl.minimum(u_end - kb * n_t, n_t)
+        for i_t in range(t_lo, t_hi):
+            o_t = i_t * BLOCK_T + tl.arange(0, BLOCK_T)
+            m_t = o_t < T
+            m_tk = m_t[:, None] & m_k[None, :]
+            o_x = o_t[:, None] * K + o_k[None, :]
+            b_x = tl.load(x_ptr + o_x, mask=m_tk, other=0.0)
+            o_a = o_t[:, None] * R + o_r[None, :]
+            b_a_hi = tl.load(a_hi_ptr + o_a, mask=m_t[:, None], other=0.0)
+            b_coef = tl.load(coef_ptr + o_t, mask=m_t, other=0.0)
+            b_xT = tl.trans(b_x)
+            if SPLIT:
+                b_a_lo = tl.load(a_lo_ptr + o_a, mask=m_t[:, None], other=0.0)
+                b_dx = dot16(b_a_hi, b_w, tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32), UPCAST)
+                b_dwT = dot16(b_xT, b_a_hi, b_dwT, UPCAST)
+                b_dwT = dot16(b_xT, b_a_lo, b_dwT, UPCAST)
+            else:
+                b_dx = tl.dot(b_a_hi, b_w, input_precision="tf32x3")
+                b_dwT = tl.dot(b_xT, b_a_hi, b_dwT, input_precision="tf32x3")
+            b_dx -= b_coef[:, None] * b_x.to(tl.float32)
+            tl.store(dx_ptr + o_x, b_dx.to(dx_ptr.dtype.element_ty), mask=m_tk)
+        o_dw = ((p * J + (kb - kb_first)) * R + o_r[None, :]) * BLOCK_K + o_kk[:, None]
+        tl.store(dw_part_ptr + o_dw, b_dwT)
+
+
+@triton.jit
+def mhc_project_bwd_reduce_kernel(
+    dw_part_ptr,  # [P, J, R, BLOCK_K] fp32 (mhc_project_bwd_kernel)
+    dw_ptr,  # [R, K] W's dtype
+    K,
+    n_t,
+    U,
+    P,
+    J,
+    R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """dW[:, column block kb] = the sum, in program order, of the partials of the programs whose runs
+    touch kb: programs p_of(kb n_t) .. p_of((kb + 1) n_t - 1), with p_of(u) = ((u + 1) P - 1) // U
+    the program whose run [p U // P, (p + 1) U // P) holds unit u."""
+    kb = tl.program_id(0).to(tl.int64)
+    p_lo = ((kb * n_t + 1) * P - 1) // U
+    p_hi = (((kb + 1) * n_t) * P - 1) // U
+    o_r = tl.arange(0, R)
+    o_kk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([R, BLOCK_K], dtype=tl.float32)
+    for p in range(p_lo, p_hi + 1):
+        j = kb - (p * U // P) // n_t
+        acc += tl.load(dw_part_ptr + ((p * J + j) * R + o_r[:, None]) * BLOCK_K + o_kk[None, :])
+    o_k = kb * BLOCK_K + o_kk
+    tl.store(dw_ptr + o_r[:, None] * K + o_k[None, :], acc.to(dw_ptr.dtype.element_ty), mask=(o_k < K)[None, :])
 
 
 @triton.jit

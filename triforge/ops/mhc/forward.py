@@ -61,23 +61,35 @@ def mhc_pre_map_fwd_kernel(
     x_ptr,  # [T, 4, C] streams
     h_ptr,  # [T, 4] fp32 h_pre
     y_ptr,  # [T, C] layer input, x's dtype
-    T,
-    C,
-    BLOCK_T: tl.constexpr,
-    BLOCK_C: tl.constexpr,
+    n,  # T * C
+    C: tl.constexpr,
+    BLOCK: tl.constexpr,
+    EVEN: tl.constexpr,  # n % BLOCK == 0: no masks
+    I64: tl.constexpr,  # offsets past int32 (x has >= 2^31 elements)
 ):
-    i_t, i_c = tl.program_id(0), tl.program_id(1)
-    o_t = i_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    o_j = tl.arange(0, 4)
-    o_c = i_c * BLOCK_C + tl.arange(0, BLOCK_C)
-    m_t, m_c = o_t < T, o_c < C
-    o_t64 = o_t.to(tl.int64)
-    b_h = tl.load(h_ptr + o_t64[:, None] * 4 + o_j[None, :], mask=m_t[:, None], other=0.0)
-    m_x = m_t[:, None, None] & m_c[None, None, :]
-    o_x = o_t64[:, None, None] * 4 * C + o_j[None, :, None] * C + o_c[None, None, :]
-    b_x = tl.load(x_ptr + o_x, mask=m_x, other=0.0).to(tl.float32)
-    b_y = tl.sum(b_h[:, :, None] * b_x, axis=1)
-    tl.store(y_ptr + o_t64[:, None] * C + o_c[None, :], b_y.to(y_ptr.dtype.element_ty), mask=m_t[:, None] & m_c[None, :])
+    """One contiguous BLOCK of the flattened [T * C] output per program (the shape of the elementwise
+    kernel torch.compile generates, which a [BLOCK_T, BLOCK_C] tile grid trailed by 2%): element
+    (t, c) reads h[t, j] (L1 hits) and x[t, j, c] for the four streams j."""
+    i = tl.program_id(0)
+    if I64:
+        i = i.to(tl.int64)
+    o = i * BLOCK + tl.arange(0, BLOCK)
+    m = o < n
+    t = o // C
+    p_x = x_ptr + t * (4 * C) + o % C
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for j in tl.static_range(4):
+        if EVEN:
+            b_h = tl.load(h_ptr + t * 4 + j, eviction_policy="evict_last")
+            b_x = tl.load(p_x + j * C)
+        else:
+            b_h = tl.load(h_ptr + t * 4 + j, mask=m, other=0.0, eviction_policy="evict_last")
+            b_x = tl.load(p_x + j * C, mask=m, other=0.0)
+        acc += b_h * b_x.to(tl.float32)
+    if EVEN:
+        tl.store(y_ptr + o, acc.to(y_ptr.dtype.element_ty))
+    else:
+        tl.store(y_ptr + o, acc.to(y_ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit
