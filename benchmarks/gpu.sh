@@ -57,12 +57,17 @@ for step in $STEPS; do
       timeout "${SANITIZE_S:-240}" compute-sanitizer --tool memcheck --print-limit 20 \
         python3 -m triforge check --tier tiny --seed 1 $OPS > "$OUT/sanitize.log" 2>&1 || status=1
       echo "sanitize: ${SECONDS}s"; grep -E "ERROR SUMMARY|FAIL" "$OUT/sanitize.log" | head; tail -3 "$OUT/sanitize.log" ;;
-    tune)
-      for k in $(python3 -c 'from triforge import tune; print(" ".join(tune.all_tunables()))'); do
-        sel=${TUNE:-$OPS}
-        if [ -n "$sel" ] && ! echo "$k" | grep -qE "^($(echo $sel | tr ' ' '|'))"; then continue; fi
-        if [ $SECONDS -ge "${TUNE_S:-300}" ]; then echo "tune: time is up, $k not tuned"; continue; fi
-        python3 -m triforge tune "$k" ${TUNE_ARGS:-} --write --top 3 --json "$OUT/tune-$k${TUNE_TAG:-}.json" 2>&1 | tail -4
+    tune)  # TUNE_ARGS may hold several argument sets separated by ';' (e.g. two shapes): each set tunes every selected kernel
+      IFS=';' read -ra targs <<< "${TUNE_ARGS:- }"
+      ti=0
+      for ta in "${targs[@]}"; do
+        ti=$((ti + 1))
+        for k in $(python3 -c 'from triforge import tune; print(" ".join(tune.all_tunables()))'); do
+          sel=${TUNE:-$OPS}
+          if [ -n "$sel" ] && ! echo "$k" | grep -qE "^($(echo $sel | tr ' ' '|'))"; then continue; fi
+          if [ $SECONDS -ge "${TUNE_S:-300}" ]; then echo "tune: time is up, $k ($ta) not tuned"; continue; fi
+          python3 -m triforge tune "$k" $ta --write --top 3 --json "$OUT/tune-$k${TUNE_TAG:-}-$ti.json" 2>&1 | tail -4
+        done
       done
       ;;
     bench)

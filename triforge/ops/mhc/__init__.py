@@ -550,7 +550,8 @@ def _run_post_res(kind):
 _ROW_SPACE = {"BLOCK_T": [1, 2, 4], "BLOCK_C": [256, 512, 1024], "num_warps": [4, 8]}
 _tunable("mhc_project_fwd", {"BLOCK_T": [64, 128], "BLOCK_K": [64, 128], "num_warps": [4, 8], "num_stages": [2, 3]},
          _run_project_fwd)
-_tunable("mhc_project_bwd", {"BLOCK_T": [32, 64, 128], "BLOCK_K": [64, 128], "num_warps": [4, 8], "num_stages": [2, 3],
+# K1 backward: 3 pipeline stages won every earlier sweep; programs_per_sm sets the persistent grid (one wave)
+_tunable("mhc_project_bwd", {"BLOCK_T": [32, 64], "BLOCK_K": [64, 128], "num_warps": [4, 8], "num_stages": [3],
                              "programs_per_sm": [2, 3, 4]}, _run_project_bwd)
 _tunable("mhc_pre_map_fwd", {"BLOCK": [1024, 2048, 4096, 8192], "num_warps": [4, 8]}, _run_pre_map("fwd"))
 _tunable("mhc_pre_map_bwd", _ROW_SPACE, _run_pre_map("bwd"))
