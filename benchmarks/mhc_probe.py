@@ -78,7 +78,7 @@ def prologue(x_flat, W, proj, inv_rms, dproj, dinv):
 
 
 def kernel_only(x_flat, a_hi, a_lo, coef, w, cfg, R):
-    dx, part = M.project_bwd_main(x_flat, a_hi, a_lo, coef, w, cfg)
+    dx, part = M.project_bwd_main(x_flat, a_hi, a_lo, coef, w.float(), cfg)
     return dx, M.project_bwd_reduce(part, *x_flat.shape, cfg, torch.float32)[None]  # errs() sums dim 0
 
 

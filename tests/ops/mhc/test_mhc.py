@@ -209,13 +209,16 @@ def triton_cdiv(a, b):
     {"BLOCK_T": 16, "BLOCK_K": 16, "num_warps": 4, "num_stages": 1, "programs_per_sm": 1},   # runs span 3-4 blocks
     {"BLOCK_T": 16, "BLOCK_K": 16, "num_warps": 4, "num_stages": 1, "programs_per_sm": 5},   # 1.5 units per run
     {"BLOCK_T": 16, "BLOCK_K": 32, "num_warps": 4, "num_stages": 1, "programs_per_sm": 16},  # more programs than units
-], ids=["span", "split", "capped"])
+    {"BLOCK_T": 16, "BLOCK_K": 32, "num_warps": 4, "num_stages": 3, "programs_per_sm": 2, "TMA": 1},  # descriptors (GPU)
+], ids=["span", "split", "capped", "tma"])
 def test_project_backward_persistent_runs(cfg, dtype, gen, device):
     """K1 backward at launch configs whose runs start and end inside column blocks (and T, K that are
     not multiples of the tiles): dx and dW against float64 autograd through the reference."""
     from triforge.ops import mhc as M
 
-    T, C = 40, 37  # 3 token tiles of 16 (the last partial), K = 148: 10 or 5 column blocks (the last partial)
+    # 3 token tiles of 16 (the last partial), K = 148: 10 or 5 column blocks (the last partial); with TMA K = 160
+    # (descriptor rows must be 16-byte multiples: the launcher takes the pointer path otherwise)
+    T, C = (40, 40) if cfg.get("TMA") else (40, 37)
     x = _x((T, 4 * C), dtype, gen, device=device)
     W = _W(C, gen, device=device)
     dproj = _x((T, N_PROJ), torch.float32, gen, device=device)

@@ -78,16 +78,14 @@ def _split16(t, dtype):
 def project_fwd(x_flat, W, eps, cfg=None):
     T, K = x_flat.shape
     cfg = cfg or _cfg("mhc_project_fwd", K // N_STREAMS, x_flat.dtype)
-    split = x_flat.dtype != torch.float32
-    w_hi, w_lo = _split16(W.float(), x_flat.dtype) if split else (W.float().contiguous(),) * 2
     proj = new_output((T, W.shape[0]), torch.float32, x_flat.device)
     inv_rms = new_output((T,), torch.float32, x_flat.device)
     launch.launch(
         "mhc_project_fwd", mhc_project_fwd_kernel, (triton.cdiv(T, cfg["BLOCK_T"]),),
-        x_flat, w_hi, w_lo, proj, inv_rms, T, K, eps,
+        x_flat, W.float().contiguous(), proj, inv_rms, T, K, eps,
         nbytes=x_flat.numel() * x_flat.element_size() + T * (W.shape[0] + 1) * 4,
-        R=W.shape[0], BLOCK_T=cfg["BLOCK_T"], BLOCK_K=cfg["BLOCK_K"], SPLIT_W=split,
-        UPCAST=_runtime.INTERPRET and x_flat.dtype == torch.bfloat16,
+        R=W.shape[0], BLOCK_T=cfg["BLOCK_T"], BLOCK_K=cfg["BLOCK_K"], SPLIT_W=x_flat.dtype != torch.float32,
+        UPCAST=_runtime.INTERPRET and x_flat.dtype == torch.bfloat16, RNE=_runtime.INTERPRET,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return proj, inv_rms
@@ -117,8 +115,7 @@ def project_bwd(x_flat, W, proj, inv_rms, dproj, dinv, cfg=None):
         dproj, proj, inv_rms, dinv if dinv is not None else inv_rms, a_hi, a_lo, coef, T, K,
         R=R, BLOCK_T=_PROLOGUE_T, HAS_DINV=dinv is not None, SPLIT=split, RNE=_runtime.INTERPRET, num_warps=4,
     )
-    w = W.to(x_flat.dtype).contiguous() if split else W.float().contiguous()  # W rounded once for dx
-    dx, dw_part = project_bwd_main(x_flat, a_hi, a_lo, coef, w, cfg)
+    dx, dw_part = project_bwd_main(x_flat, a_hi, a_lo, coef, W.float().contiguous(), cfg)
     return dx, project_bwd_reduce(dw_part, T, K, cfg, W.dtype)
 
 
@@ -136,18 +133,26 @@ def project_bwd_reduce(dw_part, T, K, cfg, dtype):
 
 
 def project_bwd_main(x_flat, a_hi, a_lo, coef, w, cfg):
-    """K1 backward's streaming kernel alone (the prologue's outputs in): (dx, dW partials [P, J, R, BLOCK_K])."""
+    """K1 backward's streaming kernel alone (the prologue's outputs and fp32 W in): (dx, dW partials
+    [P, J, R, BLOCK_K])."""
     T, K = x_flat.shape
     R = w.shape[0]
     n_t, U, P, J = project_bwd_grid(T, K, cfg)
     dx = new_output((T, K), x_flat.dtype, x_flat.device)
     dw_part = new_output((P, J, R, cfg["BLOCK_K"]), torch.float32, x_flat.device)
+    # tensor descriptors: compiled kernels only, rows 16-byte aligned (x and dx are fresh contiguous buffers)
+    tma = bool(cfg.get("TMA", 0)) and not _runtime.INTERPRET and (K * x_flat.element_size()) % 16 == 0 \
+        and x_flat.data_ptr() % 16 == 0
+    if tma:
+        from triforge.ops.attention import _use_descriptors
+
+        _use_descriptors()
     launch.launch(
         "mhc_project_bwd", mhc_project_bwd_kernel, (P,),
         x_flat, a_hi, a_lo, coef, w, dx, dw_part, T, K, n_t, U, P, J,
         nbytes=2 * x_flat.numel() * x_flat.element_size() + T * (R + 1) * 4,
         R=R, BLOCK_T=cfg["BLOCK_T"], BLOCK_K=cfg["BLOCK_K"], SPLIT=x_flat.dtype != torch.float32,
-        UPCAST=_runtime.INTERPRET and x_flat.dtype == torch.bfloat16,
+        UPCAST=_runtime.INTERPRET and x_flat.dtype == torch.bfloat16, RNE=_runtime.INTERPRET, TMA=tma,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return dx, dw_part
@@ -550,9 +555,10 @@ def _run_post_res(kind):
 _ROW_SPACE = {"BLOCK_T": [1, 2, 4], "BLOCK_C": [256, 512, 1024], "num_warps": [4, 8]}
 _tunable("mhc_project_fwd", {"BLOCK_T": [64, 128], "BLOCK_K": [64, 128], "num_warps": [4, 8], "num_stages": [2, 3]},
          _run_project_fwd)
-# K1 backward: 3 pipeline stages won every earlier sweep; programs_per_sm sets the persistent grid (one wave)
-_tunable("mhc_project_bwd", {"BLOCK_T": [32, 64], "BLOCK_K": [64, 128], "num_warps": [4, 8], "num_stages": [3],
-                             "programs_per_sm": [2, 3, 4]}, _run_project_bwd)
+# K1 backward: 4 warps won every earlier sweep; programs_per_sm sets the persistent grid (one wave); TMA: x and
+# dx through tensor descriptors
+_tunable("mhc_project_bwd", {"BLOCK_T": [32, 64], "BLOCK_K": [64, 128], "num_warps": [4], "num_stages": [3],
+                             "programs_per_sm": [2, 3], "TMA": [0, 1]}, _run_project_bwd)
 _tunable("mhc_pre_map_fwd", {"BLOCK": [1024, 2048, 4096, 8192], "num_warps": [4, 8]}, _run_pre_map("fwd"))
 _tunable("mhc_pre_map_bwd", _ROW_SPACE, _run_pre_map("bwd"))
 _tunable("mhc_post_res_fwd", _ROW_SPACE, _run_post_res("fwd"))

@@ -65,7 +65,7 @@ def mhc_project_bwd_kernel(
     a_hi_ptr,  # [T, R] inv_rms * dproj, in x's dtype (fp32 when x is fp32)
     a_lo_ptr,  # [T, R] remainder a - a_hi (read when SPLIT)
     coef_ptr,  # [T] fp32
-    w_ptr,  # [R, K] W in x's dtype (fp32 when x is fp32)
+    w_ptr,  # [R, K] fp32 W (rounded to x's dtype here for the dx dot when SPLIT)
     dx_ptr,  # [T, K] x's dtype
     dw_part_ptr,  # [P, J, R, BLOCK_K] fp32: slot j of program p = dW^T over its tiles of its j-th column block
     T,
@@ -79,6 +79,8 @@ def mhc_project_bwd_kernel(
     BLOCK_K: tl.constexpr,
     SPLIT: tl.constexpr,
     UPCAST: tl.constexpr,
+    RNE: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     """Persistent and balanced: the U = n_k x n_t units (column block, token tile), ordered column-block
     major, are cut into P equal runs, one per program (P = SMs x programs_per_sm, one wave). A run
@@ -86,7 +88,9 @@ def mhc_project_bwd_kernel(
     tiles (the pipelined inner loop) and stores its dW^T partial in its next slot; project_bwd_reduce
     sums the partials of each column block in program order (deterministic). With a 2-D grid
     (column blocks x token splits) 80 column blocks never spread evenly over 132 SMs: a third of the
-    SMs ran 3 programs and the rest 2, and the kernel took the 3-program time (81% of copy)."""
+    SMs ran 3 programs and the rest 2, and the kernel took the 3-program time (81% of copy).
+    TMA: x tiles arrive and dx tiles leave through tensor descriptors (the copy engine moves them;
+    out-of-range rows and columns are zero-filled on load and dropped on store)."""
     p = tl.program_id(0).to(tl.int64)
     u_start = p * U // P
     u_end = (p + 1) * U // P
@@ -94,10 +98,15 @@ def mhc_project_bwd_kernel(
     kb_last = (u_end - 1) // n_t
     o_r = tl.arange(0, R)
     o_kk = tl.arange(0, BLOCK_K)
+    if TMA:
+        x_desc = tl.make_tensor_descriptor(x_ptr, [T, K], [K, 1], [BLOCK_T, BLOCK_K])
+        dx_desc = tl.make_tensor_descriptor(dx_ptr, [T, K], [K, 1], [BLOCK_T, BLOCK_K])
     for kb in range(kb_first, kb_last + 1):
         o_k = kb * BLOCK_K + o_kk
         m_k = o_k < K
         b_w = tl.load(w_ptr + o_r[:, None] * K + o_k[None, :], mask=m_k[None, :], other=0.0)
+        if SPLIT:
+            b_w = _cast(b_w, x_ptr.dtype.element_ty, RNE)
         b_dwT = tl.zeros([BLOCK_K, R], dtype=tl.float32)  # dW^T: the dot's M is BLOCK_K, not R
         t_lo = tl.maximum(u_start - kb * n_t, 0)
         t_hi = tl.minimum(u_end - kb * n_t, n_t)
@@ -106,7 +115,10 @@ def mhc_project_bwd_kernel(
             m_t = o_t < T
             m_tk = m_t[:, None] & m_k[None, :]
             o_x = o_t[:, None] * K + o_k[None, :]
-            b_x = tl.load(x_ptr + o_x, mask=m_tk, other=0.0)
+            if TMA:
+                b_x = x_desc.load([(i_t * BLOCK_T).to(tl.int32), (kb * BLOCK_K).to(tl.int32)])
+            else:
+                b_x = tl.load(x_ptr + o_x, mask=m_tk, other=0.0)
             o_a = o_t[:, None] * R + o_r[None, :]
             b_a_hi = tl.load(a_hi_ptr + o_a, mask=m_t[:, None], other=0.0)
             b_coef = tl.load(coef_ptr + o_t, mask=m_t, other=0.0)
@@ -120,7 +132,10 @@ def mhc_project_bwd_kernel(
                 b_dx = tl.dot(b_a_hi, b_w, input_precision="tf32x3")
                 b_dwT = tl.dot(b_xT, b_a_hi, b_dwT, input_precision="tf32x3")
             b_dx -= b_coef[:, None] * b_x.to(tl.float32)
-            tl.store(dx_ptr + o_x, b_dx.to(dx_ptr.dtype.element_ty), mask=m_tk)
+            if TMA:
+                dx_desc.store([(i_t * BLOCK_T).to(tl.int32), (kb * BLOCK_K).to(tl.int32)], b_dx.to(dx_ptr.dtype.element_ty))
+            else:
+                tl.store(dx_ptr + o_x, b_dx.to(dx_ptr.dtype.element_ty), mask=m_tk)
         o_dw = ((p * J + (kb - kb_first)) * R + o_r[None, :]) * BLOCK_K + o_kk[:, None]
         tl.store(dw_part_ptr + o_dw, b_dwT)
 
