@@ -886,8 +886,8 @@ def _tune_setup(kind):
     return setup
 
 
-_FMA_SPACE = {"BLOCK_N": [1, 2, 4, 8, 16], "BLOCK_K": [256, 512, 1024, 2048], "num_warps": [2, 4, 8],
-              "num_stages": [1, 2, 3]}
+_FMA_SPACE = {"BLOCK_N": [1, 2, 4, 8, 16], "BLOCK_K": [512, 1024, 2048], "num_warps": [4, 8],
+              "num_stages": [1, 2]}
 register_tunable(Tunable(
     kernel="gemv", space=_FMA_SPACE, setup=_tune_setup("plain"),
     shape_names=("M", "N", "K"), default_shape={"M": 1, "N": 896, "K": 4864},
