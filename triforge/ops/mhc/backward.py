@@ -1,7 +1,8 @@
 """mHC-lite backward kernels (n = 4 streams).
 
 K1: with a = inv_rms * dproj and coef = (inv_rms^2 sum_r dproj*proj + inv_rms^3 d_inv_rms) / K,
-    dx = a W - coef * x  and  dW = a^T x; one pass over x gives both (dW as per-split partials).
+    dx = a W - coef * x  and  dW = a^T x; one pass over x gives both (dW as per-run partials, summed per
+    column block by a reduce kernel).
     16-bit x: dx takes one tensor-core dot of a and W rounded to x's dtype (dx is stored in that
     dtype: rel error ~2.9e-3 against ~1.7e-3 for rounding the exact dx); dW^T = x^T a takes a split
     into two 16-bit parts (a_hi + a_lo, ~16 mantissa bits: dW to ~2e-6). Three dots per tile: with
