@@ -21,6 +21,8 @@ from triforge import _runtime, bench
 from triforge.ops import mhc as M
 from triforge.ops.mhc.forward import dot16
 
+from mhc_k1_probe import grid2d  # the former 2-D grid (this script runs from benchmarks/)
+
 
 DEV = _runtime.default_device()
 
@@ -82,18 +84,9 @@ def kernel_only(x_flat, a_hi, a_lo, coef, w, cfg, R):
     return dx, M.project_bwd_reduce(part, *x_flat.shape, cfg, torch.float32)[None]  # errs() sums dim 0
 
 
-def _grid2d(T, K, cfg):
-    """The 2-D grid K1's backward had before the persistent one (column blocks x token splits)."""
-    n_k = triton.cdiv(K, cfg["BLOCK_K"])
-    n_t = triton.cdiv(T, cfg["BLOCK_T"])
-    splits = max(1, min(n_t, triton.cdiv(_runtime.num_sms() * cfg["programs_per_sm"], n_k)))
-    tps = triton.cdiv(n_t, splits) * cfg["BLOCK_T"]
-    return n_k, triton.cdiv(T, tps), tps
-
-
 def cat_kernel(x_flat, a_hi, a_cat, coef, w, cfg, R):
     T, K = x_flat.shape
-    n_k, splits, tps = _grid2d(T, K, cfg)
+    n_k, splits, tps = grid2d(T, K, cfg)
     dx = torch.empty_like(x_flat)
     part = torch.empty(splits, 2 * R, K, device=x_flat.device, dtype=torch.float32)
     project_bwd_cat_kernel[(n_k, splits)](

@@ -136,6 +136,23 @@ def poisoned(enabled: bool = True):
         _POISON["on"] = old
 
 
+def _descriptor_scratch(size: int, alignment: int, stream):
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def use_tensor_descriptors() -> None:
+    """Call before launching a kernel that builds tensor descriptors on the device: they live in a
+    per-launch global scratch buffer that Triton asks an allocator for. Unless the caller set one, the
+    caching allocator provides it (the setting is per thread: autograd's backward runs in its own)."""
+    if _runtime.INTERPRET:
+        return
+    import triton
+    from triton.runtime import _allocation
+
+    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+        triton.set_allocator(_descriptor_scratch)
+
+
 def new_output(shape, dtype, device) -> torch.Tensor:
     """Allocate a kernel output: uninitialised normally, NaN-filled under ``poisoned()``."""
     if _POISON["on"]:

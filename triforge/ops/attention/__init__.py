@@ -183,22 +183,6 @@ def _tma_ok(*tensors) -> bool:
     return True
 
 
-def _descriptor_scratch(size: int, alignment: int, stream):
-    return torch.empty(size, dtype=torch.int8, device="cuda")
-
-
-def _use_descriptors():
-    """Tensor descriptors built on the device live in a per-launch global scratch buffer that Triton
-    asks an allocator for. Unless the caller set one, the caching allocator provides it (the setting
-    is per thread: autograd's backward runs in its own)."""
-    if _runtime.INTERPRET:
-        return
-    from triton.runtime import _allocation
-
-    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
-        triton.set_allocator(_descriptor_scratch)
-
-
 def _fwd_variant(cfg, q, k, v, varlen, Sk):
     """The forward kernel's TMA / WARP_SPEC / EVEN_N flags and warp count for one launch.
 
@@ -236,7 +220,7 @@ def attn_fwd(q, k, v, causal, softmax_scale, cfg=None, residual=False, varlen=No
     e = q.element_size()
     variant, num_warps = _fwd_variant(cfg, q, k, v, varlen, Sk)
     if variant["TMA"]:
-        _use_descriptors()
+        launch.use_tensor_descriptors()
     launch.launch(
         "flash_attn_fwd", flash_attn_fwd_kernel, (triton.cdiv(grid_q, cfg["BLOCK_M"]), nb * H),
         q, k, v, o, o_res if residual else o, lse, *cu_ptrs,
@@ -295,7 +279,7 @@ def attn_bwd_dkdv(q, k, v, do, lse, delta, causal, softmax_scale, cfg=None, kv_s
     if dq_acc is not None:  # TMA reductions only compiled (Triton 3.6's interpreter lacks them)
         atomic = 2 if cfg.get("ATOMIC_DQ", 1) == 2 and not _runtime.INTERPRET else 1
     if tma or atomic == 2:
-        _use_descriptors()
+        launch.use_tensor_descriptors()
     n_blocks = triton.cdiv(grid_k, cfg["BLOCK_N"])
     split = kv_split or kv_split_for(n_blocks, nb, Hkv, group)
     if group % split:
@@ -334,7 +318,7 @@ def attn_bwd_dq(q, k, v, do, lse, delta, causal, softmax_scale, cfg=None, varlen
     e = q.element_size()
     tma = bool(cfg.get("TMA", 0)) and _tma_ok(q, k, v, do)
     if tma:
-        _use_descriptors()
+        launch.use_tensor_descriptors()
     launch.launch(
         "flash_attn_bwd_dq", flash_attn_bwd_dq_kernel, (triton.cdiv(grid_q, cfg["BLOCK_M"]), nb * H),
         q, k, v, do, lse, delta, dq, *cu_ptrs,

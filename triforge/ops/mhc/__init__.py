@@ -144,9 +144,7 @@ def project_bwd_main(x_flat, a_hi, a_lo, coef, w, cfg):
     tma = bool(cfg.get("TMA", 0)) and not _runtime.INTERPRET and (K * x_flat.element_size()) % 16 == 0 \
         and x_flat.data_ptr() % 16 == 0
     if tma:
-        from triforge.ops.attention import _use_descriptors
-
-        _use_descriptors()
+        launch.use_tensor_descriptors()
     launch.launch(
         "mhc_project_bwd", mhc_project_bwd_kernel, (P,),
         x_flat, a_hi, a_lo, coef, w, dx, dw_part, T, K, n_t, U, P, J,
