@@ -27,7 +27,7 @@ python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", tr
 echo "commit $TRIFORGE_COMMIT" | tee -a "$OUT/gpu.txt"
 python3 -m triforge peaks | tee -a "$OUT/gpu.txt"
 run_script() {  # one benchmark script: its output to $OUT/<name>.log, its JSON (argument {OUT}) to $OUT
-  local n; n=$(basename "$1" .py)
+  local n; n=$(basename "$1" .py)-$((++script_i))
   local args=("${@//\{OUT\}/$OUT}")
   SECONDS=0
   timeout "${SCRIPT_S:-240}" python3 "${args[@]}" > "$OUT/$n.log" 2>&1 || status=1

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 import triton.testing
 
-from triforge import _runtime, bench
+from triforge import _runtime, bench, launch
 from triforge.ops import mhc as M
 from triforge.ops.mhc.forward import dot16
 
@@ -132,6 +132,8 @@ def main():
     p.add_argument("--C", type=int, default=2560)
     p.add_argument("--ncu", action="store_true", help="one launch of the library kernel, nothing timed")
     p.add_argument("--variants", action="store_true", help="also the 2-D-grid stage-removal variants")
+    p.add_argument("--sweep", action="store_true", help="persistent configs with DIAG and register caps")
+    p.add_argument("--fwd", action="store_true", help="also K1 forward: tiled vs persistent configs")
     args = p.parse_args()
     dt = torch.bfloat16
     T, C = args.T, args.C
@@ -146,6 +148,9 @@ def main():
         torch.cuda.synchronize()
         return
     copy = bench.peaks()["copy_tbps"] * 1e3  # GB/s
+
+    def pct(nb, ms):  # % of the measured copy bandwidth
+        return 100 * nb / (ms * 1e-3) / 1e9 / copy
     ref_dx, ref_dw = M.project_bwd(x, W, proj, inv_rms, dproj, None, {"BLOCK_T": 32, "BLOCK_K": 128, "num_warps": 4,
                                                                        "num_stages": 3, "programs_per_sm": 2})
     a = dproj * inv_rms[:, None]
@@ -165,24 +170,55 @@ def main():
             {"BLOCK_T": 32, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4, "programs_per_sm": 4}]
     t_lib = triton.testing.do_bench(lambda: M.project_bwd(x, W, proj, inv_rms, dproj, None), warmup=25, rep=300,
                                     return_mode="median")
-    rows.append({"variant": "library project_bwd", "cfg": lib, "ms": t_lib, "pct": 100 * nbytes / t_lib / 1e9 / copy})
+    rows.append({"variant": "library project_bwd", "cfg": lib, "ms": t_lib, "pct": pct(nbytes, t_lib)})
     y = torch.empty_like(x)
     t_copy = triton.testing.do_bench(lambda: y.copy_(x), warmup=25, rep=300, return_mode="median")
-    rows.append({"variant": "torch copy_ x->dx", "cfg": None, "ms": t_copy, "pct": 100 * nbytes / t_copy / 1e9 / copy})
-    # the library's persistent kernel (balanced runs over column-block x token-tile units) at launch configs
-    for cfg in [lib] + [dict(c, programs_per_sm=p) for c in cfgs for p in (2, 3, 4)]:
+    rows.append({"variant": "torch copy_ x->dx", "cfg": None, "ms": t_copy, "pct": pct(nbytes, t_copy)})
+    # the library's persistent kernel (balanced runs over column-block x token-tile units) at launch configs:
+    # --sweep: TMA x DIAG (-coef x as dots: x only a dot operand) x register caps (more programs per SM)
+    sweep = [lib] + [dict(c, programs_per_sm=p) for c in cfgs for p in (2, 3, 4)] if not args.sweep else [lib] + [
+        dict(BLOCK_T=bt, BLOCK_K=bk, num_warps=w, num_stages=st, programs_per_sm=pps, TMA=1, DIAG=dg, maxnreg=mr)
+        for bt, bk, w, st, pps, dg, mr in [
+            (32, 128, 4, 3, 3, 1, None), (64, 128, 4, 3, 2, 1, None), (64, 128, 4, 3, 3, 1, None),
+            (64, 128, 4, 4, 2, 1, None), (64, 128, 8, 3, 2, 1, None), (64, 128, 4, 3, 3, 0, None),
+            (32, 128, 4, 3, 4, 0, 128), (32, 128, 4, 3, 4, 1, 128), (64, 128, 4, 3, 4, 1, 128),
+            (32, 128, 4, 4, 4, 0, 128), (64, 64, 4, 3, 4, 1, 128), (32, 128, 4, 3, 5, 0, 96),
+            (128, 128, 8, 3, 1, 1, None), (128, 64, 4, 3, 2, 1, None), (64, 256, 8, 3, 1, 1, None)]]
+    for cfg in sweep:
         try:
             dx, dw = M.project_bwd(x, W, proj, inv_rms, dproj, None, cfg)
             torch.cuda.synchronize()
         except Exception as e:
             rows.append({"variant": "persistent", "cfg": cfg, "ms": None, "error": repr(e)[:160]})
             continue
+        res = launch.kernel_resources("mhc_project_bwd")
         err_dx = (dx.float() - ref_dx.float()).abs().max().item()
         err_dw = ((dw.float() - ref_dw.float()).norm() / ref_dw.float().norm()).item()
         t = triton.testing.do_bench(lambda c=cfg: M.project_bwd(x, W, proj, inv_rms, dproj, None, c), warmup=25,
                                     rep=300, return_mode="median")
-        rows.append({"variant": "persistent", "cfg": cfg, "ms": t, "pct": 100 * nbytes / t / 1e9 / copy,
+        rows.append({"variant": "persistent", "cfg": cfg, "ms": t, "pct": pct(nbytes, t), "res": res,
                      "dx_max_abs": err_dx, "dw_rel": err_dw})
+    if args.fwd:  # K1 forward: the tiled grid against the persistent one (balanced row ranges, flattened loops)
+        fbytes = x.numel() * 2 + T * (R + 1) * 4
+        flib = M._cfg("mhc_project_fwd", C, dt)
+        ref_p, ref_i = M.project_fwd(x, W, M.EPS, flib)
+        fsweep = [flib] + [dict(BLOCK_T=bt, BLOCK_K=bk, num_warps=w, num_stages=st, programs_per_sm=pps, TMA=tma)
+                           for bt, bk, w, st, pps, tma in [
+                               (128, 128, 8, 3, 1, 0), (128, 128, 8, 3, 1, 1), (64, 128, 4, 3, 2, 1), (64, 128, 4, 4, 2, 1),
+                               (128, 128, 8, 4, 1, 1), (64, 128, 4, 3, 3, 1), (128, 64, 8, 4, 1, 1), (64, 128, 8, 3, 2, 1),
+                               (128, 128, 4, 3, 2, 1), (32, 128, 4, 4, 4, 1)]]
+        for cfg in fsweep:
+            try:
+                p_, i_ = M.project_fwd(x, W, M.EPS, cfg)
+                torch.cuda.synchronize()
+            except Exception as e:
+                rows.append({"variant": "fwd", "cfg": cfg, "ms": None, "error": repr(e)[:160]})
+                continue
+            res = launch.kernel_resources("mhc_project_fwd")
+            err = max((p_ - ref_p).abs().max().item(), (i_ - ref_i).abs().max().item())
+            t = triton.testing.do_bench(lambda c=cfg: M.project_fwd(x, W, M.EPS, c), warmup=25, rep=300,
+                                        return_mode="median")
+            rows.append({"variant": "fwd", "cfg": cfg, "ms": t, "pct": pct(fbytes, t), "res": res, "dx_max_abs": err})
     for ci, cfg in enumerate(cfgs if args.variants else []):
         for name, flags in VARIANTS.items():
             if ci > 0 and name not in ("copy", "full", "full-cat", "full-cat+evict"):
@@ -198,15 +234,18 @@ def main():
             err_dw = ((dw - ref_dw.float()).norm() / ref_dw.float().norm()).item() if flags[1] else None
             t = triton.testing.do_bench(lambda f=flags, c=cfg: run_variant(f, x, a_hi, a_lo, a_cat, coef, w, c, R),
                                         warmup=25, rep=300, return_mode="median")
-            rows.append({"variant": name, "cfg": cfg, "ms": t, "pct": 100 * nbytes / t / 1e9 / copy,
+            rows.append({"variant": name, "cfg": cfg, "ms": t, "pct": pct(nbytes, t),
                          "dx_max_abs": err_dx, "dw_rel": err_dw})
     for r in rows:
         c = r["cfg"]
-        cs = "" if c is None else "bt{BLOCK_T} bk{BLOCK_K} w{num_warps} s{num_stages} pps{programs_per_sm}".format(**c)
+        cs = "" if c is None else " ".join(f"{k}={v}" for k, v in c.items() if v is not None)
+        res = r.get("res") or {}
+        rs = f"regs {res.get('registers')} spill {res.get('spills')} smem {res.get('shared_bytes')}" if res else ""
         if r.get("ms") is None:
-            print(f"{r['variant']:<22} {cs:<28} ERROR {r.get('error')}")
+            print(f"{r['variant']:<20} {cs:<90} ERROR {r.get('error')}")
         else:
-            print(f"{r['variant']:<22} {cs:<28} {r['ms']:8.4f} ms {r['pct']:6.1f}%  dx {r.get('dx_max_abs')}  dW {r.get('dw_rel')}")
+            print(f"{r['variant']:<20} {cs:<90} {r['ms']:8.4f} ms {r['pct']:6.1f}%  err {r.get('dx_max_abs')}"
+                  f"  dW {r.get('dw_rel')}  {rs}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"rows": rows, "copy_GBps": copy, "device": torch.cuda.get_device_name(), "T": T, "C": C}, f, indent=1)
