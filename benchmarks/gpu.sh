@@ -22,6 +22,7 @@ export TRIFORGE_COMMIT=${TRIFORGE_COMMIT:-$(cat .commit 2>/dev/null || git rev-p
 STEPS=${*:-tests sanitize tune bench}
 OPS=${OPS:-}
 status=0
+script_i=0
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv > "$OUT/gpu.txt" 2>&1
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)' | tee -a "$OUT/gpu.txt"
 echo "commit $TRIFORGE_COMMIT" | tee -a "$OUT/gpu.txt"
