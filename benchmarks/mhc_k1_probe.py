@@ -91,6 +91,61 @@ def k1_bwd_probe_kernel(
             tl.store(dw_part_ptr + o_dw, b_dw, mask=m_k[:, None])
 
 
+@triton.jit
+def stream_probe_kernel(x_ptr, y_ptr, T, K, n_t, n_k, U, P, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+                        ROW_MAJOR: tl.constexpr, TMA: tl.constexpr):
+    """x -> y in [BLOCK_T, BLOCK_K] tiles, one wave of balanced runs over the units (as K1 backward):
+    column-block-major (K1's order: a program walks down one column block) or row-major (a program
+    walks along rows): the access pattern's own ceiling, no math."""
+    p = tl.program_id(0).to(tl.int64)
+    if TMA:
+        x_desc = tl.make_tensor_descriptor(x_ptr, [T, K], [K, 1], [BLOCK_T, BLOCK_K])
+        y_desc = tl.make_tensor_descriptor(y_ptr, [T, K], [K, 1], [BLOCK_T, BLOCK_K])
+    for u in range(p * U // P, (p + 1) * U // P):
+        if ROW_MAJOR:
+            i_t = u // n_k
+            kb = u % n_k
+        else:
+            kb = u // n_t
+            i_t = u % n_t
+        if TMA:
+            b = x_desc.load([(i_t * BLOCK_T).to(tl.int32), (kb * BLOCK_K).to(tl.int32)])
+            y_desc.store([(i_t * BLOCK_T).to(tl.int32), (kb * BLOCK_K).to(tl.int32)], b)
+        else:
+            o_t = i_t * BLOCK_T + tl.arange(0, BLOCK_T)
+            o_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
+            m = (o_t < T)[:, None] & (o_k < K)[None, :]
+            o = o_t[:, None] * K + o_k[None, :]
+            tl.store(y_ptr + o, tl.load(x_ptr + o, mask=m), mask=m)
+
+
+def stream_rows(x, pct, nbytes):
+    T, K = x.shape
+    rows = []
+    y = torch.empty_like(x)
+    launch.use_tensor_descriptors()
+    for bt, bk, w, st, pps, rm, tma in [(32, 128, 4, 3, 3, 0, 1), (32, 128, 4, 3, 3, 1, 1), (16, 256, 4, 3, 3, 0, 1),
+                                        (64, 64, 4, 3, 3, 0, 1), (8, 256, 4, 4, 4, 0, 1), (32, 128, 4, 3, 3, 0, 0),
+                                        (16, 256, 4, 3, 3, 0, 0), (8, 512, 4, 3, 3, 0, 0), (64, 128, 4, 3, 2, 0, 1),
+                                        (32, 256, 8, 3, 2, 0, 1), (16, 256, 4, 4, 4, 0, 1)]:
+        n_t, n_k = triton.cdiv(T, bt), triton.cdiv(K, bk)
+        U = n_t * n_k
+        P = _runtime.num_sms() * pps
+        cfg = {"BLOCK_T": bt, "BLOCK_K": bk, "num_warps": w, "num_stages": st, "programs_per_sm": pps,
+               "ROW_MAJOR": rm, "TMA": tma}
+
+        def go(bt=bt, bk=bk, w=w, st=st, rm=rm, tma=tma, n_t=n_t, n_k=n_k, U=U, P=P):
+            stream_probe_kernel[(P,)](x, y, T, K, n_t, n_k, U, P, BLOCK_T=bt, BLOCK_K=bk, ROW_MAJOR=rm, TMA=tma,
+                                      num_warps=w, num_stages=st)
+
+        go()
+        torch.cuda.synchronize()
+        ok = torch.equal(x, y)
+        t = triton.testing.do_bench(go, warmup=25, rep=300, return_mode="median")
+        rows.append({"variant": "stream", "cfg": cfg, "ms": t, "pct": pct(nbytes, t), "dx_max_abs": 0.0 if ok else 1.0})
+    return rows
+
+
 VARIANTS = {  # name: (DO_DX, DO_DW, CAT, EVICT)
     "copy": (False, False, False, False),
     "dx": (True, False, False, False),
@@ -134,6 +189,7 @@ def main():
     p.add_argument("--variants", action="store_true", help="also the 2-D-grid stage-removal variants")
     p.add_argument("--sweep", action="store_true", help="persistent configs with DIAG and register caps")
     p.add_argument("--fwd", action="store_true", help="also K1 forward: tiled vs persistent configs")
+    p.add_argument("--stream", action="store_true", help="also x -> y streaming in K1 backward's tiles and orders")
     args = p.parse_args()
     dt = torch.bfloat16
     T, C = args.T, args.C
@@ -174,16 +230,16 @@ def main():
     y = torch.empty_like(x)
     t_copy = triton.testing.do_bench(lambda: y.copy_(x), warmup=25, rep=300, return_mode="median")
     rows.append({"variant": "torch copy_ x->dx", "cfg": None, "ms": t_copy, "pct": pct(nbytes, t_copy)})
+    if args.stream:
+        rows += stream_rows(x, pct, nbytes)
     # the library's persistent kernel (balanced runs over column-block x token-tile units) at launch configs:
     # --sweep: TMA x DIAG (-coef x as dots: x only a dot operand) x register caps (more programs per SM)
     sweep = [lib] + [dict(c, programs_per_sm=p) for c in cfgs for p in (2, 3, 4)] if not args.sweep else [lib] + [
         dict(BLOCK_T=bt, BLOCK_K=bk, num_warps=w, num_stages=st, programs_per_sm=pps, TMA=1, DIAG=dg, maxnreg=mr)
         for bt, bk, w, st, pps, dg, mr in [
-            (32, 128, 4, 3, 3, 1, None), (64, 128, 4, 3, 2, 1, None), (64, 128, 4, 3, 3, 1, None),
-            (64, 128, 4, 4, 2, 1, None), (64, 128, 8, 3, 2, 1, None), (64, 128, 4, 3, 3, 0, None),
-            (32, 128, 4, 3, 4, 0, 128), (32, 128, 4, 3, 4, 1, 128), (64, 128, 4, 3, 4, 1, 128),
-            (32, 128, 4, 4, 4, 0, 128), (64, 64, 4, 3, 4, 1, 128), (32, 128, 4, 3, 5, 0, 96),
-            (128, 128, 8, 3, 1, 1, None), (128, 64, 4, 3, 2, 1, None), (64, 256, 8, 3, 1, 1, None)]]
+            (64, 128, 4, 3, 2, 1, None), (16, 256, 4, 3, 3, 0, None), (16, 256, 8, 3, 2, 0, None),
+            (16, 256, 4, 4, 3, 0, None), (16, 256, 4, 3, 4, 0, 128), (32, 256, 8, 3, 2, 0, None),
+            (16, 128, 4, 4, 4, 0, None), (16, 128, 4, 3, 4, 0, 128), (32, 128, 4, 3, 3, 0, None)]]
     for cfg in sweep:
         try:
             dx, dw = M.project_bwd(x, W, proj, inv_rms, dproj, None, cfg)
@@ -204,9 +260,10 @@ def main():
         ref_p, ref_i = M.project_fwd(x, W, M.EPS, flib)
         fsweep = [flib] + [dict(BLOCK_T=bt, BLOCK_K=bk, num_warps=w, num_stages=st, programs_per_sm=pps, TMA=tma)
                            for bt, bk, w, st, pps, tma in [
-                               (128, 128, 8, 3, 1, 0), (128, 128, 8, 3, 1, 1), (64, 128, 4, 3, 2, 1), (64, 128, 4, 4, 2, 1),
-                               (128, 128, 8, 4, 1, 1), (64, 128, 4, 3, 3, 1), (128, 64, 8, 4, 1, 1), (64, 128, 8, 3, 2, 1),
-                               (128, 128, 4, 3, 2, 1), (32, 128, 4, 4, 4, 1)]]
+                               (128, 128, 8, 3, 4, 0), (128, 128, 8, 3, 4, 1), (64, 128, 4, 3, 8, 1), (64, 128, 4, 3, 8, 0),
+                               (128, 128, 8, 3, 8, 1), (64, 128, 4, 4, 8, 1), (128, 128, 8, 4, 4, 1), (64, 128, 4, 3, 12, 1)]] + [
+            dict(BLOCK_T=128, BLOCK_K=128, num_warps=8, num_stages=3, programs_per_sm=1, TMA=1, FLATTEN=0),
+            dict(BLOCK_T=64, BLOCK_K=128, num_warps=4, num_stages=3, programs_per_sm=2, TMA=1, FLATTEN=0)]
         for cfg in fsweep:
             try:
                 p_, i_ = M.project_fwd(x, W, M.EPS, cfg)

@@ -243,7 +243,7 @@ def test_project_backward_persistent_runs(cfg, dtype, gen, device):
 ], ids=["small", "ranges", "tiny", "tma"])
 def test_project_forward_persistent_ranges(T, cfg, dtype, gen, device):
     """K1 forward's persistent form (balanced row ranges that start and end inside tiles, flattened tile
-    and K loops) against the float64 reference; the grid is capped at cdiv(T, BLOCK_T) programs."""
+    and K loops) against the float64 reference; the grid is capped at T programs (one row each)."""
     from triforge import _runtime
     from triforge.ops import mhc as M
 

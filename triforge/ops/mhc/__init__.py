@@ -92,7 +92,7 @@ def project_fwd(x_flat, W, eps, cfg=None):
     proj = new_output((T, W.shape[0]), torch.float32, x_flat.device)
     inv_rms = new_output((T,), torch.float32, x_flat.device)
     if cfg.get("programs_per_sm"):  # persistent: one wave of balanced row ranges
-        P = max(1, min(triton.cdiv(T, cfg["BLOCK_T"]), _runtime.num_sms() * cfg["programs_per_sm"]))
+        P = max(1, min(T, _runtime.num_sms() * cfg["programs_per_sm"]))  # ranges of >= 1 row
         tma = bool(cfg.get("TMA", 0)) and not _runtime.INTERPRET and (K * x_flat.element_size()) % 16 == 0 \
             and x_flat.data_ptr() % 16 == 0 and T < 2**31
         if tma:
@@ -103,7 +103,7 @@ def project_fwd(x_flat, W, eps, cfg=None):
             nbytes=x_flat.numel() * x_flat.element_size() + T * (W.shape[0] + 1) * 4,
             R=W.shape[0], BLOCK_T=cfg["BLOCK_T"], BLOCK_K=cfg["BLOCK_K"], SPLIT_W=x_flat.dtype != torch.float32,
             UPCAST=_runtime.INTERPRET and x_flat.dtype == torch.bfloat16, RNE=_runtime.INTERPRET, TMA=tma,
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+            FLATTEN=bool(cfg.get("FLATTEN", 1)), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
         return proj, inv_rms
     launch.launch(

@@ -79,11 +79,13 @@ def mhc_project_fwd_persistent_kernel(
     UPCAST: tl.constexpr,
     RNE: tl.constexpr,
     TMA: tl.constexpr,
+    FLATTEN: tl.constexpr,
 ):
     """mhc_project_fwd_kernel's math over one wave of P programs, program p taking rows
     [p T / P, (p + 1) T / P): balanced to a row, where a grid of cdiv(T, BLOCK_T) tiles left its last
     wave partly empty (512 tiles of 128 rows on 132 SMs: 3.88 waves), and the tile and K loops are
-    flattened so loads run ahead across tile boundaries instead of the pipeline draining per tile.
+    flattened (FLATTEN) so loads run ahead across tile boundaries instead of the pipeline draining per tile.
+    With programs_per_sm large enough that a range fits one tile, it is a balanced non-persistent grid.
     TMA: x tiles through a tensor descriptor whose row bound is the program's last row (rows past it
     are zero-filled, not read)."""
     p = tl.program_id(0).to(tl.int64)
@@ -94,7 +96,7 @@ def mhc_project_fwd_persistent_kernel(
     o_kk = tl.arange(0, BLOCK_K)
     if TMA:
         x_desc = tl.make_tensor_descriptor(x_ptr, [r_hi.to(tl.int32), K], [K, 1], [BLOCK_T, BLOCK_K])
-    for i in tl.range(0, n_tiles, flatten=True):
+    for i in tl.range(0, n_tiles, flatten=FLATTEN):
         t0 = r_lo + i * BLOCK_T
         o_t = t0 + tl.arange(0, BLOCK_T)
         m_t = o_t < r_hi
