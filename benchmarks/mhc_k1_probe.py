@@ -235,11 +235,13 @@ def main():
     # the library's persistent kernel (balanced runs over column-block x token-tile units) at launch configs:
     # --sweep: TMA x DIAG (-coef x as dots: x only a dot operand) x register caps (more programs per SM)
     sweep = [lib] + [dict(c, programs_per_sm=p) for c in cfgs for p in (2, 3, 4)] if not args.sweep else [lib] + [
-        dict(BLOCK_T=bt, BLOCK_K=bk, num_warps=w, num_stages=st, programs_per_sm=pps, TMA=1, DIAG=dg, maxnreg=mr)
-        for bt, bk, w, st, pps, dg, mr in [
-            (64, 128, 4, 3, 2, 1, None), (16, 256, 4, 3, 3, 0, None), (16, 256, 8, 3, 2, 0, None),
-            (16, 256, 4, 4, 3, 0, None), (16, 256, 4, 3, 4, 0, 128), (32, 256, 8, 3, 2, 0, None),
-            (16, 128, 4, 4, 4, 0, None), (16, 128, 4, 3, 4, 0, 128), (32, 128, 4, 3, 3, 0, None)]]
+        dict(BLOCK_T=bt, BLOCK_K=bk, num_warps=w, num_stages=st, programs_per_sm=pps, TMA=tma, PREFETCH=pf, DIAG=dg,
+             maxnreg=mr)
+        for bt, bk, w, st, pps, tma, pf, dg, mr in [
+            (32, 128, 4, 3, 3, 1, 1, 0, None), (32, 128, 4, 4, 3, 1, 1, 0, None), (64, 128, 4, 3, 2, 1, 1, 0, None),
+            (64, 128, 4, 3, 2, 1, 1, 1, None), (32, 128, 4, 3, 3, 0, 1, 0, None), (64, 128, 4, 3, 2, 0, 1, 0, None),
+            (32, 128, 4, 3, 3, 0, 0, 0, None), (32, 128, 4, 3, 4, 1, 1, 0, 128), (32, 128, 4, 3, 4, 0, 1, 0, 128),
+            (16, 256, 4, 4, 4, 1, 1, 0, 128), (64, 128, 4, 4, 2, 1, 1, 0, None)]]
     for cfg in sweep:
         try:
             dx, dw = M.project_bwd(x, W, proj, inv_rms, dproj, None, cfg)
@@ -258,12 +260,10 @@ def main():
         fbytes = x.numel() * 2 + T * (R + 1) * 4
         flib = M._cfg("mhc_project_fwd", C, dt)
         ref_p, ref_i = M.project_fwd(x, W, M.EPS, flib)
-        fsweep = [flib] + [dict(BLOCK_T=bt, BLOCK_K=bk, num_warps=w, num_stages=st, programs_per_sm=pps, TMA=tma)
-                           for bt, bk, w, st, pps, tma in [
-                               (128, 128, 8, 3, 4, 0), (128, 128, 8, 3, 4, 1), (64, 128, 4, 3, 8, 1), (64, 128, 4, 3, 8, 0),
-                               (128, 128, 8, 3, 8, 1), (64, 128, 4, 4, 8, 1), (128, 128, 8, 4, 4, 1), (64, 128, 4, 3, 12, 1)]] + [
-            dict(BLOCK_T=128, BLOCK_K=128, num_warps=8, num_stages=3, programs_per_sm=1, TMA=1, FLATTEN=0),
-            dict(BLOCK_T=64, BLOCK_K=128, num_warps=4, num_stages=3, programs_per_sm=2, TMA=1, FLATTEN=0)]
+        fsweep = [flib] + [dict(BLOCK_T=bt, BLOCK_K=bk, num_warps=w, num_stages=st, PREFETCH=pf)
+                           for bt, bk, w, st, pf in [
+                               (128, 128, 8, 3, 1), (128, 128, 8, 4, 1), (64, 128, 4, 3, 1), (64, 128, 4, 2, 1),
+                               (128, 128, 4, 3, 1), (128, 64, 8, 4, 1), (64, 64, 4, 4, 1), (128, 128, 8, 2, 1)]]
         for cfg in fsweep:
             try:
                 p_, i_ = M.project_fwd(x, W, M.EPS, cfg)
@@ -304,6 +304,11 @@ def main():
             print(f"{r['variant']:<20} {cs:<90} {r['ms']:8.4f} ms {r['pct']:6.1f}%  err {r.get('dx_max_abs')}"
                   f"  dW {r.get('dw_rel')}  {rs}")
     if args.json:
+        for name in ("mhc_project_bwd", "mhc_project_fwd"):
+            k = launch._compiled.get(name)
+            if k is not None:
+                with open(args.json.replace(".json", f"-{name}.ttgir"), "w") as f:
+                    f.write(k.asm.get("ttgir", ""))
         with open(args.json, "w") as f:
             json.dump({"rows": rows, "copy_GBps": copy, "device": torch.cuda.get_device_name(), "T": T, "C": C}, f, indent=1)
 

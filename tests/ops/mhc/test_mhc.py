@@ -212,7 +212,9 @@ def triton_cdiv(a, b):
     {"BLOCK_T": 16, "BLOCK_K": 32, "num_warps": 4, "num_stages": 3, "programs_per_sm": 2, "TMA": 1},  # descriptors (GPU)
     {"BLOCK_T": 16, "BLOCK_K": 16, "num_warps": 4, "num_stages": 1, "programs_per_sm": 5, "DIAG": 1},  # -coef x as dots
     {"BLOCK_T": 16, "BLOCK_K": 32, "num_warps": 4, "num_stages": 3, "programs_per_sm": 2, "TMA": 1, "DIAG": 1},
-], ids=["span", "split", "capped", "tma", "diag", "tma-diag"])
+    {"BLOCK_T": 16, "BLOCK_K": 16, "num_warps": 4, "num_stages": 1, "programs_per_sm": 1, "PREFETCH": 1},  # one tile ahead
+    {"BLOCK_T": 16, "BLOCK_K": 32, "num_warps": 4, "num_stages": 3, "programs_per_sm": 2, "TMA": 1, "PREFETCH": 1},
+], ids=["span", "split", "capped", "tma", "diag", "tma-diag", "prefetch", "tma-prefetch"])
 def test_project_backward_persistent_runs(cfg, dtype, gen, device):
     """K1 backward at launch configs whose runs start and end inside column blocks (and T, K that are
     not multiples of the tiles): dx and dW against float64 autograd through the reference."""
@@ -235,24 +237,17 @@ def test_project_backward_persistent_runs(cfg, dtype, gen, device):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("T,cfg", [
-    (40, {"BLOCK_T": 16, "BLOCK_K": 16, "num_warps": 4, "num_stages": 1, "programs_per_sm": 1}),   # 40 / SMs rows each
-    (75, {"BLOCK_T": 16, "BLOCK_K": 32, "num_warps": 4, "num_stages": 2, "programs_per_sm": 1}),   # ranges cut tiles
-    (3, {"BLOCK_T": 16, "BLOCK_K": 16, "num_warps": 4, "num_stages": 1, "programs_per_sm": 4}),    # T < one tile
-    (75, {"BLOCK_T": 16, "BLOCK_K": 32, "num_warps": 4, "num_stages": 3, "programs_per_sm": 1, "TMA": 1}),  # GPU
-], ids=["small", "ranges", "tiny", "tma"])
-def test_project_forward_persistent_ranges(T, cfg, dtype, gen, device):
-    """K1 forward's persistent form (balanced row ranges that start and end inside tiles, flattened tile
-    and K loops) against the float64 reference; the grid is capped at T programs (one row each)."""
-    from triforge import _runtime
+@pytest.mark.parametrize("prefetch", [0, 1], ids=["plain", "prefetch"])
+def test_project_forward_launch_paths(prefetch, dtype, gen, device):
+    """K1 forward with W's next tile loaded one K step ahead (PREFETCH) or not, K = 148 (the last W tile
+    partial, the prefetch past K masked) and T = 40 (a partial token tile), against float64."""
     from triforge.ops import mhc as M
 
-    C = 40 if cfg.get("TMA") else 37  # K = 160 / 148: 16-byte rows for descriptors, else a partial column block
-    if not cfg.get("TMA"):  # several programs, each a range of a few rows, also on the 132-SM GPU
-        cfg = dict(cfg, programs_per_sm=max(1, cfg["programs_per_sm"] * 8 // _runtime.num_sms()))
+    T, C = 40, 37
     x = _x((T, 4 * C), dtype, gen, device=device)
     W = _W(C, gen, device=device)
     p64, i64 = rmsnorm_project_ref(_to64(x), _to64(W), 1e-6)
+    cfg = {"BLOCK_T": 16, "BLOCK_K": 32, "num_warps": 4, "num_stages": 2, "PREFETCH": prefetch}
     with poisoned():
         proj, inv = M.project_fwd(x, W, 1e-6, cfg)
     _assert_ok(compare("proj", p64, proj, dtype=dtype, verbose=False), compare("inv_rms", i64, inv, dtype=dtype, verbose=False))

@@ -22,12 +22,7 @@ from triforge.ops.mhc.backward import (
     mhc_project_bwd_prologue_kernel,
     mhc_project_bwd_reduce_kernel,
 )
-from triforge.ops.mhc.forward import (
-    mhc_post_res_fwd_kernel,
-    mhc_pre_map_fwd_kernel,
-    mhc_project_fwd_kernel,
-    mhc_project_fwd_persistent_kernel,
-)
+from triforge.ops.mhc.forward import mhc_post_res_fwd_kernel, mhc_pre_map_fwd_kernel, mhc_project_fwd_kernel
 from triforge.ops.mhc.reference import (
     EPS,
     N_STREAMS,
@@ -91,28 +86,13 @@ def project_fwd(x_flat, W, eps, cfg=None):
     cfg = cfg or _cfg("mhc_project_fwd", K // N_STREAMS, x_flat.dtype)
     proj = new_output((T, W.shape[0]), torch.float32, x_flat.device)
     inv_rms = new_output((T,), torch.float32, x_flat.device)
-    if cfg.get("programs_per_sm"):  # persistent: one wave of balanced row ranges
-        P = max(1, min(T, _runtime.num_sms() * cfg["programs_per_sm"]))  # ranges of >= 1 row
-        tma = bool(cfg.get("TMA", 0)) and not _runtime.INTERPRET and (K * x_flat.element_size()) % 16 == 0 \
-            and x_flat.data_ptr() % 16 == 0 and T < 2**31
-        if tma:
-            launch.use_tensor_descriptors()
-        launch.launch(
-            "mhc_project_fwd", mhc_project_fwd_persistent_kernel, (P,),
-            x_flat, W.float().contiguous(), proj, inv_rms, T, K, eps, P,
-            nbytes=x_flat.numel() * x_flat.element_size() + T * (W.shape[0] + 1) * 4,
-            R=W.shape[0], BLOCK_T=cfg["BLOCK_T"], BLOCK_K=cfg["BLOCK_K"], SPLIT_W=x_flat.dtype != torch.float32,
-            UPCAST=_runtime.INTERPRET and x_flat.dtype == torch.bfloat16, RNE=_runtime.INTERPRET, TMA=tma,
-            FLATTEN=bool(cfg.get("FLATTEN", 1)), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        )
-        return proj, inv_rms
     launch.launch(
         "mhc_project_fwd", mhc_project_fwd_kernel, (triton.cdiv(T, cfg["BLOCK_T"]),),
         x_flat, W.float().contiguous(), proj, inv_rms, T, K, eps,
         nbytes=x_flat.numel() * x_flat.element_size() + T * (W.shape[0] + 1) * 4,
         R=W.shape[0], BLOCK_T=cfg["BLOCK_T"], BLOCK_K=cfg["BLOCK_K"], SPLIT_W=x_flat.dtype != torch.float32,
         UPCAST=_runtime.INTERPRET and x_flat.dtype == torch.bfloat16, RNE=_runtime.INTERPRET,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        PREFETCH=bool(cfg.get("PREFETCH", 0)), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return proj, inv_rms
 
@@ -177,7 +157,7 @@ def project_bwd_main(x_flat, a_hi, a_lo, coef, w, cfg):
         nbytes=2 * x_flat.numel() * x_flat.element_size() + T * (R + 1) * 4,
         R=R, BLOCK_T=cfg["BLOCK_T"], BLOCK_K=cfg["BLOCK_K"], SPLIT=x_flat.dtype != torch.float32,
         UPCAST=_runtime.INTERPRET and x_flat.dtype == torch.bfloat16, RNE=_runtime.INTERPRET, TMA=tma,
-        DIAG=bool(cfg.get("DIAG", 0)) and x_flat.dtype != torch.float32,
+        DIAG=bool(cfg.get("DIAG", 0)) and x_flat.dtype != torch.float32, PREFETCH=bool(cfg.get("PREFETCH", 0)),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **_maxnreg(cfg),
     )
     return dx, dw_part

@@ -61,6 +61,19 @@ def mhc_project_bwd_prologue_kernel(
 
 
 @triton.jit
+def _token_terms(a_hi_ptr, a_lo_ptr, coef_ptr, i_t, T, R: tl.constexpr, BLOCK_T: tl.constexpr, SPLIT: tl.constexpr):
+    """Token tile i_t's a_hi, a_lo ([BLOCK_T, R]; a_lo is a_hi again unless SPLIT) and coef ([BLOCK_T])."""
+    o_t = i_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    m_t = o_t < T
+    o_a = o_t[:, None] * R + tl.arange(0, R)[None, :]
+    b_a_hi = tl.load(a_hi_ptr + o_a, mask=m_t[:, None], other=0.0)
+    b_a_lo = b_a_hi
+    if SPLIT:
+        b_a_lo = tl.load(a_lo_ptr + o_a, mask=m_t[:, None], other=0.0)
+    return b_a_hi, b_a_lo, tl.load(coef_ptr + o_t, mask=m_t, other=0.0)
+
+
+@triton.jit
 def mhc_project_bwd_kernel(
     x_ptr,  # [T, K] streams flattened
     a_hi_ptr,  # [T, R] inv_rms * dproj, in x's dtype (fp32 when x is fp32)
@@ -83,6 +96,7 @@ def mhc_project_bwd_kernel(
     RNE: tl.constexpr,
     TMA: tl.constexpr,
     DIAG: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     """Persistent and balanced: the U = n_k x n_t units (column block, token tile), ordered column-block
     major, are cut into P equal runs, one per program (P = SMs x programs_per_sm, one wave). A run
@@ -116,6 +130,7 @@ def mhc_project_bwd_kernel(
         b_dwT = tl.zeros([BLOCK_K, R], dtype=tl.float32)  # dW^T: the dot's M is BLOCK_K, not R
         t_lo = tl.maximum(u_start - kb * n_t, 0)
         t_hi = tl.minimum(u_end - kb * n_t, n_t)
+        n_a_hi, n_a_lo, n_coef = _token_terms(a_hi_ptr, a_lo_ptr, coef_ptr, t_lo, T, R, BLOCK_T, SPLIT)
         for i_t in range(t_lo, t_hi):
             o_t = i_t * BLOCK_T + tl.arange(0, BLOCK_T)
             m_t = o_t < T
@@ -125,12 +140,13 @@ def mhc_project_bwd_kernel(
                 b_x = x_desc.load([(i_t * BLOCK_T).to(tl.int32), (kb * BLOCK_K).to(tl.int32)])
             else:
                 b_x = tl.load(x_ptr + o_x, mask=m_tk, other=0.0)
-            o_a = o_t[:, None] * R + o_r[None, :]
-            b_a_hi = tl.load(a_hi_ptr + o_a, mask=m_t[:, None], other=0.0)
-            b_coef = tl.load(coef_ptr + o_t, mask=m_t, other=0.0)
+            if PREFETCH:  # this tile's per-token terms were loaded one tile ahead (an L2 round trip hidden)
+                b_a_hi, b_a_lo, b_coef = n_a_hi, n_a_lo, n_coef
+                n_a_hi, n_a_lo, n_coef = _token_terms(a_hi_ptr, a_lo_ptr, coef_ptr, i_t + 1, T, R, BLOCK_T, SPLIT)
+            else:
+                b_a_hi, b_a_lo, b_coef = _token_terms(a_hi_ptr, a_lo_ptr, coef_ptr, i_t, T, R, BLOCK_T, SPLIT)
             b_xT = tl.trans(b_x)
             if SPLIT:
-                b_a_lo = tl.load(a_lo_ptr + o_a, mask=m_t[:, None], other=0.0)
                 b_dx = dot16(b_a_hi, b_w, tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32), UPCAST)
                 b_dwT = dot16(b_xT, b_a_hi, b_dwT, UPCAST)
                 b_dwT = dot16(b_xT, b_a_lo, b_dwT, UPCAST)

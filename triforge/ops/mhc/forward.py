@@ -30,6 +30,7 @@ def mhc_project_fwd_kernel(
     SPLIT_W: tl.constexpr,
     UPCAST: tl.constexpr,
     RNE: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     """proj = (x W^T) * inv_rms, inv_rms = rsqrt(mean(x^2) + eps). 16-bit x: each W^T tile is split here
     into two parts in x's dtype (hi = W rounded, lo = W - hi: ~16 mantissa bits of W kept) and takes
@@ -42,13 +43,20 @@ def mhc_project_fwd_kernel(
     p_x = x_ptr + o_t.to(tl.int64)[:, None] * K
     b_acc = tl.zeros([BLOCK_T, R], dtype=tl.float32)
     b_ss = tl.zeros([BLOCK_T], dtype=tl.float32)
+    o_kk = tl.arange(0, BLOCK_K)
+    b_w_next = tl.load(w_ptr + o_r[None, :] * K + o_kk[:, None], mask=(o_kk < K)[:, None], other=0.0)
     for k0 in range(0, K, BLOCK_K):
-        o_k = k0 + tl.arange(0, BLOCK_K)
+        o_k = k0 + o_kk
         m_k = o_k < K
         b_x = tl.load(p_x + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
         b_xf = b_x.to(tl.float32)
         b_ss += tl.sum(b_xf * b_xf, axis=1)
-        b_w = tl.load(w_ptr + o_r[None, :] * K + o_k[:, None], mask=m_k[:, None], other=0.0)  # [BLOCK_K, R]: W^T
+        if PREFETCH:  # W^T's next tile loaded one step ahead (an L2 round trip off the critical path)
+            b_w = b_w_next
+            m_kn = (o_k + BLOCK_K) < K
+            b_w_next = tl.load(w_ptr + o_r[None, :] * K + (o_k + BLOCK_K)[:, None], mask=m_kn[:, None], other=0.0)
+        else:
+            b_w = tl.load(w_ptr + o_r[None, :] * K + o_k[:, None], mask=m_k[:, None], other=0.0)  # [BLOCK_K, R]: W^T
         if SPLIT_W:
             b_hi = _cast(b_w, x_ptr.dtype.element_ty, RNE)
             b_lo = _cast(b_w - b_hi.to(tl.float32), x_ptr.dtype.element_ty, RNE)
@@ -60,68 +68,6 @@ def mhc_project_fwd_kernel(
     tl.store(inv_rms_ptr + o_t, b_inv, mask=m_t)
     o_p = o_t.to(tl.int64)[:, None] * R + o_r[None, :]
     tl.store(proj_ptr + o_p, b_acc * b_inv[:, None], mask=m_t[:, None])
-
-
-@triton.jit
-def mhc_project_fwd_persistent_kernel(
-    x_ptr,  # [T, K] streams flattened (K = n*C), bf16/fp16/fp32
-    w_ptr,  # [R, K] fp32 W
-    proj_ptr,  # [T, R] fp32
-    inv_rms_ptr,  # [T] fp32
-    T,
-    K,
-    eps,
-    P,  # programs (the grid: one wave)
-    R: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    SPLIT_W: tl.constexpr,
-    UPCAST: tl.constexpr,
-    RNE: tl.constexpr,
-    TMA: tl.constexpr,
-    FLATTEN: tl.constexpr,
-):
-    """mhc_project_fwd_kernel's math over one wave of P programs, program p taking rows
-    [p T / P, (p + 1) T / P): balanced to a row, where a grid of cdiv(T, BLOCK_T) tiles left its last
-    wave partly empty (512 tiles of 128 rows on 132 SMs: 3.88 waves), and the tile and K loops are
-    flattened (FLATTEN) so loads run ahead across tile boundaries instead of the pipeline draining per tile.
-    With programs_per_sm large enough that a range fits one tile, it is a balanced non-persistent grid.
-    TMA: x tiles through a tensor descriptor whose row bound is the program's last row (rows past it
-    are zero-filled, not read)."""
-    p = tl.program_id(0).to(tl.int64)
-    r_lo = p * T // P
-    r_hi = (p + 1) * T // P
-    n_tiles = tl.cdiv(r_hi - r_lo, BLOCK_T)
-    o_r = tl.arange(0, R)
-    o_kk = tl.arange(0, BLOCK_K)
-    if TMA:
-        x_desc = tl.make_tensor_descriptor(x_ptr, [r_hi.to(tl.int32), K], [K, 1], [BLOCK_T, BLOCK_K])
-    for i in tl.range(0, n_tiles, flatten=FLATTEN):
-        t0 = r_lo + i * BLOCK_T
-        o_t = t0 + tl.arange(0, BLOCK_T)
-        m_t = o_t < r_hi
-        b_acc = tl.zeros([BLOCK_T, R], dtype=tl.float32)
-        b_ss = tl.zeros([BLOCK_T], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            o_k = k0 + o_kk
-            m_k = o_k < K
-            if TMA:
-                b_x = x_desc.load([t0.to(tl.int32), k0])
-            else:
-                b_x = tl.load(x_ptr + o_t[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
-            b_xf = b_x.to(tl.float32)
-            b_ss += tl.sum(b_xf * b_xf, axis=1)
-            b_w = tl.load(w_ptr + o_r[None, :] * K + o_k[:, None], mask=m_k[:, None], other=0.0)  # [BLOCK_K, R]
-            if SPLIT_W:
-                b_hi = _cast(b_w, x_ptr.dtype.element_ty, RNE)
-                b_lo = _cast(b_w - b_hi.to(tl.float32), x_ptr.dtype.element_ty, RNE)
-                b_acc = dot16(b_x, b_hi, b_acc, UPCAST)
-                b_acc = dot16(b_x, b_lo, b_acc, UPCAST)
-            else:
-                b_acc = tl.dot(b_xf, b_w, b_acc, input_precision="tf32x3")
-        b_inv = tl.rsqrt(b_ss / K + eps)
-        tl.store(inv_rms_ptr + o_t, b_inv, mask=m_t)
-        tl.store(proj_ptr + o_t[:, None] * R + o_r[None, :], b_acc * b_inv[:, None], mask=m_t[:, None])
 
 
 @triton.jit
