@@ -236,23 +236,6 @@ def test_project_backward_persistent_runs(cfg, dtype, gen, device):
     _assert_ok(compare("dx", ref_dx, dx, dtype=dtype, verbose=False), compare("dW", ref_dW, dW, dtype=dtype, verbose=False))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("prefetch", [0, 1], ids=["plain", "prefetch"])
-def test_project_forward_launch_paths(prefetch, dtype, gen, device):
-    """K1 forward with W's next tile loaded one K step ahead (PREFETCH) or not, K = 148 (the last W tile
-    partial, the prefetch past K masked) and T = 40 (a partial token tile), against float64."""
-    from triforge.ops import mhc as M
-
-    T, C = 40, 37
-    x = _x((T, 4 * C), dtype, gen, device=device)
-    W = _W(C, gen, device=device)
-    p64, i64 = rmsnorm_project_ref(_to64(x), _to64(W), 1e-6)
-    cfg = {"BLOCK_T": 16, "BLOCK_K": 32, "num_warps": 4, "num_stages": 2, "PREFETCH": prefetch}
-    with poisoned():
-        proj, inv = M.project_fwd(x, W, 1e-6, cfg)
-    _assert_ok(compare("proj", p64, proj, dtype=dtype, verbose=False), compare("inv_rms", i64, inv, dtype=dtype, verbose=False))
-
-
 # ----------------------------------------------------------------------------- K3: pre-map
 
 

@@ -30,7 +30,6 @@ def mhc_project_fwd_kernel(
     SPLIT_W: tl.constexpr,
     UPCAST: tl.constexpr,
     RNE: tl.constexpr,
-    PREFETCH: tl.constexpr,
 ):
     """proj = (x W^T) * inv_rms, inv_rms = rsqrt(mean(x^2) + eps). 16-bit x: each W^T tile is split here
     into two parts in x's dtype (hi = W rounded, lo = W - hi: ~16 mantissa bits of W kept) and takes
@@ -43,20 +42,13 @@ def mhc_project_fwd_kernel(
     p_x = x_ptr + o_t.to(tl.int64)[:, None] * K
     b_acc = tl.zeros([BLOCK_T, R], dtype=tl.float32)
     b_ss = tl.zeros([BLOCK_T], dtype=tl.float32)
-    o_kk = tl.arange(0, BLOCK_K)
-    b_w_next = tl.load(w_ptr + o_r[None, :] * K + o_kk[:, None], mask=(o_kk < K)[:, None], other=0.0)
     for k0 in range(0, K, BLOCK_K):
-        o_k = k0 + o_kk
+        o_k = k0 + tl.arange(0, BLOCK_K)
         m_k = o_k < K
         b_x = tl.load(p_x + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
         b_xf = b_x.to(tl.float32)
         b_ss += tl.sum(b_xf * b_xf, axis=1)
-        if PREFETCH:  # W^T's next tile loaded one step ahead (an L2 round trip off the critical path)
-            b_w = b_w_next
-            m_kn = (o_k + BLOCK_K) < K
-            b_w_next = tl.load(w_ptr + o_r[None, :] * K + (o_k + BLOCK_K)[:, None], mask=m_kn[:, None], other=0.0)
-        else:
-            b_w = tl.load(w_ptr + o_r[None, :] * K + o_k[:, None], mask=m_k[:, None], other=0.0)  # [BLOCK_K, R]: W^T
+        b_w = tl.load(w_ptr + o_r[None, :] * K + o_k[:, None], mask=m_k[:, None], other=0.0)  # [BLOCK_K, R]: W^T
         if SPLIT_W:
             b_hi = _cast(b_w, x_ptr.dtype.element_ty, RNE)
             b_lo = _cast(b_w - b_hi.to(tl.float32), x_ptr.dtype.element_ty, RNE)
