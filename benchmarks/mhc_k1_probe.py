@@ -180,6 +180,53 @@ def run_variant(flags, x, a_hi, a_lo, a_cat, coef, w, cfg, R):
     return dx, part.sum(0)[:R] + part.sum(0)[R:]
 
 
+def host_rows(args, x, W, proj, inv_rms, dproj):
+    """K1 backward's host time per call (tiny tensors: the GPU never limits) directly and through
+    autograd, and at the real shape the bench's autograd timing (CUDA events: min/median/p95) per config:
+    a median far above the minimum is the GPU waiting on the host."""
+    import time
+
+    def host_us(fn, n=500):
+        for _ in range(20):
+            fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        return (t1 - t0) / n * 1e6
+
+    out = {}
+    cfgs = {"tma-pps3": {"BLOCK_T": 32, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "programs_per_sm": 3, "TMA": 1},
+            "ptr-prefetch-pps2": {"BLOCK_T": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "programs_per_sm": 2,
+                                  "TMA": 0, "PREFETCH": 1}}
+    xs = torch.randn(64, 4 * 64, device=DEV, dtype=x.dtype)
+    Ws = torch.randn(M.N_PROJ, 4 * 64, device=DEV) * 0.02
+    ps, ivs = M.project_fwd(xs, Ws, M.EPS)
+    dps = torch.randn_like(ps)
+    for name, cfg in cfgs.items():
+        out[f"host_us direct {name}"] = host_us(lambda c=cfg: M.project_bwd(xs, Ws, ps, ivs, dps, None, c))
+    xl = xs.clone().requires_grad_(True)
+    Wl = Ws.clone().requires_grad_(True)
+    o = M.fused_rmsnorm_project(xl, Wl)
+    g = [torch.randn_like(t) for t in o]
+    out["host_us autograd (library cfg)"] = host_us(lambda: torch.autograd.grad(o, [xl, Wl], g, retain_graph=True))
+    xr = x.clone().requires_grad_(True)
+    Wr = W.clone().requires_grad_(True)
+    orr = M.fused_rmsnorm_project(xr, Wr)
+    gr = [torch.randn_like(t) for t in orr]
+    for name, cfg in cfgs.items():
+        t = bench.time_ms(lambda c=cfg: M.project_bwd(x, W, proj, inv_rms, dproj, None, c))
+        out[f"gpu direct {name}"] = t
+    out["gpu autograd (library cfg)"] = bench.time_ms(lambda: torch.autograd.grad(orr, [xr, Wr], gr, retain_graph=True))
+    for k, v in out.items():
+        print(f"{k:<40} {v if isinstance(v, float) else {kk: round(vv, 4) for kk, vv in v.items()}}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--json")
@@ -190,6 +237,7 @@ def main():
     p.add_argument("--sweep", action="store_true", help="persistent configs with DIAG and register caps")
     p.add_argument("--fwd", action="store_true", help="also K1 forward: tiled vs persistent configs")
     p.add_argument("--stream", action="store_true", help="also x -> y streaming in K1 backward's tiles and orders")
+    p.add_argument("--host", action="store_true", help="only: host time per call and the bench-shaped autograd timing")
     args = p.parse_args()
     dt = torch.bfloat16
     T, C = args.T, args.C
@@ -198,6 +246,8 @@ def main():
     W = torch.randn(R, K, device=DEV) * 0.02
     proj, inv_rms = M.project_fwd(x, W, M.EPS)
     dproj = torch.randn(T, R, device=DEV)
+    if args.host:
+        return host_rows(args, x, W, proj, inv_rms, dproj)
     if args.ncu:
         for _ in range(3):
             M.project_bwd(x, W, proj, inv_rms, dproj, None)
