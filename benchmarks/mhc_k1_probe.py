@@ -234,7 +234,7 @@ def main():
     p.add_argument("--C", type=int, default=2560)
     p.add_argument("--ncu", action="store_true", help="one launch of the library kernel, nothing timed")
     p.add_argument("--variants", action="store_true", help="also the 2-D-grid stage-removal variants")
-    p.add_argument("--sweep", action="store_true", help="persistent configs with DIAG and register caps")
+    p.add_argument("--sweep", action="store_true", help="persistent configs: TMA, PREFETCH, register caps")
     p.add_argument("--fwd", action="store_true", help="also K1 forward: tiled vs persistent configs")
     p.add_argument("--stream", action="store_true", help="also x -> y streaming in K1 backward's tiles and orders")
     p.add_argument("--host", action="store_true", help="only: host time per call and the bench-shaped autograd timing")
@@ -283,15 +283,14 @@ def main():
     if args.stream:
         rows += stream_rows(x, pct, nbytes)
     # the library's persistent kernel (balanced runs over column-block x token-tile units) at launch configs:
-    # --sweep: TMA x DIAG (-coef x as dots: x only a dot operand) x register caps (more programs per SM)
+    # --sweep: TMA x PREFETCH x register caps (more programs per SM)
     sweep = [lib] + [dict(c, programs_per_sm=p) for c in cfgs for p in (2, 3, 4)] if not args.sweep else [lib] + [
-        dict(BLOCK_T=bt, BLOCK_K=bk, num_warps=w, num_stages=st, programs_per_sm=pps, TMA=tma, PREFETCH=pf, DIAG=dg,
-             maxnreg=mr)
-        for bt, bk, w, st, pps, tma, pf, dg, mr in [
-            (32, 128, 4, 3, 3, 1, 1, 0, None), (32, 128, 4, 4, 3, 1, 1, 0, None), (64, 128, 4, 3, 2, 1, 1, 0, None),
-            (64, 128, 4, 3, 2, 1, 1, 1, None), (32, 128, 4, 3, 3, 0, 1, 0, None), (64, 128, 4, 3, 2, 0, 1, 0, None),
-            (32, 128, 4, 3, 3, 0, 0, 0, None), (32, 128, 4, 3, 4, 1, 1, 0, 128), (32, 128, 4, 3, 4, 0, 1, 0, 128),
-            (16, 256, 4, 4, 4, 1, 1, 0, 128), (64, 128, 4, 4, 2, 1, 1, 0, None)]]
+        dict(BLOCK_T=bt, BLOCK_K=bk, num_warps=w, num_stages=st, programs_per_sm=pps, TMA=tma, PREFETCH=pf, maxnreg=mr)
+        for bt, bk, w, st, pps, tma, pf, mr in [
+            (32, 128, 4, 3, 3, 1, 1, None), (32, 128, 4, 4, 3, 1, 1, None), (64, 128, 4, 3, 2, 1, 1, None),
+            (32, 128, 4, 3, 3, 0, 1, None), (64, 128, 4, 3, 2, 0, 1, None), (32, 128, 4, 3, 3, 0, 0, None),
+            (32, 128, 4, 3, 4, 1, 1, 128), (32, 128, 4, 3, 4, 0, 1, 128), (16, 256, 4, 4, 4, 1, 1, 128),
+            (64, 128, 4, 4, 2, 1, 1, None)]]
     for cfg in sweep:
         try:
             dx, dw = M.project_bwd(x, W, proj, inv_rms, dproj, None, cfg)

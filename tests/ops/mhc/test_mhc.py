@@ -210,11 +210,9 @@ def triton_cdiv(a, b):
     {"BLOCK_T": 16, "BLOCK_K": 16, "num_warps": 4, "num_stages": 1, "programs_per_sm": 5},   # 1.5 units per run
     {"BLOCK_T": 16, "BLOCK_K": 32, "num_warps": 4, "num_stages": 1, "programs_per_sm": 16},  # more programs than units
     {"BLOCK_T": 16, "BLOCK_K": 32, "num_warps": 4, "num_stages": 3, "programs_per_sm": 2, "TMA": 1},  # descriptors (GPU)
-    {"BLOCK_T": 16, "BLOCK_K": 16, "num_warps": 4, "num_stages": 1, "programs_per_sm": 5, "DIAG": 1},  # -coef x as dots
-    {"BLOCK_T": 16, "BLOCK_K": 32, "num_warps": 4, "num_stages": 3, "programs_per_sm": 2, "TMA": 1, "DIAG": 1},
     {"BLOCK_T": 16, "BLOCK_K": 16, "num_warps": 4, "num_stages": 1, "programs_per_sm": 1, "PREFETCH": 1},  # one tile ahead
     {"BLOCK_T": 16, "BLOCK_K": 32, "num_warps": 4, "num_stages": 3, "programs_per_sm": 2, "TMA": 1, "PREFETCH": 1},
-], ids=["span", "split", "capped", "tma", "diag", "tma-diag", "prefetch", "tma-prefetch"])
+], ids=["span", "split", "capped", "tma", "prefetch", "tma-prefetch"])
 def test_project_backward_persistent_runs(cfg, dtype, gen, device):
     """K1 backward at launch configs whose runs start and end inside column blocks (and T, K that are
     not multiples of the tiles): dx and dW against float64 autograd through the reference."""

@@ -157,7 +157,7 @@ def project_bwd_main(x_flat, a_hi, a_lo, coef, w, cfg):
         nbytes=2 * x_flat.numel() * x_flat.element_size() + T * (R + 1) * 4,
         R=R, BLOCK_T=cfg["BLOCK_T"], BLOCK_K=cfg["BLOCK_K"], SPLIT=x_flat.dtype != torch.float32,
         UPCAST=_runtime.INTERPRET and x_flat.dtype == torch.bfloat16, RNE=_runtime.INTERPRET, TMA=tma,
-        DIAG=bool(cfg.get("DIAG", 0)) and x_flat.dtype != torch.float32, PREFETCH=bool(cfg.get("PREFETCH", 0)),
+        PREFETCH=bool(cfg.get("PREFETCH", 0)),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **_maxnreg(cfg),
     )
     return dx, dw_part
@@ -562,9 +562,10 @@ _tunable("mhc_project_fwd", {"BLOCK_T": [64, 128], "BLOCK_K": [64, 128], "num_wa
          _run_project_fwd)
 # K1 backward: programs_per_sm sets the persistent grid (one wave); TMA: x and dx through tensor descriptors
 # (won at both benchmark shapes at fc53703; BLOCK_K 64 and the pointer path lost every earlier sweep)
-# (8 warps, 4 stages, BLOCK_K 64/256 and register caps lost every sweep at 62da871-21de154: mhc_k1_probe.py)
+# (8 warps, 4 stages, BLOCK_K 64/256, register caps and -coef x as diagonal dots lost every sweep at
+# 62da871-635e0f6: mhc_k1_probe.py, NOTES "Ninth session")
 _tunable("mhc_project_bwd", {"BLOCK_T": [32, 64], "BLOCK_K": [128], "num_warps": [4], "num_stages": [3],
-                             "programs_per_sm": [2, 3], "TMA": [0, 1], "DIAG": [0, 1], "PREFETCH": [0, 1]},
+                             "programs_per_sm": [2, 3], "TMA": [0, 1], "PREFETCH": [0, 1]},
          _run_project_bwd)
 _tunable("mhc_pre_map_fwd", {"BLOCK": [1024, 2048, 4096, 8192], "num_warps": [4, 8]}, _run_pre_map("fwd"))
 _tunable("mhc_pre_map_bwd", _ROW_SPACE, _run_pre_map("bwd"))

@@ -95,7 +95,6 @@ def mhc_project_bwd_kernel(
     UPCAST: tl.constexpr,
     RNE: tl.constexpr,
     TMA: tl.constexpr,
-    DIAG: tl.constexpr,
     PREFETCH: tl.constexpr,
 ):
     """Persistent and balanced: the U = n_k x n_t units (column block, token tile), ordered column-block
@@ -107,10 +106,7 @@ def mhc_project_bwd_kernel(
     SMs ran 3 programs and the rest 2, and the kernel took the 3-program time (81% of copy).
     TMA: x tiles arrive and dx tiles leave through tensor descriptors (the copy engine moves them;
     out-of-range rows and columns are zero-filled on load and dropped on store).
-    DIAG (16-bit x): the -coef x term of dx as two more tensor-core dots, diag(-coef_hi) x + diag(-coef_lo) x
-    (coef in two 16-bit parts, ~16 mantissa bits; products exact in the fp32 accumulator), so that x is only
-    ever a dot operand: it can stay in shared memory where TMA put it instead of being loaded into the
-    accumulator's register layout."""
+    PREFETCH: each tile's per-token terms (a_hi, a_lo, coef) are loaded one tile ahead."""
     p = tl.program_id(0).to(tl.int64)
     u_start = p * U // P
     u_end = (p + 1) * U // P
@@ -153,17 +149,7 @@ def mhc_project_bwd_kernel(
             else:
                 b_dx = tl.dot(b_a_hi, b_w, input_precision="tf32x3")
                 b_dwT = tl.dot(b_xT, b_a_hi, b_dwT, input_precision="tf32x3")
-            if DIAG:
-                dt = x_ptr.dtype.element_ty
-                o_tt = tl.arange(0, BLOCK_T)
-                eye = o_tt[:, None] == o_tt[None, :]
-                c_hi = _cast(-b_coef, dt, RNE)
-                c_lo = _cast(-b_coef - c_hi.to(tl.float32), dt, RNE)
-                zero = tl.zeros([BLOCK_T, BLOCK_T], dtype=dt)
-                b_dx = dot16(tl.where(eye, c_hi[:, None], zero), b_x, b_dx, UPCAST)
-                b_dx = dot16(tl.where(eye, c_lo[:, None], zero), b_x, b_dx, UPCAST)
-            else:
-                b_dx -= b_coef[:, None] * b_x.to(tl.float32)
+            b_dx -= b_coef[:, None] * b_x.to(tl.float32)
             if TMA:
                 dx_desc.store([(i_t * BLOCK_T).to(tl.int32), (kb * BLOCK_K).to(tl.int32)], b_dx.to(dx_ptr.dtype.element_ty))
             else:
