@@ -130,6 +130,40 @@ def test_gate_up_swiglu_matches_reference(M, I, C, norm, dtype, gen):
     _ok("y vs float64 silu(gate) * up", F.silu(gate) * up, y, dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+@pytest.mark.parametrize("M", [1, 3], ids=["fma", "dot"])
+@pytest.mark.parametrize("bk,one", [(256, 1), (256, 0), (32, 1)], ids=["one-step", "one-step-off", "multi-step"])
+def test_norm_prologue_step_paths(bk, one, M, dtype, gen):
+    """The RMSNorm-prologue kernels with K in one step (weights loaded first, x read once) and in
+    several (the norm's own pass over x, then the K loop), against the rounded float64 references."""
+    C, I, Hq, Hkv, D, S = 200, 40, 2, 1, 64, 7
+    cfg = {"BLOCK_N": 16, "BLOCK_K": bk, "num_warps": 4, "num_stages": 1, "ONE": one}
+    d = lambda t: t.double()  # noqa: E731
+    x, nw = _rand(gen, M, C, dtype=dtype), (1 + _rand(gen, C, scale=0.2)).to(dtype)
+    w = _rand(gen, 2 * I, C, dtype=dtype, scale=2 * C ** -0.5)
+    with poisoned():
+        y, xn = G.gemv_gate_up_launch(x, w, nw, 1e-6, store_xn=True, cfg=cfg)
+    ref = G.gemv_gate_up_ref(d(x), d(w), d(nw), 1e-6, dtype=dtype)
+    _ok("gate_up y", ref["y"], y, dtype)
+    _ok("gate_up xn", G.rms_norm_ref(d(x), d(nw), 1e-6, dtype=dtype), xn, dtype)
+    wp, b = _rand(gen, 3 * I, C, dtype=dtype, scale=C ** -0.5), _rand(gen, 3 * I, dtype=dtype)
+    r = _rand(gen, M, 3 * I, dtype=dtype)
+    with poisoned():
+        y, _ = G.gemv_launch(x, wp, b, r, nw, 1e-6, cfg=cfg)
+    _ok("gemv y", G.gemv_ref(d(x), d(wp), d(b), d(r), d(nw), 1e-6, dtype=dtype)["y"], y, dtype)
+    nqkv = (Hq + 2 * Hkv) * D
+    wq, bq = _rand(gen, nqkv, C, dtype=dtype, scale=C ** -0.5), _rand(gen, nqkv, dtype=dtype, scale=0.5)
+    cos, sin = G.rope_tables(D, S, 1e6, DEV)
+    pos = torch.arange(M, dtype=torch.int32, device=DEV) + 2
+    kc, vc = _rand(gen, M, S, Hkv, D, dtype=dtype), _rand(gen, M, S, Hkv, D, dtype=dtype)
+    ref = G.gemv_qkv_rope_ref(d(x), d(wq), d(bq), d(cos), d(sin), pos, d(kc), d(vc), Hq, Hkv, d(nw), 1e-6,
+                              dtype=dtype)
+    with poisoned():
+        q, _, _ = G.gemv_qkv_rope_launch(x, wq, bq, cos, sin, pos, kc, vc, Hq, Hkv, nw, 1e-6, cfg=cfg)
+    _ok("qkv q", ref["q"], q, dtype)
+    _ok("qkv k_cache", ref["k_cache"], kc, dtype)
+
+
 def test_lm_head_argmax(gen):
     x, w, nw = _rand(gen, 3, 96), _rand(gen, 5000, 96, scale=0.1), 1 + _rand(gen, 96, scale=0.2)
     with poisoned():
@@ -220,19 +254,19 @@ for dtype in (torch.bfloat16, torch.float32):
             cfg = G._config("plain", M, N, K, dtype)
             ptrs = {n: "*" + t for n in ("x_ptr", "w_ptr", "b_ptr", "r_ptr", "nw_ptr", "y_ptr", "xn_ptr")}
             consts = dict(BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], HAS_BIAS=False, HAS_RESIDUAL=N == C,
-                          NORM=N == V, STORE_XN=False, **fl)
+                          NORM=N == V, STORE_XN=False, ONE=G._one(cfg, K), **fl)
             r = compile_(G.gemv_kernel, ptrs, consts, {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]})
             rows.append(dict(r, kernel=f"gemv N={N} K={K}", dtype=t, M=M, **fl))
         cfg = G._config("gate_up", M, 2 * I, C, dtype)
         ptrs = {n: "*" + t for n in ("x_ptr", "w_ptr", "nw_ptr", "y_ptr", "xn_ptr")}
-        consts = dict(BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], NORM=True, STORE_XN=False, **fl)
+        consts = dict(BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], NORM=True, STORE_XN=False, ONE=G._one(cfg, C), **fl)
         r = compile_(G.gemv_gate_up_kernel, ptrs, consts, {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]})
         rows.append(dict(r, kernel="gate_up", dtype=t, M=M, **fl))
         cfg = G._config("qkv", M, (Hq + 2 * Hkv) * D, C, dtype)
         ptrs = {n: "*" + t for n in ("x_ptr", "w_ptr", "b_ptr", "nw_ptr", "q_ptr", "kc_ptr", "vc_ptr", "qkv_ptr", "xn_ptr")}
         ptrs.update({"cos_ptr": "*fp32", "sin_ptr": "*fp32", "pos_ptr": "*i32"})
         consts = dict(HQ=Hq, HKV=Hkv, D=D, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], NORM=True, STORE_PRE=False,
-                      STORE_XN=False, **fl)
+                      STORE_XN=False, ONE=G._one(cfg, C), **fl)
         r = compile_(G.gemv_qkv_rope_kernel, ptrs, consts, {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]})
         rows.append(dict(r, kernel="qkv_rope", dtype=t, M=M, **fl))
 # the trace variants (debug stores of the normalised input and the pre-RoPE projections)
@@ -241,19 +275,19 @@ for M in (1, 8):
     cfg = G._config("plain", M, V, C, torch.bfloat16)
     ptrs = {n: "*bf16" for n in ("x_ptr", "w_ptr", "b_ptr", "r_ptr", "nw_ptr", "y_ptr", "xn_ptr")}
     consts = dict(BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], HAS_BIAS=True, HAS_RESIDUAL=True, NORM=True,
-                  STORE_XN=True, **fl)
+                  STORE_XN=True, ONE=G._one(cfg, C), **fl)
     rows.append(dict(compile_(G.gemv_kernel, ptrs, consts, {"num_warps": 4, "num_stages": 2}), kernel="gemv store",
                      dtype="bf16", M=M, **fl))
     cfg = G._config("gate_up", M, 2 * I, C, torch.bfloat16)
     ptrs = {n: "*bf16" for n in ("x_ptr", "w_ptr", "nw_ptr", "y_ptr", "xn_ptr")}
-    consts = dict(BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], NORM=True, STORE_XN=True, **fl)
+    consts = dict(BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], NORM=True, STORE_XN=True, ONE=G._one(cfg, C), **fl)
     rows.append(dict(compile_(G.gemv_gate_up_kernel, ptrs, consts, {"num_warps": 4, "num_stages": 2}),
                      kernel="gate_up store", dtype="bf16", M=M, **fl))
     cfg = G._config("qkv", M, (Hq + 2 * Hkv) * D, C, torch.bfloat16)
     ptrs = {n: "*bf16" for n in ("x_ptr", "w_ptr", "b_ptr", "nw_ptr", "q_ptr", "kc_ptr", "vc_ptr", "qkv_ptr", "xn_ptr")}
     ptrs.update({"cos_ptr": "*fp32", "sin_ptr": "*fp32", "pos_ptr": "*i32"})
     consts = dict(HQ=Hq, HKV=Hkv, D=D, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], NORM=True, STORE_PRE=True,
-                  STORE_XN=True, **fl)
+                  STORE_XN=True, ONE=G._one(cfg, C), **fl)
     rows.append(dict(compile_(G.gemv_qkv_rope_kernel, ptrs, consts, {"num_warps": 4, "num_stages": 2}),
                      kernel="qkv_rope store", dtype="bf16", M=M, **fl))
 print("RESULT" + json.dumps(rows))

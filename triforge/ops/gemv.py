@@ -137,6 +137,30 @@ def gemv_gate_up_ref(x, weight, norm_weight=None, eps=1e-6, dtype=None):
 
 
 @triton.jit
+def _norm_chunk(b_x, b_rstd, nw_ptr, o_k, m_k, DT: tl.constexpr, RNE: tl.constexpr):
+    """Qwen2RMSNorm of an fp32 x chunk: round(w * round(x * rstd)) in the weight dtype, kept in fp32."""
+    b_nw = tl.load(nw_ptr + o_k, mask=m_k, other=0.0).to(tl.float32)
+    b_x = b_x * b_rstd[:, None]
+    b_x = _rne_bf16(b_x) if RNE else b_x.to(DT).to(tl.float32)
+    b_x = b_x * b_nw[None, :]
+    return _rne_bf16(b_x) if RNE else b_x.to(DT).to(tl.float32)
+
+
+@triton.jit
+def _product(b_x, b_w, acc, DT: tl.constexpr, USE_DOT: tl.constexpr, IEEE: tl.constexpr):
+    """acc + the products of an fp32 x chunk [BLOCK_M, BLOCK_K] and a weight tile [BLOCK_N, BLOCK_K]:
+    a tensor-core dot into [BLOCK_M, BLOCK_N], or FMA into [BLOCK_M, BLOCK_N, BLOCK_K] (reduced later)."""
+    if USE_DOT:  # (one return at the end: the compiler keeps generating code after a return in a branch)
+        if IEEE:
+            out = tl.dot(b_x, tl.trans(b_w.to(tl.float32)), acc, input_precision="ieee")
+        else:
+            out = tl.dot(b_x.to(DT), tl.trans(b_w), acc)
+    else:
+        out = acc + b_x[:, None, :] * b_w.to(tl.float32)[None, :, :]
+    return out
+
+
+@triton.jit
 def _gemv_tiles(
     x_ptr,  # [M, K] activations
     w_ptr,  # [N_total, K] weight, row-major (K contiguous)
@@ -159,21 +183,16 @@ def _gemv_tiles(
     USE_DOT: tl.constexpr,
     IEEE: tl.constexpr,
     RNE: tl.constexpr,
+    ONE: tl.constexpr,  # K <= BLOCK_K: one K step
 ):
-    """(acc_a, acc_b) [BLOCK_M, BLOCK_N] fp32: x (RMSNorm-ed when NORM) times rows o_na (and o_nb) of W."""
+    """(acc_a, acc_b) [BLOCK_M, BLOCK_N] fp32: x (RMSNorm-ed when NORM) times rows o_na (and o_nb) of W.
+    ONE: the weight tiles are loaded first, then x once (its sum of squares, norm and product from the
+    same registers), so the weights' DRAM latency overlaps the norm's L2 round trip and reduction
+    instead of following them (a decode GEMV's program is one or two such latencies long)."""
     DT = w_ptr.dtype.element_ty
     m_m = o_m < M
     o_k0 = tl.arange(0, BLOCK_K)
     o_xm = o_m.to(tl.int64)[:, None] * K
-    b_rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
-    if NORM:
-        b_ss = tl.zeros([BLOCK_M], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            o_k = k0 + o_k0
-            b_x = tl.load(x_ptr + o_xm + o_k[None, :], mask=m_m[:, None] & (o_k < K)[None, :], other=0.0)
-            b_x = b_x.to(tl.float32)
-            b_ss += tl.sum(b_x * b_x, axis=1)
-        b_rstd = tl.rsqrt(b_ss / K + eps)
     o_wa = o_na.to(tl.int64)[:, None] * K
     o_wb = o_nb.to(tl.int64)[:, None] * K
     if USE_DOT:
@@ -182,37 +201,47 @@ def _gemv_tiles(
     else:
         acc_a = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
         acc_b = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        o_k = k0 + o_k0
-        m_k = o_k < K
-        m_x = m_m[:, None] & m_k[None, :]
-        b_x = tl.load(x_ptr + o_xm + o_k[None, :], mask=m_x, other=0.0).to(tl.float32)
-        if NORM:
-            b_nw = tl.load(nw_ptr + o_k, mask=m_k, other=0.0).to(tl.float32)
-            b_x = b_x * b_rstd[:, None]
-            b_x = _rne_bf16(b_x) if RNE else b_x.to(DT).to(tl.float32)
-            b_x = b_x * b_nw[None, :]
-            b_x = _rne_bf16(b_x) if RNE else b_x.to(DT).to(tl.float32)
-            if STORE_XN:
-                tl.store(xn_ptr + o_xm + o_k[None, :], b_x.to(xn_ptr.dtype.element_ty), mask=m_x & write_xn)
+    if ONE:
+        m_k = o_k0 < K
         m_w = m_n[:, None] & m_k[None, :]
-        b_wa = tl.load(w_ptr + o_wa + o_k[None, :], mask=m_w, other=0.0)
-        if USE_DOT:
-            if IEEE:
-                acc_a = tl.dot(b_x, tl.trans(b_wa.to(tl.float32)), acc_a, input_precision="ieee")
-            else:
-                acc_a = tl.dot(b_x.to(DT), tl.trans(b_wa), acc_a)
-        else:
-            acc_a += b_x[:, None, :] * b_wa.to(tl.float32)[None, :, :]
+        m_x = m_m[:, None] & m_k[None, :]
+        b_wa = tl.load(w_ptr + o_wa + o_k0[None, :], mask=m_w, other=0.0)
+        b_wb = b_wa
         if TWO:
-            b_wb = tl.load(w_ptr + o_wb + o_k[None, :], mask=m_w, other=0.0)
-            if USE_DOT:
-                if IEEE:
-                    acc_b = tl.dot(b_x, tl.trans(b_wb.to(tl.float32)), acc_b, input_precision="ieee")
-                else:
-                    acc_b = tl.dot(b_x.to(DT), tl.trans(b_wb), acc_b)
-            else:
-                acc_b += b_x[:, None, :] * b_wb.to(tl.float32)[None, :, :]
+            b_wb = tl.load(w_ptr + o_wb + o_k0[None, :], mask=m_w, other=0.0)
+        b_x = tl.load(x_ptr + o_xm + o_k0[None, :], mask=m_x, other=0.0).to(tl.float32)
+        if NORM:
+            b_rstd = tl.rsqrt(tl.sum(b_x * b_x, axis=1) / K + eps)
+            b_x = _norm_chunk(b_x, b_rstd, nw_ptr, o_k0, m_k, DT, RNE)
+            if STORE_XN:
+                tl.store(xn_ptr + o_xm + o_k0[None, :], b_x.to(xn_ptr.dtype.element_ty), mask=m_x & write_xn)
+        acc_a = _product(b_x, b_wa, acc_a, DT, USE_DOT, IEEE)
+        if TWO:
+            acc_b = _product(b_x, b_wb, acc_b, DT, USE_DOT, IEEE)
+    else:
+        b_rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
+        if NORM:
+            b_ss = tl.zeros([BLOCK_M], dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                o_k = k0 + o_k0
+                b_x = tl.load(x_ptr + o_xm + o_k[None, :], mask=m_m[:, None] & (o_k < K)[None, :], other=0.0)
+                b_x = b_x.to(tl.float32)
+                b_ss += tl.sum(b_x * b_x, axis=1)
+            b_rstd = tl.rsqrt(b_ss / K + eps)
+        for k0 in range(0, K, BLOCK_K):
+            o_k = k0 + o_k0
+            m_k = o_k < K
+            m_x = m_m[:, None] & m_k[None, :]
+            b_x = tl.load(x_ptr + o_xm + o_k[None, :], mask=m_x, other=0.0).to(tl.float32)
+            if NORM:
+                b_x = _norm_chunk(b_x, b_rstd, nw_ptr, o_k, m_k, DT, RNE)
+                if STORE_XN:
+                    tl.store(xn_ptr + o_xm + o_k[None, :], b_x.to(xn_ptr.dtype.element_ty), mask=m_x & write_xn)
+            m_w = m_n[:, None] & m_k[None, :]
+            acc_a = _product(b_x, tl.load(w_ptr + o_wa + o_k[None, :], mask=m_w, other=0.0), acc_a, DT, USE_DOT, IEEE)
+            if TWO:
+                acc_b = _product(b_x, tl.load(w_ptr + o_wb + o_k[None, :], mask=m_w, other=0.0), acc_b, DT, USE_DOT,
+                                 IEEE)
     if USE_DOT:
         return acc_a, acc_b
     else:
@@ -242,6 +271,7 @@ def gemv_kernel(
     USE_DOT: tl.constexpr,
     IEEE: tl.constexpr,
     RNE: tl.constexpr,
+    ONE: tl.constexpr,
 ):
     i_n = tl.program_id(0)
     i_m = tl.program_id(1)
@@ -252,7 +282,7 @@ def gemv_kernel(
     m_n = o_n < N
     acc, _ = _gemv_tiles(
         x_ptr, w_ptr, nw_ptr, xn_ptr, i_n == 0, M, K, eps, o_m, o_n, o_n, m_n,
-        BLOCK_M, BLOCK_N, BLOCK_K, NORM, False, STORE_XN, USE_DOT, IEEE, RNE,
+        BLOCK_M, BLOCK_N, BLOCK_K, NORM, False, STORE_XN, USE_DOT, IEEE, RNE, ONE,
     )
     if HAS_BIAS:
         acc += tl.load(b_ptr + o_n, mask=m_n, other=0.0).to(tl.float32)[None, :]
@@ -297,6 +327,7 @@ def gemv_qkv_rope_kernel(
     USE_DOT: tl.constexpr,
     IEEE: tl.constexpr,
     RNE: tl.constexpr,
+    ONE: tl.constexpr,
 ):
     HALF: tl.constexpr = D // 2
     NH: tl.constexpr = HQ + 2 * HKV
@@ -314,7 +345,7 @@ def gemv_qkv_rope_kernel(
     m_m = o_m < M
     acc_a, acc_b = _gemv_tiles(
         x_ptr, w_ptr, nw_ptr, xn_ptr, i_n == 0, M, C, eps, o_m, o_na, o_nb, m_r,
-        BLOCK_M, BLOCK_N, BLOCK_K, NORM, True, STORE_XN, USE_DOT, IEEE, RNE,
+        BLOCK_M, BLOCK_N, BLOCK_K, NORM, True, STORE_XN, USE_DOT, IEEE, RNE, ONE,
     )
     # bias in fp32, one rounding: the projection as the eager model stores it
     b_xa = acc_a + tl.load(b_ptr + o_na, mask=m_r, other=0.0).to(tl.float32)[None, :]
@@ -375,6 +406,7 @@ def gemv_gate_up_kernel(
     USE_DOT: tl.constexpr,
     IEEE: tl.constexpr,
     RNE: tl.constexpr,
+    ONE: tl.constexpr,
 ):
     DT = w_ptr.dtype.element_ty
     i_n = tl.program_id(0)
@@ -385,7 +417,7 @@ def gemv_gate_up_kernel(
     m_m = o_m < M
     acc_g, acc_u = _gemv_tiles(
         x_ptr, w_ptr, nw_ptr, xn_ptr, i_n == 0, M, C, eps, o_m, o_n, o_n + I, m_n,
-        BLOCK_M, BLOCK_N, BLOCK_K, NORM, True, STORE_XN, USE_DOT, IEEE, RNE,
+        BLOCK_M, BLOCK_N, BLOCK_K, NORM, True, STORE_XN, USE_DOT, IEEE, RNE, ONE,
     )
     b_g = _rne_bf16(acc_g) if RNE else acc_g.to(DT).to(tl.float32)
     b_u = _rne_bf16(acc_u) if RNE else acc_u.to(DT).to(tl.float32)
@@ -466,6 +498,11 @@ def _flags(dtype, M):
 # ----------------------------------------------------------------------------- launchers
 
 
+def _one(cfg, K):
+    """One K step (K <= BLOCK_K): the weights-first single-step path (cfg "ONE": 0 turns it off)."""
+    return bool(cfg.get("ONE", 1)) and K <= cfg["BLOCK_K"]
+
+
 def gemv_launch(x, weight, bias=None, residual=None, norm_weight=None, eps=1e-6, store_xn=False, cfg=None):
     """x [M, K], weight [N, K], all contiguous. Returns (y [M, N], xn [M, K] or None)."""
     M, K = x.shape
@@ -485,7 +522,7 @@ def gemv_launch(x, weight, bias=None, residual=None, norm_weight=None, eps=1e-6,
         M, N, K, float(eps),
         nbytes=nbytes,
         BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], HAS_BIAS=bias is not None,
-        HAS_RESIDUAL=residual is not None, NORM=norm_weight is not None, STORE_XN=store_xn,
+        HAS_RESIDUAL=residual is not None, NORM=norm_weight is not None, STORE_XN=store_xn, ONE=_one(cfg, K),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **flags,
     )
     return y, xn
@@ -515,7 +552,8 @@ def gemv_qkv_rope_launch(x, weight, bias, cos, sin, positions, k_cache, v_cache,
         M, C, float(eps),
         nbytes=nbytes,
         HQ=num_heads, HKV=num_kv_heads, D=D, BLOCK_N=bn, BLOCK_K=cfg["BLOCK_K"], NORM=norm_weight is not None,
-        STORE_PRE=store_pre, STORE_XN=store_xn, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **flags,
+        STORE_PRE=store_pre, STORE_XN=store_xn, ONE=_one(cfg, C), num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"], **flags,
     )
     return q, qkv, xn
 
@@ -537,7 +575,7 @@ def gemv_gate_up_launch(x, weight, norm_weight=None, eps=1e-6, store_xn=False, c
         M, inter, C, float(eps),
         nbytes=nbytes,
         BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], NORM=norm_weight is not None, STORE_XN=store_xn,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **flags,
+        ONE=_one(cfg, C), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **flags,
     )
     return y, xn
 
