@@ -216,6 +216,7 @@ def main(argv=None) -> int:
     p.add_argument("--budget-s", type=float, default=150.0, help="start no peer run after this many seconds")
     p.add_argument("--trace", default="/tmp/qwen2_decode_step.json", help="Chrome trace of the profiled step")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-pdl", action="store_true", help="launch the decode kernels without programmatic dependent launch")
     args = p.parse_args(argv)
     _runtime.require_gpu("benchmarks/qwen2_decode.py")
     start = time.perf_counter()
@@ -226,6 +227,7 @@ def main(argv=None) -> int:
     copy_tbps = peaks["copy_tbps"]
     model = build_model(args.layers, args.seed)
     engine = Qwen2Engine.from_hf(model, max_seq_len=4096)
+    engine.use_pdl = not args.no_pdl
     batches = [int(b) for b in args.batches.split(",")]
     peers = [] if args.peers == "none" else args.peers.split(",")
     gen = torch.Generator().manual_seed(args.seed + 1)
@@ -234,7 +236,7 @@ def main(argv=None) -> int:
         "torch": torch.__version__, "triton": triton.__version__, "transformers": transformers.__version__,
         "date": time.strftime("%Y-%m-%d", time.gmtime()), "dtype": "bfloat16", "layers": args.layers,
         "prompt": args.prompt, "new_tokens": args.new, "copy_tbps": copy_tbps, "throughput": [], "skipped": [],
-        "hf_attn_implementation": model.config._attn_implementation,
+        "hf_attn_implementation": model.config._attn_implementation, "pdl": engine.use_pdl,
     }
 
     def save():

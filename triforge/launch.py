@@ -103,6 +103,20 @@ def launch(kernel_name: str, jit_fn, grid, *args, nbytes: int | None = None, **k
     return compiled
 
 
+@functools.lru_cache(maxsize=None)
+def pdl_supported() -> bool:
+    """Programmatic dependent launch: compiled kernels on sm90+ only."""
+    return (not _runtime.INTERPRET) and torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
+
+
+def pdl_options(pdl: bool) -> dict:
+    """Launch kwargs for a kernel with a ``PDL`` constexpr: ``PDL`` (the kernel waits with
+    griddepcontrol.wait before reading what earlier kernels wrote) and ``launch_pdl`` (the launch may
+    begin while the previous kernel in the stream drains). Off where unsupported."""
+    on = bool(pdl) and pdl_supported()
+    return {"PDL": on, "launch_pdl": True} if on else {"PDL": False}
+
+
 def kernel_resources(kernel_name: str) -> dict | None:
     """Registers per thread, spilled registers and shared memory bytes of the last launch."""
     compiled = _compiled.get(kernel_name)

@@ -274,6 +274,9 @@ class Qwen2Engine:
         self.scale = spec.head_dim ** -0.5
         # the interpreter's cost is per program: one KV split there; the split heuristic on the GPU
         self._num_splits = 1 if _runtime.INTERPRET else 0
+        # decode kernels launched as programmatic dependents (sm90+): each starts, and fetches its
+        # weights, while the previous one drains; set False to launch them plainly
+        self.use_pdl = True
         self._states: dict = {}
 
     # ------------------------------------------------------------------ construction
@@ -444,19 +447,20 @@ class Qwen2Engine:
         s = self.spec
         B, D, Hq, Hkv, eps = state.batch_size, s.head_dim, s.num_heads, s.num_kv_heads, s.rms_norm_eps
         tr = trace is not None
+        pdl = self.use_pdl
         pos = state.positions
         lengths = pos + 1  # keys each row attends to, the new one included
         h = F.embedding(state.ids, self.embed)  # [B, C]
         for i, L in enumerate(self.layers):
             kc, vc = state.k_cache[i], state.v_cache[i]
             q, qkv, xn = gemv_qkv_rope_launch(h, L.w_qkv, L.b_qkv, self.cos, self.sin, pos, kc, vc, Hq, Hkv,
-                                              L.input_norm, eps, store_pre=tr, store_xn=tr)
+                                              L.input_norm, eps, store_pre=tr, store_xn=tr, pdl=pdl)
             o, _ = flash_decode_fwd(q.view(B, 1, Hq, D), kc, vc, lengths, None, None, True, self.scale,
-                                    num_splits=self._num_splits)
+                                    num_splits=self._num_splits, pdl=pdl)
             o = o.view(B, Hq * D)
-            h_attn, _ = gemv_launch(o, L.w_o, residual=h)
-            act, xn2 = gemv_gate_up_launch(h_attn, L.w_gate_up, L.post_norm, eps, store_xn=tr)
-            h, _ = gemv_launch(act, L.w_down, residual=h_attn)
+            h_attn, _ = gemv_launch(o, L.w_o, residual=h, pdl=pdl)
+            act, xn2 = gemv_gate_up_launch(h_attn, L.w_gate_up, L.post_norm, eps, store_xn=tr, pdl=pdl)
+            h, _ = gemv_launch(act, L.w_down, residual=h_attn, pdl=pdl)
             if tr:
                 rows = torch.arange(B, device=self.device)
                 trace.update({
@@ -466,7 +470,7 @@ class Qwen2Engine:
                     f"layers.{i}.attn": o, f"layers.{i}.attn_residual": h_attn, f"layers.{i}.post_norm": xn2,
                     f"layers.{i}.swiglu": act, f"layers.{i}.block": h,
                 })
-        logits, xn = gemv_launch(h, self.lm_head, norm_weight=self.norm, eps=eps, store_xn=tr)
+        logits, xn = gemv_launch(h, self.lm_head, norm_weight=self.norm, eps=eps, store_xn=tr, pdl=pdl)
         if tr:
             trace["final_norm"] = xn
             trace["logits"] = logits

@@ -184,11 +184,15 @@ def _gemv_tiles(
     IEEE: tl.constexpr,
     RNE: tl.constexpr,
     ONE: tl.constexpr,  # K <= BLOCK_K: one K step
+    PDL: tl.constexpr,  # launched as a programmatic dependent: wait for the previous kernel before reading x
 ):
     """(acc_a, acc_b) [BLOCK_M, BLOCK_N] fp32: x (RMSNorm-ed when NORM) times rows o_na (and o_nb) of W.
     ONE: the weight tiles are loaded first, then x once (its sum of squares, norm and product from the
     same registers), so the weights' DRAM latency overlaps the norm's L2 round trip and reduction
-    instead of following them (a decode GEMV's program is one or two such latencies long)."""
+    instead of following them (a decode GEMV's program is one or two such latencies long).
+    PDL: nothing but weights is read (and nothing written) before griddepcontrol.wait, so under
+    programmatic dependent launch the kernel starts, and fetches its weights, while its predecessor
+    drains."""
     DT = w_ptr.dtype.element_ty
     m_m = o_m < M
     o_k0 = tl.arange(0, BLOCK_K)
@@ -209,6 +213,9 @@ def _gemv_tiles(
         b_wb = b_wa
         if TWO:
             b_wb = tl.load(w_ptr + o_wb + o_k0[None, :], mask=m_w, other=0.0)
+        if PDL:  # weights are constants: their loads are in flight while the previous kernel finishes
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()  # the next kernel may start: it waits the same way
         b_x = tl.load(x_ptr + o_xm + o_k0[None, :], mask=m_x, other=0.0).to(tl.float32)
         if NORM:
             b_rstd = tl.rsqrt(tl.sum(b_x * b_x, axis=1) / K + eps)
@@ -219,6 +226,9 @@ def _gemv_tiles(
         if TWO:
             acc_b = _product(b_x, b_wb, acc_b, DT, USE_DOT, IEEE)
     else:
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()  # the next kernel may start: it waits the same way
         b_rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
         if NORM:
             b_ss = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -272,6 +282,7 @@ def gemv_kernel(
     IEEE: tl.constexpr,
     RNE: tl.constexpr,
     ONE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     i_n = tl.program_id(0)
     i_m = tl.program_id(1)
@@ -282,7 +293,7 @@ def gemv_kernel(
     m_n = o_n < N
     acc, _ = _gemv_tiles(
         x_ptr, w_ptr, nw_ptr, xn_ptr, i_n == 0, M, K, eps, o_m, o_n, o_n, m_n,
-        BLOCK_M, BLOCK_N, BLOCK_K, NORM, False, STORE_XN, USE_DOT, IEEE, RNE, ONE,
+        BLOCK_M, BLOCK_N, BLOCK_K, NORM, False, STORE_XN, USE_DOT, IEEE, RNE, ONE, PDL,
     )
     if HAS_BIAS:
         acc += tl.load(b_ptr + o_n, mask=m_n, other=0.0).to(tl.float32)[None, :]
@@ -328,6 +339,7 @@ def gemv_qkv_rope_kernel(
     IEEE: tl.constexpr,
     RNE: tl.constexpr,
     ONE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     HALF: tl.constexpr = D // 2
     NH: tl.constexpr = HQ + 2 * HKV
@@ -345,7 +357,7 @@ def gemv_qkv_rope_kernel(
     m_m = o_m < M
     acc_a, acc_b = _gemv_tiles(
         x_ptr, w_ptr, nw_ptr, xn_ptr, i_n == 0, M, C, eps, o_m, o_na, o_nb, m_r,
-        BLOCK_M, BLOCK_N, BLOCK_K, NORM, True, STORE_XN, USE_DOT, IEEE, RNE, ONE,
+        BLOCK_M, BLOCK_N, BLOCK_K, NORM, True, STORE_XN, USE_DOT, IEEE, RNE, ONE, PDL,
     )
     # bias in fp32, one rounding: the projection as the eager model stores it
     b_xa = acc_a + tl.load(b_ptr + o_na, mask=m_r, other=0.0).to(tl.float32)[None, :]
@@ -407,6 +419,7 @@ def gemv_gate_up_kernel(
     IEEE: tl.constexpr,
     RNE: tl.constexpr,
     ONE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     DT = w_ptr.dtype.element_ty
     i_n = tl.program_id(0)
@@ -417,7 +430,7 @@ def gemv_gate_up_kernel(
     m_m = o_m < M
     acc_g, acc_u = _gemv_tiles(
         x_ptr, w_ptr, nw_ptr, xn_ptr, i_n == 0, M, C, eps, o_m, o_n, o_n + I, m_n,
-        BLOCK_M, BLOCK_N, BLOCK_K, NORM, True, STORE_XN, USE_DOT, IEEE, RNE, ONE,
+        BLOCK_M, BLOCK_N, BLOCK_K, NORM, True, STORE_XN, USE_DOT, IEEE, RNE, ONE, PDL,
     )
     b_g = _rne_bf16(acc_g) if RNE else acc_g.to(DT).to(tl.float32)
     b_u = _rne_bf16(acc_u) if RNE else acc_u.to(DT).to(tl.float32)
@@ -503,8 +516,10 @@ def _one(cfg, K):
     return bool(cfg.get("ONE", 1)) and K <= cfg["BLOCK_K"]
 
 
-def gemv_launch(x, weight, bias=None, residual=None, norm_weight=None, eps=1e-6, store_xn=False, cfg=None):
-    """x [M, K], weight [N, K], all contiguous. Returns (y [M, N], xn [M, K] or None)."""
+def gemv_launch(x, weight, bias=None, residual=None, norm_weight=None, eps=1e-6, store_xn=False, cfg=None,
+                pdl=False):
+    """x [M, K], weight [N, K], all contiguous. Returns (y [M, N], xn [M, K] or None). pdl: launch as a
+    programmatic dependent of the previous kernel in the stream (sm90+; ignored where unsupported)."""
     M, K = x.shape
     N = weight.shape[0]
     cfg = cfg or _config("plain", M, N, K, x.dtype)
@@ -523,13 +538,13 @@ def gemv_launch(x, weight, bias=None, residual=None, norm_weight=None, eps=1e-6,
         nbytes=nbytes,
         BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], HAS_BIAS=bias is not None,
         HAS_RESIDUAL=residual is not None, NORM=norm_weight is not None, STORE_XN=store_xn, ONE=_one(cfg, K),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **flags,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **flags, **launch.pdl_options(pdl),
     )
     return y, xn
 
 
 def gemv_qkv_rope_launch(x, weight, bias, cos, sin, positions, k_cache, v_cache, num_heads, num_kv_heads,
-                         norm_weight=None, eps=1e-6, store_pre=False, store_xn=False, cfg=None):
+                         norm_weight=None, eps=1e-6, store_pre=False, store_xn=False, cfg=None, pdl=False):
     """Returns (q [M, Hq, D], qkv [M, NQKV] or None, xn [M, C] or None); k/v land in the caches."""
     M, C = x.shape
     D = k_cache.shape[-1]
@@ -553,12 +568,12 @@ def gemv_qkv_rope_launch(x, weight, bias, cos, sin, positions, k_cache, v_cache,
         nbytes=nbytes,
         HQ=num_heads, HKV=num_kv_heads, D=D, BLOCK_N=bn, BLOCK_K=cfg["BLOCK_K"], NORM=norm_weight is not None,
         STORE_PRE=store_pre, STORE_XN=store_xn, ONE=_one(cfg, C), num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"], **flags,
+        num_stages=cfg["num_stages"], **flags, **launch.pdl_options(pdl),
     )
     return q, qkv, xn
 
 
-def gemv_gate_up_launch(x, weight, norm_weight=None, eps=1e-6, store_xn=False, cfg=None):
+def gemv_gate_up_launch(x, weight, norm_weight=None, eps=1e-6, store_xn=False, cfg=None, pdl=False):
     """x [M, C], weight [2I, C]. Returns (y [M, I], xn [M, C] or None)."""
     M, C = x.shape
     inter = weight.shape[0] // 2
@@ -575,7 +590,7 @@ def gemv_gate_up_launch(x, weight, norm_weight=None, eps=1e-6, store_xn=False, c
         M, inter, C, float(eps),
         nbytes=nbytes,
         BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], NORM=norm_weight is not None, STORE_XN=store_xn,
-        ONE=_one(cfg, C), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **flags,
+        ONE=_one(cfg, C), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **flags, **launch.pdl_options(pdl),
     )
     return y, xn
 
@@ -924,7 +939,7 @@ def _tune_setup(kind):
     return setup
 
 
-_FMA_SPACE = {"BLOCK_N": [1, 2, 4, 8, 16], "BLOCK_K": [512, 1024, 2048], "num_warps": [4, 8],
+_FMA_SPACE = {"BLOCK_N": [1, 2, 4, 8], "BLOCK_K": [512, 1024, 2048, 4096, 8192], "num_warps": [4, 8],
               "num_stages": [1, 2]}
 register_tunable(Tunable(
     kernel="gemv", space=_FMA_SPACE, setup=_tune_setup("plain"),

@@ -527,13 +527,13 @@ for dtype, D, G, Sq, append, causal in json.loads(sys.argv[1]):
     ptrs = {n: "*" + t for n in ("q_ptr", "kc_ptr", "vc_ptr", "kn_ptr", "vn_ptr")}
     ptrs.update({"acc_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32", "seqlens_ptr": "*i32"})
     consts = dict(HKV=2, GROUP=G, HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=sc["BLOCK_N"], BLOCK_NEW=16, CAUSAL=causal,
-                  APPEND=append, UPCAST=False, IEEE=dtype == torch.float32)
+                  APPEND=append, UPCAST=False, IEEE=dtype == torch.float32, PDL=bool(append))  # both PDL forms
     r = compile_(dec.flash_decode_split_kernel, ptrs, ("qk_scale",), consts,
                  {"num_warps": sc["num_warps"], "num_stages": sc["num_stages"]})
     rows.append(dict(r, kernel="split", dtype=t, D=D, G=G, Sq=Sq))
     mc = dec._merge_config(D, dtype)
     ptrs = {"acc_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32", "o_ptr": "*" + t, "lse_ptr": "*fp32"}
-    consts = dict(H=2 * G, HKV=2, GROUP=G, HEAD_DIM=D, BLOCK_S=mc["BLOCK_S"])
+    consts = dict(H=2 * G, HKV=2, GROUP=G, HEAD_DIM=D, BLOCK_S=mc["BLOCK_S"], PDL=bool(append))
     r = compile_(dec.flash_decode_merge_kernel, ptrs, (), consts, {"num_warps": mc["num_warps"], "num_stages": 1})
     rows.append(dict(r, kernel="merge", dtype=t, D=D, G=G, Sq=Sq))
 print("RESULT" + json.dumps(rows))

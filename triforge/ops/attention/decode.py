@@ -130,7 +130,11 @@ def flash_decode_split_kernel(
     APPEND: tl.constexpr,
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch: wait for the previous kernel before any access
 ):
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()  # the next kernel may start: it waits the same way
     i_s = tl.program_id(0)
     i_bg = tl.program_id(1)
     i_mb = tl.program_id(2)
@@ -213,7 +217,11 @@ def flash_decode_merge_kernel(
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()  # the next kernel may start: it waits the same way
     pid = tl.program_id(0)
     i_bg = pid // M_ROWS
     i_r = pid % M_ROWS
@@ -299,9 +307,10 @@ def choose_num_splits(B, Hkv, S_max, row_blocks, block_n, programs_per_sm, min_b
 
 
 def flash_decode_fwd(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax_scale, num_splits=0, cfg=None,
-                     merge_cfg=None):
+                     merge_cfg=None, pdl=False):
     """Launch both kernels. q, k, v contiguous; caches with unit last stride (written in place when
-    k/v are given); cache_seqlens int32 [B]. Returns (o [B, Sq, H, D], lse [B, H, Sq] fp32)."""
+    k/v are given); cache_seqlens int32 [B]. Returns (o [B, Sq, H, D], lse [B, H, Sq] fp32).
+    pdl: both launched as programmatic dependents (sm90+; the decode engine's CUDA graph)."""
     B, Sq, H, D = q.shape
     S_max, Hkv = k_cache.shape[1], k_cache.shape[2]
     G = H // Hkv
@@ -340,13 +349,14 @@ def flash_decode_fwd(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax_s
         BLOCK_NEW=max(16, min(block_n, triton.next_power_of_2(max(S_new, 1)))),
         CAUSAL=bool(causal) and Sq > 1, APPEND=append,
         UPCAST=_runtime.INTERPRET and q.dtype == torch.bfloat16, IEEE=q.dtype == torch.float32,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch.pdl_options(pdl),
     )
     launch.launch(
         "flash_decode_merge", flash_decode_merge_kernel, (B * Hkv * m_rows,),
         acc, m_part, l_part, o, lse, o.stride(0), o.stride(1), o.stride(2), Sq, m_rows, num_splits,
         nbytes=acc.numel() * 4 + 8 * m_part.numel() + o.numel() * e + lse.numel() * 4,
         H=H, HKV=Hkv, GROUP=G, HEAD_DIM=D, BLOCK_S=merge_cfg["BLOCK_S"], num_warps=merge_cfg["num_warps"],
+        **launch.pdl_options(pdl),
     )
     return o, lse
 
