@@ -137,13 +137,8 @@ def kernel_rows(kernels, spec, batch, keys, dtype, copy_tbps):
     """Profiler kernel events of one decode step (time order) -> rows per role of the step: our
     kernels matched in launch order to KERNEL_ROLES (per layer) and LM_HEAD, any other kernel by name."""
     model_bytes = byte_model(spec, batch, keys, dtype)
-    roles = KERNEL_ROLES
-    if not any(ev["name"].startswith("flash_decode_merge_kernel") for ev in kernels):  # merge fused into the split
-        roles = tuple((k, "attention split + fused merge (flash-decoding)" if k == "flash_decode_split_kernel" else r)
-                      for k, r in KERNEL_ROLES if k != "flash_decode_merge_kernel")
-        model_bytes["attention split"] += model_bytes.pop("attention merge")
-    ours = [ev for ev in kernels if any(ev["name"].startswith(k) for k, _ in roles)]
-    expected = [k for _ in range(spec.num_layers) for k in roles] + [LM_HEAD]
+    ours = [ev for ev in kernels if any(ev["name"].startswith(k) for k, _ in KERNEL_ROLES)]
+    expected = [k for _ in range(spec.num_layers) for k in KERNEL_ROLES] + [LM_HEAD]
     matched = len(ours) == len(expected) and all(ev["name"].startswith(k) for ev, (k, _) in zip(ours, expected))
     rows = {}
     if matched:

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from triforge import _runtime
 from triforge.ops.attention import flash_attn_func
-from triforge.ops.attention.decode import HEAD_DIMS, counters_needed, flash_decode_fwd
+from triforge.ops.attention.decode import HEAD_DIMS, flash_decode_fwd
 from triforge.ops.gemv import gemv_gate_up_launch, gemv_launch, gemv_qkv_rope_launch, rope_tables
 from triforge.ops.norm import rms_norm
 from triforge.ops.rope import apply_rotary_qk
@@ -246,10 +246,6 @@ class DecodeState:
         self.v_cache = torch.zeros(shape, dtype=engine.dtype, device=engine.device)
         self.positions = torch.zeros(batch_size, dtype=torch.int32, device=engine.device)  # tokens cached per row
         self.ids = torch.zeros(batch_size, dtype=torch.int64, device=engine.device)  # the step's input tokens
-        # flash-decoding's arrival counters (the last split merges; the kernel leaves them zeroed), shared
-        # by the layers: their attention launches run one after another in one stream
-        self.attn_counters = torch.zeros(counters_needed(batch_size, s.num_heads, s.num_kv_heads), dtype=torch.int32,
-                                         device=engine.device)
         self.length = 0  # tokens cached per row, on the host
         self.graph = None
         self.graph_logits = None
@@ -460,7 +456,7 @@ class Qwen2Engine:
             q, qkv, xn = gemv_qkv_rope_launch(h, L.w_qkv, L.b_qkv, self.cos, self.sin, pos, kc, vc, Hq, Hkv,
                                               L.input_norm, eps, store_pre=tr, store_xn=tr, pdl=pdl)
             o, _ = flash_decode_fwd(q.view(B, 1, Hq, D), kc, vc, lengths, None, None, True, self.scale,
-                                    num_splits=self._num_splits, pdl=pdl, counters=state.attn_counters)
+                                    num_splits=self._num_splits, pdl=pdl)
             o = o.view(B, Hq * D)
             h_attn, _ = gemv_launch(o, L.w_o, residual=h, pdl=pdl)
             act, xn2 = gemv_gate_up_launch(h_attn, L.w_gate_up, L.post_norm, eps, store_xn=tr, pdl=pdl)

@@ -271,51 +271,6 @@ def test_decode_steps_equal_full_attention(gen, device):
 # ----------------------------------------------------------------------------- split count policy
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-@pytest.mark.parametrize("G,Sq,Sn,num_splits", [(7, 1, 1, 5), (2, 1, 0, 1), (8, 9, 2, 3), (1, 1, 1, 9)],
-                         ids=["gqa7-5splits", "1split-noappend", "2rowblocks", "empty-splits"])
-def test_fused_merge_with_counters(G, Sq, Sn, num_splits, dtype, gen, device):
-    """The engine's path: a caller-owned counter buffer, the last split to finish merges (no merge
-    kernel). o and lse against float64, the caches bitwise, the two-kernel path's o and lse to
-    rounding, the same launch again bit for bit, and the counters back at zero after each of two launches that share the buffer; a row with no key (length
-    0, no new token) gives o = 0 and lse = -inf."""
-    B, Hkv, D, S = 3, 2, 64, 40
-    H = G * Hkv
-    q, kc, vc, sl, k, v = _inputs(gen, B=B, Sq=Sq, H=H, Hkv=Hkv, D=D, S=S, Sn=Sn, dtype=dtype, device=device)
-    if Sn == 0:
-        sl[0] = 0  # row 0 sees nothing
-    scale = D ** -0.5
-    ref, ref_kc, ref_vc = kvcache_attention_ref(_d(q[1:]), _d(kc[1:]), _d(vc[1:]), sl[1:], _d(k[1:]) if Sn else None,
-                                                _d(v[1:]) if Sn else None, True, scale)
-    counters = torch.zeros(decode.counters_needed(B, H, Hkv, Sq), dtype=torch.int32, device=device)
-    kc1, vc1 = kc.clone(), vc.clone()
-    with poisoned():
-        o, lse = decode.flash_decode_fwd(q, kc1, vc1, sl, k, v, True, scale, num_splits, counters=counters)
-    assert torch.count_nonzero(counters) == 0
-    _assert_ok(compare("o", ref["o"], o[1:], dtype=dtype, verbose=False))
-    _assert_ok(compare("lse", ref["lse"], lse[1:], dtype=dtype, verbose=False))
-    if Sn:
-        assert torch.equal(kc1[1:], ref_kc.to(dtype)) and torch.equal(vc1[1:], ref_vc.to(dtype))
-    else:
-        assert torch.equal(o[0], torch.zeros_like(o[0])) and bool(torch.all(lse[0] == float("-inf")))
-    kc2, vc2 = kc.clone(), vc.clone()
-    with poisoned():
-        o2, lse2 = decode.flash_decode_fwd(q, kc2, vc2, sl, k, v, True, scale, num_splits)
-    # the same math in another summation order than the merge kernel's: equal to rounding
-    assert torch.allclose(o.float(), o2.float(), rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-5)
-    assert torch.allclose(lse, lse2, rtol=1e-6, atol=1e-6)
-    with poisoned():  # the same buffer again: re-armed by the first launch
-        o3, _ = decode.flash_decode_fwd(q, kc.clone(), vc.clone(), sl, k, v, True, scale, num_splits, counters=counters)
-    assert torch.equal(o, o3) and torch.count_nonzero(counters) == 0
-
-
-def test_fused_merge_rejects_small_counter_buffer(gen, device):
-    q, kc, vc, sl, k, v = _inputs(gen, B=2, H=4, Hkv=2, device=device)
-    bad = torch.zeros(decode.counters_needed(2, 4, 2) - 1, dtype=torch.int32, device=device)
-    with pytest.raises(ValueError, match="counters"):
-        decode.flash_decode_fwd(q, kc, vc, sl, k, v, True, 0.125, 2, counters=bad)
-
-
 def test_choose_num_splits():
     # batch-1 decode on a 132-SM H100: ~3-4 programs per SM
     s = choose_num_splits(1, 2, 32768, 1, 64, 4, 2, num_sms=132)
@@ -570,11 +525,9 @@ for dtype, D, G, Sq, append, causal in json.loads(sys.argv[1]):
     bm = dec._block_m(m_rows)
     sc = dec._split_config(D, dtype, bm)
     ptrs = {n: "*" + t for n in ("q_ptr", "kc_ptr", "vc_ptr", "kn_ptr", "vn_ptr")}
-    ptrs.update({"acc_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32", "seqlens_ptr": "*i32", "cnt_ptr": "*i32",
-                 "o_ptr": "*" + t, "lse_ptr": "*fp32"})
+    ptrs.update({"acc_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32", "seqlens_ptr": "*i32"})
     consts = dict(HKV=2, GROUP=G, HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=sc["BLOCK_N"], BLOCK_NEW=16, CAUSAL=causal,
-                  APPEND=append, UPCAST=False, IEEE=dtype == torch.float32, PDL=bool(append),
-                  FUSE=bool(append))  # the engine's form (PDL, fused merge) and the plain one
+                  APPEND=append, UPCAST=False, IEEE=dtype == torch.float32, PDL=bool(append))  # both PDL forms
     r = compile_(dec.flash_decode_split_kernel, ptrs, ("qk_scale",), consts,
                  {"num_warps": sc["num_warps"], "num_stages": sc["num_stages"]})
     rows.append(dict(r, kernel="split", dtype=t, D=D, G=G, Sq=Sq))

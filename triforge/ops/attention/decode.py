@@ -20,10 +20,6 @@ Two kernels:
 2. ``flash_decode_merge_kernel``, one program per (batch, query head, query): log-sum-exp merge of
    the splits into o [B, Sq, H, D] (q's dtype) and lse [B, H, Sq] (fp32, natural log). Empty
    splits get weight 0 without ever computing exp(-inf - -inf); their acc is never loaded.
-   With a caller-owned counter buffer (``counters``: the decode engine's) there is no second launch:
-   each split program bumps its (batch, kv head, row block) counter after storing its partial
-   (barrier, then an acq_rel atomic) and the one that arrives last merges all partials (read past L1)
-   and resets the counter to zero for the next launch or graph replay.
 
 Custom ops (the public function picks one; both trace under torch.compile(fullgraph=True)):
 
@@ -103,36 +99,6 @@ def _attend_block(
 
 
 @triton.jit
-def _merge_rows(acc_ptr, m_ptr, l_ptr, o_ptr, lse_ptr, base, o_r, m_r, o_o, o_lse, M_ROWS, NUM_SPLITS,
-                HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
-    """Log-sum-exp merge of rows o_r over the NUM_SPLITS partials at base .. base + NUM_SPLITS - 1 into
-    o (offsets o_o) and lse (offsets o_lse). Partials are read past L1 (.cg): other SMs wrote them."""
-    o_d = tl.arange(0, HEAD_DIM)
-    b_mx = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    b_l = tl.zeros([BLOCK_M], dtype=tl.float32)
-    b_acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    for s in range(0, NUM_SPLITS):
-        o_part = (base + s) * M_ROWS + o_r
-        b_ms = tl.load(m_ptr + o_part, mask=m_r, other=float("-inf"), cache_modifier=".cg")
-        b_ls = tl.load(l_ptr + o_part, mask=m_r, other=0.0, cache_modifier=".cg")
-        seen = b_ms > float("-inf")
-        b_os = tl.load(acc_ptr + o_part[:, None] * HEAD_DIM + o_d[None, :], mask=(m_r & seen)[:, None], other=0.0,
-                       cache_modifier=".cg")
-        m_new = tl.maximum(b_mx, b_ms)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(b_mx - m_safe)
-        b_w = tl.exp2(b_ms - m_safe)  # 0 for an empty split (m = -inf, m_safe finite)
-        b_l = b_l * alpha + b_w * b_ls
-        b_acc = b_acc * alpha[:, None] + b_w[:, None] * b_os
-        b_mx = m_new
-    has = b_l > 0
-    b_o = tl.where(has[:, None], b_acc / tl.where(has, b_l, 1.0)[:, None], 0.0)
-    b_lse = tl.where(has, (b_mx + tl.log2(tl.where(has, b_l, 1.0))) * 0.6931471805599453, float("-inf"))
-    tl.store(o_ptr + o_o, b_o.to(o_ptr.dtype.element_ty), mask=m_r[:, None])
-    tl.store(lse_ptr + o_lse, b_lse, mask=m_r)
-
-
-@triton.jit
 def flash_decode_split_kernel(
     q_ptr,  # [B, Sq, H, D]
     kc_ptr,  # [B, S_max, Hkv, D] key cache (rows cache_seqlens[b] .. + Sn written when APPEND)
@@ -143,10 +109,6 @@ def flash_decode_split_kernel(
     acc_ptr,  # [B * Hkv, NUM_SPLITS, M_ROWS, D] fp32 unnormalised partial outputs
     m_ptr,  # [B * Hkv, NUM_SPLITS, M_ROWS] fp32 running max (log2 domain), -inf when empty
     l_ptr,  # [B * Hkv, NUM_SPLITS, M_ROWS] fp32 sum of exp2(s - m)
-    cnt_ptr,  # [B * Hkv * row blocks] int32 arrival counters, zero between launches (read when FUSE)
-    o_ptr,  # [B, Sq, H, D] output (written when FUSE)
-    lse_ptr,  # [B, H, Sq] fp32 natural-log LSE (written when FUSE)
-    stride_ob, stride_os, stride_oh,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -169,7 +131,6 @@ def flash_decode_split_kernel(
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
     PDL: tl.constexpr,  # programmatic dependent launch: wait for the previous kernel before any access
-    FUSE: tl.constexpr,  # the last split to finish merges (no merge kernel)
 ):
     if PDL:
         tl.extra.cuda.gdc_wait()
@@ -238,18 +199,6 @@ def flash_decode_split_kernel(
     tl.store(l_ptr + o_part, b_l, mask=m_r)
     seen = b_m > float("-inf")
     tl.store(acc_ptr + o_part[:, None] * HEAD_DIM + o_d[None, :], b_acc, mask=(m_r & seen)[:, None])
-    if FUSE:
-        # every thread's partial is stored (barrier) before the release; the split that arrives last
-        # (acquire: the others' partials are visible) merges them all and re-arms the counter
-        tl.debug_barrier()
-        p_cnt = cnt_ptr + i_bg * tl.num_programs(2) + i_mb
-        arrived = tl.atomic_add(p_cnt, 1, sem="acq_rel", scope="gpu")
-        if arrived == NUM_SPLITS - 1:
-            o_o = i_b * stride_ob + o_qi.to(tl.int64)[:, None] * stride_os + o_h[:, None] * stride_oh + o_d[None, :]
-            o_lse = (i_b * (HKV * GROUP) + o_h) * Sq + o_qi
-            _merge_rows(acc_ptr, m_ptr, l_ptr, o_ptr, lse_ptr, i_bg.to(tl.int64) * NUM_SPLITS, o_r, m_r, o_o, o_lse,
-                        M_ROWS, NUM_SPLITS, HEAD_DIM, BLOCK_M)
-            tl.atomic_xchg(p_cnt, 0)
 
 
 @triton.jit
@@ -354,23 +303,14 @@ def choose_num_splits(B, Hkv, S_max, row_blocks, block_n, programs_per_sm, min_b
     return max(1, min(want, most, MAX_SPLITS))
 
 
-def counters_needed(B, H, Hkv, Sq=1):
-    """Size of flash_decode_fwd's ``counters`` buffer: one per (batch, kv head, query-row block)."""
-    m_rows = (H // Hkv) * Sq
-    return B * Hkv * triton.cdiv(m_rows, _block_m(m_rows))
-
-
 # ----------------------------------------------------------------------------- launcher
 
 
 def flash_decode_fwd(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax_scale, num_splits=0, cfg=None,
-                     merge_cfg=None, pdl=False, counters=None):
+                     merge_cfg=None, pdl=False):
     """Launch both kernels. q, k, v contiguous; caches with unit last stride (written in place when
     k/v are given); cache_seqlens int32 [B]. Returns (o [B, Sq, H, D], lse [B, H, Sq] fp32).
-    pdl: launched as programmatic dependents (sm90+; the decode engine's CUDA graph).
-    counters: an int32 buffer of >= counters_needed(...) zeros owned by the caller (left zeroed): the
-    split that finishes last merges, and the merge kernel is not launched. Launches that share one
-    buffer must not run concurrently (one stream)."""
+    pdl: both launched as programmatic dependents (sm90+; the decode engine's CUDA graph)."""
     B, Sq, H, D = q.shape
     S_max, Hkv = k_cache.shape[1], k_cache.shape[2]
     G = H // Hkv
@@ -392,19 +332,12 @@ def flash_decode_fwd(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax_s
     o = new_output((B, Sq, H, D), q.dtype, dev)
     lse = new_output((B, H, Sq), torch.float32, dev)
     kn, vn = (k, v) if append else (k_cache, v_cache)
-    fuse = counters is not None
-    if fuse:
-        need = B * Hkv * row_blocks
-        if counters.dtype != torch.int32 or counters.device != dev or counters.numel() < need:
-            raise ValueError(f"counters must be an int32 tensor of >= {need} zeros on {dev}, got "
-                             f"{counters.dtype} [{counters.numel()}] on {counters.device}")
     e = q.element_size()
     # byte model: the cached rows up to S_max at most (lengths are on the device), new rows read + written
     kv_bytes = 2 * B * S_max * Hkv * D * e + 4 * B * S_new * Hkv * D * e
     launch.launch(
         "flash_decode_split", flash_decode_split_kernel, (num_splits, B * Hkv, row_blocks),
         q, k_cache, v_cache, kn, vn, cache_seqlens, acc, m_part, l_part,
-        counters if fuse else cache_seqlens, o, lse, o.stride(0), o.stride(1), o.stride(2),
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -416,10 +349,8 @@ def flash_decode_fwd(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax_s
         BLOCK_NEW=max(16, min(block_n, triton.next_power_of_2(max(S_new, 1)))),
         CAUSAL=bool(causal) and Sq > 1, APPEND=append,
         UPCAST=_runtime.INTERPRET and q.dtype == torch.bfloat16, IEEE=q.dtype == torch.float32,
-        FUSE=fuse, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch.pdl_options(pdl),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch.pdl_options(pdl),
     )
-    if fuse:
-        return o, lse
     launch.launch(
         "flash_decode_merge", flash_decode_merge_kernel, (B * Hkv * m_rows,),
         acc, m_part, l_part, o, lse, o.stride(0), o.stride(1), o.stride(2), Sq, m_rows, num_splits,
