@@ -28,6 +28,7 @@ Prompts in a batch have equal length (no padding), so every row sits at the same
 
 import json
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -275,8 +276,8 @@ class Qwen2Engine:
         # the interpreter's cost is per program: one KV split there; the split heuristic on the GPU
         self._num_splits = 1 if _runtime.INTERPRET else 0
         # decode kernels launched as programmatic dependents (sm90+): each starts, and fetches its
-        # weights, while the previous one drains; set False to launch them plainly
-        self.use_pdl = True
+        # weights, while the previous one drains; False (or TRIFORGE_PDL=0) launches them plainly
+        self.use_pdl = os.environ.get("TRIFORGE_PDL", "1") != "0"
         self._states: dict = {}
 
     # ------------------------------------------------------------------ construction
