@@ -1,0 +1,116 @@
+"""Decode GEMV launch configs chosen where they run: in the Qwen2 engine's CUDA-graph decode step.
+
+`triforge tune gemv*` times one launch per call (do_bench): for 3-10 us decode kernels that ranks configs
+differently from the graph-replayed, PDL-chained step (a down_proj config it ranked first was 22% slower
+in the step). This script builds the Qwen2.5-0.5B-sized engine (24 layers, bf16, random weights), and for
+each decode GEMV in turn (coordinate descent: the others at their current configs) times greedy
+generation (prompt 16 + 128 new tokens, batch 1, graph re-captured per config, median of runs) over a
+candidate list; every candidate's tokens must equal the reference run's. With --write the winners go to
+triforge/configs/<arch>.json with provenance.
+
+    PYTHONPATH=. python benchmarks/decode_tune.py [--json PATH] [--write]
+"""
+
+import argparse
+import itertools
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from qwen2_decode import build_model  # noqa: E402
+
+from triforge import _runtime, launch  # noqa: E402
+from triforge.models.qwen2 import Qwen2Engine  # noqa: E402
+from triforge.ops import gemv as G  # noqa: E402
+
+C, I, QKV = 896, 4864, 1152
+TARGETS = {  # role: (kernel, kind, N, K)
+    "gate_up": ("gemv_gate_up", "gate_up", 2 * I, C),
+    "down": ("gemv", "plain", C, I),
+    "qkv": ("gemv_qkv_rope", "qkv", QKV, C),
+    "o_proj": ("gemv", "plain", C, C),
+}
+
+
+def candidates(role):
+    warps = (4, 8)
+    if role == "down":
+        return [{"BLOCK_N": n, "BLOCK_K": k, "num_warps": w, "num_stages": s}
+                for n, k, w, s in itertools.product((1, 2, 4), (1024, 2048, 8192), warps, (1, 2))]
+    return [{"BLOCK_N": n, "BLOCK_K": 1024, "num_warps": w, "num_stages": 1}
+            for n, w in itertools.product((1, 2, 4, 8), warps)]
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--json")
+    p.add_argument("--write", action="store_true")
+    p.add_argument("--new", type=int, default=128)
+    p.add_argument("--runs", type=int, default=5)
+    p.add_argument("--roles", default="gate_up,down,qkv,o_proj")
+    args = p.parse_args()
+    _runtime.require_gpu("benchmarks/decode_tune.py")
+    model = build_model(24, 0)
+    engine = Qwen2Engine.from_hf(model, max_seq_len=4096)
+    ids = torch.randint(0, model.config.vocab_size, (1, 16), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    table = launch._table(_runtime.arch())  # the loaded configs (a dict), patched in place per candidate
+
+    def run():
+        engine._states.clear()  # a fresh state: the graph is re-captured with the current configs
+        out = engine.generate(ids, args.new)
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(args.runs):
+            t0 = time.perf_counter()
+            out = engine.generate(ids, args.new)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        return out, args.new / statistics.median(times)
+
+    ref, tps0 = run()
+    rows = [{"role": "baseline", "tokens_per_s": tps0}]
+    print(f"baseline {tps0:.0f} tokens/s")
+    best_all = {}
+    for role in args.roles.split(","):
+        kernel, kind, N, K = TARGETS[role]
+        key = G._config_key(1, N, K, torch.bfloat16)
+        current = G._config(kind, 1, N, K, torch.bfloat16)
+        best = (tps0, current)
+        for cfg in candidates(role):
+            table.setdefault(kernel, {})[key] = cfg
+            try:
+                out, tps = run()
+            except Exception as e:  # out of resources
+                rows.append({"role": role, "config": cfg, "error": repr(e)[:160]})
+                continue
+            ok = bool(torch.equal(out, ref))
+            rows.append({"role": role, "config": cfg, "tokens_per_s": tps, "tokens_equal": ok})
+            print(f"{role:<8} {json.dumps(cfg):<75} {tps:7.0f} tokens/s {'' if ok else 'TOKENS DIFFER'}")
+            if ok and tps > best[0]:
+                best = (tps, cfg)
+        table[kernel][key] = best[1]  # keep the winner while tuning the next role
+        tps0 = best[0]
+        best_all[role] = {"kernel": kernel, "key": key, "config": best[1], "tokens_per_s": best[0]}
+        print(f"{role}: best {json.dumps(best[1])} {best[0]:.0f} tokens/s")
+    if args.write:
+        path = launch.CONFIG_DIR / f"{_runtime.arch()}.json"
+        data = json.loads(path.read_text())
+        for role, b in best_all.items():
+            data["kernels"].setdefault(b["kernel"], {})[b["key"]] = b["config"]
+            data.setdefault("provenance", {})[f"{b['kernel']}[{b['key']}]"] = {
+                "device": _runtime.device_name(), "shape": {"role": role, "M": 1},
+                "tokens_per_s": b["tokens_per_s"], "method": "benchmarks/decode_tune.py (graph-replayed decode)"}
+        path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"rows": rows, "best": best_all, "device": _runtime.device_name()}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
