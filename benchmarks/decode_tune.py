@@ -114,7 +114,7 @@ def main():
             data["kernels"].setdefault(b["kernel"], {})[b["key"]] = b["config"]
             data.setdefault("provenance", {})[f"{b['kernel']}[{b['key']}]"] = {
                 "device": _runtime.device_name(), "shape": {"role": role, "M": 1},
-                "tokens_per_s": b["tokens_per_s"], "method": "benchmarks/decode_tune.py (graph-replayed decode)"}
+                "graph_steps_per_s": b["tokens_per_s"], "method": "benchmarks/decode_tune.py (graph-replayed decode)"}
         path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
     if args.json:
         with open(args.json, "w") as f:
