@@ -18,14 +18,9 @@ import argparse
 import itertools
 import json
 import statistics
-import sys
-from pathlib import Path
-
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from qwen2_decode import build_model  # noqa: E402
+from qwen2_decode import build_model  # noqa: E402  (this script runs from benchmarks/)
 
 from triforge import _runtime, launch  # noqa: E402
 from triforge.models.qwen2 import Qwen2Engine  # noqa: E402

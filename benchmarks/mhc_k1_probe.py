@@ -184,18 +184,7 @@ def host_rows(args, x, W, proj, inv_rms, dproj):
     """K1 backward's host time per call (tiny tensors: the GPU never limits) directly and through
     autograd, and at the real shape the bench's autograd timing (CUDA events: min/median/p95) per config:
     a median far above the minimum is the GPU waiting on the host."""
-    import time
-
-    def host_us(fn, n=500):
-        for _ in range(20):
-            fn()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        t1 = time.perf_counter()
-        torch.cuda.synchronize()
-        return (t1 - t0) / n * 1e6
+    from host_overhead_probe import host_us  # this script runs from benchmarks/
 
     out = {}
     cfgs = {"tma-pps3": {"BLOCK_T": 32, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "programs_per_sm": 3, "TMA": 1},
@@ -206,12 +195,13 @@ def host_rows(args, x, W, proj, inv_rms, dproj):
     ps, ivs = M.project_fwd(xs, Ws, M.EPS)
     dps = torch.randn_like(ps)
     for name, cfg in cfgs.items():
-        out[f"host_us direct {name}"] = host_us(lambda c=cfg: M.project_bwd(xs, Ws, ps, ivs, dps, None, c))
+        out[f"host_us direct {name}"] = host_us(lambda c=cfg: M.project_bwd(xs, Ws, ps, ivs, dps, None, c), n=500)
     xl = xs.clone().requires_grad_(True)
     Wl = Ws.clone().requires_grad_(True)
     o = M.fused_rmsnorm_project(xl, Wl)
     g = [torch.randn_like(t) for t in o]
-    out["host_us autograd (library cfg)"] = host_us(lambda: torch.autograd.grad(o, [xl, Wl], g, retain_graph=True))
+    out["host_us autograd (library cfg)"] = host_us(lambda: torch.autograd.grad(o, [xl, Wl], g, retain_graph=True),
+                                                     n=500)
     xr = x.clone().requires_grad_(True)
     Wr = W.clone().requires_grad_(True)
     orr = M.fused_rmsnorm_project(xr, Wr)
