@@ -18,7 +18,7 @@ per row) is six launches per layer, all memory-bound, with every elementwise op 
 
 then the final RMSNorm + lm_head (one gemv) and the argmax. On CUDA the step is captured once per
 decode state in a CUDA graph over static buffers (token ids, positions, caches), so a step costs one
-graph launch instead of ~150 kernel launches.
+graph launch instead of ~150 kernel launches; the prefill is captured too, once per prompt length.
 
 Weights: q/k/v and gate/up are concatenated along the output dimension at load ([(Hq + 2 Hkv) D, C]
 and [2I, C]); every matrix keeps nn.Linear's row-major [N, K] layout (see triforge/ops/gemv.py).
@@ -44,6 +44,7 @@ from triforge.ops.rope import apply_rotary_qk
 from triforge.ops.swiglu import swiglu
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+PREFILL_GRAPH_TOKENS = 8192  # prompts up to this many tokens (B x T) prefill through a captured graph
 
 # per-layer stages recorded by ``trace`` (and by the parity tool on the Hugging Face side)
 STAGES = (
@@ -250,6 +251,7 @@ class DecodeState:
         self.length = 0  # tokens cached per row, on the host
         self.graph = None
         self.graph_logits = None
+        self.prefill_graphs: dict = {}  # prompt length -> (graph, static ids, static logits)
 
     def reset(self) -> None:
         self.length = 0
@@ -389,7 +391,9 @@ class Qwen2Engine:
     @torch.no_grad()
     def prefill(self, state: DecodeState, input_ids, trace: dict | None = None) -> torch.Tensor:
         """Run the prompts input_ids [B, T] (equal length) into an empty state; returns the last
-        position's logits [B, V] (the model's dtype). ``trace`` (a dict) receives every stage [B, T, ...]."""
+        position's logits [B, V] (the model's dtype). ``trace`` (a dict) receives every stage [B, T, ...].
+        On CUDA (use_cuda_graph, B x T <= PREFILL_GRAPH_TOKENS) the prefill replays a graph captured per
+        prompt length, and the returned tensor is its static output: the next prefill overwrites it."""
         ids = self._check_ids(input_ids)
         B, T = ids.shape
         if B != state.batch_size:
@@ -400,6 +404,40 @@ class Qwen2Engine:
             raise ValueError(
                 f"the prompt has {T} tokens, longer than the cache ({state.max_seq_len} tokens per row)"
             )
+        if self._graphed() and trace is None and B * T <= PREFILL_GRAPH_TOKENS:
+            logits = self._prefill_replay(state, ids)
+        else:
+            logits = self._prefill(state, ids, trace)
+        state.length = T
+        return logits
+
+    def _prefill_replay(self, state: DecodeState, ids: torch.Tensor) -> torch.Tensor:
+        """Prefill as a CUDA graph per prompt length (captured on first use, then replayed with the new
+        ids copied into its static input): the eager prefill is ~300 host-side op launches."""
+        T = ids.shape[1]
+        entry = state.prefill_graphs.get(T)
+        if entry is None:
+            static_ids = ids.clone()
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # compiles every kernel (the caches it writes are rewritten below)
+                self._prefill(state, static_ids)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                logits = self._prefill(state, static_ids)
+            if len(state.prefill_graphs) >= 4:
+                state.prefill_graphs.pop(next(iter(state.prefill_graphs)))
+            entry = state.prefill_graphs[T] = (graph, static_ids, logits)
+        graph, static_ids, logits = entry
+        static_ids.copy_(ids)
+        graph.replay()
+        return logits
+
+    def _prefill(self, state: DecodeState, ids: torch.Tensor, trace: dict | None = None) -> torch.Tensor:
+        """The prefill itself (no host sync: capturable): caches rows 0..T-1, positions = T; returns the
+        last position's logits (all positions' in ``trace``)."""
+        B, T = ids.shape
         s = self.spec
         D, Hq, Hkv, eps = s.head_dim, s.num_heads, s.num_kv_heads, s.rms_norm_eps
         cos, sin = self.cos[:T], self.sin[:T]
@@ -432,7 +470,6 @@ class Qwen2Engine:
                 })
         xn, h = rms_norm(out, self.norm, eps, residual=h)
         state.positions.fill_(T)
-        state.length = T
         if trace is not None:
             trace[f"layers.{s.num_layers - 1}.block"] = h
             trace["final_norm"] = xn
@@ -477,6 +514,9 @@ class Qwen2Engine:
             trace["logits"] = logits
         return logits
 
+    def _graphed(self) -> bool:
+        return self.use_cuda_graph and self.device.type == "cuda" and not _runtime.INTERPRET
+
     def _capture(self, state: DecodeState) -> None:
         """Record the decode step (and the position advance) in a CUDA graph over the state's buffers."""
         side = torch.cuda.Stream()
@@ -511,8 +551,7 @@ class Qwen2Engine:
             raise ValueError("the state is empty: prefill a prompt before decoding")
         if state.length >= state.max_seq_len:
             raise ValueError(f"the cache is full ({state.max_seq_len} tokens per row); no room for another token")
-        graph = self.use_cuda_graph and self.device.type == "cuda" and not _runtime.INTERPRET and trace is None
-        if graph:
+        if self._graphed() and trace is None:
             if state.graph is None:
                 self._capture(state)
             state.graph.replay()
