@@ -60,7 +60,8 @@ def host_layers(N, K):
 
     direct()
     torch.cuda.synchronize()
-    assert torch.equal(out, y), "direct launch differs from matmul"
+    # one split here (the launcher may split K at small N): equal to the fp64 product up to rounding, not bitwise
+    assert (out.double() - ref).abs().max().item() <= 2 * err + 1e-2 * ref.abs().max().item(), "direct launch is wrong"
     rows = {
         "torch.empty(1, N)": host_us(lambda: torch.empty((1, N), device="cuda", dtype=torch.bfloat16)),
         "cuBLAS: x.to(fp16) @ w16.T": host_us(lambda: x.to(torch.float16) @ w16.T),
