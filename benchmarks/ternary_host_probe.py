@@ -49,6 +49,7 @@ def host_layers(N, K):
                triton.cdiv(KW, TK.CHUNK_WORDS), n_steps)
     gv_kw = dict(BLOCK_M=1, BLOCK_N=bn, BLOCK_W=bw, BIT_UNROLL=cfg["BIT_UNROLL"], SKIP=False, FINAL=True,
                  HAS_BIAS=False, RNE=False, num_warps=cfg["num_warps"])
+    TK.ternary_gemv_bitmajor_kernel[(n_steps, 1)](*bm_args, **bm_kw)  # xt: x bit-major, which the GEMV reads
     ck = TK.ternary_gemv_kernel[(n_blocks, 1)](*gv_args, **gv_kw)
     all_args = list(gv_args) + [gv_kw[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_W", "BIT_UNROLL", "SKIP", "FINAL",
                                                    "HAS_BIAS", "RNE")]
