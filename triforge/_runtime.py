@@ -4,6 +4,7 @@ Imported first by ``triforge/__init__.py`` so that TRITON_INTERPRET is set befor
 ``@triton.jit`` function in the package is defined.
 """
 
+import functools
 import os
 
 import torch
@@ -28,17 +29,24 @@ def device_name() -> str:
     return "cpu-interpreter"
 
 
+@functools.lru_cache(maxsize=None)
+def _device_facts(index: int) -> tuple[str, int]:
+    props = torch.cuda.get_device_properties(index)
+    return f"sm{props.major}{props.minor}", props.multi_processor_count
+
+
 def arch() -> str:
-    """Config key for the tuned launch-config file: 'sm90' on Hopper, 'interpreter' on the CPU."""
+    """Config key for the tuned launch-config file: 'sm90' on Hopper, 'interpreter' on the CPU.
+    (Of the current device; cached per device: launchers ask on every call.)"""
     if HAS_CUDA and not INTERPRET:
-        major, minor = torch.cuda.get_device_capability()
-        return f"sm{major}{minor}"
+        return _device_facts(torch.cuda.current_device())[0]
     return "interpreter"
 
 
 def num_sms() -> int:
+    """Streaming multiprocessors of the current device (4 under the interpreter); cached per device."""
     if HAS_CUDA and not INTERPRET:
-        return torch.cuda.get_device_properties(0).multi_processor_count
+        return _device_facts(torch.cuda.current_device())[1]
     return 4
 
 

@@ -436,6 +436,24 @@ def gemv_splits(n_blocks: int, n_steps: int, programs_per_sm: int) -> int:
     return max(1, min(n_steps, (programs_per_sm * _runtime.num_sms()) // n_blocks))
 
 
+@launch.config_cache
+def _gemv_plan(M: int, N: int, K: int, KW: int, cfg_items=None):
+    """(BLOCK_M, BLOCK_N, BLOCK_W, BIT_UNROLL, num_warps, n_steps, n_blocks, splits, steps per split) of a
+    GEMV launch: the tuned (or given) config and the split-K arithmetic, worked out once per shape."""
+    cfg = dict(cfg_items) if cfg_items is not None else _gemv_config(M, N, K)
+    bm, bn, bw = _gemv_block_m(M), cfg["BLOCK_N"], cfg["BLOCK_W"]
+    if CHUNK_WORDS % bw:
+        raise ValueError(f"BLOCK_W must divide {CHUNK_WORDS} (a K step stays inside one chunk), got {bw}")
+    if HALF_BITS.value % cfg["BIT_UNROLL"]:
+        raise ValueError(f"BIT_UNROLL must divide {HALF_BITS.value}, got {cfg['BIT_UNROLL']}")
+    n_steps = triton.cdiv(KW, bw)
+    n_blocks = triton.cdiv(N, bn)
+    splits = gemv_splits(n_blocks, n_steps, cfg["programs_per_sm"])
+    per_split = triton.cdiv(n_steps, splits)
+    splits = triton.cdiv(n_steps, per_split)
+    return bm, bn, bw, cfg["BIT_UNROLL"], cfg["num_warps"], n_steps, n_blocks, splits, per_split
+
+
 def ternary_gemv(x2d, plus, minus, scales, bias=None, active=None, cfg=None):
     """Decode path: x2d [M <= 16, K] (fp16/bf16/fp32) @ (scales * trits)^T (+ bias) -> [M, N] in x's dtype.
 
@@ -448,19 +466,11 @@ def ternary_gemv(x2d, plus, minus, scales, bias=None, active=None, cfg=None):
     bias = None if bias is None else bias.contiguous()
     if not 1 <= M <= DECODE_MAX_M:
         raise ValueError(f"x2d must have 1..{DECODE_MAX_M} rows for the decode kernel, got {M}")
-    cfg = dict(_gemv_config(M, N, K) if cfg is None else cfg)
-    bm, bn, bw = _gemv_block_m(M), cfg["BLOCK_N"], cfg["BLOCK_W"]
-    if CHUNK_WORDS % bw:
-        raise ValueError(f"BLOCK_W must divide {CHUNK_WORDS} (a K step stays inside one chunk), got {bw}")
-    if HALF_BITS.value % cfg["BIT_UNROLL"]:
-        raise ValueError(f"BIT_UNROLL must divide {HALF_BITS.value}, got {cfg['BIT_UNROLL']}")
-    n_steps = triton.cdiv(KW, bw)
-    n_blocks = triton.cdiv(N, bn)
-    splits = gemv_splits(n_blocks, n_steps, cfg["programs_per_sm"])
-    per_split = triton.cdiv(n_steps, splits)
-    splits = triton.cdiv(n_steps, per_split)
+    plan = _gemv_plan(M, N, K, KW, None if cfg is None else tuple(sorted(cfg.items())))
+    bm, bn, bw, unroll, warps, n_steps, n_blocks, splits, per_split = plan
+    device = x2d.device
     # whole steps and BLOCK_M rows, zero-filled: the GEMV's x loads need no mask
-    xt = new_output((n_steps, WORD_BITS, bm, bw), torch.float32, x2d.device)
+    xt = new_output((n_steps, WORD_BITS, bm, bw), torch.float32, device)
     launch.launch(
         "ternary_gemv_bitmajor", ternary_gemv_bitmajor_kernel, (n_steps, bm),
         x2d, xt, M, K, nbytes=x2d.numel() * x2d.element_size() + xt.numel() * 4, BLOCK_M=bm, BLOCK_W=bw,
@@ -469,15 +479,15 @@ def ternary_gemv(x2d, plus, minus, scales, bias=None, active=None, cfg=None):
     skip = active is not None
     final = splits == 1
     rne = _runtime.INTERPRET and x2d.dtype == torch.bfloat16  # the interpreter truncates fp32 -> bf16 casts
-    y = new_output((M, N), x2d.dtype, x2d.device)
-    out = y if final else new_output((splits, M, N), torch.float32, x2d.device)
+    y = new_output((M, N), x2d.dtype, device)
+    out = y if final else new_output((splits, M, N), torch.float32, device)
     launch.launch(
         "ternary_gemv", ternary_gemv_kernel, (n_blocks, splits),
         xt, plus, minus, active if skip else plus, scales, bias if bias is not None else scales, out,
         scales.stride(0), MAGIC_2_23.value, M, N, KW, triton.cdiv(KW, CHUNK_WORDS), per_split,
         nbytes=2 * plus.numel() * 4 + xt.numel() * 4 + out.numel() * out.element_size(),
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_W=bw, BIT_UNROLL=cfg["BIT_UNROLL"], SKIP=skip, FINAL=final,
-        HAS_BIAS=bias is not None, RNE=rne, num_warps=cfg["num_warps"],
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_W=bw, BIT_UNROLL=unroll, SKIP=skip, FINAL=final,
+        HAS_BIAS=bias is not None, RNE=rne, num_warps=warps,
     )
     if not final:
         block = 1024

@@ -1,0 +1,107 @@
+"""launch.launch's fast path: a repeated launch goes to the compiled kernel's own launcher when its
+arguments specialise as an earlier launch's. The key must separate every launch Triton would compile
+differently (alignment, == 1, divisibility by 16, int width, constexpr values, options); the GPU tests
+run each variation after a cached launch and check the values, so a key that is too coarse fails."""
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from triforge import _runtime, launch
+
+
+@triton.jit
+def _axpy_kernel(x_ptr, y_ptr, out_ptr, a, n, stride, SCALE: tl.constexpr, BLOCK: tl.constexpr):
+    o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = o < n
+    x = tl.load(x_ptr + o * stride, mask=m, other=0.0).to(tl.float32)
+    y = tl.load(y_ptr + o, mask=m, other=0.0).to(tl.float32)
+    tl.store(out_ptr + o, (a * x + y) * SCALE, mask=m)
+
+
+def _run(x, y, a, n, stride, scale, block=128, **opts):
+    out = torch.full((n,), float("nan"), dtype=torch.float32, device=y.device)
+    launch.launch("test_axpy", _axpy_kernel, (triton.cdiv(n, block),), x, y, out, a, n, stride,
+                  SCALE=scale, BLOCK=block, **opts)
+    return out
+
+
+def _ref(x, y, a, n, stride, scale):
+    return ((a * x[: n * stride: stride].double() + y[:n].double()) * scale).float()
+
+
+def test_arg_key_classes():
+    """The key of a non-constexpr argument follows Triton's specialisation classes (CPU tensors suffice)."""
+    k = launch._arg_key
+    assert k(1) != k(2) and k(16) != k(17) and k(32) == k(48) and k(17) == k(33)
+    assert k(2**31) != k(2**31 - 16) and k(2**31 - 16) == k(16)  # i64 vs i32
+    assert k(True) != k(1) and k(1.0) != k(1) and k(None) != k(0)
+    t = torch.zeros(64, dtype=torch.float32)
+    assert k(t) == k(t[4:]) and k(t) != k(t[1:])  # 16-byte vs 4-byte alignment
+    assert k(t) != k(t.to(torch.float16))
+    assert k(object()) is None and k((1, 2)) is None
+
+
+@pytest.mark.gpu
+def test_fast_path_is_taken_and_agrees():
+    x = torch.randn(1000, device="cuda")
+    y = torch.randn(1000, device="cuda")
+    launch._fast.clear()
+    first = _run(x, y, 0.5, 1000, 1, 2.0)
+    assert len(launch._fast) == 1
+    x2, y2 = torch.randn_like(x), torch.randn_like(y)
+    second = _run(x2, y2, -1.5, 992, 1, 2.0)  # same specialisation: the cached kernel
+    assert len(launch._fast) == 1
+    torch.testing.assert_close(first, _ref(x, y, 0.5, 1000, 1, 2.0))
+    torch.testing.assert_close(second, _ref(x2, y2, -1.5, 992, 1, 2.0))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["misaligned", "n_is_1", "stride_2", "constexpr", "block", "warps"])
+def test_each_specialisation_gets_its_own_kernel(variant):
+    x = torch.randn(4096, device="cuda")
+    y = torch.randn(4096, device="cuda")
+    launch._fast.clear()
+    torch.testing.assert_close(_run(x, y, 0.5, 1024, 1, 2.0), _ref(x, y, 0.5, 1024, 1, 2.0))
+    args = dict(x=x, y=y, a=0.25, n=1024, stride=1, scale=2.0)
+    opts = {}
+    if variant == "misaligned":  # Triton assumed 16-byte alignment of x for the first kernel
+        args["x"] = x[1:]
+    elif variant == "n_is_1":
+        args["n"] = 1
+    elif variant == "stride_2":  # stride 1 is a compile-time constant in the first kernel
+        args["stride"] = 2
+    elif variant == "constexpr":
+        args["scale"] = -3.0
+    elif variant == "block":
+        opts["block"] = 256
+    elif variant == "warps":
+        opts["num_warps"] = 8
+    got = _run(args["x"], args["y"], args["a"], args["n"], args["stride"], args["scale"], **opts)
+    torch.testing.assert_close(got, _ref(args["x"], args["y"], args["a"], args["n"], args["stride"], args["scale"]))
+    assert len(launch._fast) == 2
+    again = _run(args["x"], args["y"], args["a"], args["n"], args["stride"], args["scale"], **opts)
+    assert torch.equal(again, got)
+
+
+@pytest.mark.gpu
+def test_fast_path_under_cuda_graph_capture():
+    x, y = torch.randn(512, device="cuda"), torch.randn(512, device="cuda")
+    _run(x, y, 1.0, 512, 1, 1.0)  # cached
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = _run(x, y, 1.0, 512, 1, 1.0)
+    x.copy_(torch.randn_like(x))
+    g.replay()
+    torch.testing.assert_close(out, _ref(x, y, 1.0, 512, 1, 1.0))
+
+
+def test_interpreter_never_caches():
+    if not _runtime.INTERPRET:
+        pytest.skip("the interpreter's path")
+    launch._fast.clear()
+    x = torch.randn(300)
+    y = torch.randn(300)
+    torch.testing.assert_close(_run(x, y, 0.5, 300, 1, 2.0), _ref(x, y, 0.5, 300, 1, 2.0))
+    assert not launch._fast
