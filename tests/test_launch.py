@@ -51,10 +51,10 @@ def test_fast_path_is_taken_and_agrees():
     first = _run(x, y, 0.5, 1000, 1, 2.0)
     assert len(launch._fast) == 1
     x2, y2 = torch.randn_like(x), torch.randn_like(y)
-    second = _run(x2, y2, -1.5, 992, 1, 2.0)  # same specialisation: the cached kernel
+    second = _run(x2, y2, -1.5, 999, 1, 2.0)  # same specialisation (n not 1, not a multiple of 16): cached
     assert len(launch._fast) == 1
     torch.testing.assert_close(first, _ref(x, y, 0.5, 1000, 1, 2.0))
-    torch.testing.assert_close(second, _ref(x2, y2, -1.5, 992, 1, 2.0))
+    torch.testing.assert_close(second, _ref(x2, y2, -1.5, 999, 1, 2.0))
 
 
 @pytest.mark.gpu
@@ -95,6 +95,22 @@ def test_fast_path_under_cuda_graph_capture():
     x.copy_(torch.randn_like(x))
     g.replay()
     torch.testing.assert_close(out, _ref(x, y, 1.0, 512, 1, 1.0))
+
+
+@pytest.mark.gpu
+def test_a_registered_launch_hook_takes_the_jit_path():
+    from triton import knobs
+
+    x, y = torch.randn(256, device="cuda"), torch.randn(256, device="cuda")
+    _run(x, y, 1.0, 256, 1, 1.0)  # cached
+    seen = []
+    hook = lambda metadata: seen.append(metadata)  # noqa: E731
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        torch.testing.assert_close(_run(x, y, 1.0, 256, 1, 1.0), _ref(x, y, 1.0, 256, 1, 1.0))
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    assert len(seen) == 1
 
 
 def test_interpreter_never_caches():

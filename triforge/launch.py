@@ -120,7 +120,7 @@ def launch(kernel_name: str, jit_fn, grid, *args, nbytes: int | None = None, **k
     else:
         key = specialization_key(jit_fn, grid, args, kwargs)
         entry = _fast.get(key) if key is not None else None
-        if entry is not None and _launch_hook() is None:
+        if entry is not None and not _hooks_active():
             compiled, tail = entry
             g = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
             stream = torch._C._cuda_getCurrentRawStream(key[1])
@@ -223,13 +223,19 @@ def _remember(key, jit_fn, compiled, n_positional, kwargs):
     _fast[key] = (compiled, tuple(tail))
 
 
-def _launch_hook():
+def _hooks_active() -> bool:
+    """Whether a launch hook is registered (a profiler such as proton): such launches keep the JIT's
+    path, which hands the hooks their metadata. Triton 3.6 keeps the hooks as (normally empty) chains."""
     global _knobs
     if _knobs is None:
         from triton import knobs
 
         _knobs = knobs
-    return _knobs.runtime.launch_enter_hook
+    rt = _knobs.runtime
+    for hook in (rt.launch_enter_hook, rt.launch_exit_hook):
+        if hook is not None and getattr(hook, "calls", True):
+            return True
+    return False
 
 
 _knobs = None
