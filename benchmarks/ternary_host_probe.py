@@ -69,7 +69,7 @@ def host_layers(N, K):
         "cuBLAS: x16 @ w16.T": host_us(lambda: x16 @ w16.T),
         "ternary.matmul (public)": host_us(lambda: T.matmul(x, tt)),
         "checks + dispatch": host_us(lambda: (T._check_ternary("tt", tt), T._check_activation("x", x, K, tt.device),
-                                              T._dispatch(x, tt), T._active_chunks(tt), tt.row_scales())),
+                                              T._dispatch(x, tt), tt.kernel_operands())),
         "ternary_gemv (launcher)": host_us(lambda: TK.ternary_gemv(x, tt.plus, tt.minus, scales)),
         "launch.config lookup": host_us(lambda: TK._gemv_config(1, N, K)),
         "bitmajor: jit_fn[grid](...)": host_us(lambda: TK.ternary_gemv_bitmajor_kernel[(n_steps, 1)](*bm_args, **bm_kw)),

@@ -119,7 +119,10 @@ def launch(kernel_name: str, jit_fn, grid, *args, nbytes: int | None = None, **k
         return jit_fn[grid](*args, **kwargs)
     else:
         key = specialization_key(jit_fn, grid, args, kwargs)
-        entry = _fast.get(key) if key is not None else None
+        try:
+            entry = _fast.get(key) if key is not None else None
+        except TypeError:  # a keyword or constexpr value that does not hash
+            key = entry = None
         if entry is not None and not _hooks_active():
             compiled, tail = entry
             g = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
@@ -144,10 +147,10 @@ _I32 = (-(2**31), 2**31 - 1)
 
 
 def _signature(jit_fn):
-    sig = _params.get(jit_fn)
+    sig = _params.get(id(jit_fn))  # by id: a JITFunction hashes its source-derived cache key
     if sig is None:
         ps = jit_fn.params
-        sig = _params[jit_fn] = (
+        sig = _params[id(jit_fn)] = (
             tuple(p.name for p in ps), tuple(bool(p.is_constexpr) for p in ps),
             tuple(p.default for p in ps),
         )
@@ -156,56 +159,62 @@ def _signature(jit_fn):
 
 def _arg_key(a):
     """How Triton 3.6 specialises a non-constexpr argument: tensors by dtype and 16-byte alignment of
-    the data pointer, ints by == 1 (made a constant), divisibility by 16 and i32 / u64 / i64 range,
-    bools and floats by type only. None for anything else (the launch then takes the JIT's path)."""
+    the data pointer, ints by == 1 (made a constant), divisibility by 16 and i32 / i64 / u64 range,
+    bools and floats by type only. _NO_KEY for anything else (the launch then takes the JIT's path).
+    (The same classes as the loop in :func:`specialization_key`, which inlines them for speed.)"""
     t = type(a)
     if t is int:
-        if _I32[0] <= a <= _I32[1]:
-            rng = 0
-        else:
-            rng = 1 if 2**63 <= a <= 2**64 - 1 else 2
-        return (1, a == 1, a % 16 == 0, rng)
-    if isinstance(a, torch.Tensor):
-        return (a.dtype, a.data_ptr() % 16 == 0)
+        if -2147483648 <= a <= 2147483647:
+            return 1 if a == 1 else 0 if a & 15 else 16
+        return ("L", a & 15 == 0, a > 0x7FFFFFFFFFFFFFFF)
+    if isinstance(a, _Tensor):
+        return (a.dtype, a.data_ptr() & 15 == 0)
     if t is bool:
-        return (2,)
+        return "b"
     if t is float:
-        return (3,)
+        return "f"
     if a is None:
-        return (4,)
-    return None
+        return None
+    return _NO_KEY
+
+
+_Tensor = torch.Tensor
+_NO_KEY = object()
 
 
 def specialization_key(jit_fn, grid, args, kwargs):
     """A hashable key equal for two launches exactly when Triton would run the same compiled kernel
     for both (finer is allowed, never coarser): the function, the device, each positional argument's
-    specialisation (its value when the parameter is constexpr) and every keyword by value. None when
-    some argument cannot be keyed: a tensor passed by keyword, a grid-independent object, a non-hashable
-    constexpr, a launch hook that wants metadata."""
-    if callable(grid) or not hasattr(jit_fn, "params"):  # a grid of META, an autotuner or heuristics wrapper
+    specialisation class (its value where the parameter is constexpr) and the keywords by value.
+    None when the launch cannot be keyed: a grid of META, an autotuner or heuristics wrapper, an
+    argument of another type. Runs on every launch, so the classes of ``_arg_key`` are inlined (the
+    GPU machine's host runs Python ~5x slower than a workstation; every microsecond shows)."""
+    if callable(grid):
         return None
-    names, const, _ = _signature(jit_fn)
-    if len(args) > len(names):
+    sig = _params.get(id(jit_fn))
+    if sig is None:
+        if not hasattr(jit_fn, "params"):
+            return None
+        sig = _signature(jit_fn)
+    const = sig[1]
+    if len(args) > len(const):
         return None
-    parts = [jit_fn, torch._C._cuda_getDevice()]
+    key = [id(jit_fn), torch._C._cuda_getDevice()]  # jit functions live as long as their modules
+    app = key.append
     for a, c in zip(args, const):
         if c:
-            parts.append(("c", a))
+            app(a)
+        elif type(a) is int and -2147483648 <= a <= 2147483647:
+            app(1 if a == 1 else 0 if a & 15 else 16)
+        elif isinstance(a, _Tensor):
+            app((a.dtype, a.data_ptr() & 15 == 0))
         else:
             k = _arg_key(a)
-            if k is None:
+            if k is _NO_KEY:
                 return None
-            parts.append(k)
-    for name, v in kwargs.items():
-        if isinstance(v, torch.Tensor):
-            return None
-        parts.append((name, v))
-    key = tuple(parts)
-    try:
-        hash(key)
-    except TypeError:
-        return None
-    return key
+            app(k)
+    key.extend(kwargs.items())
+    return tuple(key)
 
 
 def _remember(key, jit_fn, compiled, n_positional, kwargs):

@@ -157,9 +157,12 @@ def test_skip_flag_follows_modify_dim(device, gen):
     assert not md.has_inactive_chunks()
     x = _x((2, CHUNK_COLS + 5), torch.float32, device, gen)
     assert compare("all chunks active", matmul_dense_ref(x, tt), matmul(x, tt), dtype=torch.float32).ok
+    assert tt.kernel_operands()[1] is None  # nothing to skip: the kernels get no activity map
     tt.modify_dim(1, CHUNK_COLS + 3, 0)  # row 1, chunk 1 is now empty
     assert md.has_inactive_chunks() and not md.is_chunk_active(1, 1)
     assert compare("an empty chunk, skipped", matmul_dense_ref(x, tt), matmul(x, tt), dtype=torch.float32).ok
+    assert tt.kernel_operands()[1] is md.active  # the cached operands followed the edit
     tt.modify_dim(1, CHUNK_COLS, -1)
     assert not md.has_inactive_chunks()
     assert compare("refilled", matmul_dense_ref(x, tt), matmul(x, tt), dtype=torch.float32).ok
+    assert tt.kernel_operands()[1] is None

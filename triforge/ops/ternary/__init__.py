@@ -8,6 +8,7 @@ elsewhere dense expansion in PyTorch (``_matmul_dense``).
 
 import torch
 
+from triforge import _runtime
 from triforge.ops._checks import FLOAT_DTYPES, _dtype_names
 from triforge.ops.ternary.quantize import METHODS, quantize, quantize_absmean, quantize_twn
 from triforge.ops.ternary.tensor import CHUNK_COLS, SparsityMetadata, TernaryTensor, popcount32
@@ -62,24 +63,29 @@ def _matmul_dense(x2d: torch.Tensor, tt: TernaryTensor, bias=None) -> torch.Tens
     return y
 
 
-def _active_chunks(tt: TernaryTensor):
-    """``active`` [N, n_chunks] for plane skipping when some chunk is all zero, else None (nothing to skip)."""
-    meta = tt.sparsity_metadata()
-    return meta.active if meta.has_inactive_chunks() else None
-
-
 def _matmul_kernel(x2d: torch.Tensor, tt: TernaryTensor, bias=None) -> torch.Tensor:
     """The tiled tensor-core GEMM on the bit planes; inactive 2048-column chunks are skipped when there are any."""
-    from triforge.ops.ternary.kernels import ternary_matmul
-
-    return ternary_matmul(x2d.contiguous(), tt.plus, tt.minus, tt.row_scales(), bias=bias, active=_active_chunks(tt))
+    scales, active = tt.kernel_operands()
+    return _kernels().ternary_matmul(x2d.contiguous(), tt.plus, tt.minus, scales, bias=bias, active=active)
 
 
 def _matmul_decode(x2d: torch.Tensor, tt: TernaryTensor, bias=None) -> torch.Tensor:
     """The decode GEMV (M <= GEMV_DISPATCH_M here) on the bit planes, with the same chunk skipping."""
-    from triforge.ops.ternary.kernels import ternary_gemv
+    scales, active = tt.kernel_operands()
+    return _kernels().ternary_gemv(x2d.contiguous(), tt.plus, tt.minus, scales, bias=bias, active=active)
 
-    return ternary_gemv(x2d.contiguous(), tt.plus, tt.minus, tt.row_scales(), bias=bias, active=_active_chunks(tt))
+
+_KERNELS = []
+
+
+def _kernels():
+    """triforge.ops.ternary.kernels, imported on first use (it defines the Triton kernels) and then kept:
+    an import statement per call costs host time on the decode path."""
+    if not _KERNELS:
+        from triforge.ops.ternary import kernels
+
+        _KERNELS.append(kernels)
+    return _KERNELS[0]
 
 
 def _dispatch(x2d: torch.Tensor, tt: TernaryTensor):
@@ -92,12 +98,9 @@ def _dispatch(x2d: torch.Tensor, tt: TernaryTensor):
     expansion. Open decision: no cuBLAS fallback where the kernels lose to fp16 (it would keep an fp16
     copy of the weights, 8x their memory).
     """
-    from triforge import _runtime
-    from triforge.ops.ternary.kernels import GEMV_DISPATCH_M
-
     kernel_device = "cpu" if _runtime.INTERPRET else "cuda"
-    if x2d.device.type == kernel_device and tt.device.type == kernel_device:
-        return _matmul_decode if x2d.shape[0] <= GEMV_DISPATCH_M else _matmul_kernel
+    if x2d.device.type == kernel_device and tt.plus.device.type == kernel_device:
+        return _matmul_decode if x2d.shape[0] <= _kernels().GEMV_DISPATCH_M else _matmul_kernel
     return _matmul_dense
 
 
@@ -106,6 +109,10 @@ def matmul(x: torch.Tensor, tt: TernaryTensor, bias: torch.Tensor | None = None)
     _check_ternary("tt", tt)
     _check_activation("x", x, tt.in_features, tt.device)
     _check_bias(bias, tt.out_features, tt.device)
+    if x.dim() == 2:  # no reshapes on the decode path: each is host time
+        if x.shape[0] == 0:
+            return x.new_empty(0, tt.out_features)
+        return _dispatch(x, tt)(x, tt, bias)
     lead = x.shape[:-1]
     x2d = x.reshape(-1, tt.in_features)
     if x2d.shape[0] == 0:

@@ -407,8 +407,11 @@ def gemv_fallback_config(M: int, N: int, K: int, interpreter: bool | None = None
       hoisted): 4.30 instructions per weight, 96 registers (5 programs/SM);
     - M = 2: 32-word steps, one vector per thread (the 64-word step spills at M = 2), bits unrolled:
       5.8 instructions per weight, 72 registers;
-    - M > 2: 32-word steps, bits unrolled by 4 in a loop: unrolling all 16 hoists every bit's x loads
-      (16 M vectors of 4 floats) and runs out of registers.
+    - M = 3, 4: 64-word steps, all 16 bits unrolled, as at M = 1: the tune at M = 4, 8192^2 (commit 46ae583)
+      ranked it first of 48 configs (35.4 us by do_bench); the earlier fallback (32-word steps, bits unrolled
+      by 4, chosen for registers) took 65 us (CUDA-graph replay, benchmarks/ternary_host_probe.py);
+    - M > 4 (not dispatched here by ``matmul``): 32-word steps, bits unrolled by 4 in a loop: unrolling all 16
+      hoists every bit's x loads (16 M vectors of 4 floats) and runs out of registers.
     Interpreter: a program costs per
     numpy op, so tiles as large as the shapes allow (64-word steps, up to 64 rows; it reports 4 SMs,
     so small grids still split K). ``interpreter`` (default: this process's mode) picks the branch.
@@ -418,7 +421,8 @@ def gemv_fallback_config(M: int, N: int, K: int, interpreter: bool | None = None
         bw = max(16, min(64, triton.next_power_of_2(kw)))
         return {"BLOCK_N": max(8, min(64, triton.next_power_of_2(N))), "BLOCK_W": bw, "BIT_UNROLL": 16,
                 "num_warps": 4, "programs_per_sm": 1}
-    return {"BLOCK_N": 16, "BLOCK_W": 64 if M == 1 else 32, "BIT_UNROLL": 16 if M <= 2 else 4, "num_warps": 4,
+    wide = M == 1 or 2 < M <= 4
+    return {"BLOCK_N": 16, "BLOCK_W": 64 if wide else 32, "BIT_UNROLL": 16 if M <= 4 else 4, "num_warps": 4,
             "programs_per_sm": 4}
 
 
@@ -471,9 +475,11 @@ def ternary_gemv(x2d, plus, minus, scales, bias=None, active=None, cfg=None):
     device = x2d.device
     # whole steps and BLOCK_M rows, zero-filled: the GEMV's x loads need no mask
     xt = new_output((n_steps, WORD_BITS, bm, bw), torch.float32, device)
+    xsize = x2d.element_size()
+    xt_bytes = n_steps * WORD_BITS * bm * bw * 4
     launch.launch(
         "ternary_gemv_bitmajor", ternary_gemv_bitmajor_kernel, (n_steps, bm),
-        x2d, xt, M, K, nbytes=x2d.numel() * x2d.element_size() + xt.numel() * 4, BLOCK_M=bm, BLOCK_W=bw,
+        x2d, xt, M, K, nbytes=M * K * xsize + xt_bytes, BLOCK_M=bm, BLOCK_W=bw,
         num_warps=4,
     )
     skip = active is not None
@@ -485,7 +491,7 @@ def ternary_gemv(x2d, plus, minus, scales, bias=None, active=None, cfg=None):
         "ternary_gemv", ternary_gemv_kernel, (n_blocks, splits),
         xt, plus, minus, active if skip else plus, scales, bias if bias is not None else scales, out,
         scales.stride(0), MAGIC_2_23.value, M, N, KW, triton.cdiv(KW, CHUNK_WORDS), per_split,
-        nbytes=2 * plus.numel() * 4 + xt.numel() * 4 + out.numel() * out.element_size(),
+        nbytes=8 * N * KW + xt_bytes + M * N * (xsize if final else 4 * splits),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_W=bw, BIT_UNROLL=unroll, SKIP=skip, FINAL=final,
         HAS_BIAS=bias is not None, RNE=rne, num_warps=warps,
     )
@@ -494,7 +500,7 @@ def ternary_gemv(x2d, plus, minus, scales, bias=None, active=None, cfg=None):
         launch.launch(
             "ternary_gemv_reduce", ternary_gemv_reduce_kernel, (triton.cdiv(M * N, block),),
             out, scales, bias if bias is not None else scales, y, scales.stride(0), M, N, splits,
-            nbytes=out.numel() * 4 + N * 4 + y.numel() * y.element_size(),
+            nbytes=4 * splits * M * N + N * 4 + M * N * xsize,
             BLOCK=block, HAS_BIAS=bias is not None, RNE=rne, num_warps=4,
         )
     return y

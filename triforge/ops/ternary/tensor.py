@@ -200,6 +200,7 @@ class TernaryTensor:
         self.scales = scales
         self.shape = (int(shape[0]), int(shape[1]))
         self._metadata = None
+        self._operands = None  # kernel_operands(), cached
         if validate:
             self._validate()
 
@@ -322,6 +323,17 @@ class TernaryTensor:
     def invalidate_metadata(self) -> None:
         """Drop the cached metadata (call after editing the planes other than through ``modify_dim``)."""
         self._metadata = None
+        self._operands = None
+
+    def kernel_operands(self):
+        """(row scales [out_features] fp32, ``active`` [out_features, n_chunks] or None): what the kernels
+        read besides the planes, ``active`` only where some chunk is all zero (else nothing to skip).
+        Cached for the per-call path; ``modify_dim`` and ``invalidate_metadata`` drop it."""
+        ops = self._operands
+        if ops is None:
+            meta = self.sparsity_metadata()
+            ops = self._operands = (self.row_scales(), meta.active if meta.has_inactive_chunks() else None)
+        return ops
 
     # --------------------------------------------------------------- edits
 
@@ -348,6 +360,7 @@ class TernaryTensor:
             m.bitwise_or_(bit)
         if self._metadata is not None:
             self._metadata.update_word(r, w, (p | m) != 0)
+        self._operands = None
 
     # --------------------------------------------------------------- device / size
 
