@@ -11,6 +11,7 @@ Each launch is recorded so the bench can report registers, spills and shared mem
 import contextlib
 import functools
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -108,15 +109,16 @@ def launch(kernel_name: str, jit_fn, grid, *args, nbytes: int | None = None, **k
 
     A launch whose arguments specialise as an earlier launch's did (:func:`specialization_key`) goes
     straight to that compiled kernel's own launcher, skipping the JIT's argument binding and cache
-    lookup: on the H100 machine's host 8.8 us per launch instead of 36.8 (ternary GEMV, 22 arguments;
-    benchmarks/ternary_host_probe.py). Anything the key cannot describe takes the JIT's path.
+    lookup: on the H100 machine's host 23.8 us per launch instead of 39.7 (ternary GEMV, 22 arguments,
+    of which the compiled launcher itself 11 us; benchmarks/ternary_host_probe.py). Anything the key
+    cannot describe takes the JIT's path; TRIFORGE_FAST_LAUNCH=0 sends every launch there.
     """
     if nbytes is not None and torch.autograd.profiler._is_profiler_enabled:
         name = getattr(jit_fn, "__name__", kernel_name)
         with torch.profiler.record_function(f"triforge::{name} bytes={int(nbytes)}"):
             compiled = jit_fn[grid](*args, **kwargs)
-    elif _runtime.INTERPRET:
-        return jit_fn[grid](*args, **kwargs)
+    elif _runtime.INTERPRET or not _FAST_ON:
+        compiled = jit_fn[grid](*args, **kwargs)
     else:
         key = specialization_key(jit_fn, grid, args, kwargs)
         try:
@@ -140,6 +142,7 @@ def launch(kernel_name: str, jit_fn, grid, *args, nbytes: int | None = None, **k
 
 # ------------------------------------------------------------------ the fast path of ``launch``
 
+_FAST_ON = os.environ.get("TRIFORGE_FAST_LAUNCH", "1") != "0"  # 0: every launch through the JIT (for A/B checks)
 _fast: dict = {}  # specialization key -> (CompiledKernel, values of the parameters after the positional ones)
 _FAST_MAX = 4096
 _params: dict = {}  # jit function -> (parameter names, constexpr flags, defaults)
