@@ -43,6 +43,38 @@ def test_arg_key_classes():
     assert k(object()) is launch._NO_KEY and k((1, 2)) is launch._NO_KEY
 
 
+class _Param:
+    def __init__(self, name, is_constexpr, default=None):
+        self.name, self.is_constexpr, self.default = name, is_constexpr, default
+
+
+class _FakeJit:
+    """Stands in for a JITFunction (the interpreter's functions have no ``params``): the key needs only those."""
+    params = [_Param("x_ptr", False), _Param("n", False), _Param("a", False), _Param("MODE", True),
+              _Param("BLOCK", True, 128)]
+
+
+def test_specialization_key_separates_what_triton_separates():
+    f, key = _FakeJit(), launch.specialization_key
+    t = torch.zeros(64)
+    base = key(f, (4,), (t, 1000, 0.5, 2), {"BLOCK": 64, "num_warps": 4})
+    assert base is not None and hash(base) is not None
+    assert key(f, (8, 1), (torch.zeros(64), 1000 + 16, -2.0, 2), {"BLOCK": 64, "num_warps": 4}) == base
+    for args, kw in [((t[1:], 1000, 0.5, 2), {"BLOCK": 64, "num_warps": 4}),  # alignment
+                     ((t.half(), 1000, 0.5, 2), {"BLOCK": 64, "num_warps": 4}),  # dtype
+                     ((t, 1, 0.5, 2), {"BLOCK": 64, "num_warps": 4}),  # == 1
+                     ((t, 1024, 0.5, 2), {"BLOCK": 64, "num_warps": 4}),  # % 16
+                     ((t, 2**40 + 8, 0.5, 2), {"BLOCK": 64, "num_warps": 4}),  # i64
+                     ((t, 1000, 1, 2), {"BLOCK": 64, "num_warps": 4}),  # int where a float was
+                     ((t, 1000, 0.5, 3), {"BLOCK": 64, "num_warps": 4}),  # positional constexpr value
+                     ((t, 1000, 0.5, 2), {"BLOCK": 128, "num_warps": 4}),  # keyword constexpr value
+                     ((t, 1000, 0.5, 2), {"BLOCK": 64, "num_warps": 8})]:  # launch option
+        assert key(f, (4,), args, kw) != base, (args, kw)
+    assert key(f, lambda meta: (4,), (t, 1000, 0.5, 2), {}) is None  # a grid of META
+    assert key(f, (4,), (t, 1000, (1, 2), 2), {}) is None  # an argument the key cannot class
+    assert key(object(), (4,), (t,), {}) is None  # no params: an autotuner or heuristics wrapper
+
+
 @pytest.mark.gpu
 def test_fast_path_is_taken_and_agrees():
     x = torch.randn(1000, device="cuda")

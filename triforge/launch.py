@@ -128,7 +128,7 @@ def launch(kernel_name: str, jit_fn, grid, *args, nbytes: int | None = None, **k
         if entry is not None and not _hooks_active():
             compiled, tail = entry
             g = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
-            stream = torch._C._cuda_getCurrentRawStream(key[1])
+            stream = torch._C._cuda_getCurrentRawStream(key[1])  # key[1]: the current device
             compiled.run(*g, stream, compiled.function, compiled.packed_metadata, None, None, None, *args, *tail)
             _compiled[kernel_name] = compiled
             return compiled
@@ -145,17 +145,18 @@ def launch(kernel_name: str, jit_fn, grid, *args, nbytes: int | None = None, **k
 _FAST_ON = os.environ.get("TRIFORGE_FAST_LAUNCH", "1") != "0"  # 0: every launch through the JIT (for A/B checks)
 _fast: dict = {}  # specialization key -> (CompiledKernel, values of the parameters after the positional ones)
 _FAST_MAX = 4096
-_params: dict = {}  # jit function -> (parameter names, constexpr flags, defaults)
-_I32 = (-(2**31), 2**31 - 1)
+_params: dict = {}  # id(jit function) -> (parameter names, constexpr flags, defaults, the function itself)
 
 
 def _signature(jit_fn):
-    sig = _params.get(id(jit_fn))  # by id: a JITFunction hashes its source-derived cache key
+    # by id: a JITFunction hashes its source-derived cache key; the entry holds the function, so its id
+    # (also part of every launch key) cannot be reused by another function while the entry lives
+    sig = _params.get(id(jit_fn))
     if sig is None:
         ps = jit_fn.params
         sig = _params[id(jit_fn)] = (
             tuple(p.name for p in ps), tuple(bool(p.is_constexpr) for p in ps),
-            tuple(p.default for p in ps),
+            tuple(p.default for p in ps), jit_fn,
         )
     return sig
 
@@ -183,6 +184,7 @@ def _arg_key(a):
 
 _Tensor = torch.Tensor
 _NO_KEY = object()
+_device_index = getattr(torch._C, "_cuda_getDevice", lambda: -1)  # CPU builds of torch: no CUDA device
 
 
 def specialization_key(jit_fn, grid, args, kwargs):
@@ -202,7 +204,7 @@ def specialization_key(jit_fn, grid, args, kwargs):
     const = sig[1]
     if len(args) > len(const):
         return None
-    key = [id(jit_fn), torch._C._cuda_getDevice()]  # jit functions live as long as their modules
+    key = [id(jit_fn), _device_index()]  # _params keeps jit_fn alive: the id stays its own
     app = key.append
     for a, c in zip(args, const):
         if c:
@@ -221,7 +223,7 @@ def specialization_key(jit_fn, grid, args, kwargs):
 
 
 def _remember(key, jit_fn, compiled, n_positional, kwargs):
-    names, const, defaults = _signature(jit_fn)
+    names, const, defaults, _ = _signature(jit_fn)
     tail = []
     for name, c, d in zip(names[n_positional:], const[n_positional:], defaults[n_positional:]):
         if not c:
