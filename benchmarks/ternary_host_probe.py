@@ -83,25 +83,16 @@ def host_layers(N, K):
 
 def graph_us(fn, sets, calls=16):
     """GPU us per call: ``calls`` calls cycling over ``sets`` captured in one CUDA graph, replayed."""
-    for s in sets:
-        fn(*s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn(*sets[0])
-    torch.cuda.current_stream().wait_stream(side)
-    with torch.cuda.graph(g):
-        for i in range(calls):
-            fn(*sets[i % len(sets)])
-    g.replay()
+    from rope_probe import graphed  # this script runs from benchmarks/
+
+    replay = graphed(lambda: [fn(*sets[i % len(sets)]) for i in range(calls)])
+    replay()
     torch.cuda.synchronize()
     times = []
     for _ in range(30):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        g.replay()
+        replay()
         b.record()
         b.synchronize()
         times.append(a.elapsed_time(b) * 1e3 / calls)

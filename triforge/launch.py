@@ -229,8 +229,6 @@ def _remember(key, jit_fn, compiled, n_positional, kwargs):
         if not c:
             return  # a runtime parameter given by keyword or left to its default: keep the JIT's path
         tail.append(kwargs[name] if name in kwargs else d)
-    if hasattr(compiled, "result"):  # an asynchronous compile
-        return
     compiled._init_handles()
     if len(_fast) >= _FAST_MAX:
         _fast.clear()

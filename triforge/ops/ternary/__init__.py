@@ -10,6 +10,7 @@ import torch
 
 from triforge import _runtime
 from triforge.ops._checks import FLOAT_DTYPES, _dtype_names
+from triforge.ops.ternary import kernels as _k
 from triforge.ops.ternary.quantize import METHODS, quantize, quantize_absmean, quantize_twn
 from triforge.ops.ternary.tensor import CHUNK_COLS, SparsityMetadata, TernaryTensor, popcount32
 
@@ -66,26 +67,13 @@ def _matmul_dense(x2d: torch.Tensor, tt: TernaryTensor, bias=None) -> torch.Tens
 def _matmul_kernel(x2d: torch.Tensor, tt: TernaryTensor, bias=None) -> torch.Tensor:
     """The tiled tensor-core GEMM on the bit planes; inactive 2048-column chunks are skipped when there are any."""
     scales, active = tt.kernel_operands()
-    return _kernels().ternary_matmul(x2d.contiguous(), tt.plus, tt.minus, scales, bias=bias, active=active)
+    return _k.ternary_matmul(x2d.contiguous(), tt.plus, tt.minus, scales, bias=bias, active=active)
 
 
 def _matmul_decode(x2d: torch.Tensor, tt: TernaryTensor, bias=None) -> torch.Tensor:
     """The decode GEMV (M <= GEMV_DISPATCH_M here) on the bit planes, with the same chunk skipping."""
     scales, active = tt.kernel_operands()
-    return _kernels().ternary_gemv(x2d.contiguous(), tt.plus, tt.minus, scales, bias=bias, active=active)
-
-
-_KERNELS = []
-
-
-def _kernels():
-    """triforge.ops.ternary.kernels, imported on first use (it defines the Triton kernels) and then kept:
-    an import statement per call costs host time on the decode path."""
-    if not _KERNELS:
-        from triforge.ops.ternary import kernels
-
-        _KERNELS.append(kernels)
-    return _KERNELS[0]
+    return _k.ternary_gemv(x2d.contiguous(), tt.plus, tt.minus, scales, bias=bias, active=active)
 
 
 def _dispatch(x2d: torch.Tensor, tt: TernaryTensor):
@@ -100,7 +88,7 @@ def _dispatch(x2d: torch.Tensor, tt: TernaryTensor):
     """
     kernel_device = "cpu" if _runtime.INTERPRET else "cuda"
     if x2d.device.type == kernel_device and tt.plus.device.type == kernel_device:
-        return _matmul_decode if x2d.shape[0] <= _kernels().GEMV_DISPATCH_M else _matmul_kernel
+        return _matmul_decode if x2d.shape[0] <= _k.GEMV_DISPATCH_M else _matmul_kernel
     return _matmul_dense
 
 
@@ -223,7 +211,6 @@ def matmul_w158a8(x: torch.Tensor, tt: TernaryTensor, bias: torch.Tensor | None 
     The integer product runs in the popcount kernel and is exact (it equals ``popcount_matmul_a8``
     of the reference bit for bit); y = acc * dequant_x * scales (+ bias), in x's dtype.
     """
-    from triforge.ops.ternary.kernels import popcount_matmul_a8 as popcount_kernel
     from triforge.ops.ternary.reference import absmax_quantize_int8
 
     _check_ternary("tt", tt)
@@ -231,7 +218,7 @@ def matmul_w158a8(x: torch.Tensor, tt: TernaryTensor, bias: torch.Tensor | None 
     _check_bias(bias, tt.out_features, tt.device)
     lead = x.shape[:-1]
     q, dq = absmax_quantize_int8(x.reshape(-1, tt.in_features))
-    acc = popcount_kernel(q.contiguous(), tt.plus, tt.minus)
+    acc = _k.popcount_matmul_a8(q.contiguous(), tt.plus, tt.minus)
     y = acc.to(torch.float32) * dq * tt.row_scales()[None, :]
     if bias is not None:
         y = y + bias.float()
@@ -300,14 +287,12 @@ BENCH_SHAPES = tuple(
 
 def _gemv_tune_setup(shape, dtype, device):
     """Tunable setup of the decode GEMV: absmean weights of shape (N, K), x [M, K] of ``dtype``."""
-    from triforge.ops.ternary.kernels import _gemv_config_key, ternary_gemv
-
     M, N, K = shape["M"], shape["N"], shape["K"]
     g = torch.Generator(device=device).manual_seed(0)
     tt = TernaryTensor.from_float(torch.randn(N, K, generator=g, device=device), method="absmean", per_row=True)
     x = torch.randn(M, K, generator=g, device=device).to(dtype)
     scales = tt.row_scales()
-    return (lambda cfg: ternary_gemv(x, tt.plus, tt.minus, scales, cfg=cfg)), _gemv_config_key(M, N, K)
+    return (lambda cfg: _k.ternary_gemv(x, tt.plus, tt.minus, scales, cfg=cfg)), _k._gemv_config_key(M, N, K)
 
 
 # the decode GEMV's launch grid; points whose tile is narrower than 4 words x 32 lanes x num_warps are slower
