@@ -259,6 +259,31 @@ def test_gpu_cuda_graph_step_equals_eager(dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("one_split", [True, False], ids=["one_split", "split_merge"])
+def test_gpu_attention_prefetch_reads_no_stale_key(one_split):
+    """Under programmatic dependent launch the attention kernel reads the cached keys but the newest
+    before the QKV kernel (which writes the newest) has finished. A stale read changes the logits:
+    prefetch on and off give the same logits bit for bit at every step (CUDA graph replays), and
+    fp32 greedy generation equals Hugging Face's with the one-split (direct) and the split + merge forms."""
+    for dtype in (torch.bfloat16, torch.float32):
+        m = parity.build_hf_model(UNTIED, seed=5, dtype=dtype).cuda()
+        ids = _ids(2, 5, seed=12).cuda()
+        forced = _ids(2, 30, seed=13).cuda()
+        logits, tokens = [], []
+        for prefetch in (True, False):
+            e = Qwen2Engine.from_hf(m, max_seq_len=128)
+            e.attn_prefetch = prefetch
+            e._num_splits = 1 if one_split else 3  # forced (the heuristic gives one split to caches this short)
+            st = e.new_state(2, 64)
+            e.prefill(st, ids)
+            logits.append(torch.stack([e.step(st, forced[:, i]).clone() for i in range(forced.shape[1])]))
+            tokens.append(e.generate(ids, 24))
+        assert torch.equal(logits[0], logits[1]) and torch.equal(tokens[0], tokens[1])
+        if dtype == torch.float32:
+            assert torch.equal(tokens[0], _hf_generate(m, ids, 24))
+
+
+@pytest.mark.gpu
 def test_gpu_prefill_graph_equals_eager():
     """The prefill graph (one per prompt length) gives the eager prefill's logits and caches, bit for
     bit, and a second prompt of the same length replays it with the new ids."""

@@ -254,19 +254,19 @@ for dtype in (torch.bfloat16, torch.float32):
             cfg = G._config("plain", M, N, K, dtype)
             ptrs = {n: "*" + t for n in ("x_ptr", "w_ptr", "b_ptr", "r_ptr", "nw_ptr", "y_ptr", "xn_ptr")}
             consts = dict(BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], HAS_BIAS=False, HAS_RESIDUAL=N == C,
-                          NORM=N == V, STORE_XN=False, ONE=G._one(cfg, K), PDL=M == 1, **fl)
+                          NORM=N == V, STORE_XN=False, ONE=G._one(cfg, K), PDL=M == 1, PRE=G._pre(cfg), **fl)
             r = compile_(G.gemv_kernel, ptrs, consts, {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]})
             rows.append(dict(r, kernel=f"gemv N={N} K={K}", dtype=t, M=M, **fl))
         cfg = G._config("gate_up", M, 2 * I, C, dtype)
         ptrs = {n: "*" + t for n in ("x_ptr", "w_ptr", "nw_ptr", "y_ptr", "xn_ptr")}
-        consts = dict(BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], NORM=True, STORE_XN=False, ONE=G._one(cfg, C), PDL=M == 1, **fl)
+        consts = dict(BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], NORM=True, STORE_XN=False, ONE=G._one(cfg, C), PDL=M == 1, PRE=G._pre(cfg), **fl)
         r = compile_(G.gemv_gate_up_kernel, ptrs, consts, {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]})
         rows.append(dict(r, kernel="gate_up", dtype=t, M=M, **fl))
         cfg = G._config("qkv", M, (Hq + 2 * Hkv) * D, C, dtype)
         ptrs = {n: "*" + t for n in ("x_ptr", "w_ptr", "b_ptr", "nw_ptr", "q_ptr", "kc_ptr", "vc_ptr", "qkv_ptr", "xn_ptr")}
         ptrs.update({"cos_ptr": "*fp32", "sin_ptr": "*fp32", "pos_ptr": "*i32"})
         consts = dict(HQ=Hq, HKV=Hkv, D=D, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], NORM=True, STORE_PRE=False,
-                      STORE_XN=False, ONE=G._one(cfg, C), PDL=M == 1, **fl)
+                      STORE_XN=False, ONE=G._one(cfg, C), PDL=M == 1, PRE=G._pre(cfg), **fl)
         r = compile_(G.gemv_qkv_rope_kernel, ptrs, consts, {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]})
         rows.append(dict(r, kernel="qkv_rope", dtype=t, M=M, **fl))
 # the trace variants (debug stores of the normalised input and the pre-RoPE projections)
@@ -275,19 +275,19 @@ for M in (1, 8):
     cfg = G._config("plain", M, V, C, torch.bfloat16)
     ptrs = {n: "*bf16" for n in ("x_ptr", "w_ptr", "b_ptr", "r_ptr", "nw_ptr", "y_ptr", "xn_ptr")}
     consts = dict(BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], HAS_BIAS=True, HAS_RESIDUAL=True, NORM=True,
-                  STORE_XN=True, ONE=G._one(cfg, C), PDL=M == 1, **fl)
+                  STORE_XN=True, ONE=G._one(cfg, C), PDL=M == 1, PRE=G._pre(cfg), **fl)
     rows.append(dict(compile_(G.gemv_kernel, ptrs, consts, {"num_warps": 4, "num_stages": 2}), kernel="gemv store",
                      dtype="bf16", M=M, **fl))
     cfg = G._config("gate_up", M, 2 * I, C, torch.bfloat16)
     ptrs = {n: "*bf16" for n in ("x_ptr", "w_ptr", "nw_ptr", "y_ptr", "xn_ptr")}
-    consts = dict(BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], NORM=True, STORE_XN=True, ONE=G._one(cfg, C), PDL=M == 1, **fl)
+    consts = dict(BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], NORM=True, STORE_XN=True, ONE=G._one(cfg, C), PDL=M == 1, PRE=G._pre(cfg), **fl)
     rows.append(dict(compile_(G.gemv_gate_up_kernel, ptrs, consts, {"num_warps": 4, "num_stages": 2}),
                      kernel="gate_up store", dtype="bf16", M=M, **fl))
     cfg = G._config("qkv", M, (Hq + 2 * Hkv) * D, C, torch.bfloat16)
     ptrs = {n: "*bf16" for n in ("x_ptr", "w_ptr", "b_ptr", "nw_ptr", "q_ptr", "kc_ptr", "vc_ptr", "qkv_ptr", "xn_ptr")}
     ptrs.update({"cos_ptr": "*fp32", "sin_ptr": "*fp32", "pos_ptr": "*i32"})
     consts = dict(HQ=Hq, HKV=Hkv, D=D, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], NORM=True, STORE_PRE=True,
-                  STORE_XN=True, ONE=G._one(cfg, C), PDL=M == 1, **fl)
+                  STORE_XN=True, ONE=G._one(cfg, C), PDL=M == 1, PRE=G._pre(cfg), **fl)
     rows.append(dict(compile_(G.gemv_qkv_rope_kernel, ptrs, consts, {"num_warps": 4, "num_stages": 2}),
                      kernel="qkv_rope store", dtype="bf16", M=M, **fl))
 print("RESULT" + json.dumps(rows))

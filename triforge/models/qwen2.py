@@ -7,11 +7,12 @@ window or RoPE scaling).
 
 Prefill (the prompt, T tokens per row) runs GEMMs through torch.matmul (cuBLAS) and triforge's
 RMSNorm (residual add fused), RoPE, SwiGLU and FlashAttention kernels. Each decode step (one token
-per row) is six launches per layer, all memory-bound, with every elementwise op fused into a GEMV
-(``triforge.ops.gemv``):
+per row) is six launches per layer (five with one KV split), all memory-bound, with every elementwise
+op fused into a GEMV (``triforge.ops.gemv``):
 
     1. gemv_qkv_rope   input RMSNorm + QKV projection + bias + RoPE; k, v written into the cache
-    2-3. flash-decoding over the cache (split kernel + merge kernel)
+    2-3. flash-decoding over the cache (split kernel + merge kernel; caches of up to
+         ``one_split_tokens`` rows: one split per kv head, which writes the output itself)
     4. gemv            o_proj + residual add
     5. gemv_gate_up    post-attention RMSNorm + gate/up projections + SwiGLU
     6. gemv            down_proj + residual add
@@ -277,6 +278,12 @@ class Qwen2Engine:
         self.scale = spec.head_dim ** -0.5
         # the interpreter's cost is per program: one KV split there; the split heuristic on the GPU
         self._num_splits = 1 if _runtime.INTERPRET else 0
+        # caches of at most this many tokens per row attend in one split per kv head: the split kernel
+        # writes the output itself and the merge launch is gone (a short cache is latency, not bytes)
+        self.one_split_tokens = 1024
+        # the attention kernel reads the lengths and the cached keys but the newest (the QKV kernel's,
+        # just before it) while the QKV kernel drains (PDL only)
+        self.attn_prefetch = True
         # decode kernels launched as programmatic dependents (sm90+): each starts, and fetches its
         # weights, while the previous one drains; False (or TRIFORGE_PDL=0) launches them plainly
         self.use_pdl = os.environ.get("TRIFORGE_PDL", "1") != "0"
@@ -488,13 +495,14 @@ class Qwen2Engine:
         pdl = self.use_pdl
         pos = state.positions
         lengths = pos + 1  # keys each row attends to, the new one included
+        splits = self._num_splits or (1 if state.max_seq_len <= self.one_split_tokens else 0)
         h = F.embedding(state.ids, self.embed)  # [B, C]
         for i, L in enumerate(self.layers):
             kc, vc = state.k_cache[i], state.v_cache[i]
             q, qkv, xn = gemv_qkv_rope_launch(h, L.w_qkv, L.b_qkv, self.cos, self.sin, pos, kc, vc, Hq, Hkv,
                                               L.input_norm, eps, store_pre=tr, store_xn=tr, pdl=pdl)
             o, _ = flash_decode_fwd(q.view(B, 1, Hq, D), kc, vc, lengths, None, None, True, self.scale,
-                                    num_splits=self._num_splits, pdl=pdl)
+                                    num_splits=splits, pdl=pdl, fresh=1 if self.attn_prefetch else None)
             o = o.view(B, Hq * D)
             h_attn, _ = gemv_launch(o, L.w_o, residual=h, pdl=pdl)
             act, xn2 = gemv_gate_up_launch(h_attn, L.w_gate_up, L.post_norm, eps, store_xn=tr, pdl=pdl)

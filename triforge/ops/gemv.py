@@ -147,6 +147,20 @@ def _norm_chunk(b_x, b_rstd, nw_ptr, o_k, m_k, DT: tl.constexpr, RNE: tl.constex
 
 
 @triton.jit
+def _x_chunk(x_ptr, xn_ptr, nw_ptr, write_xn, o_xm, o_k, m_m, K, b_rstd, DT: tl.constexpr, NORM: tl.constexpr,
+             STORE_XN: tl.constexpr, RNE: tl.constexpr):
+    """The fp32 x chunk [BLOCK_M, BLOCK_K] at columns o_k, RMSNorm-ed (and stored to xn) when NORM."""
+    m_k = o_k < K
+    m_x = m_m[:, None] & m_k[None, :]
+    b_x = tl.load(x_ptr + o_xm + o_k[None, :], mask=m_x, other=0.0).to(tl.float32)
+    if NORM:
+        b_x = _norm_chunk(b_x, b_rstd, nw_ptr, o_k, m_k, DT, RNE)
+        if STORE_XN:
+            tl.store(xn_ptr + o_xm + o_k[None, :], b_x.to(xn_ptr.dtype.element_ty), mask=m_x & write_xn)
+    return b_x
+
+
+@triton.jit
 def _product(b_x, b_w, acc, DT: tl.constexpr, USE_DOT: tl.constexpr, IEEE: tl.constexpr):
     """acc + the products of an fp32 x chunk [BLOCK_M, BLOCK_K] and a weight tile [BLOCK_N, BLOCK_K]:
     a tensor-core dot into [BLOCK_M, BLOCK_N], or FMA into [BLOCK_M, BLOCK_N, BLOCK_K] (reduced later)."""
@@ -185,6 +199,7 @@ def _gemv_tiles(
     RNE: tl.constexpr,
     ONE: tl.constexpr,  # K <= BLOCK_K: one K step
     PDL: tl.constexpr,  # launched as a programmatic dependent: wait for the previous kernel before reading x
+    PRE: tl.constexpr,  # PDL, several K steps: the first step's weight tiles are loaded before the wait
 ):
     """(acc_a, acc_b) [BLOCK_M, BLOCK_N] fp32: x (RMSNorm-ed when NORM) times rows o_na (and o_nb) of W.
     ONE: the weight tiles are loaded first, then x once (its sum of squares, norm and product from the
@@ -226,7 +241,15 @@ def _gemv_tiles(
         if TWO:
             acc_b = _product(b_x, b_wb, acc_b, DT, USE_DOT, IEEE)
     else:
+        k_first = 0
         if PDL:
+            if PRE:  # the first K step's weight tiles are in flight while the previous kernel drains
+                m_w0 = m_n[:, None] & (o_k0 < K)[None, :]
+                f_wa = tl.load(w_ptr + o_wa + o_k0[None, :], mask=m_w0, other=0.0)
+                f_wb = f_wa
+                if TWO:
+                    f_wb = tl.load(w_ptr + o_wb + o_k0[None, :], mask=m_w0, other=0.0)
+                k_first = BLOCK_K
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()  # the next kernel may start: it waits the same way
         b_rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -238,15 +261,16 @@ def _gemv_tiles(
                 b_x = b_x.to(tl.float32)
                 b_ss += tl.sum(b_x * b_x, axis=1)
             b_rstd = tl.rsqrt(b_ss / K + eps)
-        for k0 in range(0, K, BLOCK_K):
+        if PDL:
+            if PRE:  # the peeled first K step, on the prefetched tiles
+                b_x = _x_chunk(x_ptr, xn_ptr, nw_ptr, write_xn, o_xm, o_k0, m_m, K, b_rstd, DT, NORM, STORE_XN, RNE)
+                acc_a = _product(b_x, f_wa, acc_a, DT, USE_DOT, IEEE)
+                if TWO:
+                    acc_b = _product(b_x, f_wb, acc_b, DT, USE_DOT, IEEE)
+        for k0 in range(k_first, K, BLOCK_K):
             o_k = k0 + o_k0
             m_k = o_k < K
-            m_x = m_m[:, None] & m_k[None, :]
-            b_x = tl.load(x_ptr + o_xm + o_k[None, :], mask=m_x, other=0.0).to(tl.float32)
-            if NORM:
-                b_x = _norm_chunk(b_x, b_rstd, nw_ptr, o_k, m_k, DT, RNE)
-                if STORE_XN:
-                    tl.store(xn_ptr + o_xm + o_k[None, :], b_x.to(xn_ptr.dtype.element_ty), mask=m_x & write_xn)
+            b_x = _x_chunk(x_ptr, xn_ptr, nw_ptr, write_xn, o_xm, o_k, m_m, K, b_rstd, DT, NORM, STORE_XN, RNE)
             m_w = m_n[:, None] & m_k[None, :]
             acc_a = _product(b_x, tl.load(w_ptr + o_wa + o_k[None, :], mask=m_w, other=0.0), acc_a, DT, USE_DOT, IEEE)
             if TWO:
@@ -283,6 +307,7 @@ def gemv_kernel(
     RNE: tl.constexpr,
     ONE: tl.constexpr,
     PDL: tl.constexpr,
+    PRE: tl.constexpr,
 ):
     i_n = tl.program_id(0)
     i_m = tl.program_id(1)
@@ -293,7 +318,7 @@ def gemv_kernel(
     m_n = o_n < N
     acc, _ = _gemv_tiles(
         x_ptr, w_ptr, nw_ptr, xn_ptr, i_n == 0, M, K, eps, o_m, o_n, o_n, m_n,
-        BLOCK_M, BLOCK_N, BLOCK_K, NORM, False, STORE_XN, USE_DOT, IEEE, RNE, ONE, PDL,
+        BLOCK_M, BLOCK_N, BLOCK_K, NORM, False, STORE_XN, USE_DOT, IEEE, RNE, ONE, PDL, PRE,
     )
     if HAS_BIAS:
         acc += tl.load(b_ptr + o_n, mask=m_n, other=0.0).to(tl.float32)[None, :]
@@ -340,6 +365,7 @@ def gemv_qkv_rope_kernel(
     RNE: tl.constexpr,
     ONE: tl.constexpr,
     PDL: tl.constexpr,
+    PRE: tl.constexpr,
 ):
     HALF: tl.constexpr = D // 2
     NH: tl.constexpr = HQ + 2 * HKV
@@ -357,7 +383,7 @@ def gemv_qkv_rope_kernel(
     m_m = o_m < M
     acc_a, acc_b = _gemv_tiles(
         x_ptr, w_ptr, nw_ptr, xn_ptr, i_n == 0, M, C, eps, o_m, o_na, o_nb, m_r,
-        BLOCK_M, BLOCK_N, BLOCK_K, NORM, True, STORE_XN, USE_DOT, IEEE, RNE, ONE, PDL,
+        BLOCK_M, BLOCK_N, BLOCK_K, NORM, True, STORE_XN, USE_DOT, IEEE, RNE, ONE, PDL, PRE,
     )
     # bias in fp32, one rounding: the projection as the eager model stores it
     b_xa = acc_a + tl.load(b_ptr + o_na, mask=m_r, other=0.0).to(tl.float32)[None, :]
@@ -420,6 +446,7 @@ def gemv_gate_up_kernel(
     RNE: tl.constexpr,
     ONE: tl.constexpr,
     PDL: tl.constexpr,
+    PRE: tl.constexpr,
 ):
     DT = w_ptr.dtype.element_ty
     i_n = tl.program_id(0)
@@ -430,7 +457,7 @@ def gemv_gate_up_kernel(
     m_m = o_m < M
     acc_g, acc_u = _gemv_tiles(
         x_ptr, w_ptr, nw_ptr, xn_ptr, i_n == 0, M, C, eps, o_m, o_n, o_n + I, m_n,
-        BLOCK_M, BLOCK_N, BLOCK_K, NORM, True, STORE_XN, USE_DOT, IEEE, RNE, ONE, PDL,
+        BLOCK_M, BLOCK_N, BLOCK_K, NORM, True, STORE_XN, USE_DOT, IEEE, RNE, ONE, PDL, PRE,
     )
     b_g = _rne_bf16(acc_g) if RNE else acc_g.to(DT).to(tl.float32)
     b_u = _rne_bf16(acc_u) if RNE else acc_u.to(DT).to(tl.float32)
@@ -516,6 +543,11 @@ def _one(cfg, K):
     return bool(cfg.get("ONE", 1)) and K <= cfg["BLOCK_K"]
 
 
+def _pre(cfg):
+    """Under PDL, several K steps: the first step's weight tiles loaded before the wait (cfg "PRE": 0 turns it off)."""
+    return bool(cfg.get("PRE", 1))
+
+
 def gemv_launch(x, weight, bias=None, residual=None, norm_weight=None, eps=1e-6, store_xn=False, cfg=None,
                 pdl=False):
     """x [M, K], weight [N, K], all contiguous. Returns (y [M, N], xn [M, K] or None). pdl: launch as a
@@ -538,6 +570,7 @@ def gemv_launch(x, weight, bias=None, residual=None, norm_weight=None, eps=1e-6,
         nbytes=nbytes,
         BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], HAS_BIAS=bias is not None,
         HAS_RESIDUAL=residual is not None, NORM=norm_weight is not None, STORE_XN=store_xn, ONE=_one(cfg, K),
+        PRE=_pre(cfg),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **flags, **launch.pdl_options(pdl),
     )
     return y, xn
@@ -567,7 +600,7 @@ def gemv_qkv_rope_launch(x, weight, bias, cos, sin, positions, k_cache, v_cache,
         M, C, float(eps),
         nbytes=nbytes,
         HQ=num_heads, HKV=num_kv_heads, D=D, BLOCK_N=bn, BLOCK_K=cfg["BLOCK_K"], NORM=norm_weight is not None,
-        STORE_PRE=store_pre, STORE_XN=store_xn, ONE=_one(cfg, C), num_warps=cfg["num_warps"],
+        STORE_PRE=store_pre, STORE_XN=store_xn, ONE=_one(cfg, C), PRE=_pre(cfg), num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"], **flags, **launch.pdl_options(pdl),
     )
     return q, qkv, xn
@@ -590,7 +623,8 @@ def gemv_gate_up_launch(x, weight, norm_weight=None, eps=1e-6, store_xn=False, c
         M, inter, C, float(eps),
         nbytes=nbytes,
         BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], NORM=norm_weight is not None, STORE_XN=store_xn,
-        ONE=_one(cfg, C), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **flags, **launch.pdl_options(pdl),
+        ONE=_one(cfg, C), PRE=_pre(cfg), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **flags,
+        **launch.pdl_options(pdl),
     )
     return y, xn
 

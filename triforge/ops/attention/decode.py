@@ -109,7 +109,10 @@ def flash_decode_split_kernel(
     acc_ptr,  # [B * Hkv, NUM_SPLITS, M_ROWS, D] fp32 unnormalised partial outputs
     m_ptr,  # [B * Hkv, NUM_SPLITS, M_ROWS] fp32 running max (log2 domain), -inf when empty
     l_ptr,  # [B * Hkv, NUM_SPLITS, M_ROWS] fp32 sum of exp2(s - m)
+    o_ptr,  # [B, Sq, H, D] q's dtype (written when DIRECT)
+    lse_ptr,  # [B, H, Sq] fp32, natural log (written when DIRECT)
     stride_qb, stride_qs, stride_qh,
+    stride_ob, stride_os, stride_oh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
     stride_knb, stride_kns, stride_knh,
@@ -120,6 +123,8 @@ def flash_decode_split_kernel(
     M_ROWS,  # G * Sq query rows per (batch, kv head)
     NUM_SPLITS,
     qk_scale,  # softmax_scale * log2(e)
+    FRESH,  # PREFETCH: the last FRESH cached rows (before n_cache) may come from the previous kernel
+    H: tl.constexpr,
     HKV: tl.constexpr,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -130,9 +135,11 @@ def flash_decode_split_kernel(
     APPEND: tl.constexpr,
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
-    PDL: tl.constexpr,  # programmatic dependent launch: wait for the previous kernel before any access
+    PDL: tl.constexpr,  # programmatic dependent launch: wait for the previous kernel before reading q
+    PREFETCH: tl.constexpr,  # PDL: lengths and the first key block (but its FRESH rows) read before waiting
+    DIRECT: tl.constexpr,  # NUM_SPLITS == 1: write the normalised o and lse (no merge kernel)
 ):
-    if PDL:
+    if PDL and not PREFETCH:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()  # the next kernel may start: it waits the same way
     i_s = tl.program_id(0)
@@ -151,7 +158,6 @@ def flash_decode_split_kernel(
     o_h = i_g * GROUP + (o_r % GROUP)
     o_d = tl.arange(0, HEAD_DIM)
     p_q = q_ptr + i_b * stride_qb + o_qi.to(tl.int64)[:, None] * stride_qs + o_h[:, None] * stride_qh + o_d[None, :]
-    b_q = tl.load(p_q, mask=m_r[:, None], other=0.0)
     lim = o_qi + (n_total - Sq)  # causal: row sees key j iff j <= lim
 
     b_m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -165,6 +171,28 @@ def flash_decode_split_kernel(
     p_k = kc_ptr + i_b * stride_kb + i_g * stride_kh
     p_v = vc_ptr + i_b * stride_vb + i_g * stride_vh
     o_n = tl.arange(0, BLOCK_N)
+    if PREFETCH:
+        # the first block's rows that the previous kernel cannot have written are in flight while it
+        # drains; its last FRESH rows (the decode engine's new token) are read after the wait
+        f_pos = lo + o_n
+        f_n = f_pos < hi
+        f_old = f_n & (f_pos < n_cache - FRESH)
+        f_pos64 = f_pos.to(tl.int64)
+        f_k = tl.load(p_k + f_pos64[:, None] * stride_ks + o_d[None, :], mask=f_old[:, None], other=0.0)
+        f_v = tl.load(p_v + f_pos64[:, None] * stride_vs + o_d[None, :], mask=f_old[:, None], other=0.0)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()  # the next kernel may start: it waits the same way
+        f_new = f_n & (f_pos >= n_cache - FRESH)
+        f_k = tl.where(f_new[:, None], tl.load(p_k + f_pos64[:, None] * stride_ks + o_d[None, :],
+                                                mask=f_new[:, None], other=0.0), f_k)
+        f_v = tl.where(f_new[:, None], tl.load(p_v + f_pos64[:, None] * stride_vs + o_d[None, :],
+                                                mask=f_new[:, None], other=0.0), f_v)
+        b_q = tl.load(p_q, mask=m_r[:, None], other=0.0)
+        # an empty split's block is all masked: a no-op for the online softmax
+        b_m, b_l, b_acc = _attend_block(b_q, f_k, f_v, f_pos, f_n, lim, b_m, b_l, b_acc, qk_scale, CAUSAL, UPCAST, IEEE)
+        lo = lo + BLOCK_N
+    else:
+        b_q = tl.load(p_q, mask=m_r[:, None], other=0.0)
     for start in range(lo, hi, BLOCK_N):
         o_pos = start + o_n
         m_n = o_pos < hi
@@ -194,11 +222,21 @@ def flash_decode_split_kernel(
                 b_q, b_k, b_v, o_pos, m_t, lim, b_m, b_l, b_acc, qk_scale, CAUSAL, UPCAST, IEEE
             )
 
-    o_part = (i_bg.to(tl.int64) * NUM_SPLITS + i_s) * M_ROWS + o_r
-    tl.store(m_ptr + o_part, b_m, mask=m_r)
-    tl.store(l_ptr + o_part, b_l, mask=m_r)
-    seen = b_m > float("-inf")
-    tl.store(acc_ptr + o_part[:, None] * HEAD_DIM + o_d[None, :], b_acc, mask=(m_r & seen)[:, None])
+    if DIRECT:
+        # the only split: normalise here (a row that saw no key gives 0 and lse -inf, never 0 / 0)
+        has = b_l > 0
+        b_o = tl.where(has[:, None], b_acc / tl.where(has, b_l, 1.0)[:, None], 0.0)
+        b_lse = tl.where(has, (b_m + tl.log2(tl.where(has, b_l, 1.0))) * 0.6931471805599453, float("-inf"))
+        p_o = (o_ptr + i_b * stride_ob + o_qi.to(tl.int64)[:, None] * stride_os + o_h.to(tl.int64)[:, None] * stride_oh
+               + o_d[None, :])
+        tl.store(p_o, b_o.to(o_ptr.dtype.element_ty), mask=m_r[:, None])
+        tl.store(lse_ptr + (i_b * H + o_h) * Sq + o_qi, b_lse, mask=m_r)
+    else:
+        o_part = (i_bg.to(tl.int64) * NUM_SPLITS + i_s) * M_ROWS + o_r
+        tl.store(m_ptr + o_part, b_m, mask=m_r)
+        tl.store(l_ptr + o_part, b_l, mask=m_r)
+        seen = b_m > float("-inf")
+        tl.store(acc_ptr + o_part[:, None] * HEAD_DIM + o_d[None, :], b_acc, mask=(m_r & seen)[:, None])
 
 
 @triton.jit
@@ -307,10 +345,14 @@ def choose_num_splits(B, Hkv, S_max, row_blocks, block_n, programs_per_sm, min_b
 
 
 def flash_decode_fwd(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax_scale, num_splits=0, cfg=None,
-                     merge_cfg=None, pdl=False):
-    """Launch both kernels. q, k, v contiguous; caches with unit last stride (written in place when
-    k/v are given); cache_seqlens int32 [B]. Returns (o [B, Sq, H, D], lse [B, H, Sq] fp32).
-    pdl: both launched as programmatic dependents (sm90+; the decode engine's CUDA graph)."""
+                     merge_cfg=None, pdl=False, fresh=None):
+    """Launch both kernels (the split kernel alone, writing o and lse itself, when there is one split).
+    q, k, v contiguous; caches with unit last stride (written in place when k/v are given);
+    cache_seqlens int32 [B]. Returns (o [B, Sq, H, D], lse [B, H, Sq] fp32).
+    pdl: launched as programmatic dependents (sm90+; the decode engine's CUDA graph).
+    fresh (with pdl): the previous kernel in the stream writes at most the last ``fresh`` cached rows
+    of each sequence (those before cache_seqlens[b]) and not cache_seqlens itself; the split kernel
+    then reads the lengths and the rest of its first key block before waiting for it."""
     B, Sq, H, D = q.shape
     S_max, Hkv = k_cache.shape[1], k_cache.shape[2]
     G = H // Hkv
@@ -326,31 +368,42 @@ def flash_decode_fwd(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax_s
         num_splits = choose_num_splits(B, Hkv, S_max, row_blocks, block_n, cfg["programs_per_sm"],
                                        cfg["min_blocks_per_split"])
     dev = q.device
-    acc = new_output((B * Hkv, num_splits, m_rows, D), torch.float32, dev)
-    m_part = new_output((B * Hkv, num_splits, m_rows), torch.float32, dev)
-    l_part = new_output((B * Hkv, num_splits, m_rows), torch.float32, dev)
+    direct = num_splits == 1
     o = new_output((B, Sq, H, D), q.dtype, dev)
     lse = new_output((B, H, Sq), torch.float32, dev)
+    if direct:  # no partials: the pointers are never read
+        acc, m_part, l_part = o, lse, lse
+    else:
+        acc = new_output((B * Hkv, num_splits, m_rows, D), torch.float32, dev)
+        m_part = new_output((B * Hkv, num_splits, m_rows), torch.float32, dev)
+        l_part = new_output((B * Hkv, num_splits, m_rows), torch.float32, dev)
     kn, vn = (k, v) if append else (k_cache, v_cache)
     e = q.element_size()
     # byte model: the cached rows up to S_max at most (lengths are on the device), new rows read + written
     kv_bytes = 2 * B * S_max * Hkv * D * e + 4 * B * S_new * Hkv * D * e
+    out_bytes = o.numel() * e + lse.numel() * 4 if direct else acc.numel() * 4 + 8 * m_part.numel()
+    pdl_on = launch.pdl_options(pdl)["PDL"]
+    prefetch = pdl_on and fresh is not None
     launch.launch(
         "flash_decode_split", flash_decode_split_kernel, (num_splits, B * Hkv, row_blocks),
-        q, k_cache, v_cache, kn, vn, cache_seqlens, acc, m_part, l_part,
+        q, k_cache, v_cache, kn, vn, cache_seqlens, acc, m_part, l_part, o, lse,
         q.stride(0), q.stride(1), q.stride(2),
+        o.stride(0), o.stride(1), o.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         kn.stride(0), kn.stride(1), kn.stride(2),
         vn.stride(0), vn.stride(1), vn.stride(2),
-        Sq, S_new, S_max, m_rows, num_splits, float(softmax_scale) * LOG2E,
-        nbytes=kv_bytes + q.numel() * e + acc.numel() * 4 + 8 * m_part.numel(),
-        HKV=Hkv, GROUP=G, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n,
+        Sq, S_new, S_max, m_rows, num_splits, float(softmax_scale) * LOG2E, int(fresh or 0),
+        nbytes=kv_bytes + q.numel() * e + out_bytes,
+        H=H, HKV=Hkv, GROUP=G, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_NEW=max(16, min(block_n, triton.next_power_of_2(max(S_new, 1)))),
         CAUSAL=bool(causal) and Sq > 1, APPEND=append,
         UPCAST=_runtime.INTERPRET and q.dtype == torch.bfloat16, IEEE=q.dtype == torch.float32,
+        PREFETCH=prefetch, DIRECT=direct,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch.pdl_options(pdl),
     )
+    if direct:
+        return o, lse
     launch.launch(
         "flash_decode_merge", flash_decode_merge_kernel, (B * Hkv * m_rows,),
         acc, m_part, l_part, o, lse, o.stride(0), o.stride(1), o.stride(2), Sq, m_rows, num_splits,
