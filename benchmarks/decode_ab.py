@@ -2,16 +2,17 @@
 CUDA-graph decode step (Qwen2.5-0.5B-sized, 24 layers, bf16, random weights; batch 1, 16-token prompt +
 256 new tokens as the issue's benchmark, so the cache holds 512 rows and the split heuristic gives 2 splits).
 
-Options (each variant sets all three):
-- pre:      the multi-K-step GEMV (down_proj, K = 4864) loads its first weight step before griddepcontrol.wait
-- direct:   one KV split per kv head; the split kernel writes o and lse itself (no merge launch)
-- prefetch: the attention kernel reads the lengths and the cached keys but the newest before the wait
+A variant sets engine attributes and launch configs:
+- pre:       the multi-K-step GEMV (down_proj, K = 4864) loads its first weight step before griddepcontrol.wait
+- splits:    forced KV splits (0: heuristic; 1: the split kernel writes o and lse itself, no merge launch)
+- prefetch:  the attention kernel reads the lengths and the cached keys but the newest before the wait
+- l2:        the L2 prefetch plan (role -> weights asked into L2 at that GEMV's start)
 
-Then the down_proj configs again with every option on. Replay timing as benchmarks/decode_tune.py: median of
-5 x 50 replays with CUDA events, from the same cache length for every variant; the variants' tokens are
-compared with the first's (the split form changes the reduction order: bf16 near-ties may flip).
+Then launch-config sweeps (gate_up, down) under the best variant. Replay timing as benchmarks/decode_tune.py:
+median of 5 x 50 replays with CUDA events, from the same cache length for every variant; tokens are compared
+with the first variant's (another split count changes the reduction order: bf16 near-ties may flip).
 
-    cd benchmarks && PYTHONPATH=.. python decode_ab.py [--json PATH]
+    PYTHONPATH=. python benchmarks/decode_ab.py [--json PATH] [--no-sweep]
 """
 
 import argparse
@@ -64,37 +65,61 @@ def main():
             times.append(start.elapsed_time(end) / 50)
         return out, 1e3 / statistics.median(times)
 
-    def setup(pre, direct, prefetch, down=None):
-        table.setdefault("gemv", {})[key] = dict(down or down0, PRE=int(pre))
-        engine.one_split_tokens = 1024 if direct else 0
-        engine.attn_prefetch = prefetch
+    gu_key = G._config_key(1, 2 * I, C, torch.bfloat16)
+    gu0 = dict(G._config("gate_up", 1, 2 * I, C, torch.bfloat16))
+    both = {"qkv": ("w_gate_up", "w_down")}
 
-    rows, ref = [], None
-    variants = [("base", 0, 0, 0), ("pre", 1, 0, 0), ("direct", 0, 1, 0), ("direct+prefetch", 0, 1, 1),
-                ("split2+prefetch", 0, 0, 1), ("all", 1, 1, 1), ("base again", 0, 0, 0), ("all again", 1, 1, 1)]
-    for name, pre, direct, prefetch in variants:
-        setup(pre, direct, prefetch)
+    def setup(v, down=None, gate_up=None):
+        table.setdefault("gemv", {})[key] = dict(down or down0, PRE=int(v.get("pre", 1)))
+        table.setdefault("gemv_gate_up", {})[gu_key] = dict(gate_up or gu0)
+        engine._num_splits = v.get("splits", 0)
+        engine.attn_prefetch = bool(v.get("prefetch", 0))
+        engine.l2_plan = v.get("l2", {})
+
+    variants = [
+        ("no pre", {"pre": 0}),
+        ("pre", {}),
+        ("pre+attn prefetch", {"prefetch": 1}),
+        ("L2 qkv:gu+down", {"l2": both}),
+        ("L2 qkv:gu, gu:down", {"l2": {"qkv": ("w_gate_up",), "gate_up": ("w_down",)}}),
+        ("L2 o:gu+down", {"l2": {"o_proj": ("w_gate_up", "w_down")}}),
+        ("L2 qkv:gu+down, down:next qkv+o", {"l2": dict(both, down=("next.w_qkv", "next.w_o"))}),
+        ("L2 qkv:gu+down +prefetch", {"l2": both, "prefetch": 1}),
+        ("L2 qkv:gu+down splits 1", {"l2": both, "splits": 1}),
+        ("L2 qkv:gu+down splits 3", {"l2": both, "splits": 3}),
+        ("pre again", {}),
+        ("L2 qkv:gu+down again", {"l2": both}),
+    ]
+    rows, ref, best = [], None, (0.0, None)
+    for name, v in variants:
+        setup(v)
         out, sps = run()
         ref = out if ref is None else ref
-        rows.append({"variant": name, "pre": pre, "direct": direct, "prefetch": prefetch, "steps_per_s": sps,
-                     "step_us": 1e3 / sps * 1e3, "tokens_equal_base": bool(torch.equal(out, ref))})
-        print(f"{name:<18} {sps:7.1f} steps/s {1e6 / sps:7.1f} us/step tokens_equal_base={rows[-1]['tokens_equal_base']}")
+        rows.append({"variant": name, **{k: (dict(x) if isinstance(x, dict) else x) for k, x in v.items()},
+                     "steps_per_s": sps, "step_us": 1e6 / sps, "tokens_equal_first": bool(torch.equal(out, ref))})
+        print(f"{name:<36} {sps:7.1f} steps/s {1e6 / sps:7.1f} us/step tokens_equal_first={rows[-1]['tokens_equal_first']}")
+        if sps > best[0]:
+            best = (sps, v)
+    print(f"best variant: {best[1]} {best[0]:.1f} steps/s")
     if not args.no_sweep:
-        for n, k, w in itertools.product((1, 2, 4), (1024, 2048), (4, 8)):
-            cfg = {"BLOCK_N": n, "BLOCK_K": k, "num_warps": w, "num_stages": 2}
-            setup(1, 1, 1, cfg)
+        sweeps = [("gate_up", {"BLOCK_N": n, "BLOCK_K": 1024, "num_warps": w, "num_stages": 1})
+                  for n, w in itertools.product((1, 2, 4, 8), (4, 8))]
+        sweeps += [("down", {"BLOCK_N": n, "BLOCK_K": k, "num_warps": w, "num_stages": 2})
+                   for n, k, w in itertools.product((1, 2, 4), (1024, 2048), (4,))]
+        for role, cfg in sweeps:
+            setup(best[1], **{role: cfg})
             try:
                 out, sps = run()
             except Exception as e:  # out of resources
-                rows.append({"variant": "down sweep", "config": cfg, "error": repr(e)[:160]})
+                rows.append({"variant": f"{role} sweep", "config": cfg, "error": repr(e)[:160]})
                 continue
-            rows.append({"variant": "down sweep", "config": cfg, "steps_per_s": sps, "step_us": 1e6 / sps})
-            print(f"down {json.dumps(cfg):<70} {sps:7.1f} steps/s")
-    table.setdefault("gemv", {})[key] = down0
+            rows.append({"variant": f"{role} sweep", "config": cfg, "steps_per_s": sps, "step_us": 1e6 / sps})
+            print(f"{role:<8} {json.dumps(cfg):<70} {sps:7.1f} steps/s")
+    setup({})
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"rows": rows, "device": _runtime.device_name(), "down_config": down0, "new": args.new}, f,
-                      indent=1)
+            json.dump({"rows": rows, "device": _runtime.device_name(), "down_config": down0, "gate_up_config": gu0,
+                       "new": args.new}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -227,6 +227,7 @@ TYPES = {torch.bfloat16: "bf16", torch.float32: "fp32"}
 
 def compile_(fn, ptrs, consts, cfg):
     names = fn.arg_names
+    ptrs = dict(ptrs, pf_a_ptr="*bf16", pf_b_ptr="*bf16")
     sig = {n: ("constexpr" if n in consts else ptrs.get(n, "fp32" if n == "eps" else "i32")) for n in names}
     # as a launch specialises them: pointers, strides and the model's widths divisible by 16
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
@@ -241,7 +242,8 @@ def compile_(fn, ptrs, consts, cfg):
     txt = out.stdout + out.stderr
     return {"regs": int(re.search(r"Used (\d+) registers", txt).group(1)),
             "spills": int(re.search(r"(\d+) bytes spill stores", txt).group(1)),
-            "v4_loads": len(re.findall(r"ld\.global(\.\w+)*\.v4", ptx)), "mma": ptx.count("mma.")}
+            "v4_loads": len(re.findall(r"ld\.global(\.\w+)*\.v4", ptx)), "mma": ptx.count("mma."),
+            "l2_prefetch": ptx.count("cp.async.bulk.prefetch.L2")}
 
 
 C, I, Hq, Hkv, D, V = 896, 4864, 14, 2, 64, 151936  # Qwen2.5-0.5B
@@ -254,19 +256,19 @@ for dtype in (torch.bfloat16, torch.float32):
             cfg = G._config("plain", M, N, K, dtype)
             ptrs = {n: "*" + t for n in ("x_ptr", "w_ptr", "b_ptr", "r_ptr", "nw_ptr", "y_ptr", "xn_ptr")}
             consts = dict(BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], HAS_BIAS=False, HAS_RESIDUAL=N == C,
-                          NORM=N == V, STORE_XN=False, ONE=G._one(cfg, K), PDL=M == 1, PRE=G._pre(cfg), **fl)
+                          NORM=N == V, STORE_XN=False, ONE=G._one(cfg, K), PDL=M == 1, PRE=G._pre(cfg), L2PF=2 * (M == 1), PF_PIECES=32 * cfg['num_warps'], **fl)
             r = compile_(G.gemv_kernel, ptrs, consts, {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]})
             rows.append(dict(r, kernel=f"gemv N={N} K={K}", dtype=t, M=M, **fl))
         cfg = G._config("gate_up", M, 2 * I, C, dtype)
         ptrs = {n: "*" + t for n in ("x_ptr", "w_ptr", "nw_ptr", "y_ptr", "xn_ptr")}
-        consts = dict(BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], NORM=True, STORE_XN=False, ONE=G._one(cfg, C), PDL=M == 1, PRE=G._pre(cfg), **fl)
+        consts = dict(BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], NORM=True, STORE_XN=False, ONE=G._one(cfg, C), PDL=M == 1, PRE=G._pre(cfg), L2PF=2 * (M == 1), PF_PIECES=32 * cfg['num_warps'], **fl)
         r = compile_(G.gemv_gate_up_kernel, ptrs, consts, {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]})
         rows.append(dict(r, kernel="gate_up", dtype=t, M=M, **fl))
         cfg = G._config("qkv", M, (Hq + 2 * Hkv) * D, C, dtype)
         ptrs = {n: "*" + t for n in ("x_ptr", "w_ptr", "b_ptr", "nw_ptr", "q_ptr", "kc_ptr", "vc_ptr", "qkv_ptr", "xn_ptr")}
         ptrs.update({"cos_ptr": "*fp32", "sin_ptr": "*fp32", "pos_ptr": "*i32"})
         consts = dict(HQ=Hq, HKV=Hkv, D=D, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], NORM=True, STORE_PRE=False,
-                      STORE_XN=False, ONE=G._one(cfg, C), PDL=M == 1, PRE=G._pre(cfg), **fl)
+                      STORE_XN=False, ONE=G._one(cfg, C), PDL=M == 1, PRE=G._pre(cfg), L2PF=2 * (M == 1), PF_PIECES=32 * cfg['num_warps'], **fl)
         r = compile_(G.gemv_qkv_rope_kernel, ptrs, consts, {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]})
         rows.append(dict(r, kernel="qkv_rope", dtype=t, M=M, **fl))
 # the trace variants (debug stores of the normalised input and the pre-RoPE projections)
@@ -275,19 +277,19 @@ for M in (1, 8):
     cfg = G._config("plain", M, V, C, torch.bfloat16)
     ptrs = {n: "*bf16" for n in ("x_ptr", "w_ptr", "b_ptr", "r_ptr", "nw_ptr", "y_ptr", "xn_ptr")}
     consts = dict(BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], HAS_BIAS=True, HAS_RESIDUAL=True, NORM=True,
-                  STORE_XN=True, ONE=G._one(cfg, C), PDL=M == 1, PRE=G._pre(cfg), **fl)
+                  STORE_XN=True, ONE=G._one(cfg, C), PDL=M == 1, PRE=G._pre(cfg), L2PF=2 * (M == 1), PF_PIECES=32 * cfg['num_warps'], **fl)
     rows.append(dict(compile_(G.gemv_kernel, ptrs, consts, {"num_warps": 4, "num_stages": 2}), kernel="gemv store",
                      dtype="bf16", M=M, **fl))
     cfg = G._config("gate_up", M, 2 * I, C, torch.bfloat16)
     ptrs = {n: "*bf16" for n in ("x_ptr", "w_ptr", "nw_ptr", "y_ptr", "xn_ptr")}
-    consts = dict(BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], NORM=True, STORE_XN=True, ONE=G._one(cfg, C), PDL=M == 1, PRE=G._pre(cfg), **fl)
+    consts = dict(BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], NORM=True, STORE_XN=True, ONE=G._one(cfg, C), PDL=M == 1, PRE=G._pre(cfg), L2PF=2 * (M == 1), PF_PIECES=32 * cfg['num_warps'], **fl)
     rows.append(dict(compile_(G.gemv_gate_up_kernel, ptrs, consts, {"num_warps": 4, "num_stages": 2}),
                      kernel="gate_up store", dtype="bf16", M=M, **fl))
     cfg = G._config("qkv", M, (Hq + 2 * Hkv) * D, C, torch.bfloat16)
     ptrs = {n: "*bf16" for n in ("x_ptr", "w_ptr", "b_ptr", "nw_ptr", "q_ptr", "kc_ptr", "vc_ptr", "qkv_ptr", "xn_ptr")}
     ptrs.update({"cos_ptr": "*fp32", "sin_ptr": "*fp32", "pos_ptr": "*i32"})
     consts = dict(HQ=Hq, HKV=Hkv, D=D, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], NORM=True, STORE_PRE=True,
-                  STORE_XN=True, ONE=G._one(cfg, C), PDL=M == 1, PRE=G._pre(cfg), **fl)
+                  STORE_XN=True, ONE=G._one(cfg, C), PDL=M == 1, PRE=G._pre(cfg), L2PF=2 * (M == 1), PF_PIECES=32 * cfg['num_warps'], **fl)
     rows.append(dict(compile_(G.gemv_qkv_rope_kernel, ptrs, consts, {"num_warps": 4, "num_stages": 2}),
                      kernel="qkv_rope store", dtype="bf16", M=M, **fl))
 print("RESULT" + json.dumps(rows))
@@ -316,6 +318,8 @@ def test_kernels_compile_for_sm90():
     assert len(rows) == 2 * 4 * 4 + 2 * 3
     for r in rows:
         assert r["spills"] == 0, r
+        # the decode form (M = 1: PDL, both L2 prefetch spans) keeps its bulk prefetch instructions
+        assert r["l2_prefetch"] == (2 if r["M"] == 1 else 0), r
         if not r["USE_DOT"]:
             assert r["v4_loads"] > 0, r
         elif r["dtype"] == "bf16":
@@ -351,3 +355,29 @@ def test_gpu_model_shapes(M, dtype, gen):
         got = G.gemv_qkv_rope_stages(x, w, b, cos, sin, pos, kc, vc, Hq, Hkv, nw)
     for name in ref:
         _ok(name, ref[name], got[name], dtype)
+
+
+@pytest.mark.gpu
+def test_gpu_l2_prefetch_changes_no_value(gen):
+    """The L2 prefetch is a hint: each decode GEMV (PDL launches, M = 1) with two prefetch spans,
+    one span, and a span that does not qualify (odd byte count: skipped) gives the result without
+    any, bit for bit, and the prefetched tensors are untouched."""
+    C, I, dtype = 896, 4864, torch.bfloat16
+    a = _rand(gen, 2 * I, C, dtype=dtype)
+    b = _rand(gen, C, I, dtype=dtype)
+    odd = _rand(gen, 7, dtype=dtype)
+    a0, b0 = a.clone(), b.clone()
+    x = _rand(gen, 1, I, dtype=dtype)
+    w = _rand(gen, C, I, dtype=dtype, scale=I ** -0.5)
+    r = _rand(gen, 1, C, dtype=dtype)
+    base, _ = G.gemv_launch(x, w, residual=r, pdl=True)
+    xc = _rand(gen, 1, C, dtype=dtype)
+    nw = (1 + _rand(gen, C, scale=0.2)).to(dtype)
+    gu_base, _ = G.gemv_gate_up_launch(xc, a, nw, pdl=True)
+    for spans in ((a, b), (b,), (odd, a)):
+        with poisoned():
+            y, _ = G.gemv_launch(x, w, residual=r, pdl=True, l2_prefetch=spans)
+            gu, _ = G.gemv_gate_up_launch(xc, a, nw, pdl=True, l2_prefetch=spans)
+        assert torch.equal(y, base) and torch.equal(gu, gu_base)
+    assert torch.equal(a, a0) and torch.equal(b, b0)
+    assert G._l2_spans((odd, a), w, 4)[1]["L2PF"] == 1

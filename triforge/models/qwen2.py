@@ -11,8 +11,8 @@ per row) is six launches per layer (five with one KV split), all memory-bound, w
 op fused into a GEMV (``triforge.ops.gemv``):
 
     1. gemv_qkv_rope   input RMSNorm + QKV projection + bias + RoPE; k, v written into the cache
-    2-3. flash-decoding over the cache (split kernel + merge kernel; caches of up to
-         ``one_split_tokens`` rows: one split per kv head, which writes the output itself)
+    2-3. flash-decoding over the cache (split kernel + merge kernel; where the split heuristic gives
+         one split, the split kernel writes the output itself)
     4. gemv            o_proj + residual add
     5. gemv_gate_up    post-attention RMSNorm + gate/up projections + SwiGLU
     6. gemv            down_proj + residual add
@@ -278,12 +278,13 @@ class Qwen2Engine:
         self.scale = spec.head_dim ** -0.5
         # the interpreter's cost is per program: one KV split there; the split heuristic on the GPU
         self._num_splits = 1 if _runtime.INTERPRET else 0
-        # caches of at most this many tokens per row attend in one split per kv head: the split kernel
-        # writes the output itself and the merge launch is gone (a short cache is latency, not bytes)
-        self.one_split_tokens = 1024
         # the attention kernel reads the lengths and the cached keys but the newest (the QKV kernel's,
         # just before it) while the QKV kernel drains (PDL only)
         self.attn_prefetch = True
+        # L2 prefetch plan: role -> weights that role's GEMV asks into L2 at its start, so that a later,
+        # bandwidth-bound GEMV reads them from L2 while the latency-bound kernels in between leave DRAM
+        # idle ("next." names the next layer's weights); roles qkv, o_proj, gate_up, down
+        self.l2_plan = {"qkv": ("w_gate_up", "w_down")}
         # decode kernels launched as programmatic dependents (sm90+): each starts, and fetches its
         # weights, while the previous one drains; False (or TRIFORGE_PDL=0) launches them plainly
         self.use_pdl = os.environ.get("TRIFORGE_PDL", "1") != "0"
@@ -495,18 +496,29 @@ class Qwen2Engine:
         pdl = self.use_pdl
         pos = state.positions
         lengths = pos + 1  # keys each row attends to, the new one included
-        splits = self._num_splits or (1 if state.max_seq_len <= self.one_split_tokens else 0)
         h = F.embedding(state.ids, self.embed)  # [B, C]
+        n_layers = len(self.layers)
+
+        def spans(role, i):
+            out = []
+            for name in self.l2_plan.get(role, ()):
+                j = i + 1 if name.startswith("next.") else i
+                if j < n_layers:
+                    out.append(getattr(self.layers[j], name.removeprefix("next.")))
+            return tuple(out)
+
         for i, L in enumerate(self.layers):
             kc, vc = state.k_cache[i], state.v_cache[i]
             q, qkv, xn = gemv_qkv_rope_launch(h, L.w_qkv, L.b_qkv, self.cos, self.sin, pos, kc, vc, Hq, Hkv,
-                                              L.input_norm, eps, store_pre=tr, store_xn=tr, pdl=pdl)
+                                              L.input_norm, eps, store_pre=tr, store_xn=tr, pdl=pdl,
+                                              l2_prefetch=spans("qkv", i))
             o, _ = flash_decode_fwd(q.view(B, 1, Hq, D), kc, vc, lengths, None, None, True, self.scale,
-                                    num_splits=splits, pdl=pdl, fresh=1 if self.attn_prefetch else None)
+                                    num_splits=self._num_splits, pdl=pdl, fresh=1 if self.attn_prefetch else None)
             o = o.view(B, Hq * D)
-            h_attn, _ = gemv_launch(o, L.w_o, residual=h, pdl=pdl)
-            act, xn2 = gemv_gate_up_launch(h_attn, L.w_gate_up, L.post_norm, eps, store_xn=tr, pdl=pdl)
-            h, _ = gemv_launch(act, L.w_down, residual=h_attn, pdl=pdl)
+            h_attn, _ = gemv_launch(o, L.w_o, residual=h, pdl=pdl, l2_prefetch=spans("o_proj", i))
+            act, xn2 = gemv_gate_up_launch(h_attn, L.w_gate_up, L.post_norm, eps, store_xn=tr, pdl=pdl,
+                                           l2_prefetch=spans("gate_up", i))
+            h, _ = gemv_launch(act, L.w_down, residual=h_attn, pdl=pdl, l2_prefetch=spans("down", i))
             if tr:
                 rows = torch.arange(B, device=self.device)
                 trace.update({

@@ -49,6 +49,7 @@ import triton.language as tl
 
 from triforge import _runtime, launch
 from triforge.launch import new_output
+from triforge.ops._tl import l2_prefetch as _l2_prefetch
 from triforge.ops._tl import rne_bf16 as _rne_bf16
 from triforge.ops._checks import check_same_device, check_tensor
 from triforge.registry import OpSpec, register
@@ -295,6 +296,10 @@ def gemv_kernel(
     N,
     K,
     eps,
+    pf_a_ptr,  # L2PF >= 1: bytes [pf_a_ptr, + pf_a_bytes) asked into L2 (a later kernel's weights)
+    pf_a_bytes,
+    pf_b_ptr,  # L2PF == 2: a second span
+    pf_b_bytes,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -308,7 +313,13 @@ def gemv_kernel(
     ONE: tl.constexpr,
     PDL: tl.constexpr,
     PRE: tl.constexpr,
+    L2PF: tl.constexpr,  # spans prefetched into L2 at the start (0, 1, 2)
+    PF_PIECES: tl.constexpr,  # bulk prefetches per program (one per thread)
 ):
+    if L2PF >= 1:  # weights: constants, so before any wait; split over every program of the grid
+        _l2_prefetch(pf_a_ptr, pf_a_bytes, PF_PIECES)
+    if L2PF >= 2:
+        _l2_prefetch(pf_b_ptr, pf_b_bytes, PF_PIECES)
     i_n = tl.program_id(0)
     i_m = tl.program_id(1)
     DT = w_ptr.dtype.element_ty
@@ -351,6 +362,10 @@ def gemv_qkv_rope_kernel(
     M,
     C,
     eps,
+    pf_a_ptr,  # L2PF >= 1: bytes [pf_a_ptr, + pf_a_bytes) asked into L2 (a later kernel's weights)
+    pf_a_bytes,
+    pf_b_ptr,  # L2PF == 2: a second span
+    pf_b_bytes,
     HQ: tl.constexpr,
     HKV: tl.constexpr,
     D: tl.constexpr,
@@ -366,7 +381,13 @@ def gemv_qkv_rope_kernel(
     ONE: tl.constexpr,
     PDL: tl.constexpr,
     PRE: tl.constexpr,
+    L2PF: tl.constexpr,  # spans prefetched into L2 at the start (0, 1, 2)
+    PF_PIECES: tl.constexpr,  # bulk prefetches per program (one per thread)
 ):
+    if L2PF >= 1:  # weights: constants, so before any wait; split over every program of the grid
+        _l2_prefetch(pf_a_ptr, pf_a_bytes, PF_PIECES)
+    if L2PF >= 2:
+        _l2_prefetch(pf_b_ptr, pf_b_bytes, PF_PIECES)
     HALF: tl.constexpr = D // 2
     NH: tl.constexpr = HQ + 2 * HKV
     DT = w_ptr.dtype.element_ty
@@ -436,6 +457,10 @@ def gemv_gate_up_kernel(
     I,
     C,
     eps,
+    pf_a_ptr,  # L2PF >= 1: bytes [pf_a_ptr, + pf_a_bytes) asked into L2 (a later kernel's weights)
+    pf_a_bytes,
+    pf_b_ptr,  # L2PF == 2: a second span
+    pf_b_bytes,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -447,7 +472,13 @@ def gemv_gate_up_kernel(
     ONE: tl.constexpr,
     PDL: tl.constexpr,
     PRE: tl.constexpr,
+    L2PF: tl.constexpr,  # spans prefetched into L2 at the start (0, 1, 2)
+    PF_PIECES: tl.constexpr,  # bulk prefetches per program (one per thread)
 ):
+    if L2PF >= 1:  # weights: constants, so before any wait; split over every program of the grid
+        _l2_prefetch(pf_a_ptr, pf_a_bytes, PF_PIECES)
+    if L2PF >= 2:
+        _l2_prefetch(pf_b_ptr, pf_b_bytes, PF_PIECES)
     DT = w_ptr.dtype.element_ty
     i_n = tl.program_id(0)
     i_m = tl.program_id(1)
@@ -548,10 +579,29 @@ def _pre(cfg):
     return bool(cfg.get("PRE", 1))
 
 
+def _l2_spans(l2_prefetch, fallback, num_warps):
+    """(runtime args, constexprs) of the L2 prefetch: the spans of the given tensors that qualify
+    (contiguous, 16-byte aligned, a multiple of 16 bytes; compiled sm90+ kernels only), padded with
+    an empty span to the kernels' two."""
+    spans = []
+    if launch.pdl_supported():
+        for t in l2_prefetch:
+            nbytes = t.numel() * t.element_size()
+            if t.is_contiguous() and t.data_ptr() % 16 == 0 and nbytes % 16 == 0 and nbytes > 0:
+                spans.append((t, nbytes))
+    spans = spans[:2]
+    args = []
+    for t, nbytes in spans + [(fallback, 0)] * (2 - len(spans)):
+        args += [t, nbytes]
+    return args, {"L2PF": len(spans), "PF_PIECES": 32 * num_warps}
+
+
 def gemv_launch(x, weight, bias=None, residual=None, norm_weight=None, eps=1e-6, store_xn=False, cfg=None,
-                pdl=False):
+                pdl=False, l2_prefetch=()):
     """x [M, K], weight [N, K], all contiguous. Returns (y [M, N], xn [M, K] or None). pdl: launch as a
-    programmatic dependent of the previous kernel in the stream (sm90+; ignored where unsupported)."""
+    programmatic dependent of the previous kernel in the stream (sm90+; ignored where unsupported).
+    l2_prefetch: up to two contiguous tensors (a later kernel's weights) that the programs ask into L2
+    at their start (sm90+, see _l2_spans); a hint, no result depends on it."""
     M, K = x.shape
     N = weight.shape[0]
     cfg = cfg or _config("plain", M, N, K, x.dtype)
@@ -562,22 +612,24 @@ def gemv_launch(x, weight, bias=None, residual=None, norm_weight=None, eps=1e-6,
     nbytes = e * (N * K + M * K + M * N + (N if bias is not None else 0) + (M * N if residual is not None else 0)
                   + (K if norm_weight is not None else 0))
     grid = (triton.cdiv(N, cfg["BLOCK_N"]), triton.cdiv(M, flags["BLOCK_M"]))
+    pf_args, pf_meta = _l2_spans(l2_prefetch, weight, cfg["num_warps"])
     launch.launch(
         "gemv", gemv_kernel, grid,
         x, weight, bias if bias is not None else weight, residual if residual is not None else x,
         norm_weight if norm_weight is not None else weight, y, xn if xn is not None else x,
-        M, N, K, float(eps),
+        M, N, K, float(eps), *pf_args,
         nbytes=nbytes,
         BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], HAS_BIAS=bias is not None,
         HAS_RESIDUAL=residual is not None, NORM=norm_weight is not None, STORE_XN=store_xn, ONE=_one(cfg, K),
-        PRE=_pre(cfg),
+        PRE=_pre(cfg), **pf_meta,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **flags, **launch.pdl_options(pdl),
     )
     return y, xn
 
 
 def gemv_qkv_rope_launch(x, weight, bias, cos, sin, positions, k_cache, v_cache, num_heads, num_kv_heads,
-                         norm_weight=None, eps=1e-6, store_pre=False, store_xn=False, cfg=None, pdl=False):
+                         norm_weight=None, eps=1e-6, store_pre=False, store_xn=False, cfg=None, pdl=False,
+                         l2_prefetch=()):
     """Returns (q [M, Hq, D], qkv [M, NQKV] or None, xn [M, C] or None); k/v land in the caches."""
     M, C = x.shape
     D = k_cache.shape[-1]
@@ -591,22 +643,24 @@ def gemv_qkv_rope_launch(x, weight, bias, cos, sin, positions, k_cache, v_cache,
     e = x.element_size()
     nbytes = e * (NQKV * C + NQKV + M * C + M * NQKV) + 4 * M * (1 + 2 * D) + (e * C if norm_weight is not None else 0)
     grid = (triton.cdiv((num_heads + 2 * num_kv_heads) * (D // 2), bn), triton.cdiv(M, flags["BLOCK_M"]))
+    pf_args, pf_meta = _l2_spans(l2_prefetch, weight, cfg["num_warps"])
     launch.launch(
         "gemv_qkv_rope", gemv_qkv_rope_kernel, grid,
         x, weight, bias, norm_weight if norm_weight is not None else bias, cos, sin, positions, q,
         k_cache, v_cache, qkv if qkv is not None else q, xn if xn is not None else x,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        M, C, float(eps),
+        M, C, float(eps), *pf_args,
         nbytes=nbytes,
         HQ=num_heads, HKV=num_kv_heads, D=D, BLOCK_N=bn, BLOCK_K=cfg["BLOCK_K"], NORM=norm_weight is not None,
-        STORE_PRE=store_pre, STORE_XN=store_xn, ONE=_one(cfg, C), PRE=_pre(cfg), num_warps=cfg["num_warps"],
+        STORE_PRE=store_pre, STORE_XN=store_xn, ONE=_one(cfg, C), PRE=_pre(cfg), **pf_meta,
+        num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"], **flags, **launch.pdl_options(pdl),
     )
     return q, qkv, xn
 
 
-def gemv_gate_up_launch(x, weight, norm_weight=None, eps=1e-6, store_xn=False, cfg=None, pdl=False):
+def gemv_gate_up_launch(x, weight, norm_weight=None, eps=1e-6, store_xn=False, cfg=None, pdl=False, l2_prefetch=()):
     """x [M, C], weight [2I, C]. Returns (y [M, I], xn [M, C] or None)."""
     M, C = x.shape
     inter = weight.shape[0] // 2
@@ -617,13 +671,15 @@ def gemv_gate_up_launch(x, weight, norm_weight=None, eps=1e-6, store_xn=False, c
     e = x.element_size()
     nbytes = e * (2 * inter * C + M * C + M * inter + (C if norm_weight is not None else 0))
     grid = (triton.cdiv(inter, cfg["BLOCK_N"]), triton.cdiv(M, flags["BLOCK_M"]))
+    pf_args, pf_meta = _l2_spans(l2_prefetch, weight, cfg["num_warps"])
     launch.launch(
         "gemv_gate_up", gemv_gate_up_kernel, grid,
         x, weight, norm_weight if norm_weight is not None else weight, y, xn if xn is not None else x,
-        M, inter, C, float(eps),
+        M, inter, C, float(eps), *pf_args,
         nbytes=nbytes,
         BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], NORM=norm_weight is not None, STORE_XN=store_xn,
-        ONE=_one(cfg, C), PRE=_pre(cfg), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **flags,
+        ONE=_one(cfg, C), PRE=_pre(cfg), **pf_meta, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        **flags,
         **launch.pdl_options(pdl),
     )
     return y, xn
