@@ -1,16 +1,18 @@
-"""A/B of the Qwen2 decode step's launch-level options, in one process, timed where they run: the engine's
-CUDA-graph decode step (Qwen2.5-0.5B-sized, 24 layers, bf16, random weights; batch 1, 16-token prompt +
-256 new tokens as the issue's benchmark, so the cache holds 512 rows and the split heuristic gives 2 splits).
+"""A/B of the Qwen2 decode step's options, in one process, timed where they run: the engine's CUDA-graph decode
+step (Qwen2.5-0.5B-sized, 24 layers, bf16, random weights; batch 1, 16-token prompt + 256 new tokens as the
+issue's benchmark, so the cache holds 512 rows and the split heuristic gives 2 splits).
 
 A variant sets engine attributes and launch configs:
-- pre:       the multi-K-step GEMV (down_proj, K = 4864) loads its first weight step before griddepcontrol.wait
-- splits:    forced KV splits (0: heuristic; 1: the split kernel writes o and lse itself, no merge launch)
-- prefetch:  the attention kernel reads the lengths and the cached keys but the newest before the wait
-- l2:        the L2 prefetch plan (role -> weights asked into L2 at that GEMV's start)
+- pre:        the multi-K-step GEMV (down_proj, K = 4864) loads its first weight step before griddepcontrol.wait
+- splits:     forced KV splits (0: the heuristic; 1: the split kernel writes o and lse itself, no merge launch)
+- fuse_merge: o_proj's GEMV merges the split partials (no merge launch)
+- greedy:     greedy generate replays a graph of step + argmax (one launch per token)
+- cfg:        launch configs patched in: {kernel: {key: config}}
 
-Then launch-config sweeps (gate_up, down) under the best variant. Replay timing as benchmarks/decode_tune.py:
-median of 5 x 50 replays with CUDA events, from the same cache length for every variant; tokens are compared
-with the first variant's (another split count changes the reduction order: bf16 near-ties may flip).
+Each variant: steps/s of the plain step graph (median of 5 x 50 replays, CUDA events, same cache length) and
+tokens/s of generate() itself (median of 3 timed calls, as benchmarks/qwen2_decode.py times it); tokens are
+compared with the first variant's (another split count changes the reduction order: bf16 near-ties may flip).
+Then launch-config sweeps under the best variant by generate tokens/s.
 
     PYTHONPATH=. python benchmarks/decode_ab.py [--json PATH] [--no-sweep]
 """
@@ -19,6 +21,7 @@ import argparse
 import itertools
 import json
 import statistics
+import time
 
 import torch
 
@@ -27,6 +30,7 @@ from qwen2_decode import build_model  # noqa: E402  (this script runs from bench
 from triforge import _runtime, launch  # noqa: E402
 from triforge.models.qwen2 import Qwen2Engine  # noqa: E402
 from triforge.ops import gemv as G  # noqa: E402
+from triforge.ops.attention import decode as dec  # noqa: E402
 
 C, I = 896, 4864
 
@@ -45,13 +49,13 @@ def main():
                         generator=torch.Generator("cuda").manual_seed(1))
     table = launch._table(_runtime.arch())
     key = G._config_key(1, C, I, torch.bfloat16)
-    down0 = dict(G._config("plain", 1, C, I, torch.bfloat16))
 
     def run():
-        engine._states.clear()  # a fresh state: the graph is re-captured with the current options
+        engine._states.clear()  # a fresh state: the graphs are re-captured with the current options
         out = engine.generate(ids, args.new)
         torch.cuda.synchronize()
-        graph = next(iter(engine._states.values())).graph
+        state = next(iter(engine._states.values()))
+        graph = state.graph
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         for _ in range(20):
             graph.replay()
@@ -63,63 +67,80 @@ def main():
             end.record()
             torch.cuda.synchronize()
             times.append(start.elapsed_time(end) / 50)
-        return out, 1e3 / statistics.median(times)
+        gen = []
+        for _ in range(3):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            engine.generate(ids, args.new)
+            torch.cuda.synchronize()
+            gen.append(time.perf_counter() - t0)
+        return out, 1e3 / statistics.median(times), args.new / statistics.median(gen)
 
     gu_key = G._config_key(1, 2 * I, C, torch.bfloat16)
-    gu0 = dict(G._config("gate_up", 1, 2 * I, C, torch.bfloat16))
-    both = {"qkv": ("w_gate_up", "w_down")}
+    ao_key = G._config_key(1, C, C, torch.bfloat16)
+    sp_key = dec._split_key(64, torch.bfloat16, 16)
+    base_cfg = {
+        ("gemv", key): dict(G._config("plain", 1, C, I, torch.bfloat16)),
+        ("gemv_gate_up", gu_key): dict(G._config("gate_up", 1, 2 * I, C, torch.bfloat16)),
+        ("gemv_attn_out", ao_key): dict(G._attn_out_config(1, C, C, torch.bfloat16)),
+        ("flash_decode_split", sp_key): dict(dec._split_config(64, torch.bfloat16, 16)),
+    }
 
-    def setup(v, down=None, gate_up=None):
-        table.setdefault("gemv", {})[key] = dict(down or down0, PRE=int(v.get("pre", 1)))
-        table.setdefault("gemv_gate_up", {})[gu_key] = dict(gate_up or gu0)
+    def setup(v, patch=None):
+        for (kernel, k), cfg in base_cfg.items():
+            table.setdefault(kernel, {})[k] = dict(cfg)
+        table["gemv"][key]["PRE"] = int(v.get("pre", 1))
+        for (kernel, k), cfg in (patch or {}).items():
+            table.setdefault(kernel, {})[k] = dict(cfg)
         engine._num_splits = v.get("splits", 0)
-        engine.attn_prefetch = bool(v.get("prefetch", 0))
-        engine.l2_plan = v.get("l2", {})
+        engine.fuse_merge = bool(v.get("fuse_merge", 1))
+        engine.greedy_graph = bool(v.get("greedy", 1))
 
     variants = [
-        ("no pre", {"pre": 0}),
-        ("pre", {}),
-        ("pre+attn prefetch", {"prefetch": 1}),
-        ("L2 qkv:gu+down", {"l2": both}),
-        ("L2 qkv:gu, gu:down", {"l2": {"qkv": ("w_gate_up",), "gate_up": ("w_down",)}}),
-        ("L2 o:gu+down", {"l2": {"o_proj": ("w_gate_up", "w_down")}}),
-        ("L2 qkv:gu+down, down:next qkv+o", {"l2": dict(both, down=("next.w_qkv", "next.w_o"))}),
-        ("L2 qkv:gu+down +prefetch", {"l2": both, "prefetch": 1}),
-        ("L2 qkv:gu+down splits 1", {"l2": both, "splits": 1}),
-        ("L2 qkv:gu+down splits 3", {"l2": both, "splits": 3}),
-        ("pre again", {}),
-        ("L2 qkv:gu+down again", {"l2": both}),
+        ("pre (session start + pre)", {"fuse_merge": 0, "greedy": 0}),
+        ("+ fused merge", {"greedy": 0}),
+        ("+ fused merge + greedy graph", {}),
+        ("+ greedy graph only", {"fuse_merge": 0}),
+        ("fused + greedy, splits 3", {"splits": 3}),
+        ("fused + greedy, splits 4", {"splits": 4}),
+        ("pre again", {"fuse_merge": 0, "greedy": 0}),
+        ("fused + greedy again", {}),
     ]
     rows, ref, best = [], None, (0.0, None)
     for name, v in variants:
         setup(v)
-        out, sps = run()
+        out, sps, tps = run()
         ref = out if ref is None else ref
-        rows.append({"variant": name, **{k: (dict(x) if isinstance(x, dict) else x) for k, x in v.items()},
-                     "steps_per_s": sps, "step_us": 1e6 / sps, "tokens_equal_first": bool(torch.equal(out, ref))})
-        print(f"{name:<36} {sps:7.1f} steps/s {1e6 / sps:7.1f} us/step tokens_equal_first={rows[-1]['tokens_equal_first']}")
-        if sps > best[0]:
-            best = (sps, v)
-    print(f"best variant: {best[1]} {best[0]:.1f} steps/s")
+        rows.append({"variant": name, **v, "steps_per_s": sps, "step_us": 1e6 / sps, "generate_tokens_per_s": tps,
+                     "tokens_equal_first": bool(torch.equal(out, ref))})
+        print(f"{name:<32} replay {sps:7.1f} steps/s ({1e6 / sps:6.1f} us)  generate {tps:7.1f} tok/s  "
+              f"tokens_equal_first={rows[-1]['tokens_equal_first']}")
+        if tps > best[0]:
+            best = (tps, v)
+    print(f"best variant: {best[1]} {best[0]:.1f} tokens/s")
     if not args.no_sweep:
-        sweeps = [("gate_up", {"BLOCK_N": n, "BLOCK_K": 1024, "num_warps": w, "num_stages": 1})
-                  for n, w in itertools.product((1, 2, 4, 8), (4, 8))]
-        sweeps += [("down", {"BLOCK_N": n, "BLOCK_K": k, "num_warps": w, "num_stages": 2})
-                   for n, k, w in itertools.product((1, 2, 4), (1024, 2048), (4,))]
-        for role, cfg in sweeps:
-            setup(best[1], **{role: cfg})
+        sweeps = [(("gemv_attn_out", ao_key), {"BLOCK_N": n, "num_warps": w})
+                  for n, w in itertools.product((1, 2, 4, 8, 16), (4, 8))]
+        sweeps += [(("gemv", key), {"BLOCK_N": n, "BLOCK_K": k, "num_warps": w, "num_stages": 2})
+                   for n, k, w in ((1, 4096, 4), (2, 4096, 4), (2, 4096, 8), (1, 8192, 4), (2, 8192, 8))]
+        sweeps += [(("flash_decode_split", sp_key), {"BLOCK_N": n, "num_warps": 4, "num_stages": st,
+                                                     "programs_per_sm": 3, "min_blocks_per_split": mb})
+                   for n, st, mb in ((128, 3, 1), (64, 3, 1), (64, 2, 2), (32, 2, 1), (32, 3, 2))]
+        for (kernel, k), cfg in sweeps:
+            setup(best[1], {(kernel, k): cfg})
             try:
-                out, sps = run()
+                out, sps, tps = run()
             except Exception as e:  # out of resources
-                rows.append({"variant": f"{role} sweep", "config": cfg, "error": repr(e)[:160]})
+                rows.append({"variant": f"{kernel} sweep", "config": cfg, "error": repr(e)[:160]})
                 continue
-            rows.append({"variant": f"{role} sweep", "config": cfg, "steps_per_s": sps, "step_us": 1e6 / sps})
-            print(f"{role:<8} {json.dumps(cfg):<70} {sps:7.1f} steps/s")
+            rows.append({"variant": f"{kernel} sweep", "config": cfg, "steps_per_s": sps, "step_us": 1e6 / sps,
+                         "generate_tokens_per_s": tps})
+            print(f"{kernel:<18} {json.dumps(cfg):<100} replay {sps:7.1f}  generate {tps:7.1f} tok/s")
     setup({})
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"rows": rows, "device": _runtime.device_name(), "down_config": down0, "gate_up_config": gu0,
-                       "new": args.new}, f, indent=1)
+            json.dump({"rows": rows, "device": _runtime.device_name(), "new": args.new,
+                       "base_configs": {f"{k[0]}[{k[1]}]": c for k, c in base_cfg.items()}}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -258,29 +258,32 @@ def test_gpu_cuda_graph_step_equals_eager(dtype):
         assert torch.equal(a, _hf_generate(m, ids, 20))
 
 
+@pytest.mark.parametrize("splits,fuse", [(1, True), (3, True), (3, False)],
+                         ids=["one_split", "3splits-merged-in-o_proj", "3splits-merge-kernel"])
+def test_attention_forms_generate_hf_tokens(model, splits, fuse):
+    """The decode step's three attention forms: one KV split (the split kernel writes o), several
+    splits merged inside o_proj's GEMV (batch <= 2), several splits + the merge kernel. fp32 greedy
+    generation equals Hugging Face's with each, at batch 1 and 2 (and batch 3, past the fused form's
+    two rows, falls back to the merge kernel)."""
+    for B in (1, 2, 3):
+        e = Qwen2Engine.from_hf(model, max_seq_len=64)
+        e._num_splits, e.fuse_merge = splits, fuse
+        ids = _ids(B, 5, seed=20 + B)
+        assert torch.equal(e.generate(ids, 6), _hf_generate(model, ids, 6))
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("one_split", [True, False], ids=["one_split", "split_merge"])
-def test_gpu_attention_prefetch_reads_no_stale_key(one_split):
-    """Under programmatic dependent launch the attention kernel reads the cached keys but the newest
-    before the QKV kernel (which writes the newest) has finished. A stale read changes the logits:
-    prefetch on and off give the same logits bit for bit at every step (CUDA graph replays), and
-    fp32 greedy generation equals Hugging Face's with the one-split (direct) and the split + merge forms."""
-    for dtype in (torch.bfloat16, torch.float32):
-        m = parity.build_hf_model(UNTIED, seed=5, dtype=dtype).cuda()
-        ids = _ids(2, 5, seed=12).cuda()
-        forced = _ids(2, 30, seed=13).cuda()
-        logits, tokens = [], []
-        for prefetch in (True, False):
-            e = Qwen2Engine.from_hf(m, max_seq_len=128)
-            e.attn_prefetch = prefetch
-            e._num_splits = 1 if one_split else 3  # forced (the heuristic gives one split to caches this short)
-            st = e.new_state(2, 64)
-            e.prefill(st, ids)
-            logits.append(torch.stack([e.step(st, forced[:, i]).clone() for i in range(forced.shape[1])]))
-            tokens.append(e.generate(ids, 24))
-        assert torch.equal(logits[0], logits[1]) and torch.equal(tokens[0], tokens[1])
-        if dtype == torch.float32:
-            assert torch.equal(tokens[0], _hf_generate(m, ids, 24))
+def test_gpu_greedy_graph_equals_stepwise():
+    """Greedy generate replays a graph of the step + argmax (tokens fed back and collected on the
+    device): the same tokens as the per-token path, also when the last step fills the cache
+    (7 + 250 - 1 = 256 rows) and when the captured graph is replayed for a second prompt."""
+    m = parity.build_hf_model(UNTIED, seed=3, dtype=torch.bfloat16).cuda()
+    fast = Qwen2Engine.from_hf(m, max_seq_len=256)
+    slow = Qwen2Engine.from_hf(m, max_seq_len=256)
+    slow.greedy_graph = False
+    for B, T, n, seed in ((1, 7, 250, 30), (2, 5, 20, 31), (2, 5, 20, 32)):
+        ids = _ids(B, T, seed=seed).cuda()
+        assert torch.equal(fast.generate(ids, n), slow.generate(ids, n))
 
 
 @pytest.mark.gpu

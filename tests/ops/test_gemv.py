@@ -27,6 +27,49 @@ def _ok(name, ref, got, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+@pytest.mark.parametrize("lengths,splits", [([37], 3), ([5, 40], 4), ([0, 23], 3)],
+                         ids=["M1-3splits", "M2-empty-splits", "M2-empty-row"])
+def test_attn_out_merges_partials(lengths, splits, dtype, gen):
+    """o_proj fed by flash-decoding partials (the engine's fused merge): the merged attention output
+    against a float64 merge of the same partials and against float64 attention over the cache (rows
+    with keys), then y = round(round(o W^T) + r). Splits past a short row's end are empty (m = -inf,
+    acc never written: NaN-poisoned here), a row with no key gives o = 0. N = 72 is no multiple of
+    the row block."""
+    from triforge.ops.attention.decode import flash_decode_split
+    from triforge.ops.attention.reference import kvcache_attention_ref
+
+    M, Hq, Hkv, D, S, N = len(lengths), 4, 2, 64, 48, 72
+    K = Hq * D
+    q = _rand(gen, M, 1, Hq, D, dtype=dtype)
+    kc, vc = _rand(gen, M, S, Hkv, D, dtype=dtype), _rand(gen, M, S, Hkv, D, dtype=dtype)
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device=DEV)
+    w = _rand(gen, N, K, dtype=dtype, scale=K ** -0.5)
+    r = _rand(gen, M, N, dtype=dtype)
+    with poisoned():
+        parts = flash_decode_split(q, kc, vc, seqlens, None, None, True, D ** -0.5, num_splits=splits)
+        assert len(parts) == 3
+        acc, m, l = parts
+        y, o = G.gemv_attn_out_launch(acc, m, l, w, r, Hkv, store_o=True)
+    d = lambda t: t.double()  # noqa: E731
+    ref = G.gemv_attn_out_ref(d(acc), d(m), d(l), d(w), d(r), Hkv, dtype=dtype)
+    _ok("o (merge of the partials)", ref["o"], o, dtype)
+    _ok("y", ref["y"], y, dtype)
+    for b, n in enumerate(lengths):
+        if n == 0:
+            assert (o[b] == 0).all()
+            continue
+        gold, _, _ = kvcache_attention_ref(d(q[b:b + 1]), d(kc[b:b + 1]), d(vc[b:b + 1]), seqlens[b:b + 1].cpu())
+        _ok(f"o row {b} (attention)", gold["o"].reshape(1, K), o[b:b + 1], dtype)
+
+
+def test_attn_out_rejects_unsupported():
+    acc = torch.zeros(3 * 2, 2, 2, 64, device=DEV)
+    m = torch.zeros(3 * 2, 2, 2, device=DEV)
+    with pytest.raises(ValueError, match="at most 2 rows"):
+        G.gemv_attn_out_launch(acc, m, m, torch.zeros(8, 256, device=DEV), torch.zeros(3, 8, device=DEV), 2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
 @pytest.mark.parametrize("M,N,K", [(1, 77, 63), (2, 300, 200), (3, 33, 130), (17, 65, 96)])
 @pytest.mark.parametrize("bias,residual,norm", [(False, False, False), (True, True, False), (False, True, True)],
                          ids=["plain", "bias+residual", "norm+residual"])
@@ -227,7 +270,6 @@ TYPES = {torch.bfloat16: "bf16", torch.float32: "fp32"}
 
 def compile_(fn, ptrs, consts, cfg):
     names = fn.arg_names
-    ptrs = dict(ptrs, pf_a_ptr="*bf16", pf_b_ptr="*bf16")
     sig = {n: ("constexpr" if n in consts else ptrs.get(n, "fp32" if n == "eps" else "i32")) for n in names}
     # as a launch specialises them: pointers, strides and the model's widths divisible by 16
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
@@ -242,8 +284,7 @@ def compile_(fn, ptrs, consts, cfg):
     txt = out.stdout + out.stderr
     return {"regs": int(re.search(r"Used (\d+) registers", txt).group(1)),
             "spills": int(re.search(r"(\d+) bytes spill stores", txt).group(1)),
-            "v4_loads": len(re.findall(r"ld\.global(\.\w+)*\.v4", ptx)), "mma": ptx.count("mma."),
-            "l2_prefetch": ptx.count("cp.async.bulk.prefetch.L2")}
+            "v4_loads": len(re.findall(r"ld\.global(\.\w+)*\.v4", ptx)), "mma": ptx.count("mma.")}
 
 
 C, I, Hq, Hkv, D, V = 896, 4864, 14, 2, 64, 151936  # Qwen2.5-0.5B
@@ -256,19 +297,19 @@ for dtype in (torch.bfloat16, torch.float32):
             cfg = G._config("plain", M, N, K, dtype)
             ptrs = {n: "*" + t for n in ("x_ptr", "w_ptr", "b_ptr", "r_ptr", "nw_ptr", "y_ptr", "xn_ptr")}
             consts = dict(BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], HAS_BIAS=False, HAS_RESIDUAL=N == C,
-                          NORM=N == V, STORE_XN=False, ONE=G._one(cfg, K), PDL=M == 1, PRE=G._pre(cfg), L2PF=2 * (M == 1), PF_PIECES=32 * cfg['num_warps'], **fl)
+                          NORM=N == V, STORE_XN=False, ONE=G._one(cfg, K), PDL=M == 1, PRE=G._pre(cfg), **fl)
             r = compile_(G.gemv_kernel, ptrs, consts, {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]})
             rows.append(dict(r, kernel=f"gemv N={N} K={K}", dtype=t, M=M, **fl))
         cfg = G._config("gate_up", M, 2 * I, C, dtype)
         ptrs = {n: "*" + t for n in ("x_ptr", "w_ptr", "nw_ptr", "y_ptr", "xn_ptr")}
-        consts = dict(BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], NORM=True, STORE_XN=False, ONE=G._one(cfg, C), PDL=M == 1, PRE=G._pre(cfg), L2PF=2 * (M == 1), PF_PIECES=32 * cfg['num_warps'], **fl)
+        consts = dict(BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], NORM=True, STORE_XN=False, ONE=G._one(cfg, C), PDL=M == 1, PRE=G._pre(cfg), **fl)
         r = compile_(G.gemv_gate_up_kernel, ptrs, consts, {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]})
         rows.append(dict(r, kernel="gate_up", dtype=t, M=M, **fl))
         cfg = G._config("qkv", M, (Hq + 2 * Hkv) * D, C, dtype)
         ptrs = {n: "*" + t for n in ("x_ptr", "w_ptr", "b_ptr", "nw_ptr", "q_ptr", "kc_ptr", "vc_ptr", "qkv_ptr", "xn_ptr")}
         ptrs.update({"cos_ptr": "*fp32", "sin_ptr": "*fp32", "pos_ptr": "*i32"})
         consts = dict(HQ=Hq, HKV=Hkv, D=D, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], NORM=True, STORE_PRE=False,
-                      STORE_XN=False, ONE=G._one(cfg, C), PDL=M == 1, PRE=G._pre(cfg), L2PF=2 * (M == 1), PF_PIECES=32 * cfg['num_warps'], **fl)
+                      STORE_XN=False, ONE=G._one(cfg, C), PDL=M == 1, PRE=G._pre(cfg), **fl)
         r = compile_(G.gemv_qkv_rope_kernel, ptrs, consts, {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]})
         rows.append(dict(r, kernel="qkv_rope", dtype=t, M=M, **fl))
 # the trace variants (debug stores of the normalised input and the pre-RoPE projections)
@@ -277,21 +318,32 @@ for M in (1, 8):
     cfg = G._config("plain", M, V, C, torch.bfloat16)
     ptrs = {n: "*bf16" for n in ("x_ptr", "w_ptr", "b_ptr", "r_ptr", "nw_ptr", "y_ptr", "xn_ptr")}
     consts = dict(BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], HAS_BIAS=True, HAS_RESIDUAL=True, NORM=True,
-                  STORE_XN=True, ONE=G._one(cfg, C), PDL=M == 1, PRE=G._pre(cfg), L2PF=2 * (M == 1), PF_PIECES=32 * cfg['num_warps'], **fl)
+                  STORE_XN=True, ONE=G._one(cfg, C), PDL=M == 1, PRE=G._pre(cfg), **fl)
     rows.append(dict(compile_(G.gemv_kernel, ptrs, consts, {"num_warps": 4, "num_stages": 2}), kernel="gemv store",
                      dtype="bf16", M=M, **fl))
     cfg = G._config("gate_up", M, 2 * I, C, torch.bfloat16)
     ptrs = {n: "*bf16" for n in ("x_ptr", "w_ptr", "nw_ptr", "y_ptr", "xn_ptr")}
-    consts = dict(BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], NORM=True, STORE_XN=True, ONE=G._one(cfg, C), PDL=M == 1, PRE=G._pre(cfg), L2PF=2 * (M == 1), PF_PIECES=32 * cfg['num_warps'], **fl)
+    consts = dict(BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], NORM=True, STORE_XN=True, ONE=G._one(cfg, C), PDL=M == 1, PRE=G._pre(cfg), **fl)
     rows.append(dict(compile_(G.gemv_gate_up_kernel, ptrs, consts, {"num_warps": 4, "num_stages": 2}),
                      kernel="gate_up store", dtype="bf16", M=M, **fl))
     cfg = G._config("qkv", M, (Hq + 2 * Hkv) * D, C, torch.bfloat16)
     ptrs = {n: "*bf16" for n in ("x_ptr", "w_ptr", "b_ptr", "nw_ptr", "q_ptr", "kc_ptr", "vc_ptr", "qkv_ptr", "xn_ptr")}
     ptrs.update({"cos_ptr": "*fp32", "sin_ptr": "*fp32", "pos_ptr": "*i32"})
     consts = dict(HQ=Hq, HKV=Hkv, D=D, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], NORM=True, STORE_PRE=True,
-                  STORE_XN=True, ONE=G._one(cfg, C), PDL=M == 1, PRE=G._pre(cfg), L2PF=2 * (M == 1), PF_PIECES=32 * cfg['num_warps'], **fl)
+                  STORE_XN=True, ONE=G._one(cfg, C), PDL=M == 1, PRE=G._pre(cfg), **fl)
     rows.append(dict(compile_(G.gemv_qkv_rope_kernel, ptrs, consts, {"num_warps": 4, "num_stages": 2}),
                      kernel="qkv_rope store", dtype="bf16", M=M, **fl))
+# o_proj fed by flash-decoding partials (2 splits of Qwen2.5-0.5B's 2 kv heads x 7 rows), batch 1 and 2
+for dtype in (torch.bfloat16, torch.float32):
+    t = TYPES[dtype]
+    for M, store in ((1, False), (2, True)):
+        cfg = G._attn_out_config(M, C, Hq * D, dtype)
+        ptrs = {"acc_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32"}
+        ptrs.update({n: "*" + t for n in ("w_ptr", "r_ptr", "y_ptr", "o_ptr")})
+        consts = dict(HKV=Hkv, GROUP=Hq // Hkv, HEAD_DIM=D, BLOCK_M=M, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=1024,
+                      STORE_O=store, RNE=False, PDL=True)
+        r = compile_(G.gemv_attn_out_kernel, ptrs, consts, {"num_warps": cfg["num_warps"], "num_stages": 1})
+        rows.append(dict(r, kernel="attn_out", dtype=t, M=M, USE_DOT=False))
 print("RESULT" + json.dumps(rows))
 '''
 
@@ -315,11 +367,9 @@ def test_kernels_compile_for_sm90():
     out = subprocess.run([sys.executable, "-c", _SM90_COMPILE], capture_output=True, text=True, env=env, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = json.loads(out.stdout.split("RESULT", 1)[1])
-    assert len(rows) == 2 * 4 * 4 + 2 * 3
+    assert len(rows) == 2 * 4 * 4 + 2 * 3 + 4
     for r in rows:
         assert r["spills"] == 0, r
-        # the decode form (M = 1: PDL, both L2 prefetch spans) keeps its bulk prefetch instructions
-        assert r["l2_prefetch"] == (2 if r["M"] == 1 else 0), r
         if not r["USE_DOT"]:
             assert r["v4_loads"] > 0, r
         elif r["dtype"] == "bf16":
@@ -355,29 +405,3 @@ def test_gpu_model_shapes(M, dtype, gen):
         got = G.gemv_qkv_rope_stages(x, w, b, cos, sin, pos, kc, vc, Hq, Hkv, nw)
     for name in ref:
         _ok(name, ref[name], got[name], dtype)
-
-
-@pytest.mark.gpu
-def test_gpu_l2_prefetch_changes_no_value(gen):
-    """The L2 prefetch is a hint: each decode GEMV (PDL launches, M = 1) with two prefetch spans,
-    one span, and a span that does not qualify (odd byte count: skipped) gives the result without
-    any, bit for bit, and the prefetched tensors are untouched."""
-    C, I, dtype = 896, 4864, torch.bfloat16
-    a = _rand(gen, 2 * I, C, dtype=dtype)
-    b = _rand(gen, C, I, dtype=dtype)
-    odd = _rand(gen, 7, dtype=dtype)
-    a0, b0 = a.clone(), b.clone()
-    x = _rand(gen, 1, I, dtype=dtype)
-    w = _rand(gen, C, I, dtype=dtype, scale=I ** -0.5)
-    r = _rand(gen, 1, C, dtype=dtype)
-    base, _ = G.gemv_launch(x, w, residual=r, pdl=True)
-    xc = _rand(gen, 1, C, dtype=dtype)
-    nw = (1 + _rand(gen, C, scale=0.2)).to(dtype)
-    gu_base, _ = G.gemv_gate_up_launch(xc, a, nw, pdl=True)
-    for spans in ((a, b), (b,), (odd, a)):
-        with poisoned():
-            y, _ = G.gemv_launch(x, w, residual=r, pdl=True, l2_prefetch=spans)
-            gu, _ = G.gemv_gate_up_launch(xc, a, nw, pdl=True, l2_prefetch=spans)
-        assert torch.equal(y, base) and torch.equal(gu, gu_base)
-    assert torch.equal(a, a0) and torch.equal(b, b0)
-    assert G._l2_spans((odd, a), w, 4)[1]["L2PF"] == 1

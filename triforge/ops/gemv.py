@@ -49,7 +49,6 @@ import triton.language as tl
 
 from triforge import _runtime, launch
 from triforge.launch import new_output
-from triforge.ops._tl import l2_prefetch as _l2_prefetch
 from triforge.ops._tl import rne_bf16 as _rne_bf16
 from triforge.ops._checks import check_same_device, check_tensor
 from triforge.registry import OpSpec, register
@@ -131,6 +130,30 @@ def gemv_gate_up_ref(x, weight, norm_weight=None, eps=1e-6, dtype=None):
     up = _round(x @ weight[inter:].T, dtype)
     act = _round(gate * torch.sigmoid(gate), dtype)
     stages["y"] = _round(act * up, dtype)
+    return stages
+
+
+def merge_partials_ref(acc, m, l):
+    """Flash-decoding partials merged (float64): acc [BG, S, R, D], m [BG, S, R] (log2 domain, -inf for a
+    split that saw nothing), l [BG, S, R] -> o [BG, R, D], 0 where no split saw a key."""
+    mx = m.amax(dim=1, keepdim=True)
+    mx = torch.where(torch.isinf(mx), torch.zeros_like(mx), mx)
+    w = torch.exp2(m - mx)  # 0 for empty splits
+    num = (w[..., None] * torch.where(torch.isinf(m)[..., None], torch.zeros_like(acc), acc)).sum(1)
+    den = (w * l).sum(1)
+    return torch.where(den[..., None] > 0, num / torch.where(den > 0, den, torch.ones_like(den))[..., None],
+                       torch.zeros_like(num))
+
+
+def gemv_attn_out_ref(acc, m, l, weight, residual, num_kv_heads, dtype=None):
+    """Stages of the o_proj GEMV fed by flash-decoding partials (one query per row): "o" [B, H * D] the
+    merged attention output rounded to ``dtype`` (head h = kv head h // G, row h % G of the partials),
+    "y" = round(round(o @ W^T) + residual)."""
+    BG, _, G, D = acc.shape
+    B = BG // num_kv_heads
+    o = _round(merge_partials_ref(acc, m, l).reshape(B, num_kv_heads * G * D), dtype)
+    stages = OrderedDict(o=o)
+    stages["y"] = gemv_ref(o, weight, residual=residual, dtype=dtype)["y"]
     return stages
 
 
@@ -296,10 +319,6 @@ def gemv_kernel(
     N,
     K,
     eps,
-    pf_a_ptr,  # L2PF >= 1: bytes [pf_a_ptr, + pf_a_bytes) asked into L2 (a later kernel's weights)
-    pf_a_bytes,
-    pf_b_ptr,  # L2PF == 2: a second span
-    pf_b_bytes,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -313,13 +332,7 @@ def gemv_kernel(
     ONE: tl.constexpr,
     PDL: tl.constexpr,
     PRE: tl.constexpr,
-    L2PF: tl.constexpr,  # spans prefetched into L2 at the start (0, 1, 2)
-    PF_PIECES: tl.constexpr,  # bulk prefetches per program (one per thread)
 ):
-    if L2PF >= 1:  # weights: constants, so before any wait; split over every program of the grid
-        _l2_prefetch(pf_a_ptr, pf_a_bytes, PF_PIECES)
-    if L2PF >= 2:
-        _l2_prefetch(pf_b_ptr, pf_b_bytes, PF_PIECES)
     i_n = tl.program_id(0)
     i_m = tl.program_id(1)
     DT = w_ptr.dtype.element_ty
@@ -362,10 +375,6 @@ def gemv_qkv_rope_kernel(
     M,
     C,
     eps,
-    pf_a_ptr,  # L2PF >= 1: bytes [pf_a_ptr, + pf_a_bytes) asked into L2 (a later kernel's weights)
-    pf_a_bytes,
-    pf_b_ptr,  # L2PF == 2: a second span
-    pf_b_bytes,
     HQ: tl.constexpr,
     HKV: tl.constexpr,
     D: tl.constexpr,
@@ -381,13 +390,7 @@ def gemv_qkv_rope_kernel(
     ONE: tl.constexpr,
     PDL: tl.constexpr,
     PRE: tl.constexpr,
-    L2PF: tl.constexpr,  # spans prefetched into L2 at the start (0, 1, 2)
-    PF_PIECES: tl.constexpr,  # bulk prefetches per program (one per thread)
 ):
-    if L2PF >= 1:  # weights: constants, so before any wait; split over every program of the grid
-        _l2_prefetch(pf_a_ptr, pf_a_bytes, PF_PIECES)
-    if L2PF >= 2:
-        _l2_prefetch(pf_b_ptr, pf_b_bytes, PF_PIECES)
     HALF: tl.constexpr = D // 2
     NH: tl.constexpr = HQ + 2 * HKV
     DT = w_ptr.dtype.element_ty
@@ -457,10 +460,6 @@ def gemv_gate_up_kernel(
     I,
     C,
     eps,
-    pf_a_ptr,  # L2PF >= 1: bytes [pf_a_ptr, + pf_a_bytes) asked into L2 (a later kernel's weights)
-    pf_a_bytes,
-    pf_b_ptr,  # L2PF == 2: a second span
-    pf_b_bytes,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -472,13 +471,7 @@ def gemv_gate_up_kernel(
     ONE: tl.constexpr,
     PDL: tl.constexpr,
     PRE: tl.constexpr,
-    L2PF: tl.constexpr,  # spans prefetched into L2 at the start (0, 1, 2)
-    PF_PIECES: tl.constexpr,  # bulk prefetches per program (one per thread)
 ):
-    if L2PF >= 1:  # weights: constants, so before any wait; split over every program of the grid
-        _l2_prefetch(pf_a_ptr, pf_a_bytes, PF_PIECES)
-    if L2PF >= 2:
-        _l2_prefetch(pf_b_ptr, pf_b_bytes, PF_PIECES)
     DT = w_ptr.dtype.element_ty
     i_n = tl.program_id(0)
     i_m = tl.program_id(1)
@@ -498,6 +491,81 @@ def gemv_gate_up_kernel(
     b_y = _rne_bf16(b_y) if RNE else b_y.to(DT).to(tl.float32)
     o_mn = o_m.to(tl.int64)[:, None] * I + o_n[None, :]
     tl.store(y_ptr + o_mn, b_y.to(y_ptr.dtype.element_ty), mask=m_m[:, None] & m_n[None, :])
+
+
+@triton.jit
+def gemv_attn_out_kernel(
+    acc_ptr,  # [M * HKV, NS, GROUP, D] fp32 flash-decoding partial outputs (one query per row)
+    m_ptr,  # [M * HKV, NS, GROUP] fp32 running max (log2 domain), -inf for a split that saw nothing
+    l_ptr,  # [M * HKV, NS, GROUP] fp32 sums
+    w_ptr,  # [N, K] o_proj weight, K = HKV * GROUP * D
+    r_ptr,  # [M, N] residual
+    y_ptr,  # [M, N] output
+    o_ptr,  # [M, K] merged attention output (written by the first row block when STORE_O)
+    M,
+    N,
+    K,
+    NS,  # splits
+    HKV: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,  # >= K: one K step
+    STORE_O: tl.constexpr,
+    RNE: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """y = round(round(o @ W^T) + residual) with o = the merge of the splits (as flash_decode_merge_kernel,
+    split by split), computed per program from the partials in L2: the merge launch is gone. FMA path
+    (BLOCK_M <= 2), weights first (before griddepcontrol.wait under PDL)."""
+    DT = w_ptr.dtype.element_ty
+    i_n = tl.program_id(0)
+    i_m = tl.program_id(1)
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_n = o_n < N
+    o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_m = o_m < M
+    o_k = tl.arange(0, BLOCK_K)
+    m_k = o_k < K
+    b_w = tl.load(w_ptr + o_n.to(tl.int64)[:, None] * K + o_k[None, :], mask=m_n[:, None] & m_k[None, :], other=0.0)
+    if PDL:  # weights are constants: their loads are in flight while the previous kernel finishes
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    # column k of o: head h = k // D (kv head h // GROUP, partial row h % GROUP), dim k % D
+    o_h = o_k // HEAD_DIM
+    o_d = o_k % HEAD_DIM
+    o_base = (o_m.to(tl.int64)[:, None] * HKV + (o_h // GROUP)[None, :]) * NS  # first split of (row, kv head)
+    o_r = (o_h % GROUP)[None, :]
+    m_x = m_m[:, None] & m_k[None, :]
+    b_mx = tl.full([BLOCK_M, BLOCK_K], float("-inf"), dtype=tl.float32)
+    b_l = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+    b_a = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+    for i_s in range(NS):
+        o_p = (o_base + i_s) * GROUP + o_r
+        b_ms = tl.load(m_ptr + o_p, mask=m_x, other=float("-inf"))
+        b_ls = tl.load(l_ptr + o_p, mask=m_x, other=0.0)
+        seen = b_ms > float("-inf")
+        b_as = tl.load(acc_ptr + o_p * HEAD_DIM + o_d[None, :], mask=m_x & seen, other=0.0)
+        m_new = tl.maximum(b_mx, b_ms)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing seen yet: no -inf - -inf
+        alpha = tl.exp2(b_mx - m_safe)
+        b_wt = tl.exp2(b_ms - m_safe)  # 0 for an empty split
+        b_l = b_l * alpha + b_wt * b_ls
+        b_a = b_a * alpha + b_wt * b_as
+        b_mx = m_new
+    has = b_l > 0
+    b_x = tl.where(has, b_a / tl.where(has, b_l, 1.0), 0.0)
+    b_x = _rne_bf16(b_x) if RNE else b_x.to(DT).to(tl.float32)  # the attention output as the eager model stores it
+    if STORE_O:
+        tl.store(o_ptr + o_m.to(tl.int64)[:, None] * K + o_k[None, :], b_x.to(o_ptr.dtype.element_ty),
+                 mask=m_x & (i_n == 0))
+    acc = tl.sum(b_x[:, None, :] * b_w.to(tl.float32)[None, :, :], axis=2)
+    b_y = _rne_bf16(acc) if RNE else acc.to(DT).to(tl.float32)
+    o_mn = o_m.to(tl.int64)[:, None] * N + o_n[None, :]
+    m_mn = m_m[:, None] & m_n[None, :]
+    b_y = b_y + tl.load(r_ptr + o_mn, mask=m_mn, other=0.0).to(tl.float32)
+    tl.store(y_ptr + o_mn, b_y.to(y_ptr.dtype.element_ty), mask=m_mn)
 
 
 # ----------------------------------------------------------------------------- launch configs
@@ -579,29 +647,10 @@ def _pre(cfg):
     return bool(cfg.get("PRE", 1))
 
 
-def _l2_spans(l2_prefetch, fallback, num_warps):
-    """(runtime args, constexprs) of the L2 prefetch: the spans of the given tensors that qualify
-    (contiguous, 16-byte aligned, a multiple of 16 bytes; compiled sm90+ kernels only), padded with
-    an empty span to the kernels' two."""
-    spans = []
-    if launch.pdl_supported():
-        for t in l2_prefetch:
-            nbytes = t.numel() * t.element_size()
-            if t.is_contiguous() and t.data_ptr() % 16 == 0 and nbytes % 16 == 0 and nbytes > 0:
-                spans.append((t, nbytes))
-    spans = spans[:2]
-    args = []
-    for t, nbytes in spans + [(fallback, 0)] * (2 - len(spans)):
-        args += [t, nbytes]
-    return args, {"L2PF": len(spans), "PF_PIECES": 32 * num_warps}
-
-
 def gemv_launch(x, weight, bias=None, residual=None, norm_weight=None, eps=1e-6, store_xn=False, cfg=None,
-                pdl=False, l2_prefetch=()):
+                pdl=False):
     """x [M, K], weight [N, K], all contiguous. Returns (y [M, N], xn [M, K] or None). pdl: launch as a
-    programmatic dependent of the previous kernel in the stream (sm90+; ignored where unsupported).
-    l2_prefetch: up to two contiguous tensors (a later kernel's weights) that the programs ask into L2
-    at their start (sm90+, see _l2_spans); a hint, no result depends on it."""
+    programmatic dependent of the previous kernel in the stream (sm90+; ignored where unsupported)."""
     M, K = x.shape
     N = weight.shape[0]
     cfg = cfg or _config("plain", M, N, K, x.dtype)
@@ -612,24 +661,22 @@ def gemv_launch(x, weight, bias=None, residual=None, norm_weight=None, eps=1e-6,
     nbytes = e * (N * K + M * K + M * N + (N if bias is not None else 0) + (M * N if residual is not None else 0)
                   + (K if norm_weight is not None else 0))
     grid = (triton.cdiv(N, cfg["BLOCK_N"]), triton.cdiv(M, flags["BLOCK_M"]))
-    pf_args, pf_meta = _l2_spans(l2_prefetch, weight, cfg["num_warps"])
     launch.launch(
         "gemv", gemv_kernel, grid,
         x, weight, bias if bias is not None else weight, residual if residual is not None else x,
         norm_weight if norm_weight is not None else weight, y, xn if xn is not None else x,
-        M, N, K, float(eps), *pf_args,
+        M, N, K, float(eps),
         nbytes=nbytes,
         BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], HAS_BIAS=bias is not None,
         HAS_RESIDUAL=residual is not None, NORM=norm_weight is not None, STORE_XN=store_xn, ONE=_one(cfg, K),
-        PRE=_pre(cfg), **pf_meta,
+        PRE=_pre(cfg),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **flags, **launch.pdl_options(pdl),
     )
     return y, xn
 
 
 def gemv_qkv_rope_launch(x, weight, bias, cos, sin, positions, k_cache, v_cache, num_heads, num_kv_heads,
-                         norm_weight=None, eps=1e-6, store_pre=False, store_xn=False, cfg=None, pdl=False,
-                         l2_prefetch=()):
+                         norm_weight=None, eps=1e-6, store_pre=False, store_xn=False, cfg=None, pdl=False):
     """Returns (q [M, Hq, D], qkv [M, NQKV] or None, xn [M, C] or None); k/v land in the caches."""
     M, C = x.shape
     D = k_cache.shape[-1]
@@ -643,24 +690,22 @@ def gemv_qkv_rope_launch(x, weight, bias, cos, sin, positions, k_cache, v_cache,
     e = x.element_size()
     nbytes = e * (NQKV * C + NQKV + M * C + M * NQKV) + 4 * M * (1 + 2 * D) + (e * C if norm_weight is not None else 0)
     grid = (triton.cdiv((num_heads + 2 * num_kv_heads) * (D // 2), bn), triton.cdiv(M, flags["BLOCK_M"]))
-    pf_args, pf_meta = _l2_spans(l2_prefetch, weight, cfg["num_warps"])
     launch.launch(
         "gemv_qkv_rope", gemv_qkv_rope_kernel, grid,
         x, weight, bias, norm_weight if norm_weight is not None else bias, cos, sin, positions, q,
         k_cache, v_cache, qkv if qkv is not None else q, xn if xn is not None else x,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        M, C, float(eps), *pf_args,
+        M, C, float(eps),
         nbytes=nbytes,
         HQ=num_heads, HKV=num_kv_heads, D=D, BLOCK_N=bn, BLOCK_K=cfg["BLOCK_K"], NORM=norm_weight is not None,
-        STORE_PRE=store_pre, STORE_XN=store_xn, ONE=_one(cfg, C), PRE=_pre(cfg), **pf_meta,
-        num_warps=cfg["num_warps"],
+        STORE_PRE=store_pre, STORE_XN=store_xn, ONE=_one(cfg, C), PRE=_pre(cfg), num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"], **flags, **launch.pdl_options(pdl),
     )
     return q, qkv, xn
 
 
-def gemv_gate_up_launch(x, weight, norm_weight=None, eps=1e-6, store_xn=False, cfg=None, pdl=False, l2_prefetch=()):
+def gemv_gate_up_launch(x, weight, norm_weight=None, eps=1e-6, store_xn=False, cfg=None, pdl=False):
     """x [M, C], weight [2I, C]. Returns (y [M, I], xn [M, C] or None)."""
     M, C = x.shape
     inter = weight.shape[0] // 2
@@ -671,18 +716,50 @@ def gemv_gate_up_launch(x, weight, norm_weight=None, eps=1e-6, store_xn=False, c
     e = x.element_size()
     nbytes = e * (2 * inter * C + M * C + M * inter + (C if norm_weight is not None else 0))
     grid = (triton.cdiv(inter, cfg["BLOCK_N"]), triton.cdiv(M, flags["BLOCK_M"]))
-    pf_args, pf_meta = _l2_spans(l2_prefetch, weight, cfg["num_warps"])
     launch.launch(
         "gemv_gate_up", gemv_gate_up_kernel, grid,
         x, weight, norm_weight if norm_weight is not None else weight, y, xn if xn is not None else x,
-        M, inter, C, float(eps), *pf_args,
+        M, inter, C, float(eps),
         nbytes=nbytes,
         BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], NORM=norm_weight is not None, STORE_XN=store_xn,
-        ONE=_one(cfg, C), PRE=_pre(cfg), **pf_meta, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        **flags,
+        ONE=_one(cfg, C), PRE=_pre(cfg), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **flags,
         **launch.pdl_options(pdl),
     )
     return y, xn
+
+
+def _attn_out_config(M, N, K, dtype):
+    bk = triton.next_power_of_2(K)
+    if _runtime.INTERPRET:
+        fallback = {"BLOCK_N": max(1, min(triton.next_power_of_2(N), 65536 // bk)), "num_warps": 4}
+    else:
+        fallback = {"BLOCK_N": 4, "num_warps": 4}
+    return launch.config("gemv_attn_out", _config_key(M, N, K, dtype), fallback)
+
+
+def gemv_attn_out_launch(acc, m, l, weight, residual, num_kv_heads, store_o=False, cfg=None, pdl=False):
+    """o_proj + residual fed by flash-decoding partials (flash_decode_split's acc, m, l; one query per
+    row): y [M, N] = round(round(merge(acc, m, l) @ W^T) + residual). Returns (y, o [M, K] or None).
+    M <= 2 (the FMA path), K = weight.shape[1] = Hkv * G * D."""
+    BG, NS, G, D = acc.shape
+    M, N, K = BG // num_kv_heads, weight.shape[0], weight.shape[1]
+    if M > MAX_FMA_ROWS or K != num_kv_heads * G * D:
+        raise ValueError(f"gemv_attn_out: needs at most {MAX_FMA_ROWS} rows and K = Hkv * G * D, got M={M}, "
+                         f"K={K}, partials {tuple(acc.shape)}")
+    cfg = cfg or _attn_out_config(M, N, K, weight.dtype)
+    y = new_output((M, N), residual.dtype, residual.device)
+    o = new_output((M, K), weight.dtype, weight.device) if store_o else None
+    e = weight.element_size()
+    nbytes = e * (N * K + 2 * M * N) + 4 * (acc.numel() + 2 * m.numel())
+    launch.launch(
+        "gemv_attn_out", gemv_attn_out_kernel, (triton.cdiv(N, cfg["BLOCK_N"]), 1),
+        acc, m, l, weight, residual, y, o if o is not None else y, M, N, K, NS,
+        nbytes=nbytes,
+        HKV=num_kv_heads, GROUP=G, HEAD_DIM=D, BLOCK_M=triton.next_power_of_2(M), BLOCK_N=cfg["BLOCK_N"],
+        BLOCK_K=triton.next_power_of_2(K), STORE_O=store_o, RNE=_runtime.INTERPRET and weight.dtype == torch.bfloat16,
+        num_warps=cfg["num_warps"], num_stages=1, **launch.pdl_options(pdl),
+    )
+    return y, o
 
 
 # ----------------------------------------------------------------------------- validation

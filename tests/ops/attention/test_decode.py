@@ -531,13 +531,13 @@ for dtype, D, G, Sq, append, causal in json.loads(sys.argv[1]):
     ptrs = {n: "*" + t for n in ("q_ptr", "kc_ptr", "vc_ptr", "kn_ptr", "vn_ptr")}
     ptrs.update({"acc_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32", "seqlens_ptr": "*i32", "o_ptr": "*" + t,
                  "lse_ptr": "*fp32"})
-    # both PDL forms (with the pre-wait prefetch), both output forms (partials / DIRECT)
+    # both PDL forms, both output forms (partials / DIRECT)
     consts = dict(H=2 * G, HKV=2, GROUP=G, HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=sc["BLOCK_N"], BLOCK_NEW=16,
                   CAUSAL=causal, APPEND=append, UPCAST=False, IEEE=dtype == torch.float32, PDL=bool(append),
-                  PREFETCH=bool(append), DIRECT=bool(causal))
+                  DIRECT=bool(causal))
     r = compile_(dec.flash_decode_split_kernel, ptrs, ("qk_scale",), consts,
                  {"num_warps": sc["num_warps"], "num_stages": sc["num_stages"]})
-    rows.append(dict(r, kernel="split", dtype=t, D=D, G=G, Sq=Sq, prefetch=consts["PREFETCH"]))
+    rows.append(dict(r, kernel="split", dtype=t, D=D, G=G, Sq=Sq))
     mc = dec._merge_config(D, dtype)
     ptrs = {"acc_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32", "o_ptr": "*" + t, "lse_ptr": "*fp32"}
     consts = dict(H=2 * G, HKV=2, GROUP=G, HEAD_DIM=D, BLOCK_S=mc["BLOCK_S"], PDL=bool(append))
@@ -578,9 +578,7 @@ def test_kernels_compile_for_sm90_without_spills():
         assert r["spills"] == 0, r
         if r["kernel"] == "split" and r["dtype"] != "fp32":
             assert r["cp_async"] > 0, r
-            # the PDL prefetch holds the first K/V block in registers and gives the peeled block's dots
-            # their own shared buffers: more shared memory, still within one sm90 block's 227 KiB
-            assert r["shared"] <= (227 if r["prefetch"] else 120) * 1024, r
+            assert r["shared"] <= 120 * 1024, r
 
 
 # ----------------------------------------------------------------------------- compiled, on the GPU

@@ -123,7 +123,6 @@ def flash_decode_split_kernel(
     M_ROWS,  # G * Sq query rows per (batch, kv head)
     NUM_SPLITS,
     qk_scale,  # softmax_scale * log2(e)
-    FRESH,  # PREFETCH: the last FRESH cached rows (before n_cache) may come from the previous kernel
     H: tl.constexpr,
     HKV: tl.constexpr,
     GROUP: tl.constexpr,
@@ -135,11 +134,10 @@ def flash_decode_split_kernel(
     APPEND: tl.constexpr,
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
-    PDL: tl.constexpr,  # programmatic dependent launch: wait for the previous kernel before reading q
-    PREFETCH: tl.constexpr,  # PDL: lengths and the first key block (but its FRESH rows) read before waiting
+    PDL: tl.constexpr,  # programmatic dependent launch: wait for the previous kernel before any access
     DIRECT: tl.constexpr,  # NUM_SPLITS == 1: write the normalised o and lse (no merge kernel)
 ):
-    if PDL and not PREFETCH:
+    if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()  # the next kernel may start: it waits the same way
     i_s = tl.program_id(0)
@@ -171,28 +169,7 @@ def flash_decode_split_kernel(
     p_k = kc_ptr + i_b * stride_kb + i_g * stride_kh
     p_v = vc_ptr + i_b * stride_vb + i_g * stride_vh
     o_n = tl.arange(0, BLOCK_N)
-    if PREFETCH:
-        # the first block's rows that the previous kernel cannot have written are in flight while it
-        # drains; its last FRESH rows (the decode engine's new token) are read after the wait
-        f_pos = lo + o_n
-        f_n = f_pos < hi
-        f_old = f_n & (f_pos < n_cache - FRESH)
-        f_pos64 = f_pos.to(tl.int64)
-        f_k = tl.load(p_k + f_pos64[:, None] * stride_ks + o_d[None, :], mask=f_old[:, None], other=0.0)
-        f_v = tl.load(p_v + f_pos64[:, None] * stride_vs + o_d[None, :], mask=f_old[:, None], other=0.0)
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()  # the next kernel may start: it waits the same way
-        f_new = f_n & (f_pos >= n_cache - FRESH)
-        f_k = tl.where(f_new[:, None], tl.load(p_k + f_pos64[:, None] * stride_ks + o_d[None, :],
-                                                mask=f_new[:, None], other=0.0), f_k)
-        f_v = tl.where(f_new[:, None], tl.load(p_v + f_pos64[:, None] * stride_vs + o_d[None, :],
-                                                mask=f_new[:, None], other=0.0), f_v)
-        b_q = tl.load(p_q, mask=m_r[:, None], other=0.0)
-        # an empty split's block is all masked: a no-op for the online softmax
-        b_m, b_l, b_acc = _attend_block(b_q, f_k, f_v, f_pos, f_n, lim, b_m, b_l, b_acc, qk_scale, CAUSAL, UPCAST, IEEE)
-        lo = lo + BLOCK_N
-    else:
-        b_q = tl.load(p_q, mask=m_r[:, None], other=0.0)
+    b_q = tl.load(p_q, mask=m_r[:, None], other=0.0)
     for start in range(lo, hi, BLOCK_N):
         o_pos = start + o_n
         m_n = o_pos < hi
@@ -344,15 +321,14 @@ def choose_num_splits(B, Hkv, S_max, row_blocks, block_n, programs_per_sm, min_b
 # ----------------------------------------------------------------------------- launcher
 
 
-def flash_decode_fwd(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax_scale, num_splits=0, cfg=None,
-                     merge_cfg=None, pdl=False, fresh=None):
-    """Launch both kernels (the split kernel alone, writing o and lse itself, when there is one split).
-    q, k, v contiguous; caches with unit last stride (written in place when k/v are given);
-    cache_seqlens int32 [B]. Returns (o [B, Sq, H, D], lse [B, H, Sq] fp32).
-    pdl: launched as programmatic dependents (sm90+; the decode engine's CUDA graph).
-    fresh (with pdl): the previous kernel in the stream writes at most the last ``fresh`` cached rows
-    of each sequence (those before cache_seqlens[b]) and not cache_seqlens itself; the split kernel
-    then reads the lengths and the rest of its first key block before waiting for it."""
+def flash_decode_split(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax_scale, num_splits=0, cfg=None,
+                       pdl=False):
+    """The split kernel alone. q, k, v contiguous; caches with unit last stride (written in place when
+    k/v are given); cache_seqlens int32 [B]. Returns ``(o, lse)`` (o [B, Sq, H, D], lse [B, H, Sq]
+    fp32) when there is one split (the kernel normalises and writes them itself), else the partials
+    ``(acc [B * Hkv, S, G * Sq, D], m [B * Hkv, S, G * Sq], l)`` (fp32; m in the log2 domain, -inf
+    for a split that saw no key) for flash_decode_fwd's merge or a consumer that merges them itself
+    (the decode engine's o_proj GEMV). pdl: a programmatic dependent launch (sm90+)."""
     B, Sq, H, D = q.shape
     S_max, Hkv = k_cache.shape[1], k_cache.shape[2]
     G = H // Hkv
@@ -360,7 +336,6 @@ def flash_decode_fwd(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax_s
     block_m = _block_m(m_rows)
     row_blocks = triton.cdiv(m_rows, block_m)
     cfg = cfg or _split_config(D, q.dtype, block_m)
-    merge_cfg = merge_cfg or _merge_config(D, q.dtype)
     append = k is not None
     S_new = k.shape[1] if append else 0
     block_n = cfg["BLOCK_N"]
@@ -369,21 +344,21 @@ def flash_decode_fwd(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax_s
                                        cfg["min_blocks_per_split"])
     dev = q.device
     direct = num_splits == 1
-    o = new_output((B, Sq, H, D), q.dtype, dev)
-    lse = new_output((B, H, Sq), torch.float32, dev)
-    if direct:  # no partials: the pointers are never read
+    e = q.element_size()
+    if direct:  # no partials: their pointers are never used
+        o = new_output((B, Sq, H, D), q.dtype, dev)
+        lse = new_output((B, H, Sq), torch.float32, dev)
         acc, m_part, l_part = o, lse, lse
-    else:
+        out_bytes = o.numel() * e + lse.numel() * 4
+    else:  # no output: its pointers are never used
         acc = new_output((B * Hkv, num_splits, m_rows, D), torch.float32, dev)
         m_part = new_output((B * Hkv, num_splits, m_rows), torch.float32, dev)
         l_part = new_output((B * Hkv, num_splits, m_rows), torch.float32, dev)
+        o, lse = q, m_part
+        out_bytes = acc.numel() * 4 + 8 * m_part.numel()
     kn, vn = (k, v) if append else (k_cache, v_cache)
-    e = q.element_size()
     # byte model: the cached rows up to S_max at most (lengths are on the device), new rows read + written
     kv_bytes = 2 * B * S_max * Hkv * D * e + 4 * B * S_new * Hkv * D * e
-    out_bytes = o.numel() * e + lse.numel() * 4 if direct else acc.numel() * 4 + 8 * m_part.numel()
-    pdl_on = launch.pdl_options(pdl)["PDL"]
-    prefetch = pdl_on and fresh is not None
     launch.launch(
         "flash_decode_split", flash_decode_split_kernel, (num_splits, B * Hkv, row_blocks),
         q, k_cache, v_cache, kn, vn, cache_seqlens, acc, m_part, l_part, o, lse,
@@ -393,25 +368,46 @@ def flash_decode_fwd(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax_s
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         kn.stride(0), kn.stride(1), kn.stride(2),
         vn.stride(0), vn.stride(1), vn.stride(2),
-        Sq, S_new, S_max, m_rows, num_splits, float(softmax_scale) * LOG2E, int(fresh or 0),
+        Sq, S_new, S_max, m_rows, num_splits, float(softmax_scale) * LOG2E,
         nbytes=kv_bytes + q.numel() * e + out_bytes,
         H=H, HKV=Hkv, GROUP=G, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_NEW=max(16, min(block_n, triton.next_power_of_2(max(S_new, 1)))),
         CAUSAL=bool(causal) and Sq > 1, APPEND=append,
         UPCAST=_runtime.INTERPRET and q.dtype == torch.bfloat16, IEEE=q.dtype == torch.float32,
-        PREFETCH=prefetch, DIRECT=direct,
+        DIRECT=direct,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch.pdl_options(pdl),
     )
-    if direct:
-        return o, lse
+    return (o, lse) if direct else (acc, m_part, l_part)
+
+
+def flash_decode_merge(q, k_cache, partials, merge_cfg=None, pdl=False):
+    """The merge kernel on flash_decode_split's partials (acc, m, l) for queries q [B, Sq, H, D]
+    against caches shaped like k_cache. Returns (o [B, Sq, H, D], lse [B, H, Sq] fp32)."""
+    acc, m_part, l_part = partials
+    B, Sq, H, D = q.shape
+    Hkv = k_cache.shape[2]
+    G = H // Hkv
+    m_rows = G * Sq
+    num_splits = acc.shape[1]
+    merge_cfg = merge_cfg or _merge_config(D, q.dtype)
+    o = new_output((B, Sq, H, D), q.dtype, q.device)
+    lse = new_output((B, H, Sq), torch.float32, q.device)
     launch.launch(
         "flash_decode_merge", flash_decode_merge_kernel, (B * Hkv * m_rows,),
         acc, m_part, l_part, o, lse, o.stride(0), o.stride(1), o.stride(2), Sq, m_rows, num_splits,
-        nbytes=acc.numel() * 4 + 8 * m_part.numel() + o.numel() * e + lse.numel() * 4,
+        nbytes=acc.numel() * 4 + 8 * m_part.numel() + o.numel() * q.element_size() + lse.numel() * 4,
         H=H, HKV=Hkv, GROUP=G, HEAD_DIM=D, BLOCK_S=merge_cfg["BLOCK_S"], num_warps=merge_cfg["num_warps"],
         **launch.pdl_options(pdl),
     )
     return o, lse
+
+
+def flash_decode_fwd(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax_scale, num_splits=0, cfg=None,
+                     merge_cfg=None, pdl=False):
+    """Both kernels (the split kernel alone when there is one split; see flash_decode_split).
+    Returns (o [B, Sq, H, D], lse [B, H, Sq] fp32)."""
+    out = flash_decode_split(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax_scale, num_splits, cfg, pdl)
+    return out if len(out) == 2 else flash_decode_merge(q, k_cache, out, merge_cfg, pdl)
 
 
 # ----------------------------------------------------------------------------- validation
