@@ -38,9 +38,8 @@ import torch.nn.functional as F
 
 from triforge import _runtime
 from triforge.ops.attention import flash_attn_func
-from triforge.ops.attention.decode import HEAD_DIMS, flash_decode_merge, flash_decode_split
-from triforge.ops.gemv import (MAX_FMA_ROWS, gemv_attn_out_launch, gemv_gate_up_launch, gemv_launch,
-                               gemv_qkv_rope_launch, rope_tables)
+from triforge.ops.attention.decode import HEAD_DIMS, flash_decode_fwd
+from triforge.ops.gemv import gemv_gate_up_launch, gemv_launch, gemv_qkv_rope_launch, rope_tables
 from triforge.ops.norm import rms_norm
 from triforge.ops.rope import apply_rotary_qk
 from triforge.ops.swiglu import swiglu
@@ -253,8 +252,6 @@ class DecodeState:
         self.length = 0  # tokens cached per row, on the host
         self.graph = None
         self.graph_logits = None
-        self.greedy_graph = None  # the step + argmax: next ids fed back, each token written to greedy_tokens
-        self.greedy_tokens = None  # [B, max_seq_len + 1] int64: the token at each sequence position
         self.prefill_graphs: dict = {}  # prompt length -> (graph, static ids, static logits)
 
     def reset(self) -> None:
@@ -281,10 +278,6 @@ class Qwen2Engine:
         self.scale = spec.head_dim ** -0.5
         # the interpreter's cost is per program: one KV split there; the split heuristic on the GPU
         self._num_splits = 1 if _runtime.INTERPRET else 0
-        # batch <= 2 with several KV splits: o_proj's GEMV merges the flash-decoding partials itself
-        self.fuse_merge = True
-        # greedy generate (no eos) replays a graph of the step + argmax: one launch per token
-        self.greedy_graph = True
         # decode kernels launched as programmatic dependents (sm90+): each starts, and fetches its
         # weights, while the previous one drains; False (or TRIFORGE_PDL=0) launches them plainly
         self.use_pdl = os.environ.get("TRIFORGE_PDL", "1") != "0"
@@ -501,15 +494,10 @@ class Qwen2Engine:
             kc, vc = state.k_cache[i], state.v_cache[i]
             q, qkv, xn = gemv_qkv_rope_launch(h, L.w_qkv, L.b_qkv, self.cos, self.sin, pos, kc, vc, Hq, Hkv,
                                               L.input_norm, eps, store_pre=tr, store_xn=tr, pdl=pdl)
-            attn = flash_decode_split(q.view(B, 1, Hq, D), kc, vc, lengths, None, None, True, self.scale,
-                                      num_splits=self._num_splits, pdl=pdl)
-            if len(attn) == 3 and (not self.fuse_merge or B > MAX_FMA_ROWS):
-                attn = flash_decode_merge(q.view(B, 1, Hq, D), kc, attn, pdl=pdl)
-            if len(attn) == 3:  # split partials: o_proj merges them (no merge launch)
-                h_attn, o = gemv_attn_out_launch(*attn, L.w_o, h, Hkv, store_o=tr, pdl=pdl)
-            else:
-                o = attn[0].view(B, Hq * D)
-                h_attn, _ = gemv_launch(o, L.w_o, residual=h, pdl=pdl)
+            o, _ = flash_decode_fwd(q.view(B, 1, Hq, D), kc, vc, lengths, None, None, True, self.scale,
+                                    num_splits=self._num_splits, pdl=pdl)
+            o = o.view(B, Hq * D)
+            h_attn, _ = gemv_launch(o, L.w_o, residual=h, pdl=pdl)
             act, xn2 = gemv_gate_up_launch(h_attn, L.w_gate_up, L.post_norm, eps, store_xn=tr, pdl=pdl)
             h, _ = gemv_launch(act, L.w_down, residual=h_attn, pdl=pdl)
             if tr:
@@ -546,24 +534,6 @@ class Qwen2Engine:
         state.graph, state.graph_logits = graph, logits
 
     @torch.no_grad()
-    def _capture_greedy(self, state: DecodeState) -> None:
-        """Record the decode step with greedy selection in a CUDA graph: the argmax of the logits becomes
-        the next step's input ids and is written at its sequence position in state.greedy_tokens, so a
-        greedy generate is one graph launch per token and nothing else."""
-        if state.graph is None:
-            self._capture(state)  # compiles every kernel (and serves step())
-        # a column past the cache: the step at the last cache row writes the token after it
-        state.greedy_tokens = torch.zeros(state.batch_size, state.max_seq_len + 1, dtype=torch.int64,
-                                          device=self.device)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            logits = self._decode(state)
-            nxt = torch.argmax(logits, dim=-1)  # first index on ties, as generate's argmax
-            state.greedy_tokens.scatter_(1, (state.positions.long() + 1)[:, None], nxt[:, None])
-            state.ids.copy_(nxt)
-            state.positions.add_(1)
-        state.greedy_graph = graph
-
     @torch.no_grad()
     def step(self, state: DecodeState, token_ids, trace: dict | None = None) -> torch.Tensor:
         """Append one token per row (token_ids [B]) and return the next logits [B, V].
@@ -628,16 +598,6 @@ class Qwen2Engine:
             finished = torch.zeros(B, dtype=torch.bool, device=self.device)
         state = self._state_for(B, total - 1)
         logits = self.prefill(state, ids)
-        if not do_sample and eos is None and self._graphed() and self.greedy_graph and max_new_tokens > 1:
-            # greedy: the first token from the prefill's logits, the rest from replays of the greedy graph
-            first = torch.argmax(logits, dim=-1)
-            if state.greedy_graph is None:
-                self._capture_greedy(state)
-            state.ids.copy_(first)
-            for _ in range(max_new_tokens - 1):
-                state.greedy_graph.replay()
-            state.length += max_new_tokens - 1
-            return torch.cat([ids, first[:, None], state.greedy_tokens[:, T + 1: T + max_new_tokens]], dim=1)
         out = []
         for i in range(max_new_tokens):
             nxt = _select(logits, do_sample, temperature, top_k, top_p, generator)

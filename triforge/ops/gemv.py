@@ -133,30 +133,6 @@ def gemv_gate_up_ref(x, weight, norm_weight=None, eps=1e-6, dtype=None):
     return stages
 
 
-def merge_partials_ref(acc, m, l):
-    """Flash-decoding partials merged (float64): acc [BG, S, R, D], m [BG, S, R] (log2 domain, -inf for a
-    split that saw nothing), l [BG, S, R] -> o [BG, R, D], 0 where no split saw a key."""
-    mx = m.amax(dim=1, keepdim=True)
-    mx = torch.where(torch.isinf(mx), torch.zeros_like(mx), mx)
-    w = torch.exp2(m - mx)  # 0 for empty splits
-    num = (w[..., None] * torch.where(torch.isinf(m)[..., None], torch.zeros_like(acc), acc)).sum(1)
-    den = (w * l).sum(1)
-    return torch.where(den[..., None] > 0, num / torch.where(den > 0, den, torch.ones_like(den))[..., None],
-                       torch.zeros_like(num))
-
-
-def gemv_attn_out_ref(acc, m, l, weight, residual, num_kv_heads, dtype=None):
-    """Stages of the o_proj GEMV fed by flash-decoding partials (one query per row): "o" [B, H * D] the
-    merged attention output rounded to ``dtype`` (head h = kv head h // G, row h % G of the partials),
-    "y" = round(round(o @ W^T) + residual)."""
-    BG, _, G, D = acc.shape
-    B = BG // num_kv_heads
-    o = _round(merge_partials_ref(acc, m, l).reshape(B, num_kv_heads * G * D), dtype)
-    stages = OrderedDict(o=o)
-    stages["y"] = gemv_ref(o, weight, residual=residual, dtype=dtype)["y"]
-    return stages
-
-
 # ----------------------------------------------------------------------------- kernels
 
 
@@ -493,81 +469,6 @@ def gemv_gate_up_kernel(
     tl.store(y_ptr + o_mn, b_y.to(y_ptr.dtype.element_ty), mask=m_m[:, None] & m_n[None, :])
 
 
-@triton.jit
-def gemv_attn_out_kernel(
-    acc_ptr,  # [M * HKV, NS, GROUP, D] fp32 flash-decoding partial outputs (one query per row)
-    m_ptr,  # [M * HKV, NS, GROUP] fp32 running max (log2 domain), -inf for a split that saw nothing
-    l_ptr,  # [M * HKV, NS, GROUP] fp32 sums
-    w_ptr,  # [N, K] o_proj weight, K = HKV * GROUP * D
-    r_ptr,  # [M, N] residual
-    y_ptr,  # [M, N] output
-    o_ptr,  # [M, K] merged attention output (written by the first row block when STORE_O)
-    M,
-    N,
-    K,
-    NS,  # splits
-    HKV: tl.constexpr,
-    GROUP: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,  # >= K: one K step
-    STORE_O: tl.constexpr,
-    RNE: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    """y = round(round(o @ W^T) + residual) with o = the merge of the splits (as flash_decode_merge_kernel,
-    split by split), computed per program from the partials in L2: the merge launch is gone. FMA path
-    (BLOCK_M <= 2), weights first (before griddepcontrol.wait under PDL)."""
-    DT = w_ptr.dtype.element_ty
-    i_n = tl.program_id(0)
-    i_m = tl.program_id(1)
-    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_n = o_n < N
-    o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_m = o_m < M
-    o_k = tl.arange(0, BLOCK_K)
-    m_k = o_k < K
-    b_w = tl.load(w_ptr + o_n.to(tl.int64)[:, None] * K + o_k[None, :], mask=m_n[:, None] & m_k[None, :], other=0.0)
-    if PDL:  # weights are constants: their loads are in flight while the previous kernel finishes
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    # column k of o: head h = k // D (kv head h // GROUP, partial row h % GROUP), dim k % D
-    o_h = o_k // HEAD_DIM
-    o_d = o_k % HEAD_DIM
-    o_base = (o_m.to(tl.int64)[:, None] * HKV + (o_h // GROUP)[None, :]) * NS  # first split of (row, kv head)
-    o_r = (o_h % GROUP)[None, :]
-    m_x = m_m[:, None] & m_k[None, :]
-    b_mx = tl.full([BLOCK_M, BLOCK_K], float("-inf"), dtype=tl.float32)
-    b_l = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
-    b_a = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
-    for i_s in range(NS):
-        o_p = (o_base + i_s) * GROUP + o_r
-        b_ms = tl.load(m_ptr + o_p, mask=m_x, other=float("-inf"))
-        b_ls = tl.load(l_ptr + o_p, mask=m_x, other=0.0)
-        seen = b_ms > float("-inf")
-        b_as = tl.load(acc_ptr + o_p * HEAD_DIM + o_d[None, :], mask=m_x & seen, other=0.0)
-        m_new = tl.maximum(b_mx, b_ms)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing seen yet: no -inf - -inf
-        alpha = tl.exp2(b_mx - m_safe)
-        b_wt = tl.exp2(b_ms - m_safe)  # 0 for an empty split
-        b_l = b_l * alpha + b_wt * b_ls
-        b_a = b_a * alpha + b_wt * b_as
-        b_mx = m_new
-    has = b_l > 0
-    b_x = tl.where(has, b_a / tl.where(has, b_l, 1.0), 0.0)
-    b_x = _rne_bf16(b_x) if RNE else b_x.to(DT).to(tl.float32)  # the attention output as the eager model stores it
-    if STORE_O:
-        tl.store(o_ptr + o_m.to(tl.int64)[:, None] * K + o_k[None, :], b_x.to(o_ptr.dtype.element_ty),
-                 mask=m_x & (i_n == 0))
-    acc = tl.sum(b_x[:, None, :] * b_w.to(tl.float32)[None, :, :], axis=2)
-    b_y = _rne_bf16(acc) if RNE else acc.to(DT).to(tl.float32)
-    o_mn = o_m.to(tl.int64)[:, None] * N + o_n[None, :]
-    m_mn = m_m[:, None] & m_n[None, :]
-    b_y = b_y + tl.load(r_ptr + o_mn, mask=m_mn, other=0.0).to(tl.float32)
-    tl.store(y_ptr + o_mn, b_y.to(y_ptr.dtype.element_ty), mask=m_mn)
-
-
 # ----------------------------------------------------------------------------- launch configs
 
 
@@ -726,40 +627,6 @@ def gemv_gate_up_launch(x, weight, norm_weight=None, eps=1e-6, store_xn=False, c
         **launch.pdl_options(pdl),
     )
     return y, xn
-
-
-def _attn_out_config(M, N, K, dtype):
-    bk = triton.next_power_of_2(K)
-    if _runtime.INTERPRET:
-        fallback = {"BLOCK_N": max(1, min(triton.next_power_of_2(N), 65536 // bk)), "num_warps": 4}
-    else:
-        fallback = {"BLOCK_N": 4, "num_warps": 4}
-    return launch.config("gemv_attn_out", _config_key(M, N, K, dtype), fallback)
-
-
-def gemv_attn_out_launch(acc, m, l, weight, residual, num_kv_heads, store_o=False, cfg=None, pdl=False):
-    """o_proj + residual fed by flash-decoding partials (flash_decode_split's acc, m, l; one query per
-    row): y [M, N] = round(round(merge(acc, m, l) @ W^T) + residual). Returns (y, o [M, K] or None).
-    M <= 2 (the FMA path), K = weight.shape[1] = Hkv * G * D."""
-    BG, NS, G, D = acc.shape
-    M, N, K = BG // num_kv_heads, weight.shape[0], weight.shape[1]
-    if M > MAX_FMA_ROWS or K != num_kv_heads * G * D:
-        raise ValueError(f"gemv_attn_out: needs at most {MAX_FMA_ROWS} rows and K = Hkv * G * D, got M={M}, "
-                         f"K={K}, partials {tuple(acc.shape)}")
-    cfg = cfg or _attn_out_config(M, N, K, weight.dtype)
-    y = new_output((M, N), residual.dtype, residual.device)
-    o = new_output((M, K), weight.dtype, weight.device) if store_o else None
-    e = weight.element_size()
-    nbytes = e * (N * K + 2 * M * N) + 4 * (acc.numel() + 2 * m.numel())
-    launch.launch(
-        "gemv_attn_out", gemv_attn_out_kernel, (triton.cdiv(N, cfg["BLOCK_N"]), 1),
-        acc, m, l, weight, residual, y, o if o is not None else y, M, N, K, NS,
-        nbytes=nbytes,
-        HKV=num_kv_heads, GROUP=G, HEAD_DIM=D, BLOCK_M=triton.next_power_of_2(M), BLOCK_N=cfg["BLOCK_N"],
-        BLOCK_K=triton.next_power_of_2(K), STORE_O=store_o, RNE=_runtime.INTERPRET and weight.dtype == torch.bfloat16,
-        num_warps=cfg["num_warps"], num_stages=1, **launch.pdl_options(pdl),
-    )
-    return y, o
 
 
 # ----------------------------------------------------------------------------- validation
