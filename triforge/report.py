@@ -36,7 +36,11 @@ def _decode_markdown(res: dict) -> list[str]:
     for s in res.get("skipped", []):
         out.append(f"| {s['impl']} | {s['batch']} | not run: {s['reason']} | | |")
     sp = res.get("step_profile")
-    if sp:
+    if sp and not sp.get("kernels_matched_roles", True):
+        out.append(f"\nOne decode step at batch {sp['batch']}: sum of kernels {sp['sum_kernel_us']:.0f} us; the "
+                   "profiled kernels did not match the script's per-layer roles, so no per-kernel byte model "
+                   "(see the run's JSON for the kernels by name).\n")
+    elif sp:
         out.append(f"\nOne decode step at batch {sp['batch']} ({sp['keys_attended']} keys), each kernel against its byte "
                    f"model (copy {res['copy_tbps']:.2f} TB/s): sum of kernels {sp['sum_kernel_us']:.0f} us, graph-replayed "
                    f"step {sp['graph_step_us']:.0f} us, {sp['bytes_per_step'] / 1e6:.0f} MB = "

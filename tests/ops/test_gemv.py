@@ -351,3 +351,21 @@ def test_gpu_model_shapes(M, dtype, gen):
         got = G.gemv_qkv_rope_stages(x, w, b, cos, sin, pos, kc, vc, Hq, Hkv, nw)
     for name in ref:
         _ok(name, ref[name], got[name], dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pre", [1, 0], ids=["pre", "no_pre"])
+def test_gpu_pdl_multi_step_first_weights_before_wait(pre, gen):
+    """down_proj's shape (K = 4864 in 2048-wide steps) launched as a programmatic dependent, with the
+    first K step's weights loaded before griddepcontrol.wait (PRE) and without: both against the
+    float64 reference, and equal to each other bit for bit (the same products in the same order)."""
+    C, I, dtype = 896, 4864, torch.bfloat16
+    x = _rand(gen, 1, I, dtype=dtype)
+    w = _rand(gen, C, I, dtype=dtype, scale=I ** -0.5)
+    r = _rand(gen, 1, C, dtype=dtype)
+    cfg = {"BLOCK_N": 2, "BLOCK_K": 2048, "num_warps": 8, "num_stages": 2}
+    with poisoned():
+        y, _ = G.gemv_launch(x, w, residual=r, cfg=dict(cfg, PRE=pre), pdl=True)
+        y_plain, _ = G.gemv_launch(x, w, residual=r, cfg=cfg, pdl=False)
+    _ok("down_proj (PDL)", G.gemv_ref(x.double(), w.double(), residual=r.double(), dtype=dtype)["y"], y, dtype)
+    assert torch.equal(y, y_plain)

@@ -534,7 +534,6 @@ class Qwen2Engine:
         state.graph, state.graph_logits = graph, logits
 
     @torch.no_grad()
-    @torch.no_grad()
     def step(self, state: DecodeState, token_ids, trace: dict | None = None) -> torch.Tensor:
         """Append one token per row (token_ids [B]) and return the next logits [B, V].
 

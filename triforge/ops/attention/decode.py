@@ -327,8 +327,7 @@ def flash_decode_split(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax
     k/v are given); cache_seqlens int32 [B]. Returns ``(o, lse)`` (o [B, Sq, H, D], lse [B, H, Sq]
     fp32) when there is one split (the kernel normalises and writes them itself), else the partials
     ``(acc [B * Hkv, S, G * Sq, D], m [B * Hkv, S, G * Sq], l)`` (fp32; m in the log2 domain, -inf
-    for a split that saw no key) for flash_decode_fwd's merge or a consumer that merges them itself
-    (the decode engine's o_proj GEMV). pdl: a programmatic dependent launch (sm90+)."""
+    for a split that saw no key) for flash_decode_merge. pdl: a programmatic dependent launch (sm90+)."""
     B, Sq, H, D = q.shape
     S_max, Hkv = k_cache.shape[1], k_cache.shape[2]
     G = H // Hkv
