@@ -22,7 +22,8 @@ import time
 
 import torch
 
-from qwen2_decode import build_model  # noqa: E402  (this script runs from benchmarks/)
+from decode_tune import replay_steps_per_s  # noqa: E402  (this script runs from benchmarks/)
+from qwen2_decode import build_model  # noqa: E402
 
 from triforge import _runtime, launch  # noqa: E402
 from triforge.models.qwen2 import Qwen2Engine  # noqa: E402
@@ -53,19 +54,7 @@ def main():
         engine._states.clear()  # a fresh state: the graphs are re-captured with the current options
         out = engine.generate(ids, args.new)
         torch.cuda.synchronize()
-        state = next(iter(engine._states.values()))
-        graph = state.graph
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        for _ in range(20):
-            graph.replay()
-        times = []
-        for _ in range(args.runs):
-            start.record()
-            for _ in range(50):
-                graph.replay()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end) / 50)
+        sps = replay_steps_per_s(next(iter(engine._states.values())).graph, args.runs)
         gen = []
         for _ in range(3):
             torch.cuda.synchronize()
@@ -73,7 +62,7 @@ def main():
             engine.generate(ids, args.new)
             torch.cuda.synchronize()
             gen.append(time.perf_counter() - t0)
-        return out, 1e3 / statistics.median(times), args.new / statistics.median(gen)
+        return out, sps, args.new / statistics.median(gen)
 
     gu_key = G._config_key(1, 2 * I, C, torch.bfloat16)
     sp_key = dec._split_key(64, torch.bfloat16, 16)

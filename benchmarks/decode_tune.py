@@ -45,6 +45,23 @@ def candidates(role):
     return [{"BLOCK_N": n, "BLOCK_K": 1024, "num_warps": 4, "num_stages": 1} for n in (1, 2, 4, 8)]
 
 
+def replay_steps_per_s(graph, runs, per_run=50, warmup=20):
+    """Steps (tokens at batch 1) per second of a captured decode-step graph: the median over ``runs``
+    timings (CUDA events) of ``per_run`` back-to-back replays, after ``warmup`` replays."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(warmup):
+        graph.replay()
+    times = []
+    for _ in range(runs):
+        start.record()
+        for _ in range(per_run):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / per_run)
+    return 1e3 / statistics.median(times)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--json")
@@ -63,19 +80,7 @@ def main():
         engine._states.clear()  # a fresh state: the graph is re-captured with the current configs
         out = engine.generate(ids, args.new)
         torch.cuda.synchronize()
-        graph = next(iter(engine._states.values())).graph
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        for _ in range(20):
-            graph.replay()
-        times = []
-        for _ in range(args.runs):
-            start.record()
-            for _ in range(50):
-                graph.replay()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end) / 50)
-        return out, 1e3 / statistics.median(times)  # steps (tokens at batch 1) per second
+        return out, replay_steps_per_s(next(iter(engine._states.values())).graph, args.runs)
 
     ref, tps0 = run()
     rows = [{"role": "baseline", "tokens_per_s": tps0}]

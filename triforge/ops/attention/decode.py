@@ -156,6 +156,7 @@ def flash_decode_split_kernel(
     o_h = i_g * GROUP + (o_r % GROUP)
     o_d = tl.arange(0, HEAD_DIM)
     p_q = q_ptr + i_b * stride_qb + o_qi.to(tl.int64)[:, None] * stride_qs + o_h[:, None] * stride_qh + o_d[None, :]
+    b_q = tl.load(p_q, mask=m_r[:, None], other=0.0)
     lim = o_qi + (n_total - Sq)  # causal: row sees key j iff j <= lim
 
     b_m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -169,7 +170,6 @@ def flash_decode_split_kernel(
     p_k = kc_ptr + i_b * stride_kb + i_g * stride_kh
     p_v = vc_ptr + i_b * stride_vb + i_g * stride_vh
     o_n = tl.arange(0, BLOCK_N)
-    b_q = tl.load(p_q, mask=m_r[:, None], other=0.0)
     for start in range(lo, hi, BLOCK_N):
         o_pos = start + o_n
         m_n = o_pos < hi
