@@ -106,7 +106,10 @@ def compare(name, ref, got, *, dtype=None, tol=None, scale=None, verbose=True) -
     An element fails when |got - ref| > atol * scale + rtol * |ref| + storage_floor(got.dtype). ``scale`` defaults to the rms of
     ``ref``; an op whose elements' error scales differ by orders passes its own (a tensor shaped like
     ``ref``): for a dot product, the sum of its terms' absolute values, which bounds its rounding
-    error where the result itself cancels to ~0 (see attention_magnitudes).
+    error where the result itself cancels to ~0 (see attention_magnitudes). With such a tensor the
+    rel_rms criterion divides by the larger of ||ref|| and ||scale||: an ill-conditioned result (a
+    softmax gradient whose every column is one near-one-hot column) is held to the rounding of its
+    terms, which even torch's own float32 kernel cannot beat relative to ||ref||.
     """
     if tol is None:
         tol = tolerance_for(dtype or got.dtype)
@@ -141,6 +144,10 @@ def compare(name, ref, got, *, dtype=None, tol=None, scale=None, verbose=True) -
     ref_f = torch.where(finite, ref_d, torch.zeros_like(ref_d))
     got_f = torch.where(finite, got_d, torch.zeros_like(got_d))
     denom = float(ref_f.norm())
+    if isinstance(scale, torch.Tensor):
+        # a result that cancels (its terms large, its value small) is judged by its terms: the rms
+        # error relative to the rms of the error scales, where those exceed the values themselves
+        denom = max(denom, float(torch.where(finite, scale.expand_as(ref_d), 0.0).norm()))
     rel_rms = float((got_f - ref_f).norm()) / denom if denom > 0 else float((got_f - ref_f).norm())
     reasons = []
     if nan_got:
