@@ -85,6 +85,7 @@ from collections import OrderedDict
 import torch
 
 CHUNK = 64
+SOLVE_BLOCK = 16  # the forward kernel's diagonal block of the triangular solve (chunk.BC)
 L2NORM_EPS = 1e-6
 
 
@@ -116,16 +117,24 @@ class Rounding:
     moves x by up to half a unit of a 21-bit mantissa (2^-22 relative, 4 fp32 units) before rounding
     to fp32: the size of the perturbation the kernels' products make (the fp32 real-shape check of the
     Triton backward failed 8 of 67M dk elements on the H100 under fp32-sized draws).
+
+
+    16-bit inputs, compiled: ``tf32`` ("rna" or "rz") also rounds the operands of the forward's fp32
+    products - k k^T of the fp32 unit rows and the triangular solve's block products - to tf32 (10
+    explicit mantissa bits), as input_precision "tf32" does on tensor cores; the CPU interpreter
+    multiplies them in full fp32 (None).
     """
 
     MANTISSA = {torch.bfloat16: 7, torch.float16: 10, torch.float32: 23}
     DITHER_MANTISSA = {torch.bfloat16: 7, torch.float16: 10, torch.float32: 21}
     MIN_EXP = {torch.bfloat16: -126, torch.float16: -14, torch.float32: -126}
 
-    def __init__(self, dtype: torch.dtype, seed: int | None = None):
+    def __init__(self, dtype: torch.dtype, seed: int | None = None, tf32: str | None = None):
         if dtype not in self.MANTISSA:
             raise ValueError(f"Rounding: dtype must be one of {list(self.MANTISSA)}, got {dtype}")
-        self.dtype, self.seed, self._gens = dtype, seed, {}
+        if tf32 not in (None, "rna", "rz"):
+            raise ValueError(f"Rounding: tf32 must be None, 'rna' or 'rz', got {tf32!r}")
+        self.dtype, self.seed, self.tf32, self._gens = dtype, seed, tf32, {}
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.seed is not None:
@@ -139,7 +148,43 @@ class Rounding:
         return x.to(torch.float32).to(self.dtype).to(x.dtype)
 
     def __repr__(self):
-        return f"Rounding({self.dtype}, seed={self.seed})"
+        return f"Rounding({self.dtype}, seed={self.seed}, tf32={self.tf32!r})"
+
+
+def tf32_round(x: torch.Tensor, mode: str) -> torch.Tensor:
+    """x rounded to fp32, then to tf32 (10 explicit mantissa bits): "rna" to nearest, ties away from
+    zero (cvt.rna.tf32.f32), "rz" toward zero (the low 13 bits dropped); None: x unchanged.
+    Returned in x's dtype."""
+    if mode is None:
+        return x
+    bits = x.to(torch.float32).view(torch.int32).to(torch.int64) & 0xFFFFFFFF  # sign | magnitude
+    if mode == "rna":
+        bits = bits + 0x1000  # half of the dropped field: the magnitude rounds half away from zero
+    bits = bits & 0xFFFFE000
+    bits = torch.where(bits >= 2**31, bits - 2**32, bits)
+    return bits.to(torch.int32).view(torch.float32).to(x.dtype)
+
+
+def solve_unit_lower_blocks(A: torch.Tensor, block: int, mode: str) -> torch.Tensor:
+    """(I + A)^-1 for strictly lower [..., n, n] A as the forward kernel forms it (chunk.py,
+    ``_solve_unit_lower``), its products' operands rounded to tf32 (``mode``): the diagonal blocks D
+    inverted exactly (the kernel substitutes on CUDA cores in fp32), Td = (I + D)^-1, E = A - D,
+    N = Td E and (I + A)^-1 = sum_p (-N)^p Td. n is padded to a multiple of ``block``."""
+    n = A.shape[-1]
+    nb = -(-n // block)
+    m = nb * block
+    Ap = torch.nn.functional.pad(A, (0, m - n, 0, m - n))
+    idx = torch.arange(m, device=A.device) // block
+    same = idx[:, None] == idx[None, :]
+    eye = torch.eye(m, dtype=A.dtype, device=A.device)
+    Td = torch.linalg.solve_triangular(eye + Ap * same, eye.expand_as(Ap), upper=False, unitriangular=True)
+    E = Ap * (idx[:, None] > idx[None, :])
+    N = tf32_round(Td, mode) @ tf32_round(E, mode)
+    P, T = Td, Td
+    for _ in range(1, nb):
+        P = -(tf32_round(N, mode) @ tf32_round(P, mode))
+        T = T + P
+    return T[..., :n, :n]
 
 
 def _store(x: torch.Tensor, store_dtype) -> torch.Tensor:
@@ -243,6 +288,7 @@ def chunk_ref_stages(
     q, k, v, g, beta = _prepare(*raw, scale, use_qk_l2norm_in_kernel, dtype, store_dtype)
     # k_a: the keys of A's k k^T, which the intra kernel forms from the unrounded unit rows
     k_a = k if store_dtype is None else _prepare(*raw, scale, use_qk_l2norm_in_kernel, dtype)[1]
+    tf32 = store_dtype.tf32 if isinstance(store_dtype, Rounding) else None
     if cu_seqlens is None:
         groups = [(0, T, initial_state)]  # every batch row at once
     else:
@@ -264,9 +310,14 @@ def chunk_ref_stages(
             gam = gc.cumsum(-1)
             incl = torch.ones(c, c, dtype=torch.bool, device=v.device).tril()
             dec = (gam[..., :, None] - gam[..., None, :]).masked_fill(~incl, float("-inf")).exp()
-            Ac = (bc[..., None] * (kac @ kac.transpose(-1, -2)) * dec).tril(-1)
             eye = torch.eye(c, dtype=dtype, device=v.device)
-            Tc = torch.linalg.solve_triangular(eye + Ac, eye.expand_as(Ac), upper=False, unitriangular=True)
+            if tf32:  # the kernels' fp32-operand products on tensor cores (Rounding.tf32)
+                kat = tf32_round(kac, tf32)
+                Ac = (bc[..., None] * (kat @ kat.transpose(-1, -2)) * dec).tril(-1)
+                Tc = solve_unit_lower_blocks(Ac, SOLVE_BLOCK, tf32)
+            else:
+                Ac = (bc[..., None] * (kac @ kac.transpose(-1, -2)) * dec).tril(-1)
+                Tc = torch.linalg.solve_triangular(eye + Ac, eye.expand_as(Ac), upper=False, unitriangular=True)
             Tr = _store(Tc, store_dtype)  # the operands of w's and u's products
             wc = _store(Tr @ _store((bc * gam.exp())[..., None] * kc, store_dtype), store_dtype)
             uc = _store(Tr @ _store(bc[..., None] * vc, store_dtype), store_dtype)
