@@ -19,7 +19,9 @@ from collections import OrderedDict
 import pytest
 import torch
 
+from triforge import _runtime
 from triforge.launch import poisoned
+from triforge.ops.deltanet import chunk as chunk_fwd_module
 from triforge.ops.deltanet import (
     backward_impl,
     chunk_bwd,
@@ -33,9 +35,12 @@ from triforge.ops.deltanet.reference import (
     chunk_ref_stages,
     l2norm,
     l2norm_bwd,
+    SOLVE_BLOCK,
     Rounding,
     rounding_samples,
+    solve_unit_lower_blocks,
     stored_error_scales,
+    tf32_round,
 )
 from triforge.testing import Tolerance, compare, compare_stages, tolerance_for
 
@@ -261,16 +266,57 @@ def test_rounding_instances_are_roundings_of_the_same_size(gen):
         assert share[0] < float((a != near).double().mean()) < share[1], dtype
 
 
+# the compiled kernels' fp32-operand products (input_precision "tf32", bf16/fp16 inputs) drop each operand's
+# low 13 bits: benchmarks/deltanet_rounding_probe.py on the H100 (7b72ea2) put the model with "rz" at 0.000-0.002
+# of dq_hv's error, "rna" at 0.26-0.36 and no tf32 at 0.26-0.35; the interpreter multiplies in full fp32
+TF32 = None if _runtime.INTERPRET else "rz"
+
+
 def test_rounding_model_is_where_the_kernels_round(gen):
     """The float64 reference with the kernels' roundings to nearest (stores and tensor-core
-    operands) reproduces the Triton backward's fp32 stages (dh, dq_hv, dk_local, dgamma_local) to a
-    quarter of their error against the exact reference: the model rounds where the kernels do."""
+    operands; compiled, also the forward's tf32 products) reproduces the Triton backward's fp32 stages
+    (dh, dq_hv, dk_local, dgamma_local) to a quarter of their error against the exact reference: the
+    model rounds where the kernels do."""
     x = _bwd_inputs(1, 150, 1, 2, 32, 32, torch.bfloat16, gen)
     ref, got, _ = _bwd_stages(x, True)
-    model = chunk_bwd_ref_stages(**_f64(x), use_qk_l2norm_in_kernel=True, store_dtype=torch.bfloat16)
+    model = chunk_bwd_ref_stages(**_f64(x), use_qk_l2norm_in_kernel=True,
+                                 store_dtype=Rounding(torch.bfloat16, tf32=TF32))
     for n in ("dh", "dq_hv", "dk_local", "dgamma_local"):
         g = got[n].double()
         assert float((g - model[n]).norm()) < 0.25 * float((g - ref[n]).norm()), n
+
+
+def test_tf32_round_keeps_ten_mantissa_bits():
+    """rz drops the low 13 bits of the fp32 value; rna adds half of them first (ties away from zero);
+    both results have 10 explicit mantissa bits and lie within one (rz) or half (rna) a tf32 unit."""
+    one = 2.0**-10
+    x = torch.tensor([1.0, 1 + one / 2, 1 + one, 1 + 1.5 * one, -(1 + one / 2), -1.7, 3e-40, 0.0], dtype=torch.float64)
+    assert tf32_round(x, "rz").tolist() == [1.0, 1.0, 1 + one, 1 + one, -1.0, -1.69921875, tf32_round(x, "rz")[6].item(), 0.0]
+    assert tf32_round(x, "rna").tolist()[:6] == [1.0, 1 + one, 1 + one, 1 + 2 * one, -(1 + one), -1.7001953125]
+    assert torch.equal(tf32_round(x, None), x)
+    y = torch.randn(4096, dtype=torch.float64) * torch.logspace(-20, 20, 4096, dtype=torch.float64)
+    for mode, units in (("rz", 1.0), ("rna", 0.5)):
+        r = tf32_round(y, mode)
+        assert torch.equal(r.float().view(torch.int32) & 0x1FFF, torch.zeros(4096, dtype=torch.int32)), mode
+        _, e = torch.frexp(y.float().double())
+        assert ((r - y.float().double()).abs() <= units * torch.ldexp(torch.ones_like(y), e - 11)).all(), mode
+    with pytest.raises(ValueError, match="tf32"):
+        Rounding(torch.bfloat16, tf32="rne")
+
+
+@pytest.mark.parametrize("n", [64, 22, 1])
+def test_block_solve_model_without_rounding_is_the_inverse(n, gen):
+    """solve_unit_lower_blocks (the forward kernel's block-Neumann solve, chunk.BC blocks) without
+    operand rounding equals the triangular inverse; with tf32 operands it moves T by tf32-sized
+    amounts (relative ~1e-4, not 0)."""
+    assert SOLVE_BLOCK == chunk_fwd_module.BC
+    A = (0.1 * torch.randn(2, n, n, generator=gen, dtype=torch.float64)).tril(-1)
+    eye = torch.eye(n, dtype=torch.float64)
+    exact = torch.linalg.solve_triangular(eye + A, eye.expand_as(A), upper=False, unitriangular=True)
+    torch.testing.assert_close(solve_unit_lower_blocks(A, SOLVE_BLOCK, None), exact, rtol=1e-12, atol=1e-12)
+    if n > SOLVE_BLOCK:
+        rel = float((solve_unit_lower_blocks(A, SOLVE_BLOCK, "rz") - exact).norm() / exact.norm())
+        assert 1e-6 < rel < 2e-3, rel
 
 
 def test_each_kernel_from_reference_inputs(gen):
