@@ -866,7 +866,8 @@ def test_variants_and_tune_spaces_compile_for_sm90():
 
 def _magnitudes_by_loops(q, k, v, do, causal):
     """attention_magnitudes written element by element (float64, tiny shapes): the rss of each
-    output's terms, dS's terms counted as P (|dO . v_j| + |delta|)."""
+    output's terms, dS's terms counted as P (max(|dO . v_j|, rss) + max(|delta|, rss)): each dot's
+    value or, where it cancels, the rss of its own terms."""
     B, Sq, H, D = q.shape
     Sk, Hkv = k.shape[1], k.shape[2]
     g, sc = H // Hkv, D**-0.5
@@ -883,8 +884,10 @@ def _magnitudes_by_loops(q, k, v, do, causal):
                 p = torch.softmax(s, 0)
                 o = sum(pj * v[b, j, hk] for pj, j in zip(p, seen))
                 delta = do[b, i, h] @ o
+                delta_m = max(delta.abs(), ((do[b, i, h] * o) ** 2).sum().sqrt())
                 for pj, j in zip(p, seen):
-                    ds = pj * ((do[b, i, h] @ v[b, j, hk]).abs() + delta.abs())
+                    dp = do[b, i, h] @ v[b, j, hk]
+                    ds = pj * (max(dp.abs(), ((do[b, i, h] * v[b, j, hk]) ** 2).sum().sqrt()) + delta_m)
                     o_m[b, i, h] += (pj * v[b, j, hk]) ** 2
                     dq_m[b, i, h] += (sc * ds * k[b, j, hk]) ** 2
                     dk_m[b, j, hk] += (sc * ds * q[b, i, h]) ** 2
@@ -903,6 +906,32 @@ def test_magnitudes_equal_the_elementwise_definition(causal, gen):
         want = _magnitudes_by_loops(q, k, v, do, causal)
         for name in ("o", "dq", "dk", "dv"):
             torch.testing.assert_close(got[name], want[name], rtol=1e-12, atol=1e-14, msg=name)
+
+
+def test_magnitudes_of_a_row_whose_dots_cancel_scale_with_their_terms(device, gen):
+    """Causal row 0 sees one key: P = 1, o = v_0, dP = delta = dO . v_0 and dq = 0 exactly; with dO
+    orthogonal to v_0 both dots also cancel to ~0. Their fp32 sums still round (in different orders),
+    so dq's error scale is scale (rss(dO v_0) + rss(dO o)) |k_0| (the H100 real tier failed 1 run in 3
+    on such rows while the scale counted the dots' values). The kernel's fp32 gradients pass under it."""
+    q, k, v = _qkv(1, 5, 5, 2, 1, 64, torch.float32, gen)
+    do = torch.randn(q.shape, generator=gen, dtype=torch.float64)
+    v0 = v[0, 0, 0].double()
+    do[0, 0] -= (do[0, 0] @ v0)[:, None] * v0 / (v0 @ v0)  # both heads' dO orthogonal to v_0
+    do = do.float().double()
+    mags = attn.attention_magnitudes(q.double(), k.double(), v.double(), do, True)
+    rss = (do[0, 0] * v0).square().sum(-1).sqrt()  # [H]
+    want = 64**-0.5 * 2 * rss[:, None] * k[0, 0, 0].double().abs()
+    torch.testing.assert_close(mags["dq"][0, 0], want, rtol=1e-6, atol=0)
+    assert (do[0, 0] @ v0).abs().max() < 1e-4 * rss.min()  # the value alone would ask for ~exact zeros
+    leaves = [_leaf(t.to(device)) for t in (q, k, v)]
+    with poisoned():
+        o = flash_attn_func(*leaves, causal=True)
+        grads = torch.autograd.grad(o, leaves, do.float().to(device))
+    r64 = [t.double().requires_grad_(True) for t in (q, k, v)]
+    ref = torch.autograd.grad(attention_ref(*r64, causal=True)["o"], r64, do)
+    for name, r, g in zip(("dq", "dk", "dv"), ref, grads):
+        res = compare(name, r, g, dtype=torch.float32, scale=mags[name], verbose=False)
+        assert res.ok, res.line()
 
 
 def test_magnitudes_chunked_equal_whole(gen):

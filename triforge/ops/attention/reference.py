@@ -60,7 +60,13 @@ def attention_magnitudes(q, k, v, do=None, causal: bool = False, softmax_scale: 
     ~sqrt(n) times the rss: it would hide real errors in long rows).
 
         o:  sqrt(P^2 V^2)                         (P the softmax probabilities)
-        dS: P (|dO V^T| + |delta|)                (dS = P (dO V^T - delta), delta = rowsum(dO o): both terms)
+        dS: P (max(|dP|, sqrt(dO^2 (V^2)^T)) + max(|delta|, sqrt(rowsum(dO^2 o^2))))
+                                                  (dS = P (dP - delta), dP = dO V^T, delta = rowsum(dO o):
+                                                  each dot's value, or the rss of its own terms where
+                                                  it cancels below them - its rounding error does not
+                                                  cancel: a row that sees one key has dP = delta and
+                                                  dq = 0 in exact arithmetic, and their fp32 sums
+                                                  round apart)
         dq: scale sqrt(dS^2 K^2),  dk: scale sqrt(dS^2^T Q^2),  dv: sqrt(P^2^T dO^2)
                                                   (dk, dv: the sum over each GQA group under the root)
 
@@ -89,7 +95,10 @@ def attention_magnitudes(q, k, v, do=None, causal: bool = False, softmax_scale: 
         return out
     o = torch.einsum("bhqk,bkhd->bqhd", p, ve)
     delta = (do * o).sum(-1).transpose(1, 2)[..., None]  # [B, H, Sq, 1]
-    ds2 = (p * (torch.einsum("bqhd,bkhd->bhqk", do, ve).abs() + delta.abs())).square()
+    delta_rss = (do * o).square().sum(-1).sqrt().transpose(1, 2)[..., None]
+    dp = torch.einsum("bqhd,bkhd->bhqk", do, ve).abs()
+    dp_rss = torch.einsum("bqhd,bkhd->bhqk", do.square(), ve.square()).sqrt()
+    ds2 = (p * (torch.maximum(dp, dp_rss) + torch.maximum(delta.abs(), delta_rss))).square()
     out["dq"] = scale * torch.einsum("bhqk,bkhd->bqhd", ds2, ke.square()).sqrt()
     group = H // Hkv
     dk2 = torch.einsum("bhqk,bqhd->bkhd", ds2, q.square()).view(B, Sk, Hkv, group, D).sum(3)
