@@ -913,7 +913,7 @@ def test_magnitudes_of_a_row_whose_dots_cancel_scale_with_their_terms(device, ge
     orthogonal to v_0 both dots also cancel to ~0. Their fp32 sums still round (in different orders),
     so dq's error scale is scale (rss(dO v_0) + rss(dO o)) |k_0| (the H100 real tier failed 1 run in 3
     on such rows while the scale counted the dots' values). The kernel's fp32 gradients pass under it."""
-    q, k, v = _qkv(1, 5, 5, 2, 1, 64, torch.float32, gen)
+    q, k, v = (t.cpu() for t in _qkv(1, 5, 5, 2, 1, 64, torch.float32, gen))  # float64 side on the CPU
     do = torch.randn(q.shape, generator=gen, dtype=torch.float64)
     v0 = v[0, 0, 0].double()
     do[0, 0] -= (do[0, 0] @ v0)[:, None] * v0 / (v0 @ v0)  # both heads' dO orthogonal to v_0
