@@ -3,8 +3,7 @@ step (Qwen2.5-0.5B-sized, 24 layers, bf16, random weights; batch 1, 16-token pro
 issue's benchmark, so the cache holds 512 rows and the split heuristic gives 2 splits).
 
 A variant sets engine attributes and launch configs:
-- pre:        the multi-K-step GEMV (down_proj, K = 4864): 1 loads its first weight step before griddepcontrol.wait,
-              2 every step's (up to 4), 0 none
+- pre:        the multi-K-step GEMV (down_proj, K = 4864) loads its first weight step before griddepcontrol.wait
 - splits:     forced KV splits (0: the heuristic; 1: the split kernel writes o and lse itself, no merge launch)
 - cfg:        launch configs patched in: {kernel: {key: config}}
 
@@ -82,11 +81,12 @@ def main():
         engine._num_splits = v.get("splits", 0)
 
     variants = [
-        ("pre", {}),
-        ("pre all", {"pre": 2}),
         ("no pre", {"pre": 0}),
+        ("pre", {}),
+        ("pre, splits 1", {"splits": 1}),
+        ("pre, splits 4", {"splits": 4}),
+        ("no pre again", {"pre": 0}),
         ("pre again", {}),
-        ("pre all again", {"pre": 2}),
     ]
     rows, ref, best = [], None, (0.0, None)
     for name, v in variants:
@@ -101,10 +101,10 @@ def main():
             best = (tps, v)
     print(f"best variant: {best[1]} {best[0]:.1f} tokens/s")
     if not args.no_sweep:
-        # down_proj's configs under the best variant's PRE (2048-wide K steps: 3, which PRE 2 loads at once)
-        sweeps = [(("gemv", key), {"BLOCK_N": n, "BLOCK_K": 2048, "num_warps": w, "num_stages": 2,
-                                   "PRE": int(best[1].get("pre", 1))})
-                  for n, w in ((1, 4), (1, 8), (2, 4), (4, 4), (4, 8))]
+        sweeps = [(("flash_decode_split", sp_key), {"BLOCK_N": n, "num_warps": 4, "num_stages": st,
+                                                    "programs_per_sm": 3, "min_blocks_per_split": mb})
+                   for n, st, mb in ((128, 3, 1), (64, 3, 1), (64, 2, 2), (32, 2, 1), (32, 3, 2), (32, 2, 2),
+                                     (16, 2, 1), (16, 2, 2))]
         for (kernel, k), cfg in sweeps:
             setup(best[1], {(kernel, k): cfg})
             try:

@@ -254,26 +254,19 @@ for dtype in (torch.bfloat16, torch.float32):
             cfg = G._config("plain", M, N, K, dtype)
             ptrs = {n: "*" + t for n in ("x_ptr", "w_ptr", "b_ptr", "r_ptr", "nw_ptr", "y_ptr", "xn_ptr")}
             consts = dict(BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], HAS_BIAS=False, HAS_RESIDUAL=N == C,
-                          NORM=N == V, STORE_XN=False, ONE=G._one(cfg, K), PDL=M == 1, PRE=G._pre(cfg),
-                          NSTEPS=G._nsteps(cfg, K), **fl)
+                          NORM=N == V, STORE_XN=False, ONE=G._one(cfg, K), PDL=M == 1, PRE=G._pre(cfg), **fl)
             r = compile_(G.gemv_kernel, ptrs, consts, {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]})
             rows.append(dict(r, kernel=f"gemv N={N} K={K}", dtype=t, M=M, **fl))
-            if M == 1 and N == C and dtype == torch.bfloat16:  # down_proj with every K step's weights loaded first (cfg PRE 2)
-                cfg2 = dict(cfg, PRE=2)
-                assert G._nsteps(cfg2, K) > 0
-                r = compile_(G.gemv_kernel, ptrs, dict(consts, NSTEPS=G._nsteps(cfg2, K)),
-                             {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]})
-                rows.append(dict(r, kernel=f"gemv N={N} K={K} pre all", dtype=t, M=M, **fl))
         cfg = G._config("gate_up", M, 2 * I, C, dtype)
         ptrs = {n: "*" + t for n in ("x_ptr", "w_ptr", "nw_ptr", "y_ptr", "xn_ptr")}
-        consts = dict(BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], NORM=True, STORE_XN=False, ONE=G._one(cfg, C), PDL=M == 1, PRE=G._pre(cfg), NSTEPS=G._nsteps(cfg, C), **fl)
+        consts = dict(BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], NORM=True, STORE_XN=False, ONE=G._one(cfg, C), PDL=M == 1, PRE=G._pre(cfg), **fl)
         r = compile_(G.gemv_gate_up_kernel, ptrs, consts, {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]})
         rows.append(dict(r, kernel="gate_up", dtype=t, M=M, **fl))
         cfg = G._config("qkv", M, (Hq + 2 * Hkv) * D, C, dtype)
         ptrs = {n: "*" + t for n in ("x_ptr", "w_ptr", "b_ptr", "nw_ptr", "q_ptr", "kc_ptr", "vc_ptr", "qkv_ptr", "xn_ptr")}
         ptrs.update({"cos_ptr": "*fp32", "sin_ptr": "*fp32", "pos_ptr": "*i32"})
         consts = dict(HQ=Hq, HKV=Hkv, D=D, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], NORM=True, STORE_PRE=False,
-                      STORE_XN=False, ONE=G._one(cfg, C), PDL=M == 1, PRE=G._pre(cfg), NSTEPS=G._nsteps(cfg, C), **fl)
+                      STORE_XN=False, ONE=G._one(cfg, C), PDL=M == 1, PRE=G._pre(cfg), **fl)
         r = compile_(G.gemv_qkv_rope_kernel, ptrs, consts, {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]})
         rows.append(dict(r, kernel="qkv_rope", dtype=t, M=M, **fl))
 # the trace variants (debug stores of the normalised input and the pre-RoPE projections)
@@ -282,19 +275,19 @@ for M in (1, 8):
     cfg = G._config("plain", M, V, C, torch.bfloat16)
     ptrs = {n: "*bf16" for n in ("x_ptr", "w_ptr", "b_ptr", "r_ptr", "nw_ptr", "y_ptr", "xn_ptr")}
     consts = dict(BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], HAS_BIAS=True, HAS_RESIDUAL=True, NORM=True,
-                  STORE_XN=True, ONE=G._one(cfg, C), PDL=M == 1, PRE=G._pre(cfg), NSTEPS=G._nsteps(cfg, C), **fl)
+                  STORE_XN=True, ONE=G._one(cfg, C), PDL=M == 1, PRE=G._pre(cfg), **fl)
     rows.append(dict(compile_(G.gemv_kernel, ptrs, consts, {"num_warps": 4, "num_stages": 2}), kernel="gemv store",
                      dtype="bf16", M=M, **fl))
     cfg = G._config("gate_up", M, 2 * I, C, torch.bfloat16)
     ptrs = {n: "*bf16" for n in ("x_ptr", "w_ptr", "nw_ptr", "y_ptr", "xn_ptr")}
-    consts = dict(BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], NORM=True, STORE_XN=True, ONE=G._one(cfg, C), PDL=M == 1, PRE=G._pre(cfg), NSTEPS=G._nsteps(cfg, C), **fl)
+    consts = dict(BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], NORM=True, STORE_XN=True, ONE=G._one(cfg, C), PDL=M == 1, PRE=G._pre(cfg), **fl)
     rows.append(dict(compile_(G.gemv_gate_up_kernel, ptrs, consts, {"num_warps": 4, "num_stages": 2}),
                      kernel="gate_up store", dtype="bf16", M=M, **fl))
     cfg = G._config("qkv", M, (Hq + 2 * Hkv) * D, C, torch.bfloat16)
     ptrs = {n: "*bf16" for n in ("x_ptr", "w_ptr", "b_ptr", "nw_ptr", "q_ptr", "kc_ptr", "vc_ptr", "qkv_ptr", "xn_ptr")}
     ptrs.update({"cos_ptr": "*fp32", "sin_ptr": "*fp32", "pos_ptr": "*i32"})
     consts = dict(HQ=Hq, HKV=Hkv, D=D, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], NORM=True, STORE_PRE=True,
-                  STORE_XN=True, ONE=G._one(cfg, C), PDL=M == 1, PRE=G._pre(cfg), NSTEPS=G._nsteps(cfg, C), **fl)
+                  STORE_XN=True, ONE=G._one(cfg, C), PDL=M == 1, PRE=G._pre(cfg), **fl)
     rows.append(dict(compile_(G.gemv_qkv_rope_kernel, ptrs, consts, {"num_warps": 4, "num_stages": 2}),
                      kernel="qkv_rope store", dtype="bf16", M=M, **fl))
 print("RESULT" + json.dumps(rows))
@@ -320,8 +313,7 @@ def test_kernels_compile_for_sm90():
     out = subprocess.run([sys.executable, "-c", _SM90_COMPILE], capture_output=True, text=True, env=env, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = json.loads(out.stdout.split("RESULT", 1)[1])
-    assert len(rows) == 2 * 4 * 4 + 2 * 3 + 1  # + down_proj with all K steps loaded first (bf16, M = 1)
-    assert any(r["kernel"].endswith("pre all") for r in rows)
+    assert len(rows) == 2 * 4 * 4 + 2 * 3
     for r in rows:
         assert r["spills"] == 0, r
         if not r["USE_DOT"]:
@@ -361,35 +353,12 @@ def test_gpu_model_shapes(M, dtype, gen):
         _ok(name, ref[name], got[name], dtype)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-@pytest.mark.parametrize("K,BK", [(300, 128), (1000, 256), (64, 32), (130, 32)], ids=["3steps", "4steps", "2steps", "5steps"])
-def test_all_weight_steps_loaded_first_equal_the_loop(K, BK, dtype, gen):
-    """cfg PRE 2: every K step's weight tiles loaded before the products (2-4 steps; 5 steps falls
-    back to the loop): against the float64 reference (with the RMSNorm prologue and the residual, and
-    gate/up's two row sets), and bit for bit the loop's sums."""
-    cfg = {"BLOCK_N": 2, "BLOCK_K": BK, "num_warps": 4, "num_stages": 1}
-    assert G._nsteps(dict(cfg, PRE=2), K) == (-(-K // BK) if K <= 4 * BK else 0)
-    x, r = _rand(gen, 2, K, dtype=dtype), _rand(gen, 2, 7, dtype=dtype)
-    w, nw = _rand(gen, 7, K, dtype=dtype, scale=K ** -0.5), (1 + _rand(gen, K, scale=0.2)).to(dtype)
-    w2 = _rand(gen, 10, K, dtype=dtype, scale=K ** -0.5)
-    with poisoned():
-        y, _ = G.gemv_launch(x, w, residual=r, norm_weight=nw, cfg=dict(cfg, PRE=2))
-        y_loop, _ = G.gemv_launch(x, w, residual=r, norm_weight=nw, cfg=dict(cfg, PRE=0))
-        g, _ = G.gemv_gate_up_launch(x, w2, nw, cfg=dict(cfg, PRE=2))
-        g_loop, _ = G.gemv_gate_up_launch(x, w2, nw, cfg=dict(cfg, PRE=0))
-    d = lambda t: t.double()  # noqa: E731
-    _ok("gemv", G.gemv_ref(d(x), d(w), residual=d(r), norm_weight=d(nw), dtype=dtype)["y"], y, dtype)
-    _ok("gate_up", G.gemv_gate_up_ref(d(x), d(w2), d(nw), dtype=dtype)["y"], g, dtype)
-    assert torch.equal(y, y_loop) and torch.equal(g, g_loop)
-
-
 @pytest.mark.gpu
-@pytest.mark.parametrize("pre", [1, 0, 2], ids=["pre", "no_pre", "pre_all"])
+@pytest.mark.parametrize("pre", [1, 0], ids=["pre", "no_pre"])
 def test_gpu_pdl_multi_step_first_weights_before_wait(pre, gen):
     """down_proj's shape (K = 4864 in 2048-wide steps) launched as a programmatic dependent, with the
-    first K step's weights loaded before griddepcontrol.wait (PRE 1), all three steps' (PRE 2) and
-    none: against the float64 reference, and equal to the plain launch bit for bit (the same products
-    in the same order)."""
+    first K step's weights loaded before griddepcontrol.wait (PRE) and without: both against the
+    float64 reference, and equal to each other bit for bit (the same products in the same order)."""
     C, I, dtype = 896, 4864, torch.bfloat16
     x = _rand(gen, 1, I, dtype=dtype)
     w = _rand(gen, C, I, dtype=dtype, scale=I ** -0.5)

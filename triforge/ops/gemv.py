@@ -175,30 +175,6 @@ def _product(b_x, b_w, acc, DT: tl.constexpr, USE_DOT: tl.constexpr, IEEE: tl.co
 
 
 @triton.jit
-def _w_step(w_ptr, o_wa, o_wb, k0, K, m_n, o_k0, TWO: tl.constexpr):
-    """The weight tiles of the K step at column k0 (the second row set when TWO)."""
-    o_k = k0 + o_k0
-    m_w = m_n[:, None] & (o_k < K)[None, :]
-    b_wa = tl.load(w_ptr + o_wa + o_k[None, :], mask=m_w, other=0.0)
-    b_wb = b_wa
-    if TWO:
-        b_wb = tl.load(w_ptr + o_wb + o_k[None, :], mask=m_w, other=0.0)
-    return b_wa, b_wb
-
-
-@triton.jit
-def _x_step(x_ptr, xn_ptr, nw_ptr, write_xn, o_xm, o_k, m_m, K, b_rstd, b_wa, b_wb, acc_a, acc_b, DT: tl.constexpr,
-            NORM: tl.constexpr, STORE_XN: tl.constexpr, RNE: tl.constexpr, TWO: tl.constexpr, USE_DOT: tl.constexpr,
-            IEEE: tl.constexpr):
-    """One K step's products on weight tiles loaded earlier: the x chunk at columns o_k (normed when NORM)."""
-    b_x = _x_chunk(x_ptr, xn_ptr, nw_ptr, write_xn, o_xm, o_k, m_m, K, b_rstd, DT, NORM, STORE_XN, RNE)
-    acc_a = _product(b_x, b_wa, acc_a, DT, USE_DOT, IEEE)
-    if TWO:
-        acc_b = _product(b_x, b_wb, acc_b, DT, USE_DOT, IEEE)
-    return acc_a, acc_b
-
-
-@triton.jit
 def _gemv_tiles(
     x_ptr,  # [M, K] activations
     w_ptr,  # [N_total, K] weight, row-major (K contiguous)
@@ -224,7 +200,6 @@ def _gemv_tiles(
     ONE: tl.constexpr,  # K <= BLOCK_K: one K step
     PDL: tl.constexpr,  # launched as a programmatic dependent: wait for the previous kernel before reading x
     PRE: tl.constexpr,  # PDL, several K steps: the first step's weight tiles are loaded before the wait
-    NSTEPS: tl.constexpr,  # > 0 (several K steps, <= 4): all NSTEPS steps' weight tiles loaded first (before the wait)
 ):
     """(acc_a, acc_b) [BLOCK_M, BLOCK_N] fp32: x (RMSNorm-ed when NORM) times rows o_na (and o_nb) of W.
     ONE: the weight tiles are loaded first, then x once (its sum of squares, norm and product from the
@@ -232,8 +207,7 @@ def _gemv_tiles(
     instead of following them (a decode GEMV's program is one or two such latencies long).
     PDL: nothing but weights is read (and nothing written) before griddepcontrol.wait, so under
     programmatic dependent launch the kernel starts, and fetches its weights, while its predecessor
-    drains. NSTEPS: every K step's weight tiles are requested before anything else (up to 4 steps),
-    then the products run in the loop's order (the same sums as the loop's)."""
+    drains."""
     DT = w_ptr.dtype.element_ty
     m_m = o_m < M
     o_k0 = tl.arange(0, BLOCK_K)
@@ -268,17 +242,8 @@ def _gemv_tiles(
             acc_b = _product(b_x, b_wb, acc_b, DT, USE_DOT, IEEE)
     else:
         k_first = 0
-        if NSTEPS > 0:  # every step's weight tiles in flight at once (and while the previous kernel drains)
-            w0a, w0b = _w_step(w_ptr, o_wa, o_wb, 0, K, m_n, o_k0, TWO)
-            w1a, w1b, w2a, w2b, w3a, w3b = w0a, w0b, w0a, w0b, w0a, w0b
-            if NSTEPS > 1:
-                w1a, w1b = _w_step(w_ptr, o_wa, o_wb, BLOCK_K, K, m_n, o_k0, TWO)
-            if NSTEPS > 2:
-                w2a, w2b = _w_step(w_ptr, o_wa, o_wb, 2 * BLOCK_K, K, m_n, o_k0, TWO)
-            if NSTEPS > 3:
-                w3a, w3b = _w_step(w_ptr, o_wa, o_wb, 3 * BLOCK_K, K, m_n, o_k0, TWO)
         if PDL:
-            if PRE and NSTEPS == 0:  # the first K step's weight tiles are in flight while the previous kernel drains
+            if PRE:  # the first K step's weight tiles are in flight while the previous kernel drains
                 m_w0 = m_n[:, None] & (o_k0 < K)[None, :]
                 f_wa = tl.load(w_ptr + o_wa + o_k0[None, :], mask=m_w0, other=0.0)
                 f_wb = f_wa
@@ -296,20 +261,7 @@ def _gemv_tiles(
                 b_x = b_x.to(tl.float32)
                 b_ss += tl.sum(b_x * b_x, axis=1)
             b_rstd = tl.rsqrt(b_ss / K + eps)
-        if NSTEPS > 0:
-            acc_a, acc_b = _x_step(x_ptr, xn_ptr, nw_ptr, write_xn, o_xm, o_k0, m_m, K, b_rstd, w0a, w0b, acc_a, acc_b,
-                                   DT, NORM, STORE_XN, RNE, TWO, USE_DOT, IEEE)
-            if NSTEPS > 1:
-                acc_a, acc_b = _x_step(x_ptr, xn_ptr, nw_ptr, write_xn, o_xm, BLOCK_K + o_k0, m_m, K, b_rstd, w1a, w1b,
-                                       acc_a, acc_b, DT, NORM, STORE_XN, RNE, TWO, USE_DOT, IEEE)
-            if NSTEPS > 2:
-                acc_a, acc_b = _x_step(x_ptr, xn_ptr, nw_ptr, write_xn, o_xm, 2 * BLOCK_K + o_k0, m_m, K, b_rstd, w2a,
-                                       w2b, acc_a, acc_b, DT, NORM, STORE_XN, RNE, TWO, USE_DOT, IEEE)
-            if NSTEPS > 3:
-                acc_a, acc_b = _x_step(x_ptr, xn_ptr, nw_ptr, write_xn, o_xm, 3 * BLOCK_K + o_k0, m_m, K, b_rstd, w3a,
-                                       w3b, acc_a, acc_b, DT, NORM, STORE_XN, RNE, TWO, USE_DOT, IEEE)
-            k_first = NSTEPS * BLOCK_K  # the loop below runs no step
-        elif PDL:
+        if PDL:
             if PRE:  # the peeled first K step, on the prefetched tiles
                 b_x = _x_chunk(x_ptr, xn_ptr, nw_ptr, write_xn, o_xm, o_k0, m_m, K, b_rstd, DT, NORM, STORE_XN, RNE)
                 acc_a = _product(b_x, f_wa, acc_a, DT, USE_DOT, IEEE)
@@ -356,7 +308,6 @@ def gemv_kernel(
     ONE: tl.constexpr,
     PDL: tl.constexpr,
     PRE: tl.constexpr,
-    NSTEPS: tl.constexpr,
 ):
     i_n = tl.program_id(0)
     i_m = tl.program_id(1)
@@ -367,7 +318,7 @@ def gemv_kernel(
     m_n = o_n < N
     acc, _ = _gemv_tiles(
         x_ptr, w_ptr, nw_ptr, xn_ptr, i_n == 0, M, K, eps, o_m, o_n, o_n, m_n,
-        BLOCK_M, BLOCK_N, BLOCK_K, NORM, False, STORE_XN, USE_DOT, IEEE, RNE, ONE, PDL, PRE, NSTEPS,
+        BLOCK_M, BLOCK_N, BLOCK_K, NORM, False, STORE_XN, USE_DOT, IEEE, RNE, ONE, PDL, PRE,
     )
     if HAS_BIAS:
         acc += tl.load(b_ptr + o_n, mask=m_n, other=0.0).to(tl.float32)[None, :]
@@ -415,7 +366,6 @@ def gemv_qkv_rope_kernel(
     ONE: tl.constexpr,
     PDL: tl.constexpr,
     PRE: tl.constexpr,
-    NSTEPS: tl.constexpr,
 ):
     HALF: tl.constexpr = D // 2
     NH: tl.constexpr = HQ + 2 * HKV
@@ -433,7 +383,7 @@ def gemv_qkv_rope_kernel(
     m_m = o_m < M
     acc_a, acc_b = _gemv_tiles(
         x_ptr, w_ptr, nw_ptr, xn_ptr, i_n == 0, M, C, eps, o_m, o_na, o_nb, m_r,
-        BLOCK_M, BLOCK_N, BLOCK_K, NORM, True, STORE_XN, USE_DOT, IEEE, RNE, ONE, PDL, PRE, NSTEPS,
+        BLOCK_M, BLOCK_N, BLOCK_K, NORM, True, STORE_XN, USE_DOT, IEEE, RNE, ONE, PDL, PRE,
     )
     # bias in fp32, one rounding: the projection as the eager model stores it
     b_xa = acc_a + tl.load(b_ptr + o_na, mask=m_r, other=0.0).to(tl.float32)[None, :]
@@ -497,7 +447,6 @@ def gemv_gate_up_kernel(
     ONE: tl.constexpr,
     PDL: tl.constexpr,
     PRE: tl.constexpr,
-    NSTEPS: tl.constexpr,
 ):
     DT = w_ptr.dtype.element_ty
     i_n = tl.program_id(0)
@@ -508,7 +457,7 @@ def gemv_gate_up_kernel(
     m_m = o_m < M
     acc_g, acc_u = _gemv_tiles(
         x_ptr, w_ptr, nw_ptr, xn_ptr, i_n == 0, M, C, eps, o_m, o_n, o_n + I, m_n,
-        BLOCK_M, BLOCK_N, BLOCK_K, NORM, True, STORE_XN, USE_DOT, IEEE, RNE, ONE, PDL, PRE, NSTEPS,
+        BLOCK_M, BLOCK_N, BLOCK_K, NORM, True, STORE_XN, USE_DOT, IEEE, RNE, ONE, PDL, PRE,
     )
     b_g = _rne_bf16(acc_g) if RNE else acc_g.to(DT).to(tl.float32)
     b_u = _rne_bf16(acc_u) if RNE else acc_u.to(DT).to(tl.float32)
@@ -599,18 +548,6 @@ def _pre(cfg):
     return bool(cfg.get("PRE", 1))
 
 
-MAX_PRELOAD_STEPS = 4
-
-
-def _nsteps(cfg, K):
-    """cfg "PRE": 2 with several K steps (at most MAX_PRELOAD_STEPS): every step's weight tiles are
-    loaded first (before the wait under PDL); the kernel's NSTEPS, else 0."""
-    steps = triton.cdiv(K, cfg["BLOCK_K"])
-    if cfg.get("PRE", 1) == 2 and not _one(cfg, K) and steps <= MAX_PRELOAD_STEPS:
-        return steps
-    return 0
-
-
 def gemv_launch(x, weight, bias=None, residual=None, norm_weight=None, eps=1e-6, store_xn=False, cfg=None,
                 pdl=False):
     """x [M, K], weight [N, K], all contiguous. Returns (y [M, N], xn [M, K] or None). pdl: launch as a
@@ -633,7 +570,7 @@ def gemv_launch(x, weight, bias=None, residual=None, norm_weight=None, eps=1e-6,
         nbytes=nbytes,
         BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], HAS_BIAS=bias is not None,
         HAS_RESIDUAL=residual is not None, NORM=norm_weight is not None, STORE_XN=store_xn, ONE=_one(cfg, K),
-        PRE=_pre(cfg), NSTEPS=_nsteps(cfg, K),
+        PRE=_pre(cfg),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **flags, **launch.pdl_options(pdl),
     )
     return y, xn
@@ -663,7 +600,7 @@ def gemv_qkv_rope_launch(x, weight, bias, cos, sin, positions, k_cache, v_cache,
         M, C, float(eps),
         nbytes=nbytes,
         HQ=num_heads, HKV=num_kv_heads, D=D, BLOCK_N=bn, BLOCK_K=cfg["BLOCK_K"], NORM=norm_weight is not None,
-        STORE_PRE=store_pre, STORE_XN=store_xn, ONE=_one(cfg, C), PRE=_pre(cfg), NSTEPS=_nsteps(cfg, C), num_warps=cfg["num_warps"],
+        STORE_PRE=store_pre, STORE_XN=store_xn, ONE=_one(cfg, C), PRE=_pre(cfg), num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"], **flags, **launch.pdl_options(pdl),
     )
     return q, qkv, xn
@@ -686,7 +623,7 @@ def gemv_gate_up_launch(x, weight, norm_weight=None, eps=1e-6, store_xn=False, c
         M, inter, C, float(eps),
         nbytes=nbytes,
         BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], NORM=norm_weight is not None, STORE_XN=store_xn,
-        ONE=_one(cfg, C), PRE=_pre(cfg), NSTEPS=_nsteps(cfg, C), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **flags,
+        ONE=_one(cfg, C), PRE=_pre(cfg), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **flags,
         **launch.pdl_options(pdl),
     )
     return y, xn
