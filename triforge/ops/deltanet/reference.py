@@ -118,7 +118,6 @@ class Rounding:
     to fp32: the size of the perturbation the kernels' products make (the fp32 real-shape check of the
     Triton backward failed 8 of 67M dk elements on the H100 under fp32-sized draws).
 
-
     16-bit inputs, compiled: ``tf32`` ("rna" or "rz") also rounds the operands of the forward's fp32
     products - k k^T of the fp32 unit rows and the triangular solve's block products - to tf32 (10
     explicit mantissa bits), as input_precision "tf32" does on tensor cores; the CPU interpreter
@@ -151,7 +150,7 @@ class Rounding:
         return f"Rounding({self.dtype}, seed={self.seed}, tf32={self.tf32!r})"
 
 
-def tf32_round(x: torch.Tensor, mode: str) -> torch.Tensor:
+def tf32_round(x: torch.Tensor, mode: str | None) -> torch.Tensor:
     """x rounded to fp32, then to tf32 (10 explicit mantissa bits): "rna" to nearest, ties away from
     zero (cvt.rna.tf32.f32), "rz" toward zero (the low 13 bits dropped); None: x unchanged.
     Returned in x's dtype."""
@@ -165,7 +164,7 @@ def tf32_round(x: torch.Tensor, mode: str) -> torch.Tensor:
     return bits.to(torch.int32).view(torch.float32).to(x.dtype)
 
 
-def solve_unit_lower_blocks(A: torch.Tensor, block: int, mode: str) -> torch.Tensor:
+def solve_unit_lower_blocks(A: torch.Tensor, block: int, mode: str | None) -> torch.Tensor:
     """(I + A)^-1 for strictly lower [..., n, n] A as the forward kernel forms it (chunk.py,
     ``_solve_unit_lower``), its products' operands rounded to tf32 (``mode``): the diagonal blocks D
     inverted exactly (the kernel substitutes on CUDA cores in fp32), Td = (I + D)^-1, E = A - D,
@@ -310,13 +309,12 @@ def chunk_ref_stages(
             gam = gc.cumsum(-1)
             incl = torch.ones(c, c, dtype=torch.bool, device=v.device).tril()
             dec = (gam[..., :, None] - gam[..., None, :]).masked_fill(~incl, float("-inf")).exp()
-            eye = torch.eye(c, dtype=dtype, device=v.device)
-            if tf32:  # the kernels' fp32-operand products on tensor cores (Rounding.tf32)
-                kat = tf32_round(kac, tf32)
-                Ac = (bc[..., None] * (kat @ kat.transpose(-1, -2)) * dec).tril(-1)
+            kat = tf32_round(kac, tf32)  # the kernels' fp32-operand products on tensor cores (Rounding.tf32)
+            Ac = (bc[..., None] * (kat @ kat.transpose(-1, -2)) * dec).tril(-1)
+            if tf32:
                 Tc = solve_unit_lower_blocks(Ac, SOLVE_BLOCK, tf32)
             else:
-                Ac = (bc[..., None] * (kac @ kac.transpose(-1, -2)) * dec).tril(-1)
+                eye = torch.eye(c, dtype=dtype, device=v.device)
                 Tc = torch.linalg.solve_triangular(eye + Ac, eye.expand_as(Ac), upper=False, unitriangular=True)
             Tr = _store(Tc, store_dtype)  # the operands of w's and u's products
             wc = _store(Tr @ _store((bc * gam.exp())[..., None] * kc, store_dtype), store_dtype)
