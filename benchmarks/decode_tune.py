@@ -35,6 +35,19 @@ TARGETS = {  # role: (kernel, kind, N, K)
 }
 
 
+def stream_candidates(role):
+    """The persistent streaming kernel (cfg PPS: programs per SM): balanced row-block ranges, next tiles
+    prefetched. gate_up: one K step (C = 896 in a 1024-wide tile); down: K = 4864 in 1024/2048-wide steps."""
+    if role == "gate_up":
+        return [{"BLOCK_N": n, "BLOCK_K": 1024, "num_warps": w, "num_stages": 1, "PPS": p}
+                for n, p, w in itertools.product((1, 2, 4), (2, 4, 8), (2, 4))]
+    if role == "down":
+        return [{"BLOCK_N": n, "BLOCK_K": k, "num_warps": w, "num_stages": 1, "PPS": p}
+                for n, k, p, w in itertools.product((1, 2), (1024, 2048), (2, 4, 8), (4, 8))]
+    return [{"BLOCK_N": n, "BLOCK_K": 1024, "num_warps": 4, "num_stages": 1, "PPS": p}
+            for n, p in itertools.product((1, 2), (1, 2, 4))]
+
+
 def candidates(role):
     # fewer warps per program: more programs resident per SM (gate_up's 2432 two-row programs are 1.15
     # waves at 4 warps, one at 2)
@@ -71,6 +84,8 @@ def main():
     p.add_argument("--new", type=int, default=128)
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--roles", default="gate_up,down,qkv,o_proj")
+    p.add_argument("--stream", action="store_true", help="the persistent streaming kernel's candidates (gate_up, "
+                   "down, o_proj) instead of the one-shot kernels'")
     args = p.parse_args()
     _runtime.require_gpu("benchmarks/decode_tune.py")
     model = build_model(24, 0)
@@ -93,7 +108,7 @@ def main():
         key = G._config_key(1, N, K, torch.bfloat16)
         current = G._config(kind, 1, N, K, torch.bfloat16)
         best = (tps0, current)
-        for cfg in candidates(role):
+        for cfg in (stream_candidates(role) if args.stream else candidates(role)):
             table.setdefault(kernel, {})[key] = cfg
             try:
                 out, tps = run()

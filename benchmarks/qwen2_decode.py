@@ -46,11 +46,11 @@ KERNEL_ROLES = (  # one decode step, per layer, in launch order
     ("gemv_qkv_rope_kernel", "qkv_rope (norm + QKV + bias + RoPE + cache write)"),
     ("flash_decode_split_kernel", "attention split (flash-decoding)"),
     ("flash_decode_merge_kernel", "attention merge"),
-    ("gemv_kernel", "o_proj + residual"),
-    ("gemv_gate_up_kernel", "gate_up + SwiGLU (norm prologue)"),
-    ("gemv_kernel", "down_proj + residual"),
-)
-LM_HEAD = ("gemv_kernel", "lm_head (final norm prologue)")
+    (("gemv_kernel", "gemv_stream_kernel"), "o_proj + residual"),
+    (("gemv_gate_up_kernel", "gemv_stream_kernel"), "gate_up + SwiGLU (norm prologue)"),
+    (("gemv_kernel", "gemv_stream_kernel"), "down_proj + residual"),
+)  # (a kernel name prefix, or a tuple of them: a GEMV's config may pick the persistent streaming kernel)
+LM_HEAD = (("gemv_kernel", "gemv_stream_kernel"), "lm_head (final norm prologue)")
 
 
 def build_model(layers: int, seed: int):

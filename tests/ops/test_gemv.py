@@ -164,6 +164,68 @@ def test_norm_prologue_step_paths(bk, one, M, dtype, gen):
     _ok("qkv k_cache", ref["k_cache"], kc, dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+@pytest.mark.parametrize("M", [1, 2])
+@pytest.mark.parametrize("bn,bk,pps", [(4, 32, 2), (1, 256, 64), (2, 256, 1), (8, 64, 3)],
+                         ids=["multi-step-uneven", "one-step-one-unit-each", "one-step-uneven", "multi-step-partial"])
+def test_stream_kernel(bn, bk, pps, M, dtype, gen):
+    """The persistent streaming kernel (cfg PPS): programs walk balanced ranges of row blocks with the next
+    tiles prefetched. Ranges of unequal length (units not a multiple of the grid), units that end past N,
+    K in one step and in several with a partial last step, the norm prologue with xn written by program 0,
+    and bias + residual or the SwiGLU epilogue: against the rounded float64 references, and (interpreter)
+    bit for bit equal to the one-shot kernels with the same tiles."""
+    N, K, inter, C = 77, 200, 45, 200
+    cfg = {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": 4, "num_stages": 1, "PPS": pps}
+    assert G._stream(cfg, G._flags(dtype, M))
+    d = lambda t: t.double()  # noqa: E731
+    x, nw = _rand(gen, M, K, dtype=dtype), (1 + _rand(gen, K, scale=0.2)).to(dtype)
+    w, b, r = _rand(gen, N, K, dtype=dtype, scale=K ** -0.5), _rand(gen, N, dtype=dtype), _rand(gen, M, N, dtype=dtype)
+    with poisoned():
+        y, xn = G.gemv_launch(x, w, b, r, nw, 1e-6, store_xn=True, cfg=cfg)
+        y_one, _ = G.gemv_launch(x, w, b, r, nw, 1e-6, cfg=dict(cfg, PPS=0))
+    ref = G.gemv_ref(d(x), d(w), d(b), d(r), d(nw), 1e-6, dtype=dtype)
+    _ok("stream gemv xn", ref["xn"], xn, dtype)
+    _ok("stream gemv y", ref["y"], y, dtype)
+    _ok("stream gemv y vs float64", G.gemv_ref(d(x), d(w), d(b), d(r), d(nw), 1e-6)["y"], y, dtype)
+    with poisoned():
+        y_plain, _ = G.gemv_launch(x, w, residual=r, cfg=cfg)
+    _ok("stream gemv (residual only)", G.gemv_ref(d(x), d(w), residual=d(r), dtype=dtype)["y"], y_plain, dtype)
+    x = _rand(gen, M, C, dtype=dtype)
+    wg = _rand(gen, 2 * inter, C, dtype=dtype, scale=2 * C ** -0.5)
+    with poisoned():
+        g, gxn = G.gemv_gate_up_launch(x, wg, nw, 1e-6, store_xn=True, cfg=cfg)
+        g_one, _ = G.gemv_gate_up_launch(x, wg, nw, 1e-6, cfg=dict(cfg, PPS=0))
+        g_nonorm, _ = G.gemv_gate_up_launch(x, wg, cfg=cfg)
+    ref = G.gemv_gate_up_ref(d(x), d(wg), d(nw), 1e-6, dtype=dtype)
+    _ok("stream gate_up xn", ref["xn"], gxn, dtype)
+    _ok("stream gate_up y", ref["y"], g, dtype)
+    _ok("stream gate_up (no norm)", G.gemv_gate_up_ref(d(x), d(wg), dtype=dtype)["y"], g_nonorm, dtype)
+    if _runtime.INTERPRET:
+        assert torch.equal(y, y_one) and torch.equal(g, g_one)
+
+
+def test_stream_partition_covers_every_unit_once():
+    """The grid's balanced ranges [p U / P, (p + 1) U / P) tile [0, U) with lengths differing by at most one,
+    for every grid size the launcher can pick (P <= U)."""
+    for units in (1, 2, 7, 77, 2432):
+        for n_prog in sorted({min(units, p) for p in (1, 2, 3, 132, 528)} | {units}):
+            bounds = [(p * units // n_prog, (p + 1) * units // n_prog) for p in range(n_prog)]
+            assert bounds[0][0] == 0 and bounds[-1][1] == units
+            assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+            lens = [b - a for a, b in bounds]
+            assert min(lens) >= 1 and max(lens) - min(lens) <= 1
+
+
+def test_stream_config_is_ignored_on_the_dot_path(gen):
+    """PPS applies to the FMA path only (M <= 2); M = 3 takes the tensor-core kernel and is still right."""
+    cfg = {"BLOCK_N": 16, "BLOCK_K": 64, "num_warps": 4, "num_stages": 1, "PPS": 2}
+    assert not G._stream(cfg, G._flags(torch.float32, 3))
+    x, w, r = _rand(gen, 3, 100), _rand(gen, 40, 100, scale=0.1), _rand(gen, 3, 40)
+    with poisoned():
+        y, _ = G.gemv_launch(x, w, residual=r, cfg=cfg)
+    _ok("dot path with PPS", G.gemv_ref(x.double(), w.double(), residual=r.double())["y"], y, torch.float32)
+
+
 def test_lm_head_argmax(gen):
     x, w, nw = _rand(gen, 3, 96), _rand(gen, 5000, 96, scale=0.1), 1 + _rand(gen, 96, scale=0.2)
     with poisoned():
@@ -290,6 +352,17 @@ for M in (1, 8):
                   STORE_XN=True, ONE=G._one(cfg, C), PDL=M == 1, PRE=G._pre(cfg), **fl)
     rows.append(dict(compile_(G.gemv_qkv_rope_kernel, ptrs, consts, {"num_warps": 4, "num_stages": 2}),
                      kernel="qkv_rope store", dtype="bf16", M=M, **fl))
+# the persistent streaming kernel at the decode shapes (M <= 2), as decode_tune's candidates build it
+for M in (1, 2):
+    fl = G._flags(torch.bfloat16, M)
+    ptrs = {n: "*bf16" for n in ("x_ptr", "w_ptr", "b_ptr", "r_ptr", "nw_ptr", "y_ptr", "xn_ptr")}
+    for name, gate_up, bn, bk, warps, store in (("down stream", False, 2, 2048, 8, False),
+                                                ("gate_up stream", True, 2, 1024, 4, False),
+                                                ("gate_up stream store", True, 4, 1024, 4, True)):
+        consts = dict(BLOCK_M=fl["BLOCK_M"], BLOCK_N=bn, BLOCK_K=bk, GATE_UP=gate_up, HAS_BIAS=False,
+                      HAS_RESIDUAL=not gate_up, NORM=gate_up, STORE_XN=store, RNE=False, ONE=gate_up, PDL=True)
+        rows.append(dict(compile_(G.gemv_stream_kernel, ptrs, consts, {"num_warps": warps, "num_stages": 1}),
+                         kernel=name, dtype="bf16", M=M, **fl))
 print("RESULT" + json.dumps(rows))
 '''
 
@@ -313,7 +386,7 @@ def test_kernels_compile_for_sm90():
     out = subprocess.run([sys.executable, "-c", _SM90_COMPILE], capture_output=True, text=True, env=env, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = json.loads(out.stdout.split("RESULT", 1)[1])
-    assert len(rows) == 2 * 4 * 4 + 2 * 3
+    assert len(rows) == 2 * 4 * 4 + 2 * 3 + 2 * 3
     for r in rows:
         assert r["spills"] == 0, r
         if not r["USE_DOT"]:
@@ -369,3 +442,29 @@ def test_gpu_pdl_multi_step_first_weights_before_wait(pre, gen):
         y_plain, _ = G.gemv_launch(x, w, residual=r, cfg=cfg, pdl=False)
     _ok("down_proj (PDL)", G.gemv_ref(x.double(), w.double(), residual=r.double(), dtype=dtype)["y"], y, dtype)
     assert torch.equal(y, y_plain)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 2])
+@pytest.mark.parametrize("pdl", [True, False], ids=["pdl", "no_pdl"])
+def test_gpu_stream_model_shapes(pdl, M, gen):
+    """The persistent streaming kernel at down_proj's (K = 4864 in 2048-wide steps, residual) and gate_up's
+    (one K step, norm prologue, xn stored) shapes, grids smaller than the unit count, as a programmatic
+    dependent and not: against the rounded float64 references."""
+    C, I, dtype = 896, 4864, torch.bfloat16
+    d = lambda t: t.double()  # noqa: E731
+    x, w, r = _rand(gen, M, I, dtype=dtype), _rand(gen, C, I, dtype=dtype, scale=I ** -0.5), _rand(gen, M, C, dtype=dtype)
+    for cfg in ({"BLOCK_N": 2, "BLOCK_K": 2048, "num_warps": 8, "num_stages": 1, "PPS": 2},
+                {"BLOCK_N": 1, "BLOCK_K": 1024, "num_warps": 4, "num_stages": 1, "PPS": 4}):
+        with poisoned():
+            y, _ = G.gemv_launch(x, w, residual=r, cfg=cfg, pdl=pdl)
+        _ok(f"down_proj stream {cfg}", G.gemv_ref(d(x), d(w), residual=d(r), dtype=dtype)["y"], y, dtype)
+    x, nw = _rand(gen, M, C, dtype=dtype), (1 + _rand(gen, C, scale=0.2)).to(dtype)
+    w = _rand(gen, 2 * I, C, dtype=dtype, scale=C ** -0.5)
+    ref = G.gemv_gate_up_ref(d(x), d(w), d(nw), 1e-6, dtype=dtype)
+    for cfg in ({"BLOCK_N": 2, "BLOCK_K": 1024, "num_warps": 4, "num_stages": 1, "PPS": 4},
+                {"BLOCK_N": 4, "BLOCK_K": 1024, "num_warps": 2, "num_stages": 1, "PPS": 8}):
+        with poisoned():
+            y, xn = G.gemv_gate_up_launch(x, w, nw, 1e-6, store_xn=True, cfg=cfg, pdl=pdl)
+        _ok(f"gate_up stream {cfg}", ref["y"], y, dtype)
+        _ok(f"gate_up stream xn {cfg}", ref["xn"], xn, dtype)

@@ -469,6 +469,150 @@ def gemv_gate_up_kernel(
     tl.store(y_ptr + o_mn, b_y.to(y_ptr.dtype.element_ty), mask=m_m[:, None] & m_n[None, :])
 
 
+@triton.jit
+def _stream_tile(w_ptr, j, j1, n_steps, N, K, o_b, o_k0, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 TWO: tl.constexpr):
+    """Weight tile(s) of flat step j = unit * n_steps + step: rows unit * BLOCK_N + [0, BLOCK_N), columns
+    step * BLOCK_K + [0, BLOCK_K); nothing is read for j >= j1 (past the program's range). TWO: the rows N
+    further down too (gate/up: the up row of each gate row)."""
+    u = j // n_steps
+    o_n = u * BLOCK_N + o_b
+    o_k = (j - u * n_steps) * BLOCK_K + o_k0
+    m = ((o_n < N) & (j < j1))[:, None] & (o_k < K)[None, :]
+    off = o_n.to(tl.int64)[:, None] * K + o_k[None, :]
+    b_wa = tl.load(w_ptr + off, mask=m, other=0.0)
+    b_wb = b_wa
+    if TWO:
+        b_wb = tl.load(w_ptr + off + N.to(tl.int64) * K, mask=m, other=0.0)
+    return b_wa, b_wb
+
+
+@triton.jit
+def _stream_store(acc_a, acc_b, u, o_b, o_m, m_m, y_ptr, b_ptr, r_ptr, N, BLOCK_N: tl.constexpr, DT: tl.constexpr,
+                  GATE_UP: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, RNE: tl.constexpr):
+    """Unit u's outputs from its [BLOCK_M, BLOCK_N, BLOCK_K] product sums, rounded where gemv_kernel
+    (projection + bias, then + residual) or gemv_gate_up_kernel (gate, up, silu(gate), product) round."""
+    o_n = u * BLOCK_N + o_b
+    m_n = o_n < N
+    o_mn = o_m.to(tl.int64)[:, None] * N + o_n[None, :]
+    m_mn = m_m[:, None] & m_n[None, :]
+    b_a = tl.sum(acc_a, axis=2)
+    if HAS_BIAS:
+        b_a += tl.load(b_ptr + o_n, mask=m_n, other=0.0).to(tl.float32)[None, :]
+    b_a = _rne_bf16(b_a) if RNE else b_a.to(DT).to(tl.float32)
+    if GATE_UP:
+        b_u = tl.sum(acc_b, axis=2)
+        b_u = _rne_bf16(b_u) if RNE else b_u.to(DT).to(tl.float32)
+        b_act = b_a * tl.sigmoid(b_a)
+        b_act = _rne_bf16(b_act) if RNE else b_act.to(DT).to(tl.float32)
+        b_y = b_act * b_u
+    else:
+        b_y = b_a
+        if HAS_RESIDUAL:
+            b_y += tl.load(r_ptr + o_mn, mask=m_mn, other=0.0).to(tl.float32)
+    b_y = _rne_bf16(b_y) if RNE else b_y.to(DT).to(tl.float32)
+    tl.store(y_ptr + o_mn, b_y.to(y_ptr.dtype.element_ty), mask=m_mn)
+
+
+@triton.jit
+def gemv_stream_kernel(
+    x_ptr,  # [M, K] activations (RMSNorm-ed when NORM)
+    w_ptr,  # [N, K] row-major; GATE_UP: [2N, K], gate rows then up rows
+    b_ptr,  # [N] bias (read when HAS_BIAS)
+    r_ptr,  # [M, N] residual (read when HAS_RESIDUAL)
+    nw_ptr,  # [K] RMSNorm weight (read when NORM)
+    y_ptr,  # [M, N] output, x's dtype
+    xn_ptr,  # [M, K] normalised x (written by program 0 when STORE_XN)
+    M,
+    N,  # output columns (GATE_UP: the intermediate size I)
+    K,
+    n_steps,  # cdiv(K, BLOCK_K)
+    eps,
+    BLOCK_M: tl.constexpr,  # >= M: one program covers every row of x
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GATE_UP: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    NORM: tl.constexpr,
+    STORE_XN: tl.constexpr,
+    RNE: tl.constexpr,
+    ONE: tl.constexpr,  # n_steps == 1: x is loaded (and normalised) once per program
+    PDL: tl.constexpr,
+):
+    """Persistent streaming GEMV (FMA path, M <= BLOCK_M <= 2): a grid of a few programs per SM, each
+    walking a contiguous, balanced range of row blocks ("units", BLOCK_N rows of W or BLOCK_N gate/up
+    row pairs) K step by K step, with the next step's weight tiles loaded before this step's products,
+    so every program keeps two tiles of loads in flight from start to end instead of one-shot programs
+    each paying a launch, a DRAM round trip and a tail. Same products, sums and roundings as
+    gemv_kernel / gemv_gate_up_kernel (the per-unit sums over K run in the same order)."""
+    DT = w_ptr.dtype.element_ty
+    pid = tl.program_id(0)
+    n_prog = tl.num_programs(0)
+    units = tl.cdiv(N, BLOCK_N)
+    u0 = (pid * units) // n_prog
+    u1 = ((pid + 1) * units) // n_prog
+    j0 = u0 * n_steps
+    j1 = u1 * n_steps
+    o_m = tl.arange(0, BLOCK_M)
+    m_m = o_m < M
+    o_b = tl.arange(0, BLOCK_N)
+    o_k0 = tl.arange(0, BLOCK_K)
+    o_xm = o_m.to(tl.int64)[:, None] * K
+    b_wa, b_wb = _stream_tile(w_ptr, j0, j1, n_steps, N, K, o_b, o_k0, BLOCK_N, BLOCK_K, GATE_UP)
+    if PDL:  # the first tiles (weights: constants) are in flight while the previous kernel drains
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    write_xn = pid == 0
+    b_rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if ONE:
+        m_k = o_k0 < K
+        m_x = m_m[:, None] & m_k[None, :]
+        b_x1 = tl.load(x_ptr + o_xm + o_k0[None, :], mask=m_x, other=0.0).to(tl.float32)
+        if NORM:
+            b_rstd = tl.rsqrt(tl.sum(b_x1 * b_x1, axis=1) / K + eps)
+            b_x1 = _norm_chunk(b_x1, b_rstd, nw_ptr, o_k0, m_k, DT, RNE)
+            if STORE_XN:
+                tl.store(xn_ptr + o_xm + o_k0[None, :], b_x1.to(xn_ptr.dtype.element_ty), mask=m_x & write_xn)
+    else:
+        b_x1 = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+        if NORM:
+            b_ss = tl.zeros([BLOCK_M], dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                o_k = k0 + o_k0
+                b_x = tl.load(x_ptr + o_xm + o_k[None, :], mask=m_m[:, None] & (o_k < K)[None, :], other=0.0)
+                b_x = b_x.to(tl.float32)
+                b_ss += tl.sum(b_x * b_x, axis=1)
+            b_rstd = tl.rsqrt(b_ss / K + eps)
+    acc_a = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc_b = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for j in range(j0, j1):
+        f_wa, f_wb = _stream_tile(w_ptr, j + 1, j1, n_steps, N, K, o_b, o_k0, BLOCK_N, BLOCK_K, GATE_UP)
+        if ONE:
+            p_a = b_x1[:, None, :] * b_wa.to(tl.float32)[None, :, :]
+            p_b = p_a
+            if GATE_UP:
+                p_b = b_x1[:, None, :] * b_wb.to(tl.float32)[None, :, :]
+            _stream_store(p_a, p_b, j, o_b, o_m, m_m, y_ptr, b_ptr, r_ptr, N, BLOCK_N, DT, GATE_UP, HAS_BIAS,
+                          HAS_RESIDUAL, RNE)
+        else:
+            u = j // n_steps
+            s = j - u * n_steps
+            # program 0 writes xn from its first unit's steps (it owns at least one unit: grid <= units)
+            b_x = _x_chunk(x_ptr, xn_ptr, nw_ptr, write_xn & (u == u0), o_xm, s * BLOCK_K + o_k0, m_m, K, b_rstd, DT,
+                           NORM, STORE_XN, RNE)
+            acc_a += b_x[:, None, :] * b_wa.to(tl.float32)[None, :, :]
+            if GATE_UP:
+                acc_b += b_x[:, None, :] * b_wb.to(tl.float32)[None, :, :]
+            if s == n_steps - 1:
+                _stream_store(acc_a, acc_b, u, o_b, o_m, m_m, y_ptr, b_ptr, r_ptr, N, BLOCK_N, DT, GATE_UP, HAS_BIAS,
+                              HAS_RESIDUAL, RNE)
+                acc_a = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+                acc_b = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+        b_wa = f_wa
+        b_wb = f_wb
+
+
 # ----------------------------------------------------------------------------- launch configs
 
 
@@ -548,6 +692,28 @@ def _pre(cfg):
     return bool(cfg.get("PRE", 1))
 
 
+def _stream(cfg, flags):
+    """The persistent streaming kernel (cfg "PPS": programs per SM, > 0) for the FMA path (M <= 2)."""
+    return int(cfg.get("PPS", 0)) > 0 and not flags["USE_DOT"]
+
+
+def _stream_launch(name, x, weight, y, xn, bias, residual, norm_weight, N, eps, nbytes, cfg, flags, gate_up, pdl):
+    M, K = x.shape
+    bn, bk = cfg["BLOCK_N"], cfg["BLOCK_K"]
+    n_steps = triton.cdiv(K, bk)
+    grid = (min(triton.cdiv(N, bn), int(cfg["PPS"]) * _runtime.num_sms()),)
+    launch.launch(
+        name, gemv_stream_kernel, grid,
+        x, weight, bias if bias is not None else weight, residual if residual is not None else x,
+        norm_weight if norm_weight is not None else weight, y, xn if xn is not None else x,
+        M, N, K, n_steps, float(eps),
+        nbytes=nbytes,
+        BLOCK_M=flags["BLOCK_M"], BLOCK_N=bn, BLOCK_K=bk, GATE_UP=gate_up, HAS_BIAS=bias is not None,
+        HAS_RESIDUAL=residual is not None, NORM=norm_weight is not None, STORE_XN=xn is not None, RNE=flags["RNE"],
+        ONE=n_steps == 1, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch.pdl_options(pdl),
+    )
+
+
 def gemv_launch(x, weight, bias=None, residual=None, norm_weight=None, eps=1e-6, store_xn=False, cfg=None,
                 pdl=False):
     """x [M, K], weight [N, K], all contiguous. Returns (y [M, N], xn [M, K] or None). pdl: launch as a
@@ -561,6 +727,10 @@ def gemv_launch(x, weight, bias=None, residual=None, norm_weight=None, eps=1e-6,
     e = x.element_size()
     nbytes = e * (N * K + M * K + M * N + (N if bias is not None else 0) + (M * N if residual is not None else 0)
                   + (K if norm_weight is not None else 0))
+    if _stream(cfg, flags):
+        _stream_launch("gemv_stream", x, weight, y, xn, bias, residual, norm_weight, N, eps, nbytes, cfg, flags,
+                       False, pdl)
+        return y, xn
     grid = (triton.cdiv(N, cfg["BLOCK_N"]), triton.cdiv(M, flags["BLOCK_M"]))
     launch.launch(
         "gemv", gemv_kernel, grid,
@@ -616,6 +786,10 @@ def gemv_gate_up_launch(x, weight, norm_weight=None, eps=1e-6, store_xn=False, c
     xn = new_output((M, C), x.dtype, x.device) if store_xn else None
     e = x.element_size()
     nbytes = e * (2 * inter * C + M * C + M * inter + (C if norm_weight is not None else 0))
+    if _stream(cfg, flags):
+        _stream_launch("gemv_gate_up_stream", x, weight, y, xn, None, None, norm_weight, inter, eps, nbytes, cfg,
+                       flags, True, pdl)
+        return y, xn
     grid = (triton.cdiv(inter, cfg["BLOCK_N"]), triton.cdiv(M, flags["BLOCK_M"]))
     launch.launch(
         "gemv_gate_up", gemv_gate_up_kernel, grid,
