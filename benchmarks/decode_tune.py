@@ -32,7 +32,15 @@ TARGETS = {  # role: (kernel, kind, N, K)
     "down": ("gemv", "plain", C, I),
     "qkv": ("gemv_qkv_rope", "qkv", QKV, C),
     "o_proj": ("gemv", "plain", C, C),
+    "mlp": ("gemv_mlp", "mlp", C, I),  # the fused MLP: gate/up + SwiGLU and down + residual, one launch
 }
+
+
+def mlp_candidates():
+    """The fused MLP kernel (gate/up, grid barrier, down in one persistent launch); the baseline is the
+    two-kernel MLP at the current configs (no gemv_mlp entry)."""
+    return [{"BN_GU": g, "BK_GU": 1024, "BN_D": dn, "BK_D": bk, "PPS": p, "num_warps": w}
+            for g, dn, bk, p, w in itertools.product((1, 2), (1, 2), (1024, 2048), (4, 8, 16), (2, 4))]
 
 
 def stream_candidates(role):
@@ -105,10 +113,16 @@ def main():
     best_all = {}
     for role in args.roles.split(","):
         kernel, kind, N, K = TARGETS[role]
-        key = G._config_key(1, N, K, torch.bfloat16)
-        current = G._config(kind, 1, N, K, torch.bfloat16)
+        if role == "mlp":
+            key = launch.config_key(m=1, c=C, i=I, dtype=launch.dtype_tag(torch.bfloat16))
+            current = G.mlp_config(1, C, I, torch.bfloat16)  # None: the two kernels
+            cands = mlp_candidates()
+        else:
+            key = G._config_key(1, N, K, torch.bfloat16)
+            current = G._config(kind, 1, N, K, torch.bfloat16)
+            cands = stream_candidates(role) if args.stream else candidates(role)
         best = (tps0, current)
-        for cfg in (stream_candidates(role) if args.stream else candidates(role)):
+        for cfg in cands:
             table.setdefault(kernel, {})[key] = cfg
             try:
                 out, tps = run()
@@ -120,7 +134,10 @@ def main():
             print(f"{role:<8} {json.dumps(cfg):<75} {tps:7.0f} steps/s {'' if same else '(other tokens)'}")
             if tps > best[0]:
                 best = (tps, cfg)
-        table[kernel][key] = best[1]  # keep the winner while tuning the next role
+        if best[1] is None:  # the two-kernel MLP stays
+            table[kernel].pop(key, None)
+        else:
+            table[kernel][key] = best[1]  # keep the winner while tuning the next role
         tps0 = best[0]
         best_all[role] = {"kernel": kernel, "key": key, "config": best[1], "tokens_per_s": best[0]}
         print(f"{role}: best {json.dumps(best[1])} {best[0]:.0f} steps/s")
@@ -128,6 +145,8 @@ def main():
         path = launch.CONFIG_DIR / f"{_runtime.arch()}.json"
         data = json.loads(path.read_text())
         for role, b in best_all.items():
+            if b["config"] is None:
+                continue
             data["kernels"].setdefault(b["kernel"], {})[b["key"]] = b["config"]
             data.setdefault("provenance", {})[f"{b['kernel']}[{b['key']}]"] = {
                 "device": _runtime.device_name(), "shape": {"role": role, "M": 1},

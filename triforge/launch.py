@@ -267,6 +267,33 @@ def pdl_options(pdl: bool) -> dict:
     return {"PDL": on, "launch_pdl": True} if on else {"PDL": False}
 
 
+_resident: dict = {}
+
+
+def resident_programs(jit_fn, args, kwargs) -> int:
+    """How many programs of this launch one SM holds at once (registers, threads, shared memory, the
+    32-block limit), from the kernel compiled for these arguments (compiled here if it is not yet):
+    what a grid-wide barrier needs to know to keep its grid resident. Cached per specialisation."""
+    key = specialization_key(jit_fn, (1,), args, kwargs)
+    found = _resident.get(key) if key is not None else None
+    if found is not None:
+        return found
+    compiled = jit_fn.warmup(*args, grid=(1,), **kwargs)
+    compiled._init_handles()
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    nw = compiled.metadata.num_warps
+    per_warp = -(-max(compiled.n_regs, 1) * 32 // 256) * 256  # registers are allocated per warp, 256 at a time
+    # four schedulers, each with a quarter of the register file and whole warps
+    by_regs = 4 * (getattr(props, "regs_per_multiprocessor", 65536) // 4 // per_warp) // nw
+    by_threads = getattr(props, "max_threads_per_multi_processor", 2048) // (32 * nw)
+    smem = compiled.metadata.shared
+    by_smem = props.shared_memory_per_multiprocessor // (smem + 1024) if smem else 32
+    n = max(0, min(32, by_regs, by_threads, by_smem))
+    if key is not None:
+        _resident[key] = n
+    return n
+
+
 def kernel_resources(kernel_name: str) -> dict | None:
     """Registers per thread, spilled registers and shared memory bytes of the last launch."""
     compiled = _compiled.get(kernel_name)

@@ -270,6 +270,24 @@ def test_attention_forms_generate_hf_tokens(model, splits):
         assert torch.equal(e.generate(ids, 6), _hf_generate(model, ids, 6))
 
 
+def test_fused_mlp_generates_hf_tokens(model, monkeypatch):
+    """The decode step with the MLP as one fused launch (gemv_mlp_kernel; its two phases as two launches in
+    the interpreter, the grid barrier on a GPU): fp32 greedy generation equals Hugging Face's at batch 1
+    and 2, and the fused path is the one that ran."""
+    import triforge.models.qwen2 as Q
+
+    cfg = {"BN_GU": 2, "BK_GU": 128, "BN_D": 2, "BK_D": 64, "PPS": 4, "num_warps": 4}
+    monkeypatch.setattr(Q, "mlp_config", lambda M, C, I, dtype: dict(cfg) if M <= 2 else None)
+    calls = []
+    launch_mlp = Q.gemv_mlp_launch
+    monkeypatch.setattr(Q, "gemv_mlp_launch", lambda *a, **k: calls.append(1) or launch_mlp(*a, **k))
+    for B in (1, 2):
+        e = Qwen2Engine.from_hf(model, max_seq_len=64)
+        ids = _ids(B, 5, seed=40 + B)
+        assert torch.equal(e.generate(ids, 6), _hf_generate(model, ids, 6))
+    assert calls
+
+
 @pytest.mark.gpu
 def test_gpu_prefill_graph_equals_eager():
     """The prefill graph (one per prompt length) gives the eager prefill's logits and caches, bit for

@@ -204,6 +204,55 @@ def test_stream_kernel(bn, bk, pps, M, dtype, gen):
         assert torch.equal(y, y_one) and torch.equal(g, g_one)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+@pytest.mark.parametrize("M", [1, 2])
+@pytest.mark.parametrize("bn_gu,bn_d,bk_d,pps", [(2, 1, 32, 2), (1, 4, 256, 64), (4, 2, 64, 3)],
+                         ids=["multi-step-uneven", "one-step-more-programs-than-units", "partial-step"])
+def test_mlp_kernel_phases(bn_gu, bn_d, bk_d, pps, M, dtype, gen):
+    """The fused MLP kernel's two phases (here two launches: the interpreter runs programs one after another,
+    so no grid barrier can hold): gate/up + SwiGLU with the norm prologue into act, then down_proj + the
+    residual x, against the chained rounded float64 references; grids with more programs than one phase's
+    units; and (interpreter) bit for bit equal to the two streaming kernels it replaces."""
+    C, inter = 63, 150
+    cfg = {"BN_GU": bn_gu, "BK_GU": 64, "BN_D": bn_d, "BK_D": bk_d, "PPS": pps, "num_warps": 4}
+    d = lambda t: t.double()  # noqa: E731
+    x, nw = _rand(gen, M, C, dtype=dtype), (1 + _rand(gen, C, scale=0.2)).to(dtype)
+    wgu = _rand(gen, 2 * inter, C, dtype=dtype, scale=2 * C ** -0.5)
+    wd = _rand(gen, C, inter, dtype=dtype, scale=inter ** -0.5)
+    sync = torch.zeros(3, dtype=torch.int32, device=DEV)
+    with poisoned():
+        y, act, xn = G.gemv_mlp_launch(x, wgu, nw, wd, sync, 1e-6, store_xn=True, cfg=cfg)
+    ref = G.gemv_gate_up_ref(d(x), d(wgu), d(nw), 1e-6, dtype=dtype)
+    _ok("mlp xn", ref["xn"], xn, dtype)
+    _ok("mlp act", ref["y"], act, dtype)
+    _ok("mlp y", G.gemv_ref(ref["y"], d(wd), residual=d(x), dtype=dtype)["y"], y, dtype)
+    xn64 = G.rms_norm_ref(d(x), d(nw), 1e-6)
+    gate, up = (xn64 @ d(wgu).T).chunk(2, dim=-1)
+    _ok("mlp y vs float64", d(x) + (F.silu(gate) * up) @ d(wd).T, y, dtype)
+    assert torch.equal(sync, torch.zeros_like(sync))
+    if _runtime.INTERPRET:
+        a2, _ = G.gemv_gate_up_launch(x, wgu, nw, 1e-6, cfg={"BLOCK_N": bn_gu, "BLOCK_K": 64, "num_warps": 4,
+                                                             "num_stages": 1, "PPS": pps})
+        y2, _ = G.gemv_launch(act, wd, residual=x, cfg={"BLOCK_N": bn_d, "BLOCK_K": bk_d, "num_warps": 4,
+                                                        "num_stages": 1, "PPS": pps})
+        assert torch.equal(act, a2) and torch.equal(y, y2)
+
+
+def test_mlp_launch_rejects_what_it_cannot_run(gen):
+    x, nw = _rand(gen, 3, 64), 1 + _rand(gen, 64, scale=0.2)
+    wgu, wd = _rand(gen, 40, 64), _rand(gen, 64, 20)
+    sync = torch.zeros(3, dtype=torch.int32, device=DEV)
+    cfg = {"BN_GU": 1, "BK_GU": 64, "BN_D": 1, "BK_D": 32, "PPS": 1, "num_warps": 4}
+    with pytest.raises(ValueError, match="at most 2 rows"):
+        G.gemv_mlp_launch(x, wgu, nw, wd, sync, cfg=cfg)
+    with pytest.raises(ValueError, match="BK_GU"):
+        G.gemv_mlp_launch(x[:1], wgu, nw, wd, sync, cfg=dict(cfg, BK_GU=32))
+    assert G.mlp_config(3, 64, 20, torch.float32) is None
+    sync[2] = 1
+    with pytest.raises(RuntimeError, match="timed out"):
+        G.check_mlp_sync(sync)
+
+
 def test_stream_partition_covers_every_unit_once():
     """The grid's balanced ranges [p U / P, (p + 1) U / P) tile [0, U) with lengths differing by at most one,
     for every grid size the launcher can pick (P <= U)."""
@@ -363,6 +412,12 @@ for M in (1, 2):
                       HAS_RESIDUAL=not gate_up, NORM=gate_up, STORE_XN=store, RNE=False, ONE=gate_up, PDL=True)
         rows.append(dict(compile_(G.gemv_stream_kernel, ptrs, consts, {"num_warps": warps, "num_stages": 1}),
                          kernel=name, dtype="bf16", M=M, **fl))
+    consts = dict(BLOCK_M=fl["BLOCK_M"], BN_GU=2, BK_GU=1024, BN_D=2, BK_D=2048, STORE_XN=False, RNE=False,
+                  PHASE=0, PDL=True)
+    ptrs = {n: "*bf16" for n in ("x_ptr", "wgu_ptr", "nw_ptr", "wd_ptr", "act_ptr", "y_ptr", "xn_ptr")}
+    ptrs["sync_ptr"] = "*i32"
+    rows.append(dict(compile_(G.gemv_mlp_kernel, ptrs, consts, {"num_warps": 4, "num_stages": 1}),
+                     kernel="mlp fused", dtype="bf16", M=M, **fl))
 print("RESULT" + json.dumps(rows))
 '''
 
@@ -386,7 +441,7 @@ def test_kernels_compile_for_sm90():
     out = subprocess.run([sys.executable, "-c", _SM90_COMPILE], capture_output=True, text=True, env=env, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = json.loads(out.stdout.split("RESULT", 1)[1])
-    assert len(rows) == 2 * 4 * 4 + 2 * 3 + 2 * 3
+    assert len(rows) == 2 * 4 * 4 + 2 * 3 + 2 * 4
     for r in rows:
         assert r["spills"] == 0, r
         if not r["USE_DOT"]:
@@ -468,3 +523,46 @@ def test_gpu_stream_model_shapes(pdl, M, gen):
             y, xn = G.gemv_gate_up_launch(x, w, nw, 1e-6, store_xn=True, cfg=cfg, pdl=pdl)
         _ok(f"gate_up stream {cfg}", ref["y"], y, dtype)
         _ok(f"gate_up stream xn {cfg}", ref["xn"], xn, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 2])
+@pytest.mark.parametrize("pdl", [True, False], ids=["pdl", "no_pdl"])
+def test_gpu_mlp_fused_barrier(pdl, M, gen):
+    """The fused MLP kernel in one launch (grid barrier between gate/up and down) at Qwen2.5-0.5B's MLP shape:
+    against the chained rounded float64 references, bit for bit equal to its two-launch form, the barrier
+    re-armed after every launch (counters back to zero, no timeout) over repeated launches, eager and inside
+    a CUDA graph replayed several times."""
+    C, I, dtype = 896, 4864, torch.bfloat16
+    d = lambda t: t.double()  # noqa: E731
+    x, nw = _rand(gen, M, C, dtype=dtype), (1 + _rand(gen, C, scale=0.2)).to(dtype)
+    wgu = _rand(gen, 2 * I, C, dtype=dtype, scale=C ** -0.5)
+    wd = _rand(gen, C, I, dtype=dtype, scale=I ** -0.5)
+    sync = torch.zeros(3, dtype=torch.int32, device=DEV)
+    ref = G.gemv_gate_up_ref(d(x), d(wgu), d(nw), 1e-6, dtype=dtype)
+    y_ref = G.gemv_ref(ref["y"], d(wd), residual=d(x), dtype=dtype)["y"]
+    for cfg in ({"BN_GU": 2, "BK_GU": 1024, "BN_D": 2, "BK_D": 2048, "PPS": 8, "num_warps": 2},
+                {"BN_GU": 1, "BK_GU": 1024, "BN_D": 1, "BK_D": 1024, "PPS": 16, "num_warps": 4}):
+        with poisoned():
+            y, act, xn = G.gemv_mlp_launch(x, wgu, nw, wd, sync, 1e-6, store_xn=True, cfg=cfg, pdl=pdl)
+            y2, act2, _ = G.gemv_mlp_launch(x, wgu, nw, wd, sync, 1e-6, cfg=dict(cfg, SPLIT=1), pdl=pdl)
+        _ok(f"mlp act {cfg}", ref["y"], act, dtype)
+        _ok(f"mlp y {cfg}", y_ref, y, dtype)
+        _ok(f"mlp xn {cfg}", ref["xn"], xn, dtype)
+        assert torch.equal(act, act2) and torch.equal(y, y2)
+        for _ in range(20):
+            y3, _, _ = G.gemv_mlp_launch(x, wgu, nw, wd, sync, 1e-6, cfg=cfg, pdl=pdl)
+        assert torch.equal(y3, y)
+        assert sync.tolist() == [0, 0, 0]
+        G.gemv_mlp_launch(x, wgu, nw, wd, sync, 1e-6, cfg=cfg, pdl=pdl)  # compiled before capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outs = [G.gemv_mlp_launch(x, wgu, nw, wd, sync, 1e-6, cfg=cfg, pdl=pdl)[0] for _ in range(3)]
+        for o in outs:
+            o.fill_(float("nan"))
+        for _ in range(5):
+            graph.replay()
+        torch.cuda.synchronize()
+        assert all(torch.equal(o, y) for o in outs)
+        assert sync.tolist() == [0, 0, 0]
+        G.check_mlp_sync(sync)

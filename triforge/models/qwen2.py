@@ -39,7 +39,8 @@ import torch.nn.functional as F
 from triforge import _runtime
 from triforge.ops.attention import flash_attn_func
 from triforge.ops.attention.decode import HEAD_DIMS, flash_decode_fwd
-from triforge.ops.gemv import gemv_gate_up_launch, gemv_launch, gemv_qkv_rope_launch, rope_tables
+from triforge.ops.gemv import (check_mlp_sync, gemv_gate_up_launch, gemv_launch, gemv_mlp_launch, gemv_qkv_rope_launch,
+                               mlp_config, rope_tables)
 from triforge.ops.norm import rms_norm
 from triforge.ops.rope import apply_rotary_qk
 from triforge.ops.swiglu import swiglu
@@ -253,6 +254,8 @@ class DecodeState:
         self.graph = None
         self.graph_logits = None
         self.prefill_graphs: dict = {}  # prompt length -> (graph, static ids, static logits)
+        # the fused MLP kernel's grid-barrier counters (arrivals, departures, timeouts): zero between launches
+        self.mlp_sync = torch.zeros(3, dtype=torch.int32, device=engine.device)
 
     def reset(self) -> None:
         self.length = 0
@@ -281,6 +284,9 @@ class Qwen2Engine:
         # decode kernels launched as programmatic dependents (sm90+): each starts, and fetches its
         # weights, while the previous one drains; False (or TRIFORGE_PDL=0) launches them plainly
         self.use_pdl = os.environ.get("TRIFORGE_PDL", "1") != "0"
+        # the MLP (gate/up + SwiGLU, down + residual) as one persistent launch with a grid barrier where a
+        # tuned config exists for the shape (gemv.mlp_config); False (or TRIFORGE_FUSED_MLP=0): two launches
+        self.fused_mlp = os.environ.get("TRIFORGE_FUSED_MLP", "1") != "0"
         self._states: dict = {}
 
     # ------------------------------------------------------------------ construction
@@ -490,6 +496,7 @@ class Qwen2Engine:
         pos = state.positions
         lengths = pos + 1  # keys each row attends to, the new one included
         h = F.embedding(state.ids, self.embed)  # [B, C]
+        mlp_cfg = mlp_config(B, s.hidden_size, s.intermediate_size, self.dtype) if self.fused_mlp else None
         for i, L in enumerate(self.layers):
             kc, vc = state.k_cache[i], state.v_cache[i]
             q, qkv, xn = gemv_qkv_rope_launch(h, L.w_qkv, L.b_qkv, self.cos, self.sin, pos, kc, vc, Hq, Hkv,
@@ -498,8 +505,12 @@ class Qwen2Engine:
                                     num_splits=self._num_splits, pdl=pdl)
             o = o.view(B, Hq * D)
             h_attn, _ = gemv_launch(o, L.w_o, residual=h, pdl=pdl)
-            act, xn2 = gemv_gate_up_launch(h_attn, L.w_gate_up, L.post_norm, eps, store_xn=tr, pdl=pdl)
-            h, _ = gemv_launch(act, L.w_down, residual=h_attn, pdl=pdl)
+            if mlp_cfg is not None:
+                h, act, xn2 = gemv_mlp_launch(h_attn, L.w_gate_up, L.post_norm, L.w_down, state.mlp_sync, eps,
+                                              store_xn=tr, cfg=mlp_cfg, pdl=pdl)
+            else:
+                act, xn2 = gemv_gate_up_launch(h_attn, L.w_gate_up, L.post_norm, eps, store_xn=tr, pdl=pdl)
+                h, _ = gemv_launch(act, L.w_down, residual=h_attn, pdl=pdl)
             if tr:
                 rows = torch.arange(B, device=self.device)
                 trace.update({
@@ -539,6 +550,8 @@ class Qwen2Engine:
 
         On CUDA (use_cuda_graph) the returned tensor is the graph's static output buffer: the next
         step overwrites it. ``trace`` (a dict) runs the step eagerly and receives every stage [B, ...].
+        No host sync: where the fused MLP kernel runs, ``check_mlp_sync(state.mlp_sync)`` reports a
+        grid-barrier timeout (generate checks it at its end).
         """
         ids = self._check_ids(token_ids, "token_ids", ndim=1)
         if ids.shape[0] != state.batch_size:
@@ -608,6 +621,7 @@ class Qwen2Engine:
                 break
             state.ids.copy_(nxt)
             logits = self._advance(state)
+        check_mlp_sync(state.mlp_sync)  # a fused-MLP barrier that timed out invalidates the tokens: raise
         return torch.cat([ids, torch.stack(out, dim=1)], dim=1)
 
     # ------------------------------------------------------------------ tracing (parity)

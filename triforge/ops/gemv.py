@@ -148,11 +148,15 @@ def _norm_chunk(b_x, b_rstd, nw_ptr, o_k, m_k, DT: tl.constexpr, RNE: tl.constex
 
 @triton.jit
 def _x_chunk(x_ptr, xn_ptr, nw_ptr, write_xn, o_xm, o_k, m_m, K, b_rstd, DT: tl.constexpr, NORM: tl.constexpr,
-             STORE_XN: tl.constexpr, RNE: tl.constexpr):
-    """The fp32 x chunk [BLOCK_M, BLOCK_K] at columns o_k, RMSNorm-ed (and stored to xn) when NORM."""
+             STORE_XN: tl.constexpr, RNE: tl.constexpr, CG: tl.constexpr = False):
+    """The fp32 x chunk [BLOCK_M, BLOCK_K] at columns o_k, RMSNorm-ed (and stored to xn) when NORM.
+    CG: read past L1 (x was written by other programs of the same launch)."""
     m_k = o_k < K
     m_x = m_m[:, None] & m_k[None, :]
-    b_x = tl.load(x_ptr + o_xm + o_k[None, :], mask=m_x, other=0.0).to(tl.float32)
+    if CG:
+        b_x = tl.load(x_ptr + o_xm + o_k[None, :], mask=m_x, other=0.0, cache_modifier=".cg").to(tl.float32)
+    else:
+        b_x = tl.load(x_ptr + o_xm + o_k[None, :], mask=m_x, other=0.0).to(tl.float32)
     if NORM:
         b_x = _norm_chunk(b_x, b_rstd, nw_ptr, o_k, m_k, DT, RNE)
         if STORE_XN:
@@ -470,6 +474,16 @@ def gemv_gate_up_kernel(
 
 
 @triton.jit
+def _stream_range(pid, n_prog, N, n_steps, BLOCK_N: tl.constexpr):
+    """Program pid's flat steps [j0, j1) (j = unit * n_steps + K step): a contiguous, balanced range of whole
+    units (row blocks of BLOCK_N rows); empty when the grid has more programs than units."""
+    units = tl.cdiv(N, BLOCK_N)
+    u0 = (pid * units) // n_prog
+    u1 = ((pid + 1) * units) // n_prog
+    return u0 * n_steps, u1 * n_steps
+
+
+@triton.jit
 def _stream_tile(w_ptr, j, j1, n_steps, N, K, o_b, o_k0, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  TWO: tl.constexpr):
     """Weight tile(s) of flat step j = unit * n_steps + step: rows unit * BLOCK_N + [0, BLOCK_N), columns
@@ -515,6 +529,67 @@ def _stream_store(acc_a, acc_b, u, o_b, o_m, m_m, y_ptr, b_ptr, r_ptr, N, BLOCK_
 
 
 @triton.jit
+def _stream_rows(x_ptr, w_ptr, b_ptr, r_ptr, nw_ptr, y_ptr, xn_ptr, M, N, K, n_steps, eps, j0, j1, b_wa, b_wb,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GATE_UP: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, NORM: tl.constexpr, STORE_XN: tl.constexpr,
+                 RNE: tl.constexpr, ONE: tl.constexpr, CG: tl.constexpr):
+    """Flat steps [j0, j1) of a streaming GEMV, given the first step's weight tiles (b_wa, b_wb: the caller
+    loads them, before its wait). Each step loads the next step's tiles before its own products, so two
+    steps of weights are in flight from start to end. The per-unit sums over K run in gemv_kernel's order."""
+    DT = w_ptr.dtype.element_ty
+    o_m = tl.arange(0, BLOCK_M)
+    m_m = o_m < M
+    o_b = tl.arange(0, BLOCK_N)
+    o_k0 = tl.arange(0, BLOCK_K)
+    o_xm = o_m.to(tl.int64)[:, None] * K
+    write_xn = (j0 == 0) & (j1 > 0)  # the owner of unit 0 writes xn (from its steps of that unit)
+    b_rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if ONE:  # x (normalised) once per program
+        b_x1 = _x_chunk(x_ptr, xn_ptr, nw_ptr, False, o_xm, o_k0, m_m, K, b_rstd, DT, False, False, RNE, CG)
+        if NORM:
+            b_rstd = tl.rsqrt(tl.sum(b_x1 * b_x1, axis=1) / K + eps)
+            b_x1 = _norm_chunk(b_x1, b_rstd, nw_ptr, o_k0, o_k0 < K, DT, RNE)
+            if STORE_XN:
+                tl.store(xn_ptr + o_xm + o_k0[None, :], b_x1.to(xn_ptr.dtype.element_ty),
+                         mask=m_m[:, None] & (o_k0 < K)[None, :] & write_xn)
+    else:
+        b_x1 = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+        if NORM:
+            b_ss = tl.zeros([BLOCK_M], dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                b_x = _x_chunk(x_ptr, xn_ptr, nw_ptr, False, o_xm, k0 + o_k0, m_m, K, b_rstd, DT, False, False, RNE,
+                               CG)
+                b_ss += tl.sum(b_x * b_x, axis=1)
+            b_rstd = tl.rsqrt(b_ss / K + eps)
+    acc_a = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc_b = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for j in range(j0, j1):
+        f_wa, f_wb = _stream_tile(w_ptr, j + 1, j1, n_steps, N, K, o_b, o_k0, BLOCK_N, BLOCK_K, GATE_UP)
+        if ONE:
+            p_a = b_x1[:, None, :] * b_wa.to(tl.float32)[None, :, :]
+            p_b = p_a
+            if GATE_UP:
+                p_b = b_x1[:, None, :] * b_wb.to(tl.float32)[None, :, :]
+            _stream_store(p_a, p_b, j, o_b, o_m, m_m, y_ptr, b_ptr, r_ptr, N, BLOCK_N, DT, GATE_UP, HAS_BIAS,
+                          HAS_RESIDUAL, RNE)
+        else:
+            u = j // n_steps
+            s = j - u * n_steps
+            b_x = _x_chunk(x_ptr, xn_ptr, nw_ptr, write_xn & (u == 0), o_xm, s * BLOCK_K + o_k0, m_m, K, b_rstd, DT,
+                           NORM, STORE_XN, RNE, CG)
+            acc_a += b_x[:, None, :] * b_wa.to(tl.float32)[None, :, :]
+            if GATE_UP:
+                acc_b += b_x[:, None, :] * b_wb.to(tl.float32)[None, :, :]
+            if s == n_steps - 1:
+                _stream_store(acc_a, acc_b, u, o_b, o_m, m_m, y_ptr, b_ptr, r_ptr, N, BLOCK_N, DT, GATE_UP, HAS_BIAS,
+                              HAS_RESIDUAL, RNE)
+                acc_a = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+                acc_b = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+        b_wa = f_wa
+        b_wb = f_wb
+
+
+@triton.jit
 def gemv_stream_kernel(
     x_ptr,  # [M, K] activations (RMSNorm-ed when NORM)
     w_ptr,  # [N, K] row-major; GATE_UP: [2N, K], gate rows then up rows
@@ -522,7 +597,7 @@ def gemv_stream_kernel(
     r_ptr,  # [M, N] residual (read when HAS_RESIDUAL)
     nw_ptr,  # [K] RMSNorm weight (read when NORM)
     y_ptr,  # [M, N] output, x's dtype
-    xn_ptr,  # [M, K] normalised x (written by program 0 when STORE_XN)
+    xn_ptr,  # [M, K] normalised x (written when STORE_XN)
     M,
     N,  # output columns (GATE_UP: the intermediate size I)
     K,
@@ -541,76 +616,95 @@ def gemv_stream_kernel(
     PDL: tl.constexpr,
 ):
     """Persistent streaming GEMV (FMA path, M <= BLOCK_M <= 2): a grid of a few programs per SM, each
-    walking a contiguous, balanced range of row blocks ("units", BLOCK_N rows of W or BLOCK_N gate/up
-    row pairs) K step by K step, with the next step's weight tiles loaded before this step's products,
-    so every program keeps two tiles of loads in flight from start to end instead of one-shot programs
-    each paying a launch, a DRAM round trip and a tail. Same products, sums and roundings as
-    gemv_kernel / gemv_gate_up_kernel (the per-unit sums over K run in the same order)."""
-    DT = w_ptr.dtype.element_ty
-    pid = tl.program_id(0)
-    n_prog = tl.num_programs(0)
-    units = tl.cdiv(N, BLOCK_N)
-    u0 = (pid * units) // n_prog
-    u1 = ((pid + 1) * units) // n_prog
-    j0 = u0 * n_steps
-    j1 = u1 * n_steps
-    o_m = tl.arange(0, BLOCK_M)
-    m_m = o_m < M
-    o_b = tl.arange(0, BLOCK_N)
-    o_k0 = tl.arange(0, BLOCK_K)
-    o_xm = o_m.to(tl.int64)[:, None] * K
-    b_wa, b_wb = _stream_tile(w_ptr, j0, j1, n_steps, N, K, o_b, o_k0, BLOCK_N, BLOCK_K, GATE_UP)
+    walking a contiguous, balanced range of row blocks ("units": BLOCK_N rows of W, or BLOCK_N gate/up
+    row pairs) K step by K step with the next step's tiles in flight (_stream_rows), instead of one-shot
+    programs that each pay a launch, a DRAM round trip and a tail. Same products, sums and roundings as
+    gemv_kernel / gemv_gate_up_kernel."""
+    j0, j1 = _stream_range(tl.program_id(0), tl.num_programs(0), N, n_steps, BLOCK_N)
+    b_wa, b_wb = _stream_tile(w_ptr, j0, j1, n_steps, N, K, tl.arange(0, BLOCK_N), tl.arange(0, BLOCK_K), BLOCK_N,
+                              BLOCK_K, GATE_UP)
     if PDL:  # the first tiles (weights: constants) are in flight while the previous kernel drains
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    write_xn = pid == 0
-    b_rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
-    if ONE:
-        m_k = o_k0 < K
-        m_x = m_m[:, None] & m_k[None, :]
-        b_x1 = tl.load(x_ptr + o_xm + o_k0[None, :], mask=m_x, other=0.0).to(tl.float32)
-        if NORM:
-            b_rstd = tl.rsqrt(tl.sum(b_x1 * b_x1, axis=1) / K + eps)
-            b_x1 = _norm_chunk(b_x1, b_rstd, nw_ptr, o_k0, m_k, DT, RNE)
-            if STORE_XN:
-                tl.store(xn_ptr + o_xm + o_k0[None, :], b_x1.to(xn_ptr.dtype.element_ty), mask=m_x & write_xn)
-    else:
-        b_x1 = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
-        if NORM:
-            b_ss = tl.zeros([BLOCK_M], dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                o_k = k0 + o_k0
-                b_x = tl.load(x_ptr + o_xm + o_k[None, :], mask=m_m[:, None] & (o_k < K)[None, :], other=0.0)
-                b_x = b_x.to(tl.float32)
-                b_ss += tl.sum(b_x * b_x, axis=1)
-            b_rstd = tl.rsqrt(b_ss / K + eps)
-    acc_a = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
-    acc_b = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for j in range(j0, j1):
-        f_wa, f_wb = _stream_tile(w_ptr, j + 1, j1, n_steps, N, K, o_b, o_k0, BLOCK_N, BLOCK_K, GATE_UP)
-        if ONE:
-            p_a = b_x1[:, None, :] * b_wa.to(tl.float32)[None, :, :]
-            p_b = p_a
-            if GATE_UP:
-                p_b = b_x1[:, None, :] * b_wb.to(tl.float32)[None, :, :]
-            _stream_store(p_a, p_b, j, o_b, o_m, m_m, y_ptr, b_ptr, r_ptr, N, BLOCK_N, DT, GATE_UP, HAS_BIAS,
-                          HAS_RESIDUAL, RNE)
-        else:
-            u = j // n_steps
-            s = j - u * n_steps
-            # program 0 writes xn from its first unit's steps (it owns at least one unit: grid <= units)
-            b_x = _x_chunk(x_ptr, xn_ptr, nw_ptr, write_xn & (u == u0), o_xm, s * BLOCK_K + o_k0, m_m, K, b_rstd, DT,
-                           NORM, STORE_XN, RNE)
-            acc_a += b_x[:, None, :] * b_wa.to(tl.float32)[None, :, :]
-            if GATE_UP:
-                acc_b += b_x[:, None, :] * b_wb.to(tl.float32)[None, :, :]
-            if s == n_steps - 1:
-                _stream_store(acc_a, acc_b, u, o_b, o_m, m_m, y_ptr, b_ptr, r_ptr, N, BLOCK_N, DT, GATE_UP, HAS_BIAS,
-                              HAS_RESIDUAL, RNE)
-                acc_a = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
-                acc_b = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
-        b_wa = f_wa
-        b_wb = f_wb
+    _stream_rows(x_ptr, w_ptr, b_ptr, r_ptr, nw_ptr, y_ptr, xn_ptr, M, N, K, n_steps, eps, j0, j1, b_wa, b_wb,
+                 BLOCK_M, BLOCK_N, BLOCK_K, GATE_UP, HAS_BIAS, HAS_RESIDUAL, NORM, STORE_XN, RNE, ONE, False)
+
+
+@triton.jit
+def _grid_barrier(sync_ptr, n_prog, max_spin):
+    """Every program of the grid arrives before any leaves (the launcher keeps the grid within what the
+    SMs hold at once, so all programs are resident). sync_ptr: int32 [arrivals, departures, timeouts], zero
+    between launches: the last program to leave re-arms it. A program that spins max_spin times without
+    seeing every arrival counts a timeout (the host raises on it) and leaves: never a hang."""
+    tl.debug_barrier()  # this program's stores (every thread's) precede its arrival
+    n = tl.atomic_add(sync_ptr, 1, sem="release", scope="gpu") + 1
+    spins = 0
+    while (n < n_prog) & (spins < max_spin):
+        n = tl.atomic_add(sync_ptr, 0, sem="acquire", scope="gpu")
+        spins += 1
+    if n < n_prog:
+        tl.atomic_add(sync_ptr + 2, 1, sem="relaxed", scope="gpu")
+    left = tl.atomic_add(sync_ptr + 1, 1, sem="acq_rel", scope="gpu")
+    if left == n_prog - 1:  # everyone has passed the spin: re-arm for the next launch
+        tl.atomic_xchg(sync_ptr, 0, sem="relaxed", scope="gpu")
+        tl.atomic_xchg(sync_ptr + 1, 0, sem="relaxed", scope="gpu")
+    tl.debug_barrier()  # the other threads' reads follow the acquire
+
+
+@triton.jit
+def gemv_mlp_kernel(
+    x_ptr,  # [M, C] residual stream after attention: RMSNorm-ed for gate/up, the residual of down
+    wgu_ptr,  # [2I, C] gate rows, then up rows
+    nw_ptr,  # [C] post-attention RMSNorm weight
+    wd_ptr,  # [C, I] down_proj weight
+    act_ptr,  # [M, I] silu(gate) * up: written by phase 1, read by phase 2
+    y_ptr,  # [M, C] x + act @ Wd^T
+    xn_ptr,  # [M, C] normalised x (written when STORE_XN)
+    sync_ptr,  # int32 [3] grid-barrier counters (PHASE 0)
+    M,
+    C,
+    I,
+    n_steps_d,  # cdiv(I, BK_D)
+    eps,
+    max_spin,
+    BLOCK_M: tl.constexpr,
+    BN_GU: tl.constexpr,  # gate/up row pairs per unit
+    BK_GU: tl.constexpr,  # >= C: gate/up in one K step
+    BN_D: tl.constexpr,  # down rows per unit
+    BK_D: tl.constexpr,
+    STORE_XN: tl.constexpr,
+    RNE: tl.constexpr,
+    PHASE: tl.constexpr,  # 0: both phases with a grid barrier between; 1 / 2: that phase alone (a launch each)
+    PDL: tl.constexpr,
+):
+    """The decoder MLP in one persistent launch: phase 1 is gemv_gate_up (norm prologue, SwiGLU) over
+    balanced ranges of gate/up row pairs into act; a grid barrier; phase 2 is down_proj + residual over
+    balanced ranges of down rows, reading act past L1. Both phases' first weight tiles are loaded before
+    griddepcontrol.wait, so down's first weights are in flight through gate/up's tail and the barrier
+    instead of after a kernel boundary (a second launch's ramp). Dependents are released after the barrier
+    (every program of this grid is resident by then). Same roundings as the two kernels it replaces."""
+    pid = tl.program_id(0)
+    n_prog = tl.num_programs(0)
+    g0, g1 = _stream_range(pid, n_prog, I, 1, BN_GU)
+    d0, d1 = _stream_range(pid, n_prog, C, n_steps_d, BN_D)
+    if PHASE != 2:
+        g_wa, g_wb = _stream_tile(wgu_ptr, g0, g1, 1, I, C, tl.arange(0, BN_GU), tl.arange(0, BK_GU), BN_GU, BK_GU,
+                                  True)
+    if PHASE != 1:
+        d_wa, d_wb = _stream_tile(wd_ptr, d0, d1, n_steps_d, C, I, tl.arange(0, BN_D), tl.arange(0, BK_D), BN_D, BK_D,
+                                  False)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    if PHASE != 2:
+        _stream_rows(x_ptr, wgu_ptr, wgu_ptr, wgu_ptr, nw_ptr, act_ptr, xn_ptr, M, I, C, 1, eps, g0, g1, g_wa, g_wb,
+                     BLOCK_M, BN_GU, BK_GU, True, False, False, True, STORE_XN, RNE, True, False)
+    if PHASE == 0:
+        _grid_barrier(sync_ptr, n_prog, max_spin)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    if PHASE != 1:
+        _stream_rows(act_ptr, wd_ptr, wd_ptr, x_ptr, wd_ptr, y_ptr, xn_ptr, M, C, I, n_steps_d, eps, d0, d1, d_wa, d_wb,
+                     BLOCK_M, BN_D, BK_D, False, False, True, False, False, RNE, BK_D >= I, PHASE == 0)
 
 
 # ----------------------------------------------------------------------------- launch configs
@@ -801,6 +895,67 @@ def gemv_gate_up_launch(x, weight, norm_weight=None, eps=1e-6, store_xn=False, c
         **launch.pdl_options(pdl),
     )
     return y, xn
+
+
+MLP_MAX_SPIN = 1 << 16  # grid-barrier polls (~1 us each: ~65 ms) before a program gives up and counts a timeout
+
+
+def mlp_config(M, C, I, dtype):
+    """The fused MLP's tuned config (keys BN_GU, BK_GU, BN_D, BK_D, PPS, num_warps) for this shape, or
+    None: the fused kernel has no heuristic default; untuned shapes keep the two kernels."""
+    if M > MAX_FMA_ROWS:
+        return None
+    found = launch.config("gemv_mlp", launch.config_key(m=_block_m(M), c=C, i=I, dtype=launch.dtype_tag(dtype)), {})
+    return found or None
+
+
+def gemv_mlp_launch(x, w_gate_up, norm_weight, w_down, sync, eps=1e-6, store_xn=False, cfg=None, pdl=False):
+    """The decoder MLP, x + down(silu(gate(rms_norm(x))) * up(rms_norm(x))), in one persistent launch
+    (gemv_mlp_kernel). x [M <= 2, C]; w_gate_up [2I, C]; norm_weight [C]; w_down [C, I]; sync int32 [3],
+    zeros (the grid barrier's counters, re-armed by each launch; sync[2] counts barrier timeouts, which
+    check_mlp_sync turns into an error). All contiguous. Returns (y [M, C], act [M, I], xn [M, C] or None).
+    Under the interpreter (programs run one after another: no barrier can hold) or with cfg "SPLIT" the
+    two phases are two launches of the same kernel."""
+    M, C = x.shape
+    inter = w_down.shape[1]
+    flags = _flags(x.dtype, M)
+    if flags["USE_DOT"]:
+        raise ValueError(f"the fused MLP kernel takes at most {MAX_FMA_ROWS} rows of x, got {M}")
+    cfg = cfg or mlp_config(M, C, inter, x.dtype)
+    if cfg is None:
+        raise ValueError(f"no fused-MLP config for M={M} C={C} I={inter} {x.dtype} on {_runtime.arch()}")
+    if cfg["BK_GU"] < C:
+        raise ValueError(f"BK_GU ({cfg['BK_GU']}) must cover C = {C} (gate/up run in one K step)")
+    act = new_output((M, inter), x.dtype, x.device)
+    y = new_output((M, C), x.dtype, x.device)
+    xn = new_output((M, C), x.dtype, x.device) if store_xn else None
+    e = x.element_size()
+    nbytes = e * (3 * inter * C + 3 * M * C + 2 * M * inter + C + (M * C if store_xn else 0))
+    args = (x, w_gate_up, norm_weight, w_down, act, y, xn if xn is not None else x, sync, M, C, inter,
+            triton.cdiv(inter, cfg["BK_D"]), float(eps), MLP_MAX_SPIN)
+    kw = dict(BLOCK_M=flags["BLOCK_M"], BN_GU=cfg["BN_GU"], BK_GU=cfg["BK_GU"], BN_D=cfg["BN_D"], BK_D=cfg["BK_D"],
+              STORE_XN=store_xn, RNE=flags["RNE"], num_warps=cfg["num_warps"], num_stages=1, **launch.pdl_options(pdl))
+    units = max(triton.cdiv(inter, cfg["BN_GU"]), triton.cdiv(C, cfg["BN_D"]))
+    if _runtime.INTERPRET or cfg.get("SPLIT"):
+        grid = (min(units, int(cfg["PPS"]) * _runtime.num_sms()),)
+        launch.launch("gemv_mlp", gemv_mlp_kernel, grid, *args, nbytes=nbytes, PHASE=1, **kw)
+        launch.launch("gemv_mlp", gemv_mlp_kernel, grid, *args, nbytes=nbytes, PHASE=2, **kw)
+    else:
+        kw["PHASE"] = 0
+        per_sm = launch.resident_programs(gemv_mlp_kernel, args, kw)
+        if per_sm < 1:
+            raise RuntimeError(f"the fused MLP kernel does not fit on an SM at {cfg}")
+        grid = (min(units, min(int(cfg["PPS"]), per_sm) * _runtime.num_sms()),)
+        launch.launch("gemv_mlp", gemv_mlp_kernel, grid, *args, nbytes=nbytes, **kw)
+    return y, act, xn
+
+
+def check_mlp_sync(sync):
+    """Raise if a fused-MLP launch's grid barrier timed out (its outputs are then wrong). Synchronises."""
+    timeouts = int(sync[2].item())
+    if timeouts:
+        raise RuntimeError(f"the fused MLP kernel's grid barrier timed out in {timeouts} program(s): its grid was "
+                           "not resident at once (another kernel holding the SMs?); its outputs are invalid")
 
 
 # ----------------------------------------------------------------------------- validation
