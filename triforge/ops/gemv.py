@@ -639,9 +639,11 @@ def _grid_barrier(sync_ptr, n_prog, max_spin):
     tl.debug_barrier()  # this program's stores (every thread's) precede its arrival
     n = tl.atomic_add(sync_ptr, 1, sem="release", scope="gpu") + 1
     spins = 0
+    # poll with plain (volatile) loads: polling atomics would queue behind the arrivals on the same address
     while (n < n_prog) & (spins < max_spin):
-        n = tl.atomic_add(sync_ptr, 0, sem="acquire", scope="gpu")
+        n = tl.load(sync_ptr, volatile=True)
         spins += 1
+    n = tl.atomic_add(sync_ptr, 0, sem="acquire", scope="gpu")  # one acquire: synchronises with every arrival
     if n < n_prog:
         tl.atomic_add(sync_ptr + 2, 1, sem="relaxed", scope="gpu")
     left = tl.atomic_add(sync_ptr + 1, 1, sem="acq_rel", scope="gpu")
@@ -679,10 +681,11 @@ def gemv_mlp_kernel(
 ):
     """The decoder MLP in one persistent launch: phase 1 is gemv_gate_up (norm prologue, SwiGLU) over
     balanced ranges of gate/up row pairs into act; a grid barrier; phase 2 is down_proj + residual over
-    balanced ranges of down rows, reading act past L1. Both phases' first weight tiles are loaded before
-    griddepcontrol.wait, so down's first weights are in flight through gate/up's tail and the barrier
-    instead of after a kernel boundary (a second launch's ramp). Dependents are released after the barrier
-    (every program of this grid is resident by then). Same roundings as the two kernels it replaces."""
+    balanced ranges of down rows, reading act past L1. Gate/up's first tiles are loaded before
+    griddepcontrol.wait, down's first tiles right after phase 1, so they are in flight through gate/up's
+    tail and the barrier instead of after a kernel boundary (a second launch's ramp). Dependents are
+    released after the barrier (every program of this grid is resident by then). Same roundings as the
+    two kernels it replaces."""
     pid = tl.program_id(0)
     n_prog = tl.num_programs(0)
     g0, g1 = _stream_range(pid, n_prog, I, 1, BN_GU)
@@ -690,14 +693,14 @@ def gemv_mlp_kernel(
     if PHASE != 2:
         g_wa, g_wb = _stream_tile(wgu_ptr, g0, g1, 1, I, C, tl.arange(0, BN_GU), tl.arange(0, BK_GU), BN_GU, BK_GU,
                                   True)
-    if PHASE != 1:
-        d_wa, d_wb = _stream_tile(wd_ptr, d0, d1, n_steps_d, C, I, tl.arange(0, BN_D), tl.arange(0, BK_D), BN_D, BK_D,
-                                  False)
     if PDL:
         tl.extra.cuda.gdc_wait()
     if PHASE != 2:
         _stream_rows(x_ptr, wgu_ptr, wgu_ptr, wgu_ptr, nw_ptr, act_ptr, xn_ptr, M, I, C, 1, eps, g0, g1, g_wa, g_wb,
                      BLOCK_M, BN_GU, BK_GU, True, False, False, True, STORE_XN, RNE, True, False)
+    if PHASE != 1:  # (after phase 1: not held in registers through it)
+        d_wa, d_wb = _stream_tile(wd_ptr, d0, d1, n_steps_d, C, I, tl.arange(0, BN_D), tl.arange(0, BK_D), BN_D, BK_D,
+                                  False)
     if PHASE == 0:
         _grid_barrier(sync_ptr, n_prog, max_spin)
     if PDL:
