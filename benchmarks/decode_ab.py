@@ -5,7 +5,7 @@ issue's benchmark, so the cache holds 512 rows and the split heuristic gives 2 s
 A variant sets engine attributes and launch configs:
 - pre:        the multi-K-step GEMV (down_proj, K = 4864) loads its first weight step before griddepcontrol.wait
 - splits:     forced KV splits (0: the heuristic; 1: the split kernel writes o and lse itself, no merge launch)
-- cfg:        launch configs patched in: {kernel: {key: config}}
+- cfg:        launch configs patched in: {(kernel, key): config}
 
 Each variant: steps/s of the plain step graph (median of 5 x 50 replays, CUDA events, same cache length) and
 tokens/s of generate() itself (median of 3 timed calls, as benchmarks/qwen2_decode.py times it); tokens are
@@ -54,7 +54,8 @@ def main():
         engine._states.clear()  # a fresh state: the graphs are re-captured with the current options
         out = engine.generate(ids, args.new)
         torch.cuda.synchronize()
-        sps = replay_steps_per_s(next(iter(engine._states.values())).graph, args.runs)
+        st = next(iter(engine._states.values()))
+        sps = replay_steps_per_s(st.graph, args.runs, state=st)
         gen = []
         for _ in range(3):
             torch.cuda.synchronize()
@@ -65,9 +66,12 @@ def main():
         return out, sps, args.new / statistics.median(gen)
 
     gu_key = G._config_key(1, 2 * I, C, torch.bfloat16)
+    o_key = G._config_key(1, C, C, torch.bfloat16)
+    mlp_key = launch.config_key(m=1, c=C, i=I, dtype=launch.dtype_tag(torch.bfloat16))
     sp_key = dec._split_key(64, torch.bfloat16, 16)
     base_cfg = {
         ("gemv", key): dict(G._config("plain", 1, C, I, torch.bfloat16)),
+        ("gemv", o_key): dict(G._config("plain", 1, C, C, torch.bfloat16)),
         ("gemv_gate_up", gu_key): dict(G._config("gate_up", 1, 2 * I, C, torch.bfloat16)),
         ("flash_decode_split", sp_key): dict(dec._split_config(64, torch.bfloat16, 16)),
     }
@@ -75,18 +79,27 @@ def main():
     def setup(v, patch=None):
         for (kernel, k), cfg in base_cfg.items():
             table.setdefault(kernel, {})[k] = dict(cfg)
-        table["gemv"][key]["PRE"] = int(v.get("pre", 1))
-        for (kernel, k), cfg in (patch or {}).items():
+        table.setdefault("gemv_mlp", {}).pop(mlp_key, None)
+        if "pre" in v:
+            table["gemv"][key]["PRE"] = int(v["pre"])
+        for (kernel, k), cfg in list(v.get("cfg", {}).items()) + list((patch or {}).items()):
             table.setdefault(kernel, {})[k] = dict(cfg)
         engine._num_splits = v.get("splits", 0)
 
+    # session 12's one-shot configs against this session's persistent streaming ones (the table's), and the
+    # fused MLP (one launch, grid barrier)
+    one_shot = {("gemv", key): {"BLOCK_N": 2, "BLOCK_K": 2048, "num_warps": 8, "num_stages": 2},
+                ("gemv", o_key): {"BLOCK_N": 1, "BLOCK_K": 2048, "num_warps": 4, "num_stages": 2},
+                ("gemv_gate_up", gu_key): {"BLOCK_N": 2, "BLOCK_K": 1024, "num_warps": 4, "num_stages": 1}}
+    stream_no_gu = {k: c for k, c in one_shot.items() if k[0] == "gemv_gate_up"}
+    fused = {("gemv_mlp", mlp_key): {"BN_GU": 2, "BK_GU": 1024, "BN_D": 2, "BK_D": 2048, "PPS": 4, "num_warps": 4}}
     variants = [
-        ("no pre", {"pre": 0}),
-        ("pre", {}),
-        ("pre, splits 1", {"splits": 1}),
-        ("pre, splits 4", {"splits": 4}),
-        ("no pre again", {"pre": 0}),
-        ("pre again", {}),
+        ("one-shot (session 12)", {"cfg": one_shot}),
+        ("stream (table)", {}),
+        ("stream down/o_proj, one-shot gate_up", {"cfg": stream_no_gu}),
+        ("fused MLP", {"cfg": fused}),
+        ("one-shot again", {"cfg": one_shot}),
+        ("stream again", {}),
     ]
     rows, ref, best = [], None, (0.0, None)
     for name, v in variants:
