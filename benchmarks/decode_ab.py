@@ -106,7 +106,8 @@ def main():
         setup(v)
         out, sps, tps = run()
         ref = out if ref is None else ref
-        rows.append({"variant": name, **v, "steps_per_s": sps, "step_us": 1e6 / sps, "generate_tokens_per_s": tps,
+        v_json = {k: ({f"{kk[0]}[{kk[1]}]": c for kk, c in x.items()} if k == "cfg" else x) for k, x in v.items()}
+        rows.append({"variant": name, **v_json, "steps_per_s": sps, "step_us": 1e6 / sps, "generate_tokens_per_s": tps,
                      "tokens_equal_first": bool(torch.equal(out, ref))})
         print(f"{name:<32} replay {sps:7.1f} steps/s ({1e6 / sps:6.1f} us)  generate {tps:7.1f} tok/s  "
               f"tokens_equal_first={rows[-1]['tokens_equal_first']}")

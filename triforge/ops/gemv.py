@@ -35,6 +35,12 @@ Kernels (grid axis 0 over row blocks of W, axis 1 over blocks of M):
   (rotate_half, cos/sin rows of each row's position) on q and k in fp32; q to the output, k and v
   straight into the caches at row ``positions[m]``.
 - ``gemv_gate_up_kernel``: RMSNorm prologue, y = silu(x @ Wg^T) * (x @ Wu^T).
+- ``gemv_stream_kernel`` (cfg "PPS" > 0, M <= 2): either of the two above as a persistent grid of PPS
+  programs per SM, each streaming a balanced range of row blocks with the next tiles prefetched.
+- ``gemv_mlp_kernel`` (``gemv_mlp_launch``; used by the engine only where a "gemv_mlp" config exists):
+  gate/up + SwiGLU, a grid barrier, down + residual in one persistent launch.
+Both are opt-in. In the Qwen2.5-0.5B decode step on the H100 (benchmarks/decode_ab.py, session 13) they
+were slower than the one-shot kernels: 1389 (stream) and 1268 (fused MLP) against 1408 generate tokens/s.
 
 The RMSNorm prologue (Qwen2RMSNorm numerics: rstd in fp32, xn = round(w * round(x * rstd))) costs
 one extra pass over x per program (M * K elements from L2, against BLOCK_N * K weight elements from
