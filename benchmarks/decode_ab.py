@@ -22,11 +22,9 @@ import time
 
 import torch
 
-from decode_tune import replay_steps_per_s  # noqa: E402  (this script runs from benchmarks/)
-from qwen2_decode import build_model  # noqa: E402
+from decode_tune import replay_engine, setup_engine  # noqa: E402  (this script runs from benchmarks/)
 
 from triforge import _runtime, launch  # noqa: E402
-from triforge.models.qwen2 import Qwen2Engine  # noqa: E402
 from triforge.ops import gemv as G  # noqa: E402
 from triforge.ops.attention import decode as dec  # noqa: E402
 
@@ -43,19 +41,14 @@ def main():
                    "tokens/s, if it beats the current by more than 0.5%%) in triforge/configs/<arch>.json")
     args = p.parse_args()
     _runtime.require_gpu("benchmarks/decode_ab.py")
-    model = build_model(24, 0)
-    engine = Qwen2Engine.from_hf(model, max_seq_len=4096)
-    ids = torch.randint(0, model.config.vocab_size, (1, 16), device="cuda",
-                        generator=torch.Generator("cuda").manual_seed(1))
-    table = launch._table(_runtime.arch())
+    engine, ids, table = setup_engine()
     key = G._config_key(1, C, I, torch.bfloat16)
 
     def run():
         engine._states.clear()  # a fresh state: the graphs are re-captured with the current options
         out = engine.generate(ids, args.new)
         torch.cuda.synchronize()
-        st = next(iter(engine._states.values()))
-        sps = replay_steps_per_s(st.graph, args.runs, state=st)
+        sps = replay_engine(engine, args.runs)
         gen = []
         for _ in range(3):
             torch.cuda.synchronize()

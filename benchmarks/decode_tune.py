@@ -100,6 +100,21 @@ def replay_steps_per_s(graph, runs, per_run=50, warmup=20, state=None):
     return 1e3 / statistics.median(times)
 
 
+def replay_engine(engine, runs):
+    """replay_steps_per_s of the engine's (only) captured decode-step graph, from its state's positions."""
+    st = next(iter(engine._states.values()))
+    return replay_steps_per_s(st.graph, runs, state=st)
+
+
+def setup_engine():
+    """The Qwen2.5-0.5B-sized engine (24 layers, bf16, random weights), a 16-token prompt, and the loaded
+    launch-config table (a dict: candidates are patched into it in place)."""
+    model = build_model(24, 0)
+    engine = Qwen2Engine.from_hf(model, max_seq_len=4096)
+    ids = torch.randint(0, model.config.vocab_size, (1, 16), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    return engine, ids, launch._table(_runtime.arch())
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--json")
@@ -111,17 +126,13 @@ def main():
                    "down, o_proj) instead of the one-shot kernels'")
     args = p.parse_args()
     _runtime.require_gpu("benchmarks/decode_tune.py")
-    model = build_model(24, 0)
-    engine = Qwen2Engine.from_hf(model, max_seq_len=4096)
-    ids = torch.randint(0, model.config.vocab_size, (1, 16), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
-    table = launch._table(_runtime.arch())  # the loaded configs (a dict), patched in place per candidate
+    engine, ids, table = setup_engine()
 
     def run():
         engine._states.clear()  # a fresh state: the graph is re-captured with the current configs
         out = engine.generate(ids, args.new)
         torch.cuda.synchronize()
-        st = next(iter(engine._states.values()))
-        return out, replay_steps_per_s(st.graph, args.runs, state=st)
+        return out, replay_engine(engine, args.runs)
 
     ref, tps0 = run()
     rows = [{"role": "baseline", "tokens_per_s": tps0}]

@@ -153,6 +153,21 @@ def _norm_chunk(b_x, b_rstd, nw_ptr, o_k, m_k, DT: tl.constexpr, RNE: tl.constex
 
 
 @triton.jit
+def _x_rstd(x_ptr, o_xm, o_k0, m_m, K, eps, BLOCK_K: tl.constexpr, CG: tl.constexpr):
+    """RMSNorm's fp32 1 / rms of each row of x [BLOCK_M, K], in one pass over K in BLOCK_K-wide chunks."""
+    b_ss = tl.zeros([o_xm.shape[0]], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        o_k = k0 + o_k0
+        m_x = m_m[:, None] & (o_k < K)[None, :]
+        if CG:
+            b_x = tl.load(x_ptr + o_xm + o_k[None, :], mask=m_x, other=0.0, cache_modifier=".cg").to(tl.float32)
+        else:
+            b_x = tl.load(x_ptr + o_xm + o_k[None, :], mask=m_x, other=0.0).to(tl.float32)
+        b_ss += tl.sum(b_x * b_x, axis=1)
+    return tl.rsqrt(b_ss / K + eps)
+
+
+@triton.jit
 def _x_chunk(x_ptr, xn_ptr, nw_ptr, write_xn, o_xm, o_k, m_m, K, b_rstd, DT: tl.constexpr, NORM: tl.constexpr,
              STORE_XN: tl.constexpr, RNE: tl.constexpr, CG: tl.constexpr = False):
     """The fp32 x chunk [BLOCK_M, BLOCK_K] at columns o_k, RMSNorm-ed (and stored to xn) when NORM.
@@ -264,13 +279,7 @@ def _gemv_tiles(
             tl.extra.cuda.gdc_launch_dependents()  # the next kernel may start: it waits the same way
         b_rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
         if NORM:
-            b_ss = tl.zeros([BLOCK_M], dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                o_k = k0 + o_k0
-                b_x = tl.load(x_ptr + o_xm + o_k[None, :], mask=m_m[:, None] & (o_k < K)[None, :], other=0.0)
-                b_x = b_x.to(tl.float32)
-                b_ss += tl.sum(b_x * b_x, axis=1)
-            b_rstd = tl.rsqrt(b_ss / K + eps)
+            b_rstd = _x_rstd(x_ptr, o_xm, o_k0, m_m, K, eps, BLOCK_K, False)
         if PDL:
             if PRE:  # the peeled first K step, on the prefetched tiles
                 b_x = _x_chunk(x_ptr, xn_ptr, nw_ptr, write_xn, o_xm, o_k0, m_m, K, b_rstd, DT, NORM, STORE_XN, RNE)
@@ -330,16 +339,7 @@ def gemv_kernel(
         x_ptr, w_ptr, nw_ptr, xn_ptr, i_n == 0, M, K, eps, o_m, o_n, o_n, m_n,
         BLOCK_M, BLOCK_N, BLOCK_K, NORM, False, STORE_XN, USE_DOT, IEEE, RNE, ONE, PDL, PRE,
     )
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + o_n, mask=m_n, other=0.0).to(tl.float32)[None, :]
-    b_y = _rne_bf16(acc) if RNE else acc.to(DT).to(tl.float32)
-    o_mn = o_m.to(tl.int64)[:, None] * N + o_n[None, :]
-    m_mn = m_m[:, None] & m_n[None, :]
-    if HAS_RESIDUAL:
-        b_r = tl.load(r_ptr + o_mn, mask=m_mn, other=0.0).to(tl.float32)
-        b_y = b_y + b_r
-        b_y = _rne_bf16(b_y) if RNE else b_y.to(DT).to(tl.float32)
-    tl.store(y_ptr + o_mn, b_y.to(y_ptr.dtype.element_ty), mask=m_mn)
+    _epilogue(acc, acc, o_n, o_m, m_m, y_ptr, b_ptr, r_ptr, N, DT, False, HAS_BIAS, HAS_RESIDUAL, RNE)
 
 
 @triton.jit
@@ -469,14 +469,7 @@ def gemv_gate_up_kernel(
         x_ptr, w_ptr, nw_ptr, xn_ptr, i_n == 0, M, C, eps, o_m, o_n, o_n + I, m_n,
         BLOCK_M, BLOCK_N, BLOCK_K, NORM, True, STORE_XN, USE_DOT, IEEE, RNE, ONE, PDL, PRE,
     )
-    b_g = _rne_bf16(acc_g) if RNE else acc_g.to(DT).to(tl.float32)
-    b_u = _rne_bf16(acc_u) if RNE else acc_u.to(DT).to(tl.float32)
-    b_act = b_g * tl.sigmoid(b_g)
-    b_act = _rne_bf16(b_act) if RNE else b_act.to(DT).to(tl.float32)
-    b_y = b_act * b_u
-    b_y = _rne_bf16(b_y) if RNE else b_y.to(DT).to(tl.float32)
-    o_mn = o_m.to(tl.int64)[:, None] * I + o_n[None, :]
-    tl.store(y_ptr + o_mn, b_y.to(y_ptr.dtype.element_ty), mask=m_m[:, None] & m_n[None, :])
+    _epilogue(acc_g, acc_u, o_n, o_m, m_m, y_ptr, y_ptr, y_ptr, I, DT, True, False, False, RNE)
 
 
 @triton.jit
@@ -508,30 +501,40 @@ def _stream_tile(w_ptr, j, j1, n_steps, N, K, o_b, o_k0, BLOCK_N: tl.constexpr, 
 
 
 @triton.jit
-def _stream_store(acc_a, acc_b, u, o_b, o_m, m_m, y_ptr, b_ptr, r_ptr, N, BLOCK_N: tl.constexpr, DT: tl.constexpr,
-                  GATE_UP: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, RNE: tl.constexpr):
-    """Unit u's outputs from its [BLOCK_M, BLOCK_N, BLOCK_K] product sums, rounded where gemv_kernel
-    (projection + bias, then + residual) or gemv_gate_up_kernel (gate, up, silu(gate), product) round."""
-    o_n = u * BLOCK_N + o_b
+def _epilogue(b_a, b_b, o_n, o_m, m_m, y_ptr, b_ptr, r_ptr, N, DT: tl.constexpr, GATE_UP: tl.constexpr,
+              HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, RNE: tl.constexpr):
+    """Outputs [BLOCK_M, BLOCK_N] at columns o_n from the fp32 projections, rounded where the eager model
+    rounds: plain, round(round(b_a + bias) + residual); GATE_UP (b_b: up), round(round(silu(round(b_a))) *
+    round(b_b))."""
     m_n = o_n < N
     o_mn = o_m.to(tl.int64)[:, None] * N + o_n[None, :]
     m_mn = m_m[:, None] & m_n[None, :]
-    b_a = tl.sum(acc_a, axis=2)
     if HAS_BIAS:
         b_a += tl.load(b_ptr + o_n, mask=m_n, other=0.0).to(tl.float32)[None, :]
     b_a = _rne_bf16(b_a) if RNE else b_a.to(DT).to(tl.float32)
     if GATE_UP:
-        b_u = tl.sum(acc_b, axis=2)
-        b_u = _rne_bf16(b_u) if RNE else b_u.to(DT).to(tl.float32)
+        b_u = _rne_bf16(b_b) if RNE else b_b.to(DT).to(tl.float32)
         b_act = b_a * tl.sigmoid(b_a)
         b_act = _rne_bf16(b_act) if RNE else b_act.to(DT).to(tl.float32)
         b_y = b_act * b_u
+        b_y = _rne_bf16(b_y) if RNE else b_y.to(DT).to(tl.float32)
     else:
         b_y = b_a
         if HAS_RESIDUAL:
             b_y += tl.load(r_ptr + o_mn, mask=m_mn, other=0.0).to(tl.float32)
-    b_y = _rne_bf16(b_y) if RNE else b_y.to(DT).to(tl.float32)
+            b_y = _rne_bf16(b_y) if RNE else b_y.to(DT).to(tl.float32)
     tl.store(y_ptr + o_mn, b_y.to(y_ptr.dtype.element_ty), mask=m_mn)
+
+
+@triton.jit
+def _stream_store(acc_a, acc_b, u, o_b, o_m, m_m, y_ptr, b_ptr, r_ptr, N, BLOCK_N: tl.constexpr, DT: tl.constexpr,
+                  GATE_UP: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, RNE: tl.constexpr):
+    """Unit u's outputs from its [BLOCK_M, BLOCK_N, BLOCK_K] product sums (_epilogue's roundings)."""
+    b_a = tl.sum(acc_a, axis=2)
+    b_b = b_a
+    if GATE_UP:
+        b_b = tl.sum(acc_b, axis=2)
+    _epilogue(b_a, b_b, u * BLOCK_N + o_b, o_m, m_m, y_ptr, b_ptr, r_ptr, N, DT, GATE_UP, HAS_BIAS, HAS_RESIDUAL, RNE)
 
 
 @triton.jit
@@ -561,12 +564,7 @@ def _stream_rows(x_ptr, w_ptr, b_ptr, r_ptr, nw_ptr, y_ptr, xn_ptr, M, N, K, n_s
     else:
         b_x1 = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
         if NORM:
-            b_ss = tl.zeros([BLOCK_M], dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                b_x = _x_chunk(x_ptr, xn_ptr, nw_ptr, False, o_xm, k0 + o_k0, m_m, K, b_rstd, DT, False, False, RNE,
-                               CG)
-                b_ss += tl.sum(b_x * b_x, axis=1)
-            b_rstd = tl.rsqrt(b_ss / K + eps)
+            b_rstd = _x_rstd(x_ptr, o_xm, o_k0, m_m, K, eps, BLOCK_K, CG)
     acc_a = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc_b = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
     for j in range(j0, j1):
