@@ -3,6 +3,7 @@
 Prefill, cached decode, gradients, input validation, and the drop-in into a whole Qwen3Next model.
 """
 
+import contextlib
 import copy
 import inspect
 
@@ -13,6 +14,7 @@ from triforge import _runtime
 from triforge.launch import poisoned
 from triforge.nn import GatedDeltaNet
 from triforge.nn.deltanet import GatedDeltaNetCache, HFGatedDeltaNet, RMSNormGated, patch_hf_gated_deltanet
+from triforge.ops.deltanet.reference import STORE_C
 from triforge.testing import Tolerance, compare
 
 transformers = pytest.importorskip("transformers")
@@ -31,6 +33,11 @@ BF16_INTERPRETER = Tolerance(rel_rms=2e-2, atol=1e-1, rtol=1e-1)
 # two bf16 layers (HF's upcasts the recurrence to fp32, the kernels feed bf16 to their dots) differ by
 # about the sum of their errors
 BF16_VS_FP32 = Tolerance(rel_rms=3e-2, atol=2e-1, rtol=2e-1)
+# the same judged per element by bf16_error_scale: the default bound halved, plus STORE_C x the change bf16
+# rounding makes to the element (seed sweep, 80 x 2 backends: worst element 0.58 of this bound for ours
+# and for HF's bf16 run; under BF16_VS_FP32 alone 0.65-0.96, one run in ~50 over)
+BF16_DITHERED = Tolerance(rel_rms=3e-2, atol=1e-1, rtol=1e-1)
+BF16_U = 2.0 ** -8  # round to nearest in bf16 moves a value by at most this relative amount
 
 
 @pytest.fixture(autouse=True)
@@ -60,6 +67,77 @@ def _randomize(layer, gen: torch.Generator) -> None:
         layer.A_log.copy_(torch.empty(nv).uniform_(0.02, 0.5, generator=gen).log())
         layer.dt_bias.copy_(0.5 * torch.randn(nv, generator=gen))
         layer.norm.weight.copy_(1 + 0.2 * torch.randn(layer.norm.weight.shape, generator=gen))
+
+
+@contextlib.contextmanager
+def _bf16_dither(layer, gen):
+    """Run the fp32 ``layer`` with each point a bf16 run rounds scaled by (1 + u 2^-8), u uniform in [-1, 1]
+    per element: the input, both projections, the conv output, the recurrence's q, k, v and output (chunked
+    and token by token), the gated norm's output."""
+    def d(t):
+        u = torch.rand(t.shape, generator=gen, dtype=torch.float64) * 2 - 1
+        return t * (1 + BF16_U * u).to(t.device, t.dtype)
+
+    hooks = [layer.register_forward_pre_hook(lambda m, args: (d(args[0]), *args[1:]))]
+    hooks += [mod.register_forward_hook(lambda m, args, out: d(out))
+              for mod in (layer.in_proj_qkvz, layer.in_proj_ba, layer.norm)]
+    saved = {n: getattr(qwen3_next, n) for n in ("causal_conv1d_fn", "causal_conv1d_update",
+                                                 "torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule")}
+
+    def conv(fn):
+        return lambda *args, **kw: d(fn(*args, **kw))
+
+    def rule(fn):
+        def run(query, key, value, **kw):
+            o, state = fn(d(query), d(key), d(value), **kw)
+            return d(o), state
+        return run
+
+    for n, fn in saved.items():
+        setattr(qwen3_next, n, conv(fn) if n.startswith("causal") else rule(fn))
+    try:
+        yield
+    finally:
+        for h in hooks:
+            h.remove()
+        for n, fn in saved.items():
+            setattr(qwen3_next, n, fn)
+
+
+def bf16_error_scale(run, layer, exact, gen, draws=3):
+    """Per-element error scale of a bf16 run of ``run(layer)`` (``compare``'s ``scale``), from the fp32 layer:
+    rms(exact) + (STORE_C / atol) x the largest change over ``draws`` dithered runs (_bf16_dither). Where an
+    output cancels or a head's norm input is small against its terms (the gated RMSNorm divides by it), bf16
+    rounding moves the element by far more than its own size: HF's bf16 run and ours both miss the default
+    bound there now and then (the same elements); the change is of that size, so the bound follows it."""
+    change = None
+    with torch.no_grad():
+        for _ in range(draws):
+            with _bf16_dither(layer, gen):
+                c = (run(layer) - exact).abs()
+            change = c if change is None else torch.maximum(change, c)
+    rms = float(exact.double().square().mean().sqrt())
+    return rms + (STORE_C / BF16_DITHERED.atol) * change.double()
+
+
+def _rel(ref, got):
+    return float((got.double() - ref.double()).norm() / ref.double().norm())
+
+
+def _assert_bf16_like_hf(name, exact, want, got, scale):
+    """ours (got) and HF's bf16 run (want) against the fp32 layer (exact) under bf16_error_scale; HF's run
+    passing checks the model itself. ours is about as accurate as HF's run overall, and the bound is no
+    blanket: an error of 2x the bound at the best-conditioned element fails."""
+    assert compare(f"{name}: ours vs HF bf16", want, got, tol=BF16_DITHERED, scale=scale).ok
+    assert compare(f"{name}: HF bf16 vs fp32", exact, want, tol=BF16_DITHERED, scale=scale).ok
+    assert compare(f"{name}: ours vs fp32", exact, got, tol=BF16_DITHERED, scale=scale).ok
+    assert _rel(exact, got) <= 1.5 * _rel(exact, want) + 1e-3
+    bound = BF16_DITHERED.atol * scale + BF16_DITHERED.rtol * exact.double().abs()
+    i = int(scale.argmin())
+    planted = got.clone().flatten()
+    planted[i] = exact.flatten()[i] + 2 * bound.flatten()[i].to(exact.dtype)
+    assert not compare(f"{name}: planted error", exact, planted.view_as(got), tol=BF16_DITHERED, scale=scale,
+                       verbose=False).ok
 
 
 def _pair(backend, device, dtype, gen):
@@ -131,15 +209,12 @@ def test_prefill_matches_hf_bf16(backend, device, gen):
     x = _x(2, 70, device, torch.float32, gen)
     with torch.no_grad():
         exact = hf(x)
+        scale = bf16_error_scale(lambda layer: layer(x), hf, exact, gen)
         hf_bf16, ours_bf16 = hf.to(torch.bfloat16), ours.to(torch.bfloat16)
         want = hf_bf16(x.bfloat16())
         got, _ = ours_bf16(x.bfloat16())
     assert got.dtype == torch.bfloat16
-    assert compare("bf16 ours vs HF bf16", want, got, tol=BF16_VS_FP32).ok
-    # about as accurate as HF's own bf16 run, both measured against fp32
-    err_hf = compare("bf16 HF vs fp32", exact, want, tol=BF16_VS_FP32)
-    err_ours = compare("bf16 ours vs fp32", exact, got, tol=BF16_VS_FP32)
-    assert err_ours.ok and err_ours.rel_rms <= 1.5 * err_hf.rel_rms + 1e-3
+    _assert_bf16_like_hf("bf16 prefill", exact, want, got, scale)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -326,19 +401,20 @@ def test_real_size_layer_bf16_matches_hf(gen):
     ours.load_state_dict(hf.state_dict())
     P, steps = 1000, 4
     x = torch.randn(2, P + steps, 2048, generator=gen).cuda()
-    cache_exact, cache_hf = DynamicCache(config=cfg), DynamicCache(config=cfg)
+
+    def prefill_and_decode(layer, dtype=torch.float32):
+        cache = DynamicCache(config=cfg)
+        out = [layer(x[:, :P].to(dtype), cache_params=cache)]
+        out += [layer(x[:, t:t + 1].to(dtype), cache_params=cache) for t in range(P, P + steps)]
+        return torch.cat(out, 1)
+
     with torch.no_grad():
-        exact = [hf(x[:, :P], cache_params=cache_exact)]
-        exact += [hf(x[:, t:t + 1], cache_params=cache_exact) for t in range(P, P + steps)]
-        hf_bf16 = hf.to(torch.bfloat16)
-        want = [hf_bf16(x[:, :P].bfloat16(), cache_params=cache_hf)]
-        want += [hf_bf16(x[:, t:t + 1].bfloat16(), cache_params=cache_hf) for t in range(P, P + steps)]
+        exact = prefill_and_decode(hf)
+        scale = bf16_error_scale(prefill_and_decode, hf, exact, gen)
+        want = prefill_and_decode(hf.to(torch.bfloat16), torch.bfloat16)
         out, cache = ours(x[:, :P].bfloat16(), use_cache=True)
         got = [out]
         for t in range(P, P + steps):
             out, cache = ours(x[:, t:t + 1].bfloat16(), cache=cache)
             got.append(out)
-    exact, want, got = torch.cat(exact, 1), torch.cat(want, 1), torch.cat(got, 1)
-    err_hf = compare("real size: HF bf16 vs fp32", exact, want, tol=BF16_VS_FP32)
-    err_ours = compare("real size: ours bf16 vs fp32", exact, got, tol=BF16_VS_FP32)
-    assert err_ours.ok and err_ours.rel_rms <= 1.5 * err_hf.rel_rms + 1e-3
+    _assert_bf16_like_hf("real size", exact, want, torch.cat(got, 1), scale)
