@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call on the lent GPU: compiled tests, sanitizer, peaks, tuning, benchmark, report.
-#   benchmarks/gpu.sh [STEP...]   steps: tests realtier sanitize tune bench attnprobe scripts ncu qwen2 (default: tests sanitize tune bench)
+#   benchmarks/gpu.sh [STEP...]   steps: tests realtier sanitize tune tunelist bench attnprobe scripts ncu qwen2 (default: tests sanitize tune bench)
 # Each step runs under a time limit (TESTS_S, REAL_S, SANITIZE_S, TUNE_S, BENCH_S, QWEN2_S seconds) so one
 # call fits the lease. Selection:
 #   TESTS="tests/x.py ..."  files for the tests step (run with pytest-xdist, TEST_WORKERS processes, when installed)
@@ -71,6 +71,13 @@ for step in $STEPS; do
         done
       done
       ;;
+    tunelist)  # TUNE_LIST="kernel:B=1,T=32768 kernel2:M=4096 ...": each kernel at its own shape (written, as tune)
+      ti=0
+      for kv in ${TUNE_LIST:-}; do
+        ti=$((ti + 1)); k=${kv%%:*}; shape=${kv#*:}
+        if [ $SECONDS -ge "${TUNE_S:-300}" ]; then echo "tunelist: time is up, $k ($shape) not tuned"; continue; fi
+        python3 -m triforge tune "$k" --shape "$shape" --write --top 3 --json "$OUT/tune-$k-$ti.json" 2>&1 | tail -5
+      done ;;
     bench)
       f="$OUT/bench-$(date -u +%Y-%m-%d)-$TRIFORGE_COMMIT.json"
       timeout "${BENCH_S:-420}" python3 -m triforge bench $OPS --json "$f" > "$OUT/bench.log" 2>&1 || status=1

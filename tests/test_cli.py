@@ -34,6 +34,16 @@ def test_tune_list(capsys):
     assert "rms_norm_fwd" in capsys.readouterr().out
 
 
+def test_tune_targets_a_kernel_alone_or_a_family():
+    from triforge.cli import tune_targets
+
+    assert tune_targets("gated_delta_rule_fwd_h") == ["gated_delta_rule_fwd_h"]  # not also ..._fwd_h_o
+    family = tune_targets("gated_delta_rule_fwd")
+    assert {"gated_delta_rule_fwd_h", "gated_delta_rule_fwd_h_o", "gated_delta_rule_fwd_intra"} <= set(family)
+    assert not any(k.startswith("gated_delta_rule_bwd") for k in family)
+    assert tune_targets("gated_del") == []  # a family prefix ends where a name has an underscore
+
+
 def test_check_dump_then_compare_dumps(tmp_path, capsys):
     assert main(["check", "rms_norm", "--dtype", "bf16", "--tier", "tiny", "--dump", str(tmp_path)]) == 0
     ref, got = tmp_path / "rms_norm-bfloat16" / "ref", tmp_path / "rms_norm-bfloat16" / "got"

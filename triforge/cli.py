@@ -126,13 +126,23 @@ def cmd_tune(args) -> int:
             console.print(f"{name}: shape {list(t.shape_names)} (default {t.default_shape}), space {t.space}")
         return 0
     _runtime.require_gpu("triforge tune")
-    kernels = [k for k in tune.all_tunables() if k == args.kernel or k.startswith(args.kernel + "_")]
+    kernels = tune_targets(args.kernel)
     if not kernels:
         raise KeyError(f"unknown tunable kernel or family {args.kernel!r}; known: {', '.join(tune.all_tunables())}")
     status = 0
     for name in kernels:
         status |= _tune_one(args, tune.get(name))
     return status
+
+
+def tune_targets(name: str) -> list[str]:
+    """The tunables ``triforge tune NAME`` runs: NAME alone where it is a kernel (gated_delta_rule_fwd_h, not
+    also gated_delta_rule_fwd_h_o), else every kernel of the family prefix NAME (mhc: mhc_project_fwd, ...)."""
+    from triforge import tune
+
+    if name in tune.all_tunables():
+        return [name]
+    return [k for k in tune.all_tunables() if k.startswith(name + "_")]
 
 
 def _tune_one(args, t) -> int:
@@ -315,7 +325,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.set_defaults(func=cmd_bench)
 
     t = sub.add_parser("tune", help="grid-search a kernel's launch parameters at one shape (GPU only)")
-    t.add_argument("kernel", nargs="?", help="a kernel, or a family prefix (e.g. mhc) to tune each of its kernels")
+    t.add_argument("kernel", nargs="?", help="a kernel (alone), or a family prefix (e.g. mhc) to tune each of its kernels")
     t.add_argument("--shape", help="e.g. M=65536,N=4096 (default: the kernel's default shape)")
     t.add_argument("--dtype", type=_dtype, default="bf16")
     t.add_argument("--top", type=int, default=5)
