@@ -28,7 +28,9 @@ def test_real_tier_parity(op, dtype):
 # kernels apart at the real shape (1.80 vs 2.12 ms at (8, 4096, 16, 32): benchmarks/deltanet_wy_check.py).
 # The Gated DeltaNet intra-chunk kernel spills 32 registers at its fallback (4 warps, 2 stages, bf16, K = V
 # = 128; found by this test on the H100, 2026-11-23; no spill-free config measured yet).
-KNOWN_SPILLS = {"gated_delta_rule_fwd_h_o": 64, "gated_delta_rule_fwd_intra": 32}
+# The Gated DeltaNet backward's dh recurrence spills 2 registers at its tuned config for this shape (3 stages,
+# 1.005 ms, against 1.185 ms spill-free at the 2-stage fallback: results/logs-2026-11-23-session14/call4).
+KNOWN_SPILLS = {"gated_delta_rule_fwd_h_o": 64, "gated_delta_rule_fwd_intra": 32, "gated_delta_rule_bwd_dh": 2}
 
 
 @pytest.mark.parametrize("op", OPS)
