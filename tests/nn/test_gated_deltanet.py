@@ -14,7 +14,7 @@ from triforge import _runtime
 from triforge.launch import poisoned
 from triforge.nn import GatedDeltaNet
 from triforge.nn.deltanet import GatedDeltaNetCache, HFGatedDeltaNet, RMSNormGated, patch_hf_gated_deltanet
-from triforge.ops.deltanet.reference import STORE_C
+from triforge.ops.deltanet.reference import STORE_C, stored_error_scales
 from triforge.testing import Tolerance, compare
 
 transformers = pytest.importorskip("transformers")
@@ -106,18 +106,17 @@ def _bf16_dither(layer, gen):
 
 def bf16_error_scale(run, layer, exact, gen, draws=3):
     """Per-element error scale of a bf16 run of ``run(layer)`` (``compare``'s ``scale``), from the fp32 layer:
-    rms(exact) + (STORE_C / atol) x the largest change over ``draws`` dithered runs (_bf16_dither). Where an
-    output cancels or a head's norm input is small against its terms (the gated RMSNorm divides by it), bf16
+    rms(exact) + (STORE_C / atol) x the largest change over ``draws`` dithered runs (_bf16_dither), by the
+    kernels' own stored_error_scales. Where an output cancels or a head's norm input is small against its terms (the gated RMSNorm divides by it), bf16
     rounding moves the element by far more than its own size: HF's bf16 run and ours both miss the default
     bound there now and then (the same elements); the change is of that size, so the bound follows it."""
-    change = None
-    with torch.no_grad():
+    def dithered():  # each run's hooks and patches are gone before its output is handed on
         for _ in range(draws):
-            with _bf16_dither(layer, gen):
-                c = (run(layer) - exact).abs()
-            change = c if change is None else torch.maximum(change, c)
-    rms = float(exact.double().square().mean().sqrt())
-    return rms + (STORE_C / BF16_DITHERED.atol) * change.double()
+            with torch.no_grad(), _bf16_dither(layer, gen):
+                y = run(layer).double()
+            yield {"y": y}
+
+    return stored_error_scales({"y": exact.double()}, dithered(), BF16_DITHERED.atol, STORE_C)["y"]
 
 
 def _rel(ref, got):
