@@ -532,7 +532,7 @@ for case in json.loads(sys.argv[1]):  # kernel, dtype, K, V, varlen, l2norm[, co
         fn = fwd.chunk_gated_delta_rule_fwd_kernel_intra
         ptrs = {n: "*" + t for n in ("k_ptr", "v_ptr", "w_ptr", "u_ptr", "beta_ptr")}
         ptrs.update({n: "*fp32" for n in ("g_ptr", "gamma_ptr", "t_ptr", "decay_ptr", "a_ptr")})
-        consts = dict(shape, BC=fwd.BC, STORE_T=True, STAGES=False)
+        consts = dict(shape, BC=fwd.BC, STORE_T=True, STAGES=False, V_LATE=bool(cfg.get("V_LATE", 0)))
     elif kernel == "fwd_h":  # unfused, h and v_new stored
         fn = fwd.chunk_gated_delta_rule_fwd_kernel_h
         ptrs = {n: "*" + t for n in ("q_ptr", "k_ptr", "w_ptr", "u_ptr", "h_ptr", "v_new_ptr", "o_ptr")}

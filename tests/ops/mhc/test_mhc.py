@@ -206,13 +206,34 @@ def triton_cdiv(a, b):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("cfg", [
+    {"BLOCK_T": 16, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3},
+    {"BLOCK_T": 16, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3, "TMA": 1},  # descriptors (GPU)
+], ids=["pointers", "tma"])
+def test_project_forward_configs(cfg, dtype, gen, device):
+    """K1 forward at explicit launch configs: 3 token tiles of 16 (the last partial) and K = 160, 2.5 column
+    blocks of 64 (descriptor rows are 16-byte multiples); proj and inv_rms against the float64 reference."""
+    from triforge.ops import mhc as M
+
+    x = _x((40, 160), dtype, gen, device=device)
+    W = _W(40, gen, device=device)
+    p64, i64 = rmsnorm_project_ref(_to64(x), _to64(W), 1e-6)
+    with poisoned():
+        proj, inv = M.project_fwd(x, W, 1e-6, cfg)
+    _assert_ok(compare("proj", p64, proj, dtype=dtype, verbose=False),
+               compare("inv_rms", i64, inv, dtype=dtype, verbose=False))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("cfg", [
     {"BLOCK_T": 16, "BLOCK_K": 16, "num_warps": 4, "num_stages": 1, "programs_per_sm": 1},   # runs span 3-4 blocks
     {"BLOCK_T": 16, "BLOCK_K": 16, "num_warps": 4, "num_stages": 1, "programs_per_sm": 5},   # 1.5 units per run
     {"BLOCK_T": 16, "BLOCK_K": 32, "num_warps": 4, "num_stages": 1, "programs_per_sm": 16},  # more programs than units
     {"BLOCK_T": 16, "BLOCK_K": 32, "num_warps": 4, "num_stages": 3, "programs_per_sm": 2, "TMA": 1},  # descriptors (GPU)
     {"BLOCK_T": 16, "BLOCK_K": 16, "num_warps": 4, "num_stages": 1, "programs_per_sm": 1, "PREFETCH": 1},  # one tile ahead
     {"BLOCK_T": 16, "BLOCK_K": 32, "num_warps": 4, "num_stages": 3, "programs_per_sm": 2, "TMA": 1, "PREFETCH": 1},
-], ids=["span", "split", "capped", "tma", "prefetch", "tma-prefetch"])
+    {"BLOCK_T": 16, "BLOCK_K": 32, "num_warps": 4, "num_stages": 3, "programs_per_sm": 2, "TMA": 2, "PREFETCH": 1},
+    {"BLOCK_T": 16, "BLOCK_K": 32, "num_warps": 4, "num_stages": 3, "programs_per_sm": 2, "TMA": 3},  # all descriptors
+], ids=["span", "split", "capped", "tma", "prefetch", "tma-prefetch", "tma-load-prefetch", "tma-all"])
 def test_project_backward_persistent_runs(cfg, dtype, gen, device):
     """K1 backward at launch configs whose runs start and end inside column blocks (and T, K that are
     not multiples of the tiles): dx and dW against float64 autograd through the reference."""

@@ -86,12 +86,18 @@ def project_fwd(x_flat, W, eps, cfg=None):
     cfg = cfg or _cfg("mhc_project_fwd", K // N_STREAMS, x_flat.dtype)
     proj = new_output((T, W.shape[0]), torch.float32, x_flat.device)
     inv_rms = new_output((T,), torch.float32, x_flat.device)
+    w = W.float().contiguous()
+    # TMA: x and W through tensor descriptors (compiled kernels; rows 16-byte multiples, 16-byte aligned bases)
+    tma = bool(cfg.get("TMA", 0)) and not _runtime.INTERPRET and (K * x_flat.element_size()) % 16 == 0 \
+        and K % 4 == 0 and x_flat.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0
+    if tma:
+        launch.use_tensor_descriptors()
     launch.launch(
         "mhc_project_fwd", mhc_project_fwd_kernel, (triton.cdiv(T, cfg["BLOCK_T"]),),
-        x_flat, W.float().contiguous(), proj, inv_rms, T, K, eps,
+        x_flat, w, proj, inv_rms, T, K, eps,
         nbytes=x_flat.numel() * x_flat.element_size() + T * (W.shape[0] + 1) * 4,
         R=W.shape[0], BLOCK_T=cfg["BLOCK_T"], BLOCK_K=cfg["BLOCK_K"], SPLIT_W=x_flat.dtype != torch.float32,
-        UPCAST=_runtime.INTERPRET and x_flat.dtype == torch.bfloat16, RNE=_runtime.INTERPRET,
+        UPCAST=_runtime.INTERPRET and x_flat.dtype == torch.bfloat16, RNE=_runtime.INTERPRET, TMA=tma,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return proj, inv_rms
@@ -147,8 +153,13 @@ def project_bwd_main(x_flat, a_hi, a_lo, coef, w, cfg):
     dx = new_output((T, K), x_flat.dtype, x_flat.device)
     dw_part = new_output((P, J, R, cfg["BLOCK_K"]), torch.float32, x_flat.device)
     # tensor descriptors: compiled kernels only, rows 16-byte aligned (x and dx are fresh contiguous buffers)
-    tma = bool(cfg.get("TMA", 0)) and not _runtime.INTERPRET and (K * x_flat.element_size()) % 16 == 0 \
-        and x_flat.data_ptr() % 16 == 0
+    # (TMA 1: x and dx through descriptors; 2: x through a descriptor, dx stored from registers; 3: as 1, and
+    # a_hi, a_lo, coef through descriptors: their rows are R elements, 16-byte multiples for R = 32)
+    aligned = not _runtime.INTERPRET and (K * x_flat.element_size()) % 16 == 0 and x_flat.data_ptr() % 16 == 0
+    if int(cfg.get("TMA", 0)) == 3:
+        aligned = aligned and (R * a_hi.element_size()) % 16 == 0 and all(
+            t.data_ptr() % 16 == 0 and t.is_contiguous() for t in (a_hi, a_lo, coef))
+    tma = int(cfg.get("TMA", 0)) if aligned else 0
     if tma:
         launch.use_tensor_descriptors()
     launch.launch(
@@ -157,7 +168,7 @@ def project_bwd_main(x_flat, a_hi, a_lo, coef, w, cfg):
         nbytes=2 * x_flat.numel() * x_flat.element_size() + T * (R + 1) * 4,
         R=R, BLOCK_T=cfg["BLOCK_T"], BLOCK_K=cfg["BLOCK_K"], SPLIT=x_flat.dtype != torch.float32,
         UPCAST=_runtime.INTERPRET and x_flat.dtype == torch.bfloat16, RNE=_runtime.INTERPRET, TMA=tma,
-        PREFETCH=bool(cfg.get("PREFETCH", 0)),
+        PREFETCH=int(cfg.get("PREFETCH", 0)),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **_maxnreg(cfg),
     )
     return dx, dw_part
@@ -558,14 +569,17 @@ def _run_post_res(kind):
 
 
 _ROW_SPACE = {"BLOCK_T": [1, 2, 4], "BLOCK_C": [256, 512, 1024], "num_warps": [4, 8]}
-_tunable("mhc_project_fwd", {"BLOCK_T": [64, 128], "BLOCK_K": [64, 128], "num_warps": [4, 8], "num_stages": [2, 3]},
+# K1 forward: BLOCK_K 256 never placed in the top 3 of the 54-point sweep at C=1024 (8f802a2); TMA: x and W
+# through tensor descriptors
+_tunable("mhc_project_fwd", {"BLOCK_T": [64, 128, 256], "BLOCK_K": [64, 128], "num_warps": [4, 8],
+                             "num_stages": [2, 3, 4], "TMA": [0, 1]},
          _run_project_fwd)
 # K1 backward: programs_per_sm sets the persistent grid (one wave); TMA: x and dx through tensor descriptors
 # (won at both benchmark shapes at fc53703; BLOCK_K 64 and the pointer path lost every earlier sweep)
 # (8 warps, 4 stages, BLOCK_K 64/256, register caps and -coef x as diagonal dots lost every sweep at
 # 62da871-635e0f6: mhc_k1_probe.py, NOTES "Ninth session")
-_tunable("mhc_project_bwd", {"BLOCK_T": [32, 64], "BLOCK_K": [128], "num_warps": [4], "num_stages": [3],
-                             "programs_per_sm": [2, 3], "TMA": [0, 1], "PREFETCH": [0, 1]},
+_tunable("mhc_project_bwd", {"BLOCK_T": [32, 64], "BLOCK_K": [128], "num_warps": [4], "num_stages": [3, 4],
+                             "programs_per_sm": [2, 3, 4], "TMA": [0, 1, 2, 3], "PREFETCH": [0, 1]},
          _run_project_bwd)
 _tunable("mhc_pre_map_fwd", {"BLOCK": [1024, 2048, 4096, 8192], "num_warps": [4, 8]}, _run_pre_map("fwd"))
 _tunable("mhc_pre_map_bwd", _ROW_SPACE, _run_pre_map("bwd"))

@@ -104,9 +104,12 @@ def mhc_project_bwd_kernel(
     sums the partials of each column block in program order (deterministic). With a 2-D grid
     (column blocks x token splits) 80 column blocks never spread evenly over 132 SMs: a third of the
     SMs ran 3 programs and the rest 2, and the kernel took the 3-program time (81% of copy).
-    TMA: x tiles arrive and dx tiles leave through tensor descriptors (the copy engine moves them;
-    out-of-range rows and columns are zero-filled on load and dropped on store).
-    PREFETCH: each tile's per-token terms (a_hi, a_lo, coef) are loaded one tile ahead."""
+    TMA: 1: x tiles arrive and dx tiles leave through tensor descriptors (the copy engine moves them;
+    out-of-range rows and columns are zero-filled on load and dropped on store); 2: x through a descriptor,
+    dx stored from registers (no shared-memory staging of dx, no wait on the previous tile's store); 3: as 1,
+    and a_hi, a_lo and coef through descriptors as well (no per-element addresses: 140 registers against 162
+    at BLOCK_T 32, 4 warps).
+    PREFETCH (TMA 0-2): each tile's per-token terms (a_hi, a_lo, coef) are loaded one tile ahead."""
     p = tl.program_id(0).to(tl.int64)
     u_start = p * U // P
     u_end = (p + 1) * U // P
@@ -114,9 +117,13 @@ def mhc_project_bwd_kernel(
     kb_last = (u_end - 1) // n_t
     o_r = tl.arange(0, R)
     o_kk = tl.arange(0, BLOCK_K)
-    if TMA:
+    if TMA > 0:
         x_desc = tl.make_tensor_descriptor(x_ptr, [T, K], [K, 1], [BLOCK_T, BLOCK_K])
         dx_desc = tl.make_tensor_descriptor(dx_ptr, [T, K], [K, 1], [BLOCK_T, BLOCK_K])
+    if TMA == 3:
+        ah_desc = tl.make_tensor_descriptor(a_hi_ptr, [T, R], [R, 1], [BLOCK_T, R])
+        al_desc = tl.make_tensor_descriptor(a_lo_ptr, [T, R], [R, 1], [BLOCK_T, R])
+        c_desc = tl.make_tensor_descriptor(coef_ptr, [T], [1], [BLOCK_T])
     for kb in range(kb_first, kb_last + 1):
         o_k = kb * BLOCK_K + o_kk
         m_k = o_k < K
@@ -132,13 +139,19 @@ def mhc_project_bwd_kernel(
             m_t = o_t < T
             m_tk = m_t[:, None] & m_k[None, :]
             o_x = o_t[:, None] * K + o_k[None, :]
-            if TMA:
+            if TMA > 0:
                 b_x = x_desc.load([(i_t * BLOCK_T).to(tl.int32), (kb * BLOCK_K).to(tl.int32)])
             else:
                 b_x = tl.load(x_ptr + o_x, mask=m_tk, other=0.0)
-            if PREFETCH:  # this tile's per-token terms were loaded one tile ahead (an L2 round trip hidden)
+            if PREFETCH and TMA != 3:  # this tile's per-token terms were loaded one tile ahead (an L2 round trip hidden)
                 b_a_hi, b_a_lo, b_coef = n_a_hi, n_a_lo, n_coef
                 n_a_hi, n_a_lo, n_coef = _token_terms(a_hi_ptr, a_lo_ptr, coef_ptr, i_t + 1, T, R, BLOCK_T, SPLIT)
+            elif TMA == 3:  # the per-token terms through descriptors too (no per-element addresses)
+                b_a_hi = ah_desc.load([(i_t * BLOCK_T).to(tl.int32), 0])
+                b_a_lo = b_a_hi
+                if SPLIT:
+                    b_a_lo = al_desc.load([(i_t * BLOCK_T).to(tl.int32), 0])
+                b_coef = c_desc.load([(i_t * BLOCK_T).to(tl.int32)])
             else:
                 b_a_hi, b_a_lo, b_coef = _token_terms(a_hi_ptr, a_lo_ptr, coef_ptr, i_t, T, R, BLOCK_T, SPLIT)
             b_xT = tl.trans(b_x)
@@ -150,7 +163,7 @@ def mhc_project_bwd_kernel(
                 b_dx = tl.dot(b_a_hi, b_w, input_precision="tf32x3")
                 b_dwT = tl.dot(b_xT, b_a_hi, b_dwT, input_precision="tf32x3")
             b_dx -= b_coef[:, None] * b_x.to(tl.float32)
-            if TMA:
+            if TMA == 1 or TMA == 3:
                 dx_desc.store([(i_t * BLOCK_T).to(tl.int32), (kb * BLOCK_K).to(tl.int32)], b_dx.to(dx_ptr.dtype.element_ty))
             else:
                 tl.store(dx_ptr + o_x, b_dx.to(dx_ptr.dtype.element_ty), mask=m_tk)

@@ -30,11 +30,14 @@ def mhc_project_fwd_kernel(
     SPLIT_W: tl.constexpr,
     UPCAST: tl.constexpr,
     RNE: tl.constexpr,
+    TMA: tl.constexpr = False,
 ):
     """proj = (x W^T) * inv_rms, inv_rms = rsqrt(mean(x^2) + eps). 16-bit x: each W^T tile is split here
     into two parts in x's dtype (hi = W rounded, lo = W - hi: ~16 mantissa bits of W kept) and takes
     two tensor-core dots; the split of a [BLOCK_K, R] tile is a few ALU operations per element, cheaper
-    than the four PyTorch launches that split W once per call (~10 us: 5% of the kernel at C = 1024)."""
+    than the four PyTorch launches that split W once per call (~10 us: 5% of the kernel at C = 1024).
+    TMA: x and W tiles arrive through tensor descriptors (no per-element addresses; rows past T and
+    columns past K are zero-filled)."""
     i_t = tl.program_id(0)
     o_t = i_t * BLOCK_T + tl.arange(0, BLOCK_T)
     m_t = o_t < T
@@ -42,13 +45,20 @@ def mhc_project_fwd_kernel(
     p_x = x_ptr + o_t.to(tl.int64)[:, None] * K
     b_acc = tl.zeros([BLOCK_T, R], dtype=tl.float32)
     b_ss = tl.zeros([BLOCK_T], dtype=tl.float32)
+    if TMA:
+        x_desc = tl.make_tensor_descriptor(x_ptr, [T, K], [K, 1], [BLOCK_T, BLOCK_K])
+        w_desc = tl.make_tensor_descriptor(w_ptr, [R, K], [K, 1], [R, BLOCK_K])
     for k0 in range(0, K, BLOCK_K):
-        o_k = k0 + tl.arange(0, BLOCK_K)
-        m_k = o_k < K
-        b_x = tl.load(p_x + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
+        if TMA:
+            b_x = x_desc.load([i_t * BLOCK_T, k0])
+            b_w = tl.trans(w_desc.load([0, k0]))  # [BLOCK_K, R]: W^T
+        else:
+            o_k = k0 + tl.arange(0, BLOCK_K)
+            m_k = o_k < K
+            b_x = tl.load(p_x + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
+            b_w = tl.load(w_ptr + o_r[None, :] * K + o_k[:, None], mask=m_k[:, None], other=0.0)  # [BLOCK_K, R]: W^T
         b_xf = b_x.to(tl.float32)
         b_ss += tl.sum(b_xf * b_xf, axis=1)
-        b_w = tl.load(w_ptr + o_r[None, :] * K + o_k[:, None], mask=m_k[:, None], other=0.0)  # [BLOCK_K, R]: W^T
         if SPLIT_W:
             b_hi = _cast(b_w, x_ptr.dtype.element_ty, RNE)
             b_lo = _cast(b_w - b_hi.to(tl.float32), x_ptr.dtype.element_ty, RNE)
