@@ -459,6 +459,41 @@ def _both_backwards_match_reference(x, scale, l2norm):
             assert res.ok, res.line()
 
 
+def test_fp32_check_scales_hold_the_fp32_evaluation(gen):
+    """The registry's fp32 error scales (forward stages and input gradients) cover, besides the fp32
+    store roundings, the stage algorithm evaluated in fp32: its arithmetic error (at the last rows of a
+    sequence with a final-state gradient it matches the store roundings' change, 8x at single elements).
+    Each element's scale is at least the rms plus STORE_C / atol times that evaluation's error."""
+    from triforge.ops import deltanet as dn
+    from triforge.ops.deltanet.reference import STORE_C
+
+    x = _bwd_inputs(1, 130, 2, 4, 32, 32, torch.float32, gen)
+    inputs = {**{n: x[n].double() for n in GRAD_NAMES}, "output_final_state": True, "use_qk_l2norm_in_kernel": True}
+    grads = [x["do"].double(), x["dht"].double()]
+    args32 = {n: x[n] for n in GRAD_NAMES}
+    atol = tolerance_for(torch.float32).atol
+    fwd_kw = dict(output_final_state=True, use_qk_l2norm_in_kernel=True)
+    bwd_kw = dict(do=x["do"], dht=x["dht"], use_qk_l2norm_in_kernel=True)
+    names = {"dq": "dq", "dk": "dk", "dv": "dv", "dg": "dg", "dbeta": "dbeta", "dh0": "dinitial_state"}
+    cases = (
+        (dn._chunk_magnitudes(inputs, None, torch.float32), chunk_ref_stages(**_f64(args32), **fwd_kw),
+         chunk_ref_stages(**args32, **fwd_kw, dtype=torch.float32), {}),
+        (dn._chunk_magnitudes(inputs, grads, torch.float32), chunk_bwd_ref_stages(**_f64({**args32, **bwd_kw})),
+         chunk_bwd_ref_stages(**args32, **bwd_kw, dtype=torch.float32), names),
+    )
+    for scales, exact, f32, rename in cases:
+        checked = 0
+        for n, e in exact.items():
+            key = rename.get(n, n) if rename else n
+            if key not in scales or (rename and n not in rename):
+                continue
+            rms = float(e.square().mean().sqrt())
+            floor = (rms if rms > 0 else 1.0) + (STORE_C / atol) * (f32[n].double() - e).abs()
+            assert torch.all(scales[key] >= floor * (1 - 1e-12)), n
+            checked += 1
+        assert checked >= (6 if rename else 8)
+
+
 def test_triton_backward_matches_torch_backward(gen):
     """The two implementations side by side (fp32, grouped heads, no l2norm, scale given)."""
     _both_backwards_match_reference(_bwd_inputs(1, 90, 2, 4, 32, 32, torch.float32, gen, l2norm=False), 0.25, False)

@@ -40,6 +40,7 @@ the backward runs (under torch.compile: when its backward graph is traced):
 Any other value of ``TRIFORGE_DELTANET_BWD`` raises ValueError when a backward runs.
 """
 
+import itertools
 import os
 from collections import OrderedDict
 
@@ -415,7 +416,13 @@ def _chunk_magnitudes(inputs, grads, dtype=None):
     forward stages (grads None) or input gradients (grads: the upstream gradients of o and
     final_state). fp32 runs store in fp32: the same model with fp32
     stores (the fp32 backward's dk failed the rms-scaled bound by 2.8e-6 where the l2norm's backward
-    cancels, at the real shape on the H100)."""
+    cancels, at the real shape on the H100), plus one more instance: the same stage algorithm evaluated
+    in fp32. In fp32 the arithmetic itself (the products' sums, the recurrence, the solve) errs as much
+    as the roundings at the store points: at the last rows of a sequence, where the final state's
+    gradient makes dk's value-head terms ~10 (their sum and the l2norm's projection cancel to ~5e-3),
+    the fp32 evaluation's error is 1.3x the dithered instances' change in rms and up to 8x at single
+    elements (CPU, (1, 4096, 16, 32); elsewhere 0.07x), and two fp32 backwards (Triton on the H100,
+    PyTorch autograd) failed the store-only bound at a few of those elements."""
     if dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return None if grads is None else {}
     from triforge.testing import tolerance_for
@@ -427,6 +434,8 @@ def _chunk_magnitudes(inputs, grads, dtype=None):
         kw = dict(output_final_state=bool(inputs.get("output_final_state", False)), use_qk_l2norm_in_kernel=l2)
         exact = chunk_ref_stages(**args, **kw)
         samples = rounding_samples(lambda **r: chunk_ref_stages(**args, **kw, **r), dtype, lazy=True)
+        if dtype == torch.float32:
+            samples = itertools.chain(samples, _fp32_instance(chunk_ref_stages, args, kw))
         return stored_error_scales(exact, samples, atol)
     dht = grads[1] if len(grads) > 1 and grads[1] is not None and grads[1].numel() else None
     kw = dict(do=grads[0], dht=dht, use_qk_l2norm_in_kernel=l2)
@@ -436,10 +445,21 @@ def _chunk_magnitudes(inputs, grads, dtype=None):
         return {n: t for n, t in stages.items() if n in names}
 
     exact = grads_only(chunk_bwd_ref_stages(**args, **kw))
-    samples = (grads_only(st) for st in rounding_samples(lambda **r: chunk_bwd_ref_stages(**args, **kw, **r), dtype,
-                                                          lazy=True))
+    samples = rounding_samples(lambda **r: chunk_bwd_ref_stages(**args, **kw, **r), dtype, lazy=True)
+    if dtype == torch.float32:
+        samples = itertools.chain(samples, _fp32_instance(chunk_bwd_ref_stages, args, kw))
+    samples = (grads_only(st) for st in samples)
     scales = stored_error_scales(exact, samples, atol)
     return {names[n]: t for n, t in scales.items()}
+
+
+def _fp32_instance(stages_fn, args, kw):
+    """One instance of an fp32 run's arithmetic error: ``stages_fn`` evaluated in fp32 on the fp32 inputs
+    (the float64 copies an fp32 run's check holds are exact), lazily, as ``rounding_samples`` yields."""
+    def f32(t):
+        return t.float() if isinstance(t, torch.Tensor) else t
+
+    yield stages_fn(**{n: f32(t) for n, t in args.items()}, **{n: f32(t) for n, t in kw.items()}, dtype=torch.float32)
 
 
 def _fla_peer(name):
