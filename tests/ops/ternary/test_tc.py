@@ -1,0 +1,209 @@
+"""The tensor-core ternary prototype (triforge/ops/ternary/tc.py): the tc code layout, numerics against
+float64 (interpreter: the plain decode), the inline-asm decode's constants emulated bit for bit, and
+the kernel compiled for sm90a (registers, spills, the K loop's instruction mix)."""
+
+import pytest
+import torch
+
+from triforge.launch import poisoned
+from triforge.ops.ternary import tc
+from triforge.ops.ternary.reference import matmul_dense_ref
+from triforge.ternary import TernaryTensor
+from triforge.testing import compare
+
+from .test_tensor import random_scales, random_trits
+
+DTYPES = [torch.float16, torch.bfloat16]
+IDS = ["fp16", "bf16"]
+
+
+@pytest.mark.parametrize("k", [1, 31, 128, 129, 1000])
+def test_pack_tc_round_trip(k, gen):
+    n = 7
+    trits = random_trits(n, k, gen)
+    trits[:, -1] = -1
+    tt = TernaryTensor.from_trits(trits, random_scales(n, gen))
+    codes = tc.pack_tc(tt.plus, tt.minus, k)
+    assert codes.dtype == torch.int32 and codes.shape == (n, 8 * -(-k // 128))  # 2 bits per weight
+    assert torch.equal(tc.unpack_tc(codes, k), trits)
+    # padding columns hold code 1 (trit 0)
+    padded = tc.unpack_tc(codes, codes.shape[1] * 16)
+    assert bool((padded[:, k:] == 0).all())
+    # column k = 128 b + 64 u + 16 (i // 2) + 8 (i % 2) + 2 t + e is field i of half e of word 8 b + 2 t + u
+    one = torch.zeros(1, 256, dtype=torch.int8)
+    b, u, i, t, e = 1, 1, 5, 3, 1
+    one[0, 128 * b + 64 * u + 16 * (i // 2) + 8 * (i % 2) + 2 * t + e] = 1
+    tt1 = TernaryTensor.from_trits(one, torch.ones(1))
+    w = tc.pack_tc(tt1.plus, tt1.minus, 256)[0].tolist()
+    word = 8 * b + 2 * t + u
+    ones_code = 0x55555555  # every field code 1 (trit 0)
+    assert all(v == ones_code for j, v in enumerate(w) if j != word)
+    assert (w[word] & 0xFFFFFFFF) == (0x55555555 ^ (3 << (16 * e + 2 * i)))  # code 2 there
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+@pytest.mark.parametrize("m,n,k", [(1, 63, 1000), (5, 63, 1000), (16, 63, 1000), (33, 40, 300)])
+def test_tc_matmul_vs_f64(m, n, k, dtype, device, gen):
+    trits = random_trits(n, k, gen)
+    trits[3] = 0  # an all-zero row
+    tt = TernaryTensor.from_trits(trits, random_scales(n, gen)).to(device)
+    x = torch.randn(m, k, generator=gen).to(device=device, dtype=dtype)
+    bias = torch.randn(n, generator=gen).to(device=device, dtype=dtype)
+    with poisoned():
+        y = tc.ternary_matmul_tc(x, tt, bias)
+    assert y.dtype == dtype and y.shape == (m, n)
+    assert compare(f"tc matmul m={m} n={n} k={k}", matmul_dense_ref(x, tt, bias), y, dtype=dtype).ok
+    assert bool((y[:, 3] == bias[3]).all())
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+def test_tc_matmul_split_and_whole_k(dtype, device, gen):
+    """Split K (fp32 partials + the fixed-order reduction) and one program per tile, x through a tensor
+    descriptor (TMA; rows past M and columns past K zero-filled), per-tensor scale, no bias, pre-packed codes."""
+    m, n, k = 7, 70, 700
+    tt = TernaryTensor.from_trits(random_trits(n, k, gen, sparsity=0.6), torch.tensor([0.7])).to(device)
+    codes = tc.pack_tc(tt.plus, tt.minus, k)
+    x = torch.randn(m, k, generator=gen).to(device=device, dtype=dtype)
+    ref = matmul_dense_ref(x, tt)
+    for pps, tma in [(0, False), (8, False), (0, True)]:  # pps 0: splits = 1 (the kernel writes y), 8: K split
+        with poisoned():
+            y = tc.ternary_matmul_tc(x, tt, codes=codes, cfg={"programs_per_sm": pps, "TMA": tma})
+        assert compare(f"tc matmul pps={pps} tma={tma}", ref, y, dtype=dtype).ok
+
+
+@pytest.mark.parametrize("cfg", [{"BLOCKS_K": 2}, {"ROW_REPS": 2}, {"num_warps": 8, "BLOCK_M": 32}],
+                         ids=["blocks_k2", "row_reps2", "warps8"])
+def test_tc_matmul_configs(cfg, device, gen):
+    """The GPU configs' shapes of the kernel (256-column steps with a partial last step, 128-row blocks)
+    under the interpreter."""
+    m, n, k = 9, 150, 700  # 48 code words per row: 3 steps of 16 words
+    tt = TernaryTensor.from_trits(random_trits(n, k, gen), random_scales(n, gen)).to(device)
+    x = torch.randn(m, k, generator=gen).to(device=device, dtype=torch.float16)
+    with poisoned():
+        y = tc.ternary_matmul_tc(x, tt, cfg=cfg)
+    assert compare(f"tc matmul {cfg}", matmul_dense_ref(x, tt), y, dtype=torch.float16).ok
+
+
+def test_tc_matmul_bad_input(device, gen):
+    tt = TernaryTensor.from_trits(random_trits(8, 40, gen), torch.ones(8)).to(device)
+    with pytest.raises(TypeError, match="fp16 or bf16"):
+        tc.ternary_matmul_tc(torch.randn(2, 40, device=device), tt)
+    with pytest.raises(ValueError, match="columns"):
+        tc.ternary_matmul_tc(torch.randn(2, 41, device=device).half(), tt)
+
+
+# ----------------------------------------------------------------------------- the asm decode, emulated
+
+
+def _constants(is_bf16: bool):
+    """(sh, j, mask, c, d) [4, 2] int32 as the kernel computes them (run by the interpreter)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def k(out_ptr, magic, IS_BF16: tl.constexpr):
+        sh, j, mask, c, d = tc._decode_constants(magic, IS_BF16)
+        o = tl.arange(0, 4)[:, None] * 2 + tl.arange(0, 2)[None, :]
+        tl.store(out_ptr + o, sh)
+        tl.store(out_ptr + 8 + o, j)
+        tl.store(out_ptr + 16 + o, mask)
+        tl.store(out_ptr + 24 + o, c)
+        tl.store(out_ptr + 32 + o, d)
+
+    out = torch.zeros(40, dtype=torch.int32)
+    k[(1,)](out, tc.MAGIC_BF16 if is_bf16 else tc.MAGIC_F16, IS_BF16=is_bf16)
+    return [out[8 * q: 8 * q + 8].view(4, 2) for q in range(5)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+def test_asm_decode_constants_emulated(dtype, gen):
+    """The compiled path decodes a field pair as sub16x2(lop3(src, mask, c, 0xEA), d) (the inline asm of
+    ``tc._decode_asm``; the interpreter cannot run it): emulated here in torch with the kernel's own
+    constants, for every field and code, it gives the trits the plain decode (and pack_tc) gives."""
+    from triforge import _runtime
+
+    if not _runtime.INTERPRET:
+        pytest.skip("reads the constants through the interpreter")
+    sh, j, mask, c, d = _constants(dtype == torch.bfloat16)
+    codes = torch.randint(0, 3, (4096, 16), generator=gen, dtype=torch.int64)  # trit + 1 (code 3 is unused)
+    codes[:3] = torch.arange(3)[:, None]  # all 0, all 1, all 2
+    words = (codes << (2 * torch.arange(8).repeat(2) + 16 * torch.arange(2).repeat_interleave(8))).sum(1)
+    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    for kb2 in range(4):
+        for h in range(2):
+            i = 2 * kb2 + h
+            src = words >> int(sh[kb2, h])  # arithmetic shift, as the kernel's
+            p = (src & int(mask[kb2, h])) | int(c[kb2, h])  # lop3 0xEA: (a & b) | c
+            pair = p.view(dtype).view(-1, 2) - torch.tensor([int(d[kb2, h])], dtype=torch.int32).view(dtype)
+            lo, hi = codes[:, i] - 1, codes[:, 8 + i] - 1
+            assert torch.equal(pair[:, 0].float(), lo.float()), (dtype, i)
+            assert torch.equal(pair[:, 1].float(), hi.float()), (dtype, i)
+            # the plain decode reads the same bits
+            assert torch.equal((((src >> int(j[kb2, h])) & 3) - 1).long(), lo)
+
+
+# ----------------------------------------------------------------------------- compiled for sm90 (no GPU needed)
+
+
+def _tc_sm90_cases():
+    """The prototype as the H100 would build it at N = K = 8192 with its fallback configs, M = 16, 64, 256
+    (x tiles of 16, 64 and 128 rows)."""
+    cases = []
+    for m, dt in [(16, "fp16"), (16, "bf16"), (64, "fp16"), (256, "fp16"), (256, "bf16")]:
+        cfg = tc.tc_fallback_config(m, 8192, 8192, interpreter=False)
+        x = f"*{dt}"
+        cases.append({
+            "kernel": "triforge.ops.ternary.tc:ternary_tc_kernel",
+            "signature": {"x_ptr": x, "codes_ptr": "*i32", "scale_ptr": "*fp32", "bias_ptr": x, "out_ptr": "*fp32"},
+            "constexprs": dict(BLOCK_M=cfg["BLOCK_M"], ROW_REPS=cfg["ROW_REPS"], BLOCKS_K=cfg["BLOCKS_K"],
+                               WARPS=cfg["num_warps"], IS_BF16=dt == "bf16", USE_ASM=True, TMA=True, FINAL=False,
+                               HAS_BIAS=True, RNE=False),
+            "divisible": ["x_ptr", "codes_ptr", "scale_ptr", "bias_ptr", "out_ptr", "magic", "M", "N", "K", "KC"],
+            "options": {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]},
+            "m": m,
+        })
+    return cases
+
+
+def k_loop(loops):
+    """The K loop: the innermost loop that holds both the tensor-core MMAs and the decode's HADD2s."""
+    ks = [lp for lp in loops if any(op.startswith("HGMMA") for op in lp) and any(op.startswith("HADD2") for op in lp)]
+    assert ks, loops
+    return min(ks, key=lambda c: sum(c.values()))
+
+
+def test_tc_kernel_compiles_for_sm90():
+    """Compiled for sm90a with TMA (the fallback configs at N = K = 8192): no spills or local memory; the
+    decoded tile is the wgmma register operand as it is (no shared-memory round trip of the weights, no
+    ldmatrix); per weight in the K loop 1/2 LOP3 and 1/2 HADD2 (one each per register pair), one SHF per
+    word per shift (fp16 1, bf16 2), no int-to-float conversion; the whole K loop (loads, TMA and wgmma
+    bookkeeping included) within 2.25 instructions per weight per thread unpipelined, 3.5 pipelined
+    (the old tile kernel: ~11.4 per weight and per 64-row M tile)."""
+    from ...sm90 import compile_for_sm90
+
+    cases = _tc_sm90_cases()
+    rows = compile_for_sm90([{k: v for k, v in c.items() if k != "m"} for c in cases])
+    for case, r in zip(cases, rows):  # print every case before any assertion
+        cx, warps = case["constexprs"], case["options"]["num_warps"]
+        loop = k_loop(r["loops"])
+        weights = 16 * warps * cx["ROW_REPS"] * 128 * cx["BLOCKS_K"] // (32 * warps)  # per thread per step
+        total = sum(loop.values())
+        print(f"M={case['m']} {'bf16' if cx['IS_BF16'] else 'fp16'} BLOCK_M={cx['BLOCK_M']} warps={warps} "
+              f"stages={case['options']['num_stages']}: regs={r['regs']} spill={r['spill_bytes']} shared={r['shared']} "
+              f"K loop {total} instructions / {weights} weights = {total / weights:.2f} per weight; "
+              f"{sorted(loop.items(), key=lambda kv: -kv[1])[:12]}")
+    for case, r in zip(cases, rows):
+        cx, warps = case["constexprs"], case["options"]["num_warps"]
+        assert r["spill_bytes"] == 0 and not any(op.startswith(("LDL", "STL")) for op in r["sass"]), (cx, r)
+        loop = k_loop(r["loops"])
+        weights = 16 * warps * cx["ROW_REPS"] * 128 * cx["BLOCKS_K"] // (32 * warps)  # per thread per step
+        words = weights // 16
+        total = sum(loop.values())
+        hadd = "HADD2.BF16_V2" if cx["IS_BF16"] else "HADD2"
+        assert loop.get(hadd, 0) == weights // 2, loop
+        assert weights // 2 <= loop["LOP3.LUT"] <= weights // 2 + 2, loop
+        shf = sum(n for op, n in loop.items() if op.startswith("SHF"))
+        assert shf == words * (2 if cx["IS_BF16"] else 1), loop
+        assert not any(op.startswith(("I2F", "F2F", "I2FP", "PRMT", "LDSM")) for op in loop), loop
+        assert not any(op.startswith("STS") for op in loop), loop  # x arrives by TMA, weights stay in registers
+        assert total <= (2.25 if case["options"]["num_stages"] == 1 else 3.5) * weights, loop

@@ -1,0 +1,310 @@
+"""Prototype: ternary x fp16/bf16 matmul on tensor cores with a decode of ~1 instruction per weight.
+
+Not wired into ``triforge.ternary.matmul``; see ``ternary_matmul_tc``.
+
+Weight format ("tc codes", made from a ``TernaryTensor``'s planes by ``pack_tc``; 2 bits per weight like
+the planes): int32 [N, KC], KC = 8 * ceil(K / 128). Each weight is a 2-bit code, trit + 1 in {0, 1, 2}
+(padding columns: 1). Word 8 b + 2 t + u of a row (t = 0..3, u = 0, 1) holds 16 weights of the row's
+128-column block b; its field at bits 16 e + 2 i (i = 0..7, e = 0, 1) is the weight at column
+
+    k = 128 b + 64 u + 16 (i // 2) + 8 (i % 2) + 2 t + e
+
+The order is the tensor-core fragment's (wgmma / mma.m16n8k16 register operand A, 16-bit, kWidth 2):
+for one row, lane t (mod 4) of a quad holds columns 2 t + {0, 1} + 8 h + 16 kb, 32 per 128 columns,
+which are exactly the 32 codes of words 8 b + 2 t and 8 b + 2 t + 1 (one 8-byte load); the register
+pair (k, k + 1) of the fragment is field i of the two halves of one word (e = 0 low, e = 1 high), at
+the same bit offset in both. The kernel never names a layout: it loads the words as a 7-d tensor whose
+dims stand in the order that makes Triton's coalesced load layout, carried through the decode's
+broadcast, join, permute and reshape, *be* the dot-operand layout (the reshape's result type is
+``#ttg.dot_op<{opIdx = 0, parent = #mma, kWidth = 2}>`` in the TTGIR: no conversion, no shared memory).
+
+Decode of one register pair (two weights), the GEMV's float32 mantissa trick moved to 16 bits and
+2-bit codes: with c the fp16 value 2^(10 - j) (bf16: 2^(7 - j)), whose mantissa bit j weighs exactly 1,
+
+    P = bits_as_f16x2((w & (0x00030003 << j)) | (c | c << 16))   in {c, c + 1, c + 2} per half
+    trit pair = P - (c + 1)   (exact: Sterbenz)
+
+one LOP3 (c arrives at run time, so it sits in a register and the and-or is one instruction) and one
+HADD2 (HADD2.BF16_V2) per two weights; fields above the mantissa (fp16: i >= 5, bf16: i >= 3) are read
+from the word shifted right by 6 (bf16: also by 12): one SHF per word and shift, shared by its pairs.
+No integer-to-float conversion. The weights are the MMA's A operand (y^T = W x^T): x's rows are the
+MMA's N dimension (16..256), so small M is not padded to 64 rows; x tiles reach the B operand in shared
+memory by TMA.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from triforge import _runtime, launch
+from triforge.launch import new_output
+from triforge.ops._tl import cast as _cast
+from triforge.ops.ternary.kernels import ternary_gemv_reduce_kernel
+
+BLOCK_COLS = 128  # columns per group of 8 code words
+WORDS_PER_BLOCK = 8
+MAGIC_F16 = 0x64006400  # fp16x2 bits of (2^10, 2^10)
+MAGIC_BF16 = 0x43004300  # bf16x2 bits of (2^7, 2^7)
+
+# ----------------------------------------------------------------------------- packing (host, torch)
+
+
+def pack_tc(plus: torch.Tensor, minus: torch.Tensor, in_features: int) -> torch.Tensor:
+    """Bit planes (int32 [N, KW], bit b of word w is column 32 w + b) -> tc codes int32 [N, 8 ceil(K/128)]."""
+    n, kw = plus.shape
+    nb = triton.cdiv(in_features, BLOCK_COLS)
+    out = torch.empty((n, nb * WORDS_PER_BLOCK), dtype=torch.int32, device=plus.device)
+    sh = torch.arange(32, dtype=torch.int32, device=plus.device)
+    # field shifts [e, i] of a word (field i of half e at bit 16 e + 2 i)
+    i = torch.arange(8, device=plus.device)
+    e = torch.arange(2, device=plus.device)
+    shift = (16 * e[:, None] + 2 * i[None, :]).to(torch.int64)  # [e, i]
+    rows = max(1, (1 << 22) // max(1, nb * BLOCK_COLS))
+    for r0 in range(0, n, rows):
+        r1 = min(n, r0 + rows)
+        bits_p = ((plus[r0:r1, :, None] >> sh) & 1).reshape(r1 - r0, kw * 32)
+        bits_q = ((minus[r0:r1, :, None] >> sh) & 1).reshape(r1 - r0, kw * 32)
+        code = (bits_p - bits_q + 1).to(torch.int64)  # trit + 1; padding columns (0 in both) give 1
+        code = torch.nn.functional.pad(code, (0, nb * BLOCK_COLS - kw * 32), value=1)
+        # column k = 128 b + 64 u + 16 kb2 + 8 h + 2 t + e, field i = 2 kb2 + h
+        c = code.view(r1 - r0, nb, 2, 4, 2, 4, 2)  # [r, b, u, kb2, h, t, e]
+        c = c.permute(0, 1, 5, 2, 6, 3, 4).reshape(r1 - r0, nb, 4, 2, 2, 8)  # [r, b, t, u, e, i]
+        words = (c << shift).sum((-1, -2))  # [r, b, t, u] < 2^32
+        words = torch.where(words >= 2**31, words - 2**32, words)
+        out[r0:r1] = words.reshape(r1 - r0, nb * WORDS_PER_BLOCK).to(torch.int32)
+    return out
+
+
+def unpack_tc(codes: torch.Tensor, in_features: int) -> torch.Tensor:
+    """tc codes -> int8 trits [N, in_features] (the inverse of ``pack_tc``; for tests)."""
+    n, kc = codes.shape
+    nb = kc // WORDS_PER_BLOCK
+    w = codes.to(torch.int64).view(n, nb, 4, 2, 1, 1) & 0xFFFFFFFF  # [r, b, t, u, e, i]
+    e = torch.arange(2, device=codes.device).view(1, 1, 1, 1, 2, 1)
+    i = torch.arange(8, device=codes.device).view(1, 1, 1, 1, 1, 8)
+    c = (w >> (16 * e + 2 * i)) & 3  # [r, b, t, u, e, i]
+    c = c.view(n, nb, 4, 2, 2, 4, 2).permute(0, 1, 3, 5, 6, 2, 4)  # [r, b, u, kb2, h, t, e]
+    return (c.reshape(n, nb * BLOCK_COLS)[:, :in_features] - 1).to(torch.int8)
+
+
+# ----------------------------------------------------------------------------- kernel
+
+
+@triton.jit
+def _decode_asm(src, mask, c, d, IS_BF16: tl.constexpr):
+    """(lo, hi) 16-bit trits of the field pair selected by ``mask`` in ``src``: (src & mask) | c, less d
+    (one lop3 and one sub.f16x2 / sub.rn.bf16x2; ``mov.b32 {lo, hi}`` only names the halves)."""
+    if IS_BF16:
+        lo, hi = tl.inline_asm_elementwise(
+            "{ .reg .b32 t; lop3.b32 t, $2, $3, $4, 0xEA; sub.rn.bf16x2 t, t, $5; mov.b32 {$0, $1}, t; }",
+            "=h,=h,r,r,r,r", [src, mask, c, d], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=1)
+    else:
+        lo, hi = tl.inline_asm_elementwise(
+            "{ .reg .b32 t; lop3.b32 t, $2, $3, $4, 0xEA; sub.f16x2 t, t, $5; mov.b32 {$0, $1}, t; }",
+            "=h,=h,r,r,r,r", [src, mask, c, d], dtype=(tl.float16, tl.float16), is_pure=True, pack=1)
+    return lo, hi
+
+
+@triton.jit
+def _decode_constants(magic, IS_BF16: tl.constexpr):
+    """Per field i = 2 kb2 + h ([4, 2]): the word shift, the field's bit offset j after it, the mask of
+    the field in both halves, c = 2^(10 - j) (bf16 2^(7 - j)) in both halves (from the run-time
+    ``magic``, so the value sits in a register), and d = c + 1 (the trit offset), as int32."""
+    f = 4 * tl.arange(0, 4)[:, None] + 2 * tl.arange(0, 2)[None, :]
+    if IS_BF16:
+        sh = tl.where(f >= 12, 12, tl.where(f >= 6, 6, 0))
+        one_shift: tl.constexpr = 7
+    else:
+        sh = tl.where(f >= 10, 6, 0)
+        one_shift: tl.constexpr = 10
+    j = f - sh
+    mask = 0x00030003 << j
+    c = magic - (j << one_shift) * 0x00010001
+    d = ((magic & 0xFFFF) - (j << one_shift) + (1 << j)) * 0x00010001
+    return sh, j, mask, c, d
+
+
+@triton.jit
+def ternary_tc_kernel(
+    x_ptr,  # [M, K] fp16/bf16
+    codes_ptr,  # [N, KC] int32 tc codes (pack_tc)
+    scale_ptr,  # [N] fp32 row scales at n * stride_scale (read when FINAL)
+    bias_ptr,  # [N] any float dtype (read when FINAL and HAS_BIAS)
+    out_ptr,  # FINAL: y [M, N] in x's dtype; else part [S, M, N] fp32
+    stride_scale,
+    magic,  # MAGIC_F16 / MAGIC_BF16 at run time: the decode's OR constants then sit in registers
+    M,
+    N,
+    K,
+    KC,
+    steps_per_split,
+    BLOCK_M: tl.constexpr,
+    ROW_REPS: tl.constexpr,  # BLOCK_N = 16 * WARPS * ROW_REPS
+    BLOCKS_K: tl.constexpr,  # 128-column blocks per K step
+    WARPS: tl.constexpr,  # = num_warps
+    IS_BF16: tl.constexpr,
+    USE_ASM: tl.constexpr,
+    TMA: tl.constexpr,  # x tiles through a tensor descriptor (K % 8 == 0; zero-filled past M and K)
+    FINAL: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    RNE: tl.constexpr,
+):
+    BLOCK_N: tl.constexpr = 16 * WARPS * ROW_REPS
+    BK: tl.constexpr = 128 * BLOCKS_K
+    i_n, i_m, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    # the words of a step as [t 4, rlo 8, w WARPS, b3 2, r ROW_REPS, blk BLOCKS_K, u 2]: block row
+    # 16 WARPS r + 16 w + 8 b3 + rlo, word 8 blk + 2 t + u. The dims stand in this order so that the
+    # load's coalesced layout (u in-thread, then t and rlo across lanes, w across warps, the rest in
+    # registers) is, after the decode's broadcast and join, the MMA operand's fragment: no data moves.
+    a_t = tl.arange(0, 4)[:, None, None, None, None, None, None]
+    a_rlo = tl.arange(0, 8)[None, :, None, None, None, None, None]
+    a_w = tl.arange(0, WARPS)[None, None, :, None, None, None, None]
+    a_b3 = tl.arange(0, 2)[None, None, None, :, None, None, None]
+    a_r = tl.arange(0, ROW_REPS)[None, None, None, None, :, None, None]
+    a_blk = tl.arange(0, BLOCKS_K)[None, None, None, None, None, :, None]
+    a_u = tl.arange(0, 2)[None, None, None, None, None, None, :]
+    r_n = i_n * BLOCK_N + 16 * WARPS * a_r + 16 * a_w + 8 * a_b3 + a_rlo
+    o_c = 8 * a_blk + 2 * a_t + a_u
+    p_c = codes_ptr + r_n.to(tl.int64) * KC + o_c
+    m_r = r_n < N
+    sh, j, mask, c, d = _decode_constants(magic, IS_BF16)  # [4, 2] each, over (kb2, h)
+    sh = sh[None, None, None, None, None, None, None, :, :]
+    j = j[None, None, None, None, None, None, None, :, :]
+    mask = mask[None, None, None, None, None, None, None, :, :]
+    c = c[None, None, None, None, None, None, None, :, :]
+    d = d[None, None, None, None, None, None, None, :, :]
+    o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_m = o_m < M
+    o_k = tl.arange(0, BK)
+    p_x = x_ptr + o_m.to(tl.int64)[:, None] * K + o_k[None, :]
+    if TMA:
+        x_desc = tl.make_tensor_descriptor(x_ptr, [M, K], [K, 1], [BLOCK_M, BK])
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    n_steps = tl.cdiv(KC, 8 * BLOCKS_K)
+    s_start = i_s * steps_per_split
+    s_end = tl.minimum(s_start + steps_per_split, n_steps)
+    words = tl.load(p_c + s_start * (8 * BLOCKS_K), mask=m_r & (s_start < s_end) & (s_start * (8 * BLOCKS_K) + o_c < KC),
+                    other=0)
+    for s in range(s_start, s_end):
+        # the next step's words are requested before this step's decode (one load in flight per warp)
+        w1 = (s + 1) * (8 * BLOCKS_K)
+        words_next = tl.load(p_c + w1, mask=m_r & (s + 1 < s_end) & (w1 + o_c < KC), other=0)
+        w9 = words[:, :, :, :, :, :, :, None, None]
+        src = tl.where(sh == 12, w9 >> 12, tl.where(sh == 6, w9 >> 6, w9))  # [.., kb2 4, h 2]
+        if USE_ASM:
+            lo, hi = _decode_asm(src, mask, c, d, IS_BF16)
+        else:
+            # plain decode for the interpreter (no inline asm there), exact: trits in fp32 for its fp32 dot
+            lo = (((src >> j) & 3) - 1).to(tl.float32)
+            hi = (((src >> (j + 16)) & 3) - 1).to(tl.float32)
+        w10 = tl.join(lo, hi)  # [t, rlo, w, b3, r, blk, u, kb2, h, e]
+        w10 = tl.permute(w10, (4, 2, 3, 1, 5, 6, 7, 8, 0, 9))  # [r, w, b3, rlo, blk, u, kb2, h, t, e]
+        w_t = tl.reshape(w10, [BLOCK_N, BK])
+        k0 = s * BK
+        if TMA:
+            b_x = x_desc.load([i_m * BLOCK_M, k0])
+        else:
+            b_x = tl.load(p_x + k0, mask=m_m[:, None] & (k0 + o_k < K)[None, :], other=0.0)
+        if USE_ASM:
+            acc = tl.dot(w_t, tl.trans(b_x), acc)
+        else:  # the interpreter: exact in fp32 (its bf16 dots are not supported)
+            acc = tl.dot(w_t, tl.trans(b_x.to(tl.float32)), acc, input_precision="ieee")
+        words = words_next
+    # acc [BN, BM] is y^T
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_n = o_n < N
+    m_y = m_n[:, None] & m_m[None, :]
+    if FINAL:
+        y = acc * tl.load(scale_ptr + o_n * stride_scale, mask=m_n, other=0.0)[:, None]
+        if HAS_BIAS:
+            y += tl.load(bias_ptr + o_n, mask=m_n, other=0.0).to(tl.float32)[:, None]
+        o_y = o_m.to(tl.int64)[None, :] * N + o_n[:, None]
+        tl.store(out_ptr + o_y, _cast(y, out_ptr.dtype.element_ty, RNE), mask=m_y)
+    else:
+        o_y = (i_s.to(tl.int64) * M + o_m[None, :]) * N + o_n[:, None]
+        tl.store(out_ptr + o_y, acc, mask=m_y)
+
+
+# ----------------------------------------------------------------------------- launcher
+
+
+def tc_fallback_config(M: int, N: int, K: int, interpreter: bool | None = None) -> dict:
+    """Launch config of ``ternary_tc_kernel``: BLOCK_M (x rows per program, the MMA's N: 16..256),
+    ROW_REPS and num_warps (BLOCK_N = 16 num_warps ROW_REPS weight rows), BLOCKS_K (128-column blocks
+    per K step), num_stages, programs_per_sm (split-K target).
+
+    GPU (sm90; untimed, chosen from the SASS of tests/ops/ternary/test_tc.py): x through TMA.
+    M <= 64: one M tile (every weight decoded once per call), 64 weight rows, 4 warps, 256-column steps,
+    unpipelined (120-153 registers, 3-4 programs per SM: their loads overlap, and each requests the
+    next step's words, 4 KB, before decoding the current one: ~16 KB of plane reads in flight per SM);
+    K split to ~4 programs per SM at M <= 16, ~2 at M <= 64 (the fp32 partials cost 8 M N bytes per
+    split). M > 64: 128 x rows and 128 weight rows per program, 8 warps, software-pipelined (2 stages,
+    ~140 registers: one program per SM), no split where the tiles fill the SMs (M = 256, N = 8192: 128
+    programs; the weights are decoded twice, cheaper than 2 splits' 8 M N bytes of partials).
+    Interpreter: BLOCK_N 64, pointer loads."""
+    bm = max(16, triton.next_power_of_2(min(M, 256)))
+    if _runtime.INTERPRET if interpreter is None else interpreter:
+        return {"BLOCK_M": bm, "ROW_REPS": 1, "BLOCKS_K": 1, "num_warps": 4, "num_stages": 1, "programs_per_sm": 1}
+    if bm <= 64:
+        return {"BLOCK_M": bm, "ROW_REPS": 1, "BLOCKS_K": 2, "num_warps": 4, "num_stages": 1,
+                "programs_per_sm": 4 if bm <= 16 else 2}
+    return {"BLOCK_M": min(bm, 128), "ROW_REPS": 1, "BLOCKS_K": 1, "num_warps": 8, "num_stages": 2,
+            "programs_per_sm": 1}
+
+
+def ternary_matmul_tc(x2d: torch.Tensor, tt, bias: torch.Tensor | None = None, codes: torch.Tensor | None = None,
+                      cfg: dict | None = None) -> torch.Tensor:
+    """x2d [M, K] (fp16/bf16) @ (scales * trits)^T (+ bias) -> [M, N] in x's dtype, fp32 accumulation.
+
+    ``tt``: a TernaryTensor; ``codes``: ``pack_tc(tt.plus, tt.minus, tt.in_features)`` made once (packed
+    here on every call when not given: a prototype convenience, not a serving path). Launches the
+    kernel and, when K is split, ``ternary_gemv_reduce_kernel`` (fixed-order sum, scales, bias, cast).
+    """
+    if x2d.dtype not in (torch.float16, torch.bfloat16):
+        raise TypeError(f"x2d must be fp16 or bf16 for the tensor-core kernel, got {x2d.dtype}")
+    x2d = x2d.contiguous()
+    M, K = x2d.shape
+    N = tt.out_features
+    if K != tt.in_features:
+        raise ValueError(f"x2d must have {tt.in_features} columns, got {K}")
+    if codes is None:
+        codes = pack_tc(tt.plus, tt.minus, tt.in_features)
+    scales = tt.kernel_operands()[0]
+    bias = None if bias is None else bias.contiguous()
+    cfg = dict(tc_fallback_config(M, N, K), **(cfg or {}))
+    bm, reps, nbk, warps = cfg["BLOCK_M"], cfg["ROW_REPS"], cfg["BLOCKS_K"], cfg["num_warps"]
+    bn = 16 * warps * reps
+    kc = codes.shape[1]
+    n_steps = triton.cdiv(kc, 8 * nbk)
+    tiles = triton.cdiv(N, bn) * triton.cdiv(M, bm)
+    splits = max(1, min(n_steps, (cfg["programs_per_sm"] * _runtime.num_sms()) // tiles))
+    per_split = triton.cdiv(n_steps, splits)
+    splits = triton.cdiv(n_steps, per_split)
+    # TMA needs 16-byte row strides and base (else pointer loads); cfg["TMA"] forces it (the interpreter
+    # runs the descriptor path too, for the tests)
+    tma = cfg.get("TMA", not _runtime.INTERPRET) and K % 8 == 0 and x2d.data_ptr() % 16 == 0
+    if tma:
+        launch.use_tensor_descriptors()
+    final = splits == 1
+    rne = _runtime.INTERPRET and x2d.dtype == torch.bfloat16  # the interpreter truncates fp32 -> bf16 casts
+    is_bf16 = x2d.dtype == torch.bfloat16
+    y = new_output((M, N), x2d.dtype, x2d.device)
+    out = y if final else new_output((splits, M, N), torch.float32, x2d.device)
+    xsize = x2d.element_size()
+    launch.launch(
+        "ternary_tc", ternary_tc_kernel, (triton.cdiv(N, bn), triton.cdiv(M, bm), splits),
+        x2d, codes, scales, bias if bias is not None else scales, out, scales.stride(0),
+        MAGIC_BF16 if is_bf16 else MAGIC_F16, M, N, K, kc, per_split,
+        nbytes=codes.numel() * 4 + M * K * xsize + M * N * (xsize if final else 4 * splits),
+        BLOCK_M=bm, ROW_REPS=reps, BLOCKS_K=nbk, WARPS=warps, IS_BF16=is_bf16, USE_ASM=not _runtime.INTERPRET,
+        TMA=tma, FINAL=final, HAS_BIAS=bias is not None, RNE=rne, num_warps=warps, num_stages=cfg["num_stages"],
+    )
+    if not final:
+        block = 1024
+        launch.launch(
+            "ternary_gemv_reduce", ternary_gemv_reduce_kernel, (triton.cdiv(M * N, block),),
+            out, scales, bias if bias is not None else scales, y, scales.stride(0), M, N, splits,
+            nbytes=4 * splits * M * N + N * 4 + M * N * xsize,
+            BLOCK=block, HAS_BIAS=bias is not None, RNE=rne, num_warps=4,
+        )
+    return y
