@@ -1,0 +1,128 @@
+"""The tensor-core ternary prototype (triforge/ops/ternary/tc.py) against the kernels in use and cuBLAS fp16 (issue 6).
+
+For each (N, K) of the issue and batch M in {1, 4, 16, 64, 256}, bf16 activations:
+- checks the prototype against the float64 product (testing.compare) and against ``ternary.matmul``;
+- times, per call, cuBLAS fp16 (x16 @ w16.T), ``ternary.matmul`` (the dispatch in use) and the prototype
+  (tc codes packed once), each as CUDA-graph replay of 16 calls over weight sets that together exceed the
+  50 MB L2 (host time taken out; the kernels' own time), median of 20 replays; and the prototype eager
+  (CUDA events around 50 calls: host included, as a user calls it).
+
+    PYTHONPATH=. python benchmarks/ternary_tc_probe.py [--json PATH] [--shapes 8192x8192 ...] [--m 1 16 ...]
+"""
+
+import argparse
+import json
+import statistics
+
+import torch
+
+from triforge.ops import ternary as T
+from triforge.ops.ternary import tc
+from triforge.ops.ternary.reference import matmul_dense_ref
+from triforge.ops.ternary.tensor import TernaryTensor
+from triforge.testing import compare
+
+SHAPES = [(8192, 8192), (28672, 8192), (8192, 28672), (4864, 896), (896, 4864)]
+MS = [1, 4, 16, 64, 256]
+L2_BYTES = 50 << 20
+
+
+def graph_us(fns, calls=16, replays=20):
+    """Per-call microseconds of ``calls`` calls cycling over ``fns`` (one per weight set), captured in a
+    CUDA graph and replayed: median over ``replays``."""
+    for f in fns:
+        f()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for f in fns:  # warm-up on the capture stream
+            f()
+        torch.cuda.synchronize()
+        with torch.cuda.graph(g, stream=s):
+            for i in range(calls):
+                fns[i % len(fns)]()
+    torch.cuda.current_stream().wait_stream(s)
+    times = []
+    for _ in range(replays):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / calls)
+    return statistics.median(times)
+
+
+def eager_us(fns, calls=50):
+    for f in fns:
+        f()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for i in range(calls):
+        fns[i % len(fns)]()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) * 1e3 / calls
+
+
+def run_shape(N, K, ms, gen):
+    sets = max(2, -(-2 * L2_BYTES // (N * K // 4)))  # weight sets whose 2-bit codes exceed the L2 twice over
+    tts = [TernaryTensor.from_float(torch.randn(N, K, generator=gen).cuda(), method="absmean", per_row=True)
+           for _ in range(min(sets, 8))]
+    codes = [tc.pack_tc(t.plus, t.minus, t.in_features) for t in tts]
+    w16 = [t.to_float(torch.float16) for t in tts[:2]]  # 2 x N K x 2 bytes already exceed the L2
+    rows = []
+    for M in ms:
+        x = torch.randn(M, K, generator=gen).cuda().to(torch.bfloat16)
+        x16 = x.to(torch.float16)
+        ref = matmul_dense_ref(x, tts[0])
+        y_tc = tc.ternary_matmul_tc(x, tts[0], codes=codes[0])
+        y_cur = T.matmul(x, tts[0])
+        ok_tc = compare(f"tc N={N} K={K} M={M}", ref, y_tc, dtype=torch.bfloat16, verbose=False)
+        ok_cur = compare(f"cur N={N} K={K} M={M}", ref, y_cur, dtype=torch.bfloat16, verbose=False)
+        row = {"N": N, "K": K, "M": M, "tc_ok": ok_tc.ok, "tc_max_abs": ok_tc.max_abs, "cur_ok": ok_cur.ok}
+        if ok_tc.ok:
+            tc_fns = [lambda t=t, c=c: tc.ternary_matmul_tc(x, t, codes=c) for t, c in zip(tts, codes)]
+            row["tc_graph_us"] = graph_us(tc_fns)
+            row["tc_eager_us"] = eager_us(tc_fns)
+        row["cur_graph_us"] = graph_us([lambda t=t: T.matmul(x, t) for t in tts])
+        row["cublas_graph_us"] = graph_us([lambda w=w: x16 @ w.T for w in w16])
+        row["tc_vs_cublas"] = row["cublas_graph_us"] / row["tc_graph_us"] if ok_tc.ok else None
+        row["cur_vs_cublas"] = row["cublas_graph_us"] / row["cur_graph_us"]
+        row["tc_floor_us"] = (N * K / 4 + 2 * M * K + 2 * M * N) / 3.0e12 * 1e6  # codes + x + y at 3.0 TB/s
+        rows.append(row)
+        print(f"N={N:6d} K={K:6d} M={M:4d}  tc {'ok' if ok_tc.ok else 'FAIL'} "
+              f"{row.get('tc_graph_us', float('nan')):8.1f} us (eager {row.get('tc_eager_us', float('nan')):7.1f})  "
+              f"current {row['cur_graph_us']:8.1f}  cuBLAS fp16 {row['cublas_graph_us']:8.1f}  "
+              f"tc/cuBLAS {row['tc_vs_cublas'] or float('nan'):5.2f}x  current/cuBLAS {row['cur_vs_cublas']:5.2f}x",
+              flush=True)
+    del tts, codes, w16
+    torch.cuda.empty_cache()
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", help="write the rows here")
+    ap.add_argument("--shapes", nargs="*", help="NxK, e.g. 8192x8192 (default: the issue's five)")
+    ap.add_argument("--m", nargs="*", type=int, default=MS)
+    args = ap.parse_args()
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes] if args.shapes else SHAPES
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for N, K in shapes:
+        rows += run_shape(N, K, args.m, gen)
+    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    failed = [r for r in rows if not r["tc_ok"] or not r["cur_ok"]]
+    if failed:
+        raise SystemExit(f"{len(failed)} parity failures: {[(r['N'], r['K'], r['M']) for r in failed]}")
+
+
+if __name__ == "__main__":
+    main()
