@@ -95,6 +95,42 @@ def test_tc_matmul_bad_input(device, gen):
 # ----------------------------------------------------------------------------- the asm decode, emulated
 
 
+def test_matmul_dispatch_opt_in(monkeypatch, device, gen):
+    """TRIFORGE_TERNARY_TC=1 sends ternary.matmul's fp16/bf16 calls (any M) to the prototype on the cached
+    codes; an edit through modify_dim drops the cache; tensors with an all-zero chunk, fp32 activations and
+    the unset switch keep the plane kernels; another value of the switch is an error naming it."""
+    from triforge.ops import ternary as T
+
+    calls = []
+    real = tc.ternary_matmul_tc
+    monkeypatch.setattr(tc, "ternary_matmul_tc", lambda *a, **kw: calls.append(a[0].shape) or real(*a, **kw))
+    n, k = 40, 300
+    trits = random_trits(n, k, gen)
+    trits[trits == 0] = 1  # no all-zero chunk anywhere
+    tt = TernaryTensor.from_trits(trits, random_scales(n, gen)).to(device)
+    x = torch.randn(3, 2, k, generator=gen).to(device=device, dtype=torch.bfloat16)
+    monkeypatch.setenv(T.TC_ENV, "1")
+    with poisoned():
+        y = T.matmul(x, tt)
+    assert calls == [(6, k)] and y.shape == (3, 2, n)
+    assert compare("dispatch tc", matmul_dense_ref(x, tt), y, dtype=torch.bfloat16).ok
+    codes = tt.tc_codes()
+    assert tt.tc_codes() is codes  # cached
+    tt.modify_dim(5, 7, -int(trits[5, 7]))
+    assert torch.equal(tc.unpack_tc(tt.tc_codes(), k), tt.trits())  # re-packed after the edit
+    assert compare("dispatch tc after edit", matmul_dense_ref(x, tt), T.matmul(x, tt), dtype=torch.bfloat16).ok
+    calls.clear()
+    T.matmul(x.float(), tt)  # fp32 activations: plane kernels
+    sparse = TernaryTensor.from_trits(torch.zeros(n, k, dtype=torch.int8), random_scales(n, gen)).to(device)
+    T.matmul(x, sparse)  # all-zero chunks: plane kernels (they skip them)
+    monkeypatch.setenv(T.TC_ENV, "0")
+    T.matmul(x, tt)
+    assert calls == []
+    monkeypatch.setenv(T.TC_ENV, "yes")
+    with pytest.raises(ValueError, match="TRIFORGE_TERNARY_TC"):
+        T.matmul(x, tt)
+
+
 def _constants(is_bf16: bool):
     """(sh, j, mask, c, d) [4, 2] int32 as the kernel computes them (run by the interpreter)."""
     import triton

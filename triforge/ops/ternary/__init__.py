@@ -6,6 +6,8 @@ in x's dtype. ``_dispatch`` picks the implementation: on the kernels' device the
 elsewhere dense expansion in PyTorch (``_matmul_dense``).
 """
 
+import os
+
 import torch
 
 from triforge import _runtime
@@ -76,6 +78,25 @@ def _matmul_decode(x2d: torch.Tensor, tt: TernaryTensor, bias=None) -> torch.Ten
     return _k.ternary_gemv(x2d.contiguous(), tt.plus, tt.minus, scales, bias=bias, active=active)
 
 
+TC_ENV = "TRIFORGE_TERNARY_TC"
+
+
+def _matmul_tc(x2d: torch.Tensor, tt: TernaryTensor, bias=None) -> torch.Tensor:
+    """The tensor-core prototype (``tc.py``) on the cached tc codes (opt-in: ``TRIFORGE_TERNARY_TC=1``)."""
+    from triforge.ops.ternary import tc
+
+    return tc.ternary_matmul_tc(x2d, tt, bias, codes=tt.tc_codes())
+
+
+def _use_tc(x2d: torch.Tensor, tt: TernaryTensor) -> bool:
+    """``TRIFORGE_TERNARY_TC=1``: fp16/bf16 activations at any M go to the tensor-core prototype, except
+    where some 2048-column chunk is all zero (the plane kernels skip those; the prototype does not)."""
+    flag = os.environ.get(TC_ENV, "0")
+    if flag not in ("0", "1"):
+        raise ValueError(f"{TC_ENV} must be 0 or 1, got {flag!r}")
+    return flag == "1" and x2d.dtype in (torch.float16, torch.bfloat16) and tt.kernel_operands()[1] is None
+
+
 def _dispatch(x2d: torch.Tensor, tt: TernaryTensor):
     """Pick the implementation for this call: a callable (x2d, tt, bias) -> y2d.
 
@@ -84,10 +105,13 @@ def _dispatch(x2d: torch.Tensor, tt: TernaryTensor):
     (measured on the H100: the GEMV wins 1.7-1.9x at M = 4 and loses 1.3-2.2x at M = 16; ``kernels.py``
     has the numbers; M = 5..15 is unmeasured). Anything else (CPU tensors in a CUDA process) runs the dense
     expansion. Open decision: no cuBLAS fallback where the kernels lose to fp16 (it would keep an fp16
-    copy of the weights, 8x their memory).
+    copy of the weights, 8x their memory). ``TRIFORGE_TERNARY_TC=1`` sends fp16/bf16 activations to the
+    tensor-core prototype instead (``_use_tc``; untimed on the H100 so far).
     """
     kernel_device = "cpu" if _runtime.INTERPRET else "cuda"
     if x2d.device.type == kernel_device and tt.plus.device.type == kernel_device:
+        if _use_tc(x2d, tt):
+            return _matmul_tc
         return _matmul_decode if x2d.shape[0] <= _k.GEMV_DISPATCH_M else _matmul_kernel
     return _matmul_dense
 

@@ -201,6 +201,7 @@ class TernaryTensor:
         self.shape = (int(shape[0]), int(shape[1]))
         self._metadata = None
         self._operands = None  # kernel_operands(), cached
+        self._tc_codes = None  # tc_codes(), cached
         if validate:
             self._validate()
 
@@ -324,6 +325,7 @@ class TernaryTensor:
         """Drop the cached metadata (call after editing the planes other than through ``modify_dim``)."""
         self._metadata = None
         self._operands = None
+        self._tc_codes = None
 
     def kernel_operands(self):
         """(row scales [out_features] fp32, ``active`` [out_features, n_chunks] or None): what the kernels
@@ -334,6 +336,16 @@ class TernaryTensor:
             meta = self.sparsity_metadata()
             ops = self._operands = (self.row_scales(), meta.active if meta.has_inactive_chunks() else None)
         return ops
+
+    def tc_codes(self) -> torch.Tensor:
+        """The planes re-packed for the tensor-core prototype (``tc.pack_tc``: 2 bits per weight in the MMA
+        fragment's order), made on first use and cached beside the planes (4 bits per weight resident while
+        cached); ``modify_dim`` and ``invalidate_metadata`` drop it."""
+        if self._tc_codes is None or self._tc_codes.device != self.device:
+            from triforge.ops.ternary import tc
+
+            self._tc_codes = tc.pack_tc(self.plus, self.minus, self.in_features)
+        return self._tc_codes
 
     # --------------------------------------------------------------- edits
 
@@ -361,6 +373,7 @@ class TernaryTensor:
         if self._metadata is not None:
             self._metadata.update_word(r, w, (p | m) != 0)
         self._operands = None
+        self._tc_codes = None
 
     # --------------------------------------------------------------- device / size
 
