@@ -392,6 +392,19 @@ def ternary_gemv_reduce_kernel(
     tl.store(y_ptr + o, _cast(b_y, y_ptr.dtype.element_ty, RNE), mask=m_o)
 
 
+def reduce_splits(part: torch.Tensor, scales: torch.Tensor, bias, y: torch.Tensor, rne: bool) -> None:
+    """y [M, N] = (part [S, M, N] fp32 summed over S in order) * scales (+ bias), cast to y's dtype: the
+    second launch of a split-K product (``ternary_gemv_reduce_kernel``)."""
+    S, M, N = part.shape
+    block = 1024
+    launch.launch(
+        "ternary_gemv_reduce", ternary_gemv_reduce_kernel, (triton.cdiv(M * N, block),),
+        part, scales, bias if bias is not None else scales, y, scales.stride(0), M, N, S,
+        nbytes=4 * S * M * N + N * 4 + M * N * y.element_size(),
+        BLOCK=block, HAS_BIAS=bias is not None, RNE=rne, num_warps=4,
+    )
+
+
 def _gemv_block_m(M: int) -> int:
     return triton.next_power_of_2(M)
 
@@ -496,11 +509,5 @@ def ternary_gemv(x2d, plus, minus, scales, bias=None, active=None, cfg=None):
         HAS_BIAS=bias is not None, RNE=rne, num_warps=warps,
     )
     if not final:
-        block = 1024
-        launch.launch(
-            "ternary_gemv_reduce", ternary_gemv_reduce_kernel, (triton.cdiv(M * N, block),),
-            out, scales, bias if bias is not None else scales, y, scales.stride(0), M, N, splits,
-            nbytes=4 * splits * M * N + N * 4 + M * N * xsize,
-            BLOCK=block, HAS_BIAS=bias is not None, RNE=rne, num_warps=4,
-        )
+        reduce_splits(out, scales, bias, y, rne)
     return y

@@ -39,7 +39,7 @@ import triton.language as tl
 from triforge import _runtime, launch
 from triforge.launch import new_output
 from triforge.ops._tl import cast as _cast
-from triforge.ops.ternary.kernels import ternary_gemv_reduce_kernel
+from triforge.ops.ternary.kernels import reduce_splits
 
 BLOCK_COLS = 128  # columns per group of 8 code words
 WORDS_PER_BLOCK = 8
@@ -300,11 +300,5 @@ def ternary_matmul_tc(x2d: torch.Tensor, tt, bias: torch.Tensor | None = None, c
         TMA=tma, FINAL=final, HAS_BIAS=bias is not None, RNE=rne, num_warps=warps, num_stages=cfg["num_stages"],
     )
     if not final:
-        block = 1024
-        launch.launch(
-            "ternary_gemv_reduce", ternary_gemv_reduce_kernel, (triton.cdiv(M * N, block),),
-            out, scales, bias if bias is not None else scales, y, scales.stride(0), M, N, splits,
-            nbytes=4 * splits * M * N + N * 4 + M * N * xsize,
-            BLOCK=block, HAS_BIAS=bias is not None, RNE=rne, num_warps=4,
-        )
+        reduce_splits(out, scales, bias, y, rne)
     return y
