@@ -92,9 +92,6 @@ def test_tc_matmul_bad_input(device, gen):
         tc.ternary_matmul_tc(torch.randn(2, 41, device=device).half(), tt)
 
 
-# ----------------------------------------------------------------------------- the asm decode, emulated
-
-
 def test_matmul_dispatch_opt_in(monkeypatch, device, gen):
     """TRIFORGE_TERNARY_TC=1 sends ternary.matmul's fp16/bf16 calls (any M) to the prototype on the cached
     codes; an edit through modify_dim drops the cache; tensors with an all-zero chunk, fp32 activations and
@@ -129,6 +126,9 @@ def test_matmul_dispatch_opt_in(monkeypatch, device, gen):
     monkeypatch.setenv(T.TC_ENV, "yes")
     with pytest.raises(ValueError, match="TRIFORGE_TERNARY_TC"):
         T.matmul(x, tt)
+
+
+# ----------------------------------------------------------------------------- the asm decode, emulated
 
 
 def _constants(is_bf16: bool):

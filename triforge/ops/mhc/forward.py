@@ -30,7 +30,7 @@ def mhc_project_fwd_kernel(
     SPLIT_W: tl.constexpr,
     UPCAST: tl.constexpr,
     RNE: tl.constexpr,
-    TMA: tl.constexpr = False,
+    TMA: tl.constexpr,
 ):
     """proj = (x W^T) * inv_rms, inv_rms = rsqrt(mean(x^2) + eps). 16-bit x: each W^T tile is split here
     into two parts in x's dtype (hi = W rounded, lo = W - hi: ~16 mantissa bits of W kept) and takes

@@ -1,6 +1,7 @@
 """Prototype: ternary x fp16/bf16 matmul on tensor cores with a decode of ~1 instruction per weight.
 
-Not wired into ``triforge.ternary.matmul``; see ``ternary_matmul_tc``.
+``triforge.ternary.matmul`` uses it only when ``TRIFORGE_TERNARY_TC=1`` (``ternary._use_tc``); see
+``ternary_matmul_tc``.
 
 Weight format ("tc codes", made from a ``TernaryTensor``'s planes by ``pack_tc``; 2 bits per weight like
 the planes): int32 [N, KC], KC = 8 * ceil(K / 128). Each weight is a 2-bit code, trit + 1 in {0, 1, 2}
