@@ -71,6 +71,27 @@ def test_tc_matmul_split_and_whole_k(dtype, device, gen):
         assert compare(f"tc matmul pps={pps} tma={tma}", ref, y, dtype=dtype).ok
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+def test_tc_split_fixup_equals_reduce_launch(dtype, device, gen):
+    """Split K summed by the tiles' last-arriving programs (FIXUP, the default) against the separate reduce
+    launch: the same order of the same fp32 partials, so the same bits; right against float64 over several
+    calls (each launch re-arms the arrival counters: they are zero after it), with a bias, at 2 x tiles."""
+    m, n, k = 20, 70, 1100  # BLOCK_M 32: 1 x tile; 2 weight tiles of 64 rows; 72 words: 5 steps of 16
+    tt = TernaryTensor.from_trits(random_trits(n, k, gen), random_scales(n, gen)).to(device)
+    codes = tc.pack_tc(tt.plus, tt.minus, k)
+    for call in range(3):
+        x = torch.randn(m, k, generator=gen).to(device=device, dtype=dtype)
+        bias = torch.randn(n, generator=gen).to(device=device, dtype=dtype)
+        with poisoned():
+            y_fix = tc.ternary_matmul_tc(x, tt, bias, codes=codes, cfg={"programs_per_sm": 64, "BLOCKS_K": 1})
+            y_red = tc.ternary_matmul_tc(x, tt, bias, codes=codes,
+                                         cfg={"programs_per_sm": 64, "BLOCKS_K": 1, "FIXUP": 0})
+        assert compare(f"tc matmul split fixup call {call}", matmul_dense_ref(x, tt, bias), y_fix, dtype=dtype).ok
+        assert torch.equal(y_fix, y_red), (y_fix - y_red).abs().max()
+        cnt = tc.split_counters(torch.device(device), 1)
+        assert int(cnt.abs().sum()) == 0
+
+
 @pytest.mark.parametrize("cfg", [{"BLOCKS_K": 2}, {"ROW_REPS": 2}, {"num_warps": 8, "BLOCK_M": 32}],
                          ids=["blocks_k2", "row_reps2", "warps8"])
 def test_tc_matmul_configs(cfg, device, gen):
@@ -190,11 +211,13 @@ def _tc_sm90_cases():
         x = f"*{dt}"
         cases.append({
             "kernel": "triforge.ops.ternary.tc:ternary_tc_kernel",
-            "signature": {"x_ptr": x, "codes_ptr": "*i32", "scale_ptr": "*fp32", "bias_ptr": x, "out_ptr": "*fp32"},
+            "signature": {"x_ptr": x, "codes_ptr": "*i32", "scale_ptr": "*fp32", "bias_ptr": x, "y_ptr": x,
+                          "part_ptr": "*fp32", "cnt_ptr": "*i32"},
             "constexprs": dict(BLOCK_M=cfg["BLOCK_M"], ROW_REPS=cfg["ROW_REPS"], BLOCKS_K=cfg["BLOCKS_K"],
                                WARPS=cfg["num_warps"], IS_BF16=dt == "bf16", USE_ASM=True, TMA=True, FINAL=False,
-                               HAS_BIAS=True, RNE=False),
-            "divisible": ["x_ptr", "codes_ptr", "scale_ptr", "bias_ptr", "out_ptr", "magic", "M", "N", "K", "KC"],
+                               FIXUP=m <= 64, HAS_BIAS=True, RNE=False),
+            "divisible": ["x_ptr", "codes_ptr", "scale_ptr", "bias_ptr", "y_ptr", "part_ptr", "cnt_ptr", "magic", "M",
+                          "N", "K", "KC"],
             "options": {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]},
             "m": m,
         })

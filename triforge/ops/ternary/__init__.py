@@ -319,6 +319,19 @@ def _gemv_tune_setup(shape, dtype, device):
     return (lambda cfg: _k.ternary_gemv(x, tt.plus, tt.minus, scales, cfg=cfg)), _k._gemv_config_key(M, N, K)
 
 
+def _tc_tune_setup(shape, dtype, device):
+    """Tunable setup of the tensor-core kernel: absmean weights (N, K) as tc codes, x [M, K] of ``dtype``
+    (fp32 is not a dtype of this kernel: it tunes at fp16)."""
+    from triforge.ops.ternary import tc
+
+    M, N, K = shape["M"], shape["N"], shape["K"]
+    g = torch.Generator(device=device).manual_seed(0)
+    tt = TernaryTensor.from_float(torch.randn(N, K, generator=g, device=device), method="absmean", per_row=True)
+    x = torch.randn(M, K, generator=g, device=device).to(dtype if dtype != torch.float32 else torch.float16)
+    codes = tt.tc_codes()
+    return (lambda cfg: tc.ternary_matmul_tc(x, tt, codes=codes, cfg=cfg)), tc.tc_config_key(M, N, K)
+
+
 # the decode GEMV's launch grid; points whose tile is narrower than 4 words x 32 lanes x num_warps are slower
 # (M is then spread over threads) but valid
 GEMV_TUNE_SPACE = {"BLOCK_N": [8, 16, 32], "BLOCK_W": [32, 64], "BIT_UNROLL": [4, 16], "num_warps": [4, 8],
@@ -335,6 +348,13 @@ def _register():
     register_tunable(Tunable(
         kernel="ternary_gemv", space=GEMV_TUNE_SPACE, setup=_gemv_tune_setup, shape_names=("M", "N", "K"),
         default_shape={"M": 1, "N": 8192, "K": 8192},
+    ))
+
+    from triforge.ops.ternary.tc import TC_TUNE_SPACE
+
+    register_tunable(Tunable(
+        kernel="ternary_tc", space=TC_TUNE_SPACE, setup=_tc_tune_setup, shape_names=("M", "N", "K"),
+        default_shape={"M": 16, "N": 8192, "K": 8192},
     ))
 
     register(OpSpec(

@@ -130,8 +130,10 @@ def ternary_tc_kernel(
     x_ptr,  # [M, K] fp16/bf16
     codes_ptr,  # [N, KC] int32 tc codes (pack_tc)
     scale_ptr,  # [N] fp32 row scales at n * stride_scale (read when FINAL)
-    bias_ptr,  # [N] any float dtype (read when FINAL and HAS_BIAS)
-    out_ptr,  # FINAL: y [M, N] in x's dtype; else part [S, M, N] fp32
+    bias_ptr,  # [N] any float dtype (read when FINAL or FIXUP, and HAS_BIAS)
+    y_ptr,  # [M, N] in x's dtype (written when FINAL, or by a tile's last split when FIXUP)
+    part_ptr,  # [S, M, N] fp32 split-K partial sums (not FINAL)
+    cnt_ptr,  # int32 [tiles] arrival counters of the splits, zero between launches (FIXUP)
     stride_scale,
     magic,  # MAGIC_F16 / MAGIC_BF16 at run time: the decode's OR constants then sit in registers
     M,
@@ -139,6 +141,7 @@ def ternary_tc_kernel(
     K,
     KC,
     steps_per_split,
+    n_splits,
     BLOCK_M: tl.constexpr,
     ROW_REPS: tl.constexpr,  # BLOCK_N = 16 * WARPS * ROW_REPS
     BLOCKS_K: tl.constexpr,  # 128-column blocks per K step
@@ -146,7 +149,8 @@ def ternary_tc_kernel(
     IS_BF16: tl.constexpr,
     USE_ASM: tl.constexpr,
     TMA: tl.constexpr,  # x tiles through a tensor descriptor (K % 8 == 0; zero-filled past M and K)
-    FINAL: tl.constexpr,
+    FINAL: tl.constexpr,  # one split: this program writes y
+    FIXUP: tl.constexpr,  # several splits: the last of a tile's splits to finish sums them (else a reduce launch)
     HAS_BIAS: tl.constexpr,
     RNE: tl.constexpr,
 ):
@@ -216,14 +220,37 @@ def ternary_tc_kernel(
     m_n = o_n < N
     m_y = m_n[:, None] & m_m[None, :]
     if FINAL:
-        y = acc * tl.load(scale_ptr + o_n * stride_scale, mask=m_n, other=0.0)[:, None]
-        if HAS_BIAS:
-            y += tl.load(bias_ptr + o_n, mask=m_n, other=0.0).to(tl.float32)[:, None]
-        o_y = o_m.to(tl.int64)[None, :] * N + o_n[:, None]
-        tl.store(out_ptr + o_y, _cast(y, out_ptr.dtype.element_ty, RNE), mask=m_y)
+        _store_y(acc, scale_ptr, stride_scale, bias_ptr, y_ptr, o_m, o_n, m_y, N, HAS_BIAS, RNE)
     else:
-        o_y = (i_s.to(tl.int64) * M + o_m[None, :]) * N + o_n[:, None]
-        tl.store(out_ptr + o_y, acc, mask=m_y)
+        o_p = (i_s.to(tl.int64) * M + o_m[None, :]) * N + o_n[:, None]
+        tl.store(part_ptr + o_p, acc, mask=m_y)
+        if FIXUP:
+            # serial split-K: every thread's partial precedes the arrival (barrier, then one release by the
+            # arriving thread); the last arrival acquires, sums the S partials in order 0..S-1 (the reduce
+            # kernel's order: same bits) and re-arms the counter for the next launch
+            tl.debug_barrier()
+            tile = i_m * tl.num_programs(0) + i_n
+            arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
+            if arrived == n_splits - 1:
+                tl.debug_barrier()  # the other threads' reads follow the acquire
+                y = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+                for s2 in range(0, n_splits):  # L2 reads (.cg): other SMs wrote these
+                    o_s = (s2 * M + o_m[None, :]).to(tl.int64) * N + o_n[:, None]
+                    y += tl.load(part_ptr + o_s, mask=m_y, other=0.0, cache_modifier=".cg")
+                _store_y(y, scale_ptr, stride_scale, bias_ptr, y_ptr, o_m, o_n, m_y, N, HAS_BIAS, RNE)
+                tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _store_y(acc, scale_ptr, stride_scale, bias_ptr, y_ptr, o_m, o_n, m_y, N, HAS_BIAS: tl.constexpr,
+             RNE: tl.constexpr):
+    """y^T tile acc [BLOCK_N, BLOCK_M] (fp32 trit sums) * row scales (+ bias), cast, stored into y [M, N]."""
+    m_n = o_n < N
+    y = acc * tl.load(scale_ptr + o_n * stride_scale, mask=m_n, other=0.0)[:, None]
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + o_n, mask=m_n, other=0.0).to(tl.float32)[:, None]
+    o_y = o_m.to(tl.int64)[None, :] * N + o_n[:, None]
+    tl.store(y_ptr + o_y, _cast(y, y_ptr.dtype.element_ty, RNE), mask=m_y)
 
 
 # ----------------------------------------------------------------------------- launcher
@@ -253,6 +280,37 @@ def tc_fallback_config(M: int, N: int, K: int, interpreter: bool | None = None) 
             "programs_per_sm": 1}
 
 
+_COUNTERS: dict = {}
+
+
+def split_counters(device: torch.device, n: int) -> torch.Tensor:
+    """int32 [>= n] zeros: the split-K arrival counters of ``ternary_tc_kernel``'s FIXUP, one set per device
+    and stream (launches on one stream run in order; each launch leaves them zero again). Grown, never
+    shrunk; under CUDA-graph capture the capture stream gets its own set."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (device.type, device.index, stream)
+    cnt = _COUNTERS.get(key)
+    if cnt is None or cnt.numel() < n:
+        cnt = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+        _COUNTERS[key] = cnt
+    return cnt
+
+
+def tc_config_key(M: int, N: int, K: int) -> str:
+    # the x-row tile (BLOCK_M's bucket) with the weight shape; fp16 and bf16 share configs (same decode count)
+    return launch.config_key(m=max(16, triton.next_power_of_2(min(M, 256))), n=N, k=K)
+
+
+def tc_config(M: int, N: int, K: int) -> dict:
+    """The tuned config at (M's bucket, N, K) on this arch (``triforge tune ternary_tc``), else the fallback."""
+    return launch.config("ternary_tc", tc_config_key(M, N, K), tc_fallback_config(M, N, K))
+
+
+# the tuning grid (BLOCK_M comes from M: one x tile up to 128 rows); 72 points, 24 compiles per M bucket
+TC_TUNE_SPACE = {"ROW_REPS": [1, 2], "BLOCKS_K": [1, 2, 4], "num_warps": [4, 8], "num_stages": [1, 2],
+                 "programs_per_sm": [2, 4, 8]}
+
+
 def ternary_matmul_tc(x2d: torch.Tensor, tt, bias: torch.Tensor | None = None, codes: torch.Tensor | None = None,
                       cfg: dict | None = None) -> torch.Tensor:
     """x2d [M, K] (fp16/bf16) @ (scales * trits)^T (+ bias) -> [M, N] in x's dtype, fp32 accumulation.
@@ -272,7 +330,7 @@ def ternary_matmul_tc(x2d: torch.Tensor, tt, bias: torch.Tensor | None = None, c
         codes = pack_tc(tt.plus, tt.minus, tt.in_features)
     scales = tt.kernel_operands()[0]
     bias = None if bias is None else bias.contiguous()
-    cfg = dict(tc_fallback_config(M, N, K), **(cfg or {}))
+    cfg = dict(tc_config(M, N, K), **(cfg or {}))
     bm, reps, nbk, warps = cfg["BLOCK_M"], cfg["ROW_REPS"], cfg["BLOCKS_K"], cfg["num_warps"]
     bn = 16 * warps * reps
     kc = codes.shape[1]
@@ -287,19 +345,22 @@ def ternary_matmul_tc(x2d: torch.Tensor, tt, bias: torch.Tensor | None = None, c
     if tma:
         launch.use_tensor_descriptors()
     final = splits == 1
+    fixup = not final and bool(cfg.get("FIXUP", 1))
     rne = _runtime.INTERPRET and x2d.dtype == torch.bfloat16  # the interpreter truncates fp32 -> bf16 casts
     is_bf16 = x2d.dtype == torch.bfloat16
     y = new_output((M, N), x2d.dtype, x2d.device)
-    out = y if final else new_output((splits, M, N), torch.float32, x2d.device)
+    part = y if final else new_output((splits, M, N), torch.float32, x2d.device)
+    cnt = split_counters(x2d.device, tiles) if fixup else scales
     xsize = x2d.element_size()
     launch.launch(
         "ternary_tc", ternary_tc_kernel, (triton.cdiv(N, bn), triton.cdiv(M, bm), splits),
-        x2d, codes, scales, bias if bias is not None else scales, out, scales.stride(0),
-        MAGIC_BF16 if is_bf16 else MAGIC_F16, M, N, K, kc, per_split,
-        nbytes=codes.numel() * 4 + M * K * xsize + M * N * (xsize if final else 4 * splits),
+        x2d, codes, scales, bias if bias is not None else scales, y, part, cnt, scales.stride(0),
+        MAGIC_BF16 if is_bf16 else MAGIC_F16, M, N, K, kc, per_split, splits,
+        nbytes=codes.numel() * 4 + M * K * xsize + M * N * (xsize if final else 8 * splits + xsize),
         BLOCK_M=bm, ROW_REPS=reps, BLOCKS_K=nbk, WARPS=warps, IS_BF16=is_bf16, USE_ASM=not _runtime.INTERPRET,
-        TMA=tma, FINAL=final, HAS_BIAS=bias is not None, RNE=rne, num_warps=warps, num_stages=cfg["num_stages"],
+        TMA=tma, FINAL=final, FIXUP=fixup, HAS_BIAS=bias is not None, RNE=rne, num_warps=warps,
+        num_stages=cfg["num_stages"],
     )
-    if not final:
-        reduce_splits(out, scales, bias, y, rne)
+    if not final and not fixup:
+        reduce_splits(part, scales, bias, y, rne)
     return y
