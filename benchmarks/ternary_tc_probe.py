@@ -8,6 +8,9 @@ For each (N, K) of the issue and batch M in {1, 4, 16, 64, 256}, bf16 activation
   (CUDA events around 50 calls: host included, as a user calls it).
 
     PYTHONPATH=. python benchmarks/ternary_tc_probe.py [--json PATH] [--shapes 8192x8192 ...] [--m 1 16 ...]
+
+``--sweep``: instead, every launch config of ``sweep_configs()`` (PREFETCH depth, tile, split target, stages)
+checked and timed the same way (CUDA graphs) at each shape and M; the five fastest printed per shape.
 """
 
 import argparse
@@ -108,21 +111,64 @@ def run_shape(N, K, ms, gen):
     return rows
 
 
+def sweep_configs():
+    """The launch configs the sweep times: PREFETCH depth x tile shape x split target x pipelining."""
+    tiles = [(1, 1, 4), (1, 2, 4), (2, 1, 4), (1, 4, 4), (2, 2, 4), (1, 2, 8)]  # ROW_REPS, BLOCKS_K, num_warps
+    return [{"ROW_REPS": r, "BLOCKS_K": b, "num_warps": w, "PREFETCH": p, "programs_per_sm": pps, "num_stages": st}
+            for r, b, w in tiles for p in (1, 2, 3) for pps in (2, 4, 8) for st in (1, 2)]
+
+
+def run_sweep(N, K, ms, gen):
+    """CUDA-graph time of every sweep config at (N, K) and each M (weights rotated past the L2)."""
+    sets = max(2, -(-2 * L2_BYTES // (N * K // 4)))
+    tts = [TernaryTensor.from_float(torch.randn(N, K, generator=gen).cuda(), method="absmean", per_row=True)
+           for _ in range(min(sets, 8))]
+    codes = [tc.pack_tc(t.plus, t.minus, t.in_features) for t in tts]
+    rows = []
+    for M in ms:
+        x = torch.randn(M, K, generator=gen).cuda().to(torch.bfloat16)
+        ref = matmul_dense_ref(x, tts[0])
+        timed = []
+        for cfg in sweep_configs():
+            try:
+                y = tc.ternary_matmul_tc(x, tts[0], codes=codes[0], cfg=cfg)
+                ok = compare("sweep", ref, y, dtype=torch.bfloat16, verbose=False).ok
+                us = graph_us([lambda t=t, c=c: tc.ternary_matmul_tc(x, t, codes=c, cfg=cfg)
+                               for t, c in zip(tts, codes)]) if ok else None
+            except Exception as e:  # out of resources: reported, skipped
+                ok, us = False, None
+                print(f"  {cfg}: {type(e).__name__}", flush=True)
+            timed.append({"config": cfg, "ok": ok, "us": us})
+        good = sorted((t for t in timed if t["us"] is not None), key=lambda t: t["us"])
+        fallback = tc.tc_config(M, N, K)
+        print(f"N={N} K={K} M={M}: {len(good)} configs, parity failures {sum(not t['ok'] for t in timed)}; "
+              f"current config {fallback}", flush=True)
+        for t in good[:5]:
+            print(f"   {t['us']:7.2f} us  {t['config']}", flush=True)
+        rows.append({"N": N, "K": K, "M": M, "timed": timed, "best": good[0] if good else None})
+    del tts, codes
+    torch.cuda.empty_cache()
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", help="write the rows here")
     ap.add_argument("--shapes", nargs="*", help="NxK, e.g. 8192x8192 (default: the issue's five)")
     ap.add_argument("--m", nargs="*", type=int, default=MS)
+    ap.add_argument("--sweep", action="store_true", help="time the sweep's launch configs instead (CUDA graphs)")
     args = ap.parse_args()
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes] if args.shapes else SHAPES
     gen = torch.Generator().manual_seed(0)
     rows = []
     for N, K in shapes:
-        rows += run_shape(N, K, args.m, gen)
+        rows += (run_sweep if args.sweep else run_shape)(N, K, args.m, gen)
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    if args.sweep:  # parity failures are printed per shape and kept in the JSON
+        return
     failed = [r for r in rows if not r["tc_ok"] or not r["cur_ok"]]
     if failed:
         raise SystemExit(f"{len(failed)} parity failures: {[(r['N'], r['K'], r['M']) for r in failed]}")

@@ -44,6 +44,9 @@ class OpSpec:
     magnitudes: Callable | None = None
     describe: Callable = lambda inputs: ""
     bench_shapes: tuple = ()
+    # forward timed as CUDA-graph replay (``bench.graph_time_ms``) instead of per call: for decode-sized
+    # kernels (~5-50 us) that serving runs from graphs, where a launch's own overhead is not the kernel's
+    bench_graph: bool = False
 
 
 _OPS: dict[str, OpSpec] = {}

@@ -92,11 +92,13 @@ def test_tc_split_fixup_equals_reduce_launch(dtype, device, gen):
         assert int(cnt.abs().sum()) == 0
 
 
-@pytest.mark.parametrize("cfg", [{"BLOCKS_K": 2}, {"ROW_REPS": 2}, {"num_warps": 8, "BLOCK_M": 32}],
-                         ids=["blocks_k2", "row_reps2", "warps8"])
+@pytest.mark.parametrize("cfg", [{"BLOCKS_K": 2}, {"ROW_REPS": 2}, {"num_warps": 8, "BLOCK_M": 32},
+                                 {"PREFETCH": 2}, {"PREFETCH": 3, "programs_per_sm": 4},
+                                 {"PREFETCH": 3, "BLOCKS_K": 2}],
+                         ids=["blocks_k2", "row_reps2", "warps8", "prefetch2", "prefetch3_split", "prefetch3_k2"])
 def test_tc_matmul_configs(cfg, device, gen):
-    """The GPU configs' shapes of the kernel (256-column steps with a partial last step, 128-row blocks)
-    under the interpreter."""
+    """The GPU configs' shapes of the kernel (256-column steps with a partial last step, 128-row blocks,
+    words loaded 2 and 3 steps ahead, also past a split's end) under the interpreter."""
     m, n, k = 9, 150, 700  # 48 code words per row: 3 steps of 16 words
     tt = TernaryTensor.from_trits(random_trits(n, k, gen), random_scales(n, gen)).to(device)
     x = torch.randn(m, k, generator=gen).to(device=device, dtype=torch.float16)
@@ -206,8 +208,9 @@ def _tc_sm90_cases():
     """The prototype as the H100 would build it at N = K = 8192 with its fallback configs, M = 16, 64, 256
     (x tiles of 16, 64 and 128 rows)."""
     cases = []
-    for m, dt in [(16, "fp16"), (16, "bf16"), (64, "fp16"), (256, "fp16"), (256, "bf16")]:
-        cfg = tc.tc_fallback_config(m, 8192, 8192, interpreter=False)
+    for m, dt, extra in [(16, "fp16", {}), (16, "bf16", {}), (64, "fp16", {}), (256, "fp16", {}), (256, "bf16", {}),
+                         (16, "bf16", {"PREFETCH": 3})]:
+        cfg = dict(tc.tc_fallback_config(m, 8192, 8192, interpreter=False), **extra)
         x = f"*{dt}"
         cases.append({
             "kernel": "triforge.ops.ternary.tc:ternary_tc_kernel",
@@ -215,7 +218,7 @@ def _tc_sm90_cases():
                           "part_ptr": "*fp32", "cnt_ptr": "*i32"},
             "constexprs": dict(BLOCK_M=cfg["BLOCK_M"], ROW_REPS=cfg["ROW_REPS"], BLOCKS_K=cfg["BLOCKS_K"],
                                WARPS=cfg["num_warps"], IS_BF16=dt == "bf16", USE_ASM=True, TMA=True, FINAL=False,
-                               FIXUP=m <= 64, HAS_BIAS=True, RNE=False),
+                               PREFETCH=cfg.get("PREFETCH", 1), FIXUP=m <= 64, HAS_BIAS=True, RNE=False),
             "divisible": ["x_ptr", "codes_ptr", "scale_ptr", "bias_ptr", "y_ptr", "part_ptr", "cnt_ptr", "magic", "M",
                           "N", "K", "KC"],
             "options": {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]},

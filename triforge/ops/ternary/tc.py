@@ -150,6 +150,7 @@ def ternary_tc_kernel(
     USE_ASM: tl.constexpr,
     TMA: tl.constexpr,  # x tiles through a tensor descriptor (K % 8 == 0; zero-filled past M and K)
     FINAL: tl.constexpr,  # one split: this program writes y
+    PREFETCH: tl.constexpr,  # steps of words loaded ahead of the decode: 1..3
     FIXUP: tl.constexpr,  # several splits: the last of a tile's splits to finish sums them (else a reduce launch)
     HAS_BIAS: tl.constexpr,
     RNE: tl.constexpr,
@@ -188,12 +189,16 @@ def ternary_tc_kernel(
     n_steps = tl.cdiv(KC, 8 * BLOCKS_K)
     s_start = i_s * steps_per_split
     s_end = tl.minimum(s_start + steps_per_split, n_steps)
-    words = tl.load(p_c + s_start * (8 * BLOCKS_K), mask=m_r & (s_start < s_end) & (s_start * (8 * BLOCKS_K) + o_c < KC),
-                    other=0)
+    # PREFETCH steps of words in flight ahead of the decode (one load issued per step, 8 BLOCKS_K words
+    # per row): the loop is latency-bound at small M, where each program decodes little per step
+    words = _load_step(p_c, o_c, m_r, s_start, s_end, KC, BLOCKS_K)
+    if PREFETCH >= 2:
+        words2 = _load_step(p_c, o_c, m_r, s_start + 1, s_end, KC, BLOCKS_K)
+    if PREFETCH >= 3:
+        words3 = _load_step(p_c, o_c, m_r, s_start + 2, s_end, KC, BLOCKS_K)
     for s in range(s_start, s_end):
-        # the next step's words are requested before this step's decode (one load in flight per warp)
-        w1 = (s + 1) * (8 * BLOCKS_K)
-        words_next = tl.load(p_c + w1, mask=m_r & (s + 1 < s_end) & (w1 + o_c < KC), other=0)
+        # the step PREFETCH ahead is requested before this step's decode
+        words_next = _load_step(p_c, o_c, m_r, s + PREFETCH, s_end, KC, BLOCKS_K)
         w9 = words[:, :, :, :, :, :, :, None, None]
         src = tl.where(sh == 12, w9 >> 12, tl.where(sh == 6, w9 >> 6, w9))  # [.., kb2 4, h 2]
         if USE_ASM:
@@ -214,7 +219,15 @@ def ternary_tc_kernel(
             acc = tl.dot(w_t, tl.trans(b_x), acc)
         else:  # the interpreter: exact in fp32 (its bf16 dots are not supported)
             acc = tl.dot(w_t, tl.trans(b_x.to(tl.float32)), acc, input_precision="ieee")
-        words = words_next
+        if PREFETCH == 1:
+            words = words_next
+        elif PREFETCH == 2:
+            words = words2
+            words2 = words_next
+        else:
+            words = words2
+            words2 = words3
+            words3 = words_next
     # acc [BN, BM] is y^T
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < N
@@ -239,6 +252,13 @@ def ternary_tc_kernel(
                     y += tl.load(part_ptr + o_s, mask=m_y, other=0.0, cache_modifier=".cg")
                 _store_y(y, scale_ptr, stride_scale, bias_ptr, y_ptr, o_m, o_n, m_y, N, HAS_BIAS, RNE)
                 tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _load_step(p_c, o_c, m_r, s, s_end, KC, BLOCKS_K: tl.constexpr):
+    """The code words of K step s (zeros past the split's last step and past the row's end)."""
+    w0 = s * (8 * BLOCKS_K)
+    return tl.load(p_c + w0, mask=m_r & (s < s_end) & (w0 + o_c < KC), other=0)
 
 
 @triton.jit
@@ -358,7 +378,7 @@ def ternary_matmul_tc(x2d: torch.Tensor, tt, bias: torch.Tensor | None = None, c
         MAGIC_BF16 if is_bf16 else MAGIC_F16, M, N, K, kc, per_split, splits,
         nbytes=codes.numel() * 4 + M * K * xsize + M * N * (xsize if final else 8 * splits + xsize),
         BLOCK_M=bm, ROW_REPS=reps, BLOCKS_K=nbk, WARPS=warps, IS_BF16=is_bf16, USE_ASM=not _runtime.INTERPRET,
-        TMA=tma, FINAL=final, FIXUP=fixup, HAS_BIAS=bias is not None, RNE=rne, num_warps=warps,
+        TMA=tma, FINAL=final, PREFETCH=cfg.get("PREFETCH", 1), FIXUP=fixup, HAS_BIAS=bias is not None, RNE=rne, num_warps=warps,
         num_stages=cfg["num_stages"],
     )
     if not final and not fixup:
