@@ -111,14 +111,19 @@ def run_shape(N, K, ms, gen):
     return rows
 
 
-def sweep_configs():
-    """The launch configs the sweep times: PREFETCH depth x tile shape x split target x pipelining."""
+def sweep_configs(which="main"):
+    """The launch configs the sweep times. main: PREFETCH depth x tile shape x split target x pipelining
+    (x by TMA); xpre: x by pointer loads, prefetched with the words (XPRE)."""
+    if which == "xpre":
+        tiles = [(1, 1, 4), (1, 2, 4), (2, 1, 4), (1, 2, 8)]
+        return [{"ROW_REPS": r, "BLOCKS_K": b, "num_warps": w, "PREFETCH": p, "programs_per_sm": pps, "num_stages": 1,
+                 "XPRE": 1} for r, b, w in tiles for p in (1, 2, 3) for pps in (2, 4)]
     tiles = [(1, 1, 4), (1, 2, 4), (2, 1, 4), (1, 4, 4), (2, 2, 4), (1, 2, 8)]  # ROW_REPS, BLOCKS_K, num_warps
     return [{"ROW_REPS": r, "BLOCKS_K": b, "num_warps": w, "PREFETCH": p, "programs_per_sm": pps, "num_stages": st}
             for r, b, w in tiles for p in (1, 2, 3) for pps in (2, 4, 8) for st in (1, 2)]
 
 
-def run_sweep(N, K, ms, gen):
+def run_sweep(N, K, ms, gen, which="main"):
     """CUDA-graph time of every sweep config at (N, K) and each M (weights rotated past the L2)."""
     sets = max(2, -(-2 * L2_BYTES // (N * K // 4)))
     tts = [TernaryTensor.from_float(torch.randn(N, K, generator=gen).cuda(), method="absmean", per_row=True)
@@ -129,7 +134,7 @@ def run_sweep(N, K, ms, gen):
         x = torch.randn(M, K, generator=gen).cuda().to(torch.bfloat16)
         ref = matmul_dense_ref(x, tts[0])
         timed = []
-        for cfg in sweep_configs():
+        for cfg in sweep_configs(which):
             try:
                 y = tc.ternary_matmul_tc(x, tts[0], codes=codes[0], cfg=cfg)
                 ok = compare("sweep", ref, y, dtype=torch.bfloat16, verbose=False).ok
@@ -156,17 +161,18 @@ def main():
     ap.add_argument("--json", help="write the rows here")
     ap.add_argument("--shapes", nargs="*", help="NxK, e.g. 8192x8192 (default: the issue's five)")
     ap.add_argument("--m", nargs="*", type=int, default=MS)
-    ap.add_argument("--sweep", action="store_true", help="time the sweep's launch configs instead (CUDA graphs)")
+    ap.add_argument("--sweep", nargs="?", const="main", choices=["main", "xpre"],
+                    help="time the sweep's launch configs instead (CUDA graphs)")
     args = ap.parse_args()
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes] if args.shapes else SHAPES
     gen = torch.Generator().manual_seed(0)
     rows = []
-    for N, K in shapes:
-        rows += (run_sweep if args.sweep else run_shape)(N, K, args.m, gen)
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    for N, K in shapes:
+        rows += run_sweep(N, K, args.m, gen, args.sweep) if args.sweep else run_shape(N, K, args.m, gen)
+        if args.json:  # after every shape: a run cut short keeps what it measured
+            with open(args.json, "w") as f:
+                json.dump({"meta": meta, "rows": rows}, f, indent=1)
     if args.sweep:  # parity failures are printed per shape and kept in the JSON
         return
     failed = [r for r in rows if not r["tc_ok"] or not r["cur_ok"]]

@@ -82,16 +82,17 @@ TC_ENV = "TRIFORGE_TERNARY_TC"
 
 
 def _matmul_tc(x2d: torch.Tensor, tt: TernaryTensor, bias=None) -> torch.Tensor:
-    """The tensor-core prototype (``tc.py``) on the cached tc codes (opt-in: ``TRIFORGE_TERNARY_TC=1``)."""
+    """The tensor-core kernel (``tc.py``) on the cached tc codes."""
     from triforge.ops.ternary import tc
 
     return tc.ternary_matmul_tc(x2d, tt, bias, codes=tt.tc_codes())
 
 
 def _use_tc(x2d: torch.Tensor, tt: TernaryTensor) -> bool:
-    """``TRIFORGE_TERNARY_TC=1``: fp16/bf16 activations at any M go to the tensor-core prototype, except
-    where some 2048-column chunk is all zero (the plane kernels skip those; the prototype does not)."""
-    flag = os.environ.get(TC_ENV, "0")
+    """fp16/bf16 activations at any M go to the tensor-core kernel (``TRIFORGE_TERNARY_TC``, default 1; 0
+    keeps the plane kernels), except where some 2048-column chunk is all zero (the plane kernels skip
+    those; the tc kernel does not)."""
+    flag = os.environ.get(TC_ENV, "1")
     if flag not in ("0", "1"):
         raise ValueError(f"{TC_ENV} must be 0 or 1, got {flag!r}")
     return flag == "1" and x2d.dtype in (torch.float16, torch.bfloat16) and tt.kernel_operands()[1] is None
@@ -100,13 +101,16 @@ def _use_tc(x2d: torch.Tensor, tt: TernaryTensor) -> bool:
 def _dispatch(x2d: torch.Tensor, tt: TernaryTensor):
     """Pick the implementation for this call: a callable (x2d, tt, bias) -> y2d.
 
-    Tensors on the kernels' device (CUDA, or the CPU under Triton's interpreter) run a Triton kernel: the
-    decode GEMV (bits into fp32 FMAs) for M <= GEMV_DISPATCH_M = 4 rows, the tensor-core GEMM above
-    (measured on the H100: the GEMV wins 1.7-1.9x at M = 4 and loses 1.3-2.2x at M = 16; ``kernels.py``
-    has the numbers; M = 5..15 is unmeasured). Anything else (CPU tensors in a CUDA process) runs the dense
-    expansion. Open decision: no cuBLAS fallback where the kernels lose to fp16 (it would keep an fp16
-    copy of the weights, 8x their memory). ``TRIFORGE_TERNARY_TC=1`` sends fp16/bf16 activations to the
-    tensor-core prototype instead (``_use_tc``; untimed on the H100 so far).
+    Tensors on the kernels' device (CUDA, or the CPU under Triton's interpreter) run a Triton kernel:
+    - fp16/bf16 activations, no all-zero 2048-column chunk: the tensor-core kernel on 2-bit codes
+      (``tc.py``), at every M. On the H100 (benchmarks/ternary_tc_probe.py, CUDA graphs, commit 1fcce3a)
+      it matches or beats the plane GEMV at M = 1 (14.9 against 15.8 us at 8192^2; 40.2 against 52.9 at
+      8192 x 28672) and beats the plane kernels 1.5-5x at M >= 4.
+    - otherwise (fp32 activations, or chunks to skip): the decode GEMV on the bit planes (bits into fp32
+      FMAs) for M <= GEMV_DISPATCH_M = 4 rows, else the tiled tensor-core GEMM on the planes.
+    Anything else (CPU tensors in a CUDA process) runs the dense expansion. No cuBLAS fallback where the
+    kernels lose to fp16 (M = 256, the 0.5B shapes): it would keep an fp16 copy of the weights, 8x their
+    memory.
     """
     kernel_device = "cpu" if _runtime.INTERPRET else "cuda"
     if x2d.device.type == kernel_device and tt.plus.device.type == kernel_device:

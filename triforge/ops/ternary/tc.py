@@ -1,6 +1,6 @@
 """Prototype: ternary x fp16/bf16 matmul on tensor cores with a decode of ~1 instruction per weight.
 
-``triforge.ternary.matmul`` uses it only when ``TRIFORGE_TERNARY_TC=1`` (``ternary._use_tc``); see
+``triforge.ternary.matmul`` sends fp16/bf16 activations to it unless ``TRIFORGE_TERNARY_TC=0`` (``ternary._use_tc``); see
 ``ternary_matmul_tc``.
 
 Weight format ("tc codes", made from a ``TernaryTensor``'s planes by ``pack_tc``; 2 bits per weight like
@@ -151,6 +151,7 @@ def ternary_tc_kernel(
     TMA: tl.constexpr,  # x tiles through a tensor descriptor (K % 8 == 0; zero-filled past M and K)
     FINAL: tl.constexpr,  # one split: this program writes y
     PREFETCH: tl.constexpr,  # steps of words loaded ahead of the decode: 1..3
+    XPRE: tl.constexpr,  # x by pointer loads, PREFETCH steps ahead too (not TMA)
     FIXUP: tl.constexpr,  # several splits: the last of a tile's splits to finish sums them (else a reduce launch)
     HAS_BIAS: tl.constexpr,
     RNE: tl.constexpr,
@@ -191,14 +192,24 @@ def ternary_tc_kernel(
     s_end = tl.minimum(s_start + steps_per_split, n_steps)
     # PREFETCH steps of words in flight ahead of the decode (one load issued per step, 8 BLOCKS_K words
     # per row): the loop is latency-bound at small M, where each program decodes little per step
+    # XPRE (pointer loads of x, not TMA): x tiles travel with the words, PREFETCH steps ahead in registers
+    # (a TMA load per step is issued and waited on in the same step: its latency is exposed)
     words = _load_step(p_c, o_c, m_r, s_start, s_end, KC, BLOCKS_K)
+    if XPRE:
+        xw = _load_x(p_x, m_m, o_k, s_start * BK, K)
     if PREFETCH >= 2:
         words2 = _load_step(p_c, o_c, m_r, s_start + 1, s_end, KC, BLOCKS_K)
+        if XPRE:
+            xw2 = _load_x(p_x, m_m, o_k, (s_start + 1) * BK, K)
     if PREFETCH >= 3:
         words3 = _load_step(p_c, o_c, m_r, s_start + 2, s_end, KC, BLOCKS_K)
+        if XPRE:
+            xw3 = _load_x(p_x, m_m, o_k, (s_start + 2) * BK, K)
     for s in range(s_start, s_end):
         # the step PREFETCH ahead is requested before this step's decode
         words_next = _load_step(p_c, o_c, m_r, s + PREFETCH, s_end, KC, BLOCKS_K)
+        if XPRE:
+            x_next = _load_x(p_x, m_m, o_k, (s + PREFETCH) * BK, K)
         w9 = words[:, :, :, :, :, :, :, None, None]
         src = tl.where(sh == 12, w9 >> 12, tl.where(sh == 6, w9 >> 6, w9))  # [.., kb2 4, h 2]
         if USE_ASM:
@@ -211,23 +222,34 @@ def ternary_tc_kernel(
         w10 = tl.permute(w10, (4, 2, 3, 1, 5, 6, 7, 8, 0, 9))  # [r, w, b3, rlo, blk, u, kb2, h, t, e]
         w_t = tl.reshape(w10, [BLOCK_N, BK])
         k0 = s * BK
-        if TMA:
+        if XPRE:
+            b_x = xw
+        elif TMA:
             b_x = x_desc.load([i_m * BLOCK_M, k0])
         else:
-            b_x = tl.load(p_x + k0, mask=m_m[:, None] & (k0 + o_k < K)[None, :], other=0.0)
+            b_x = _load_x(p_x, m_m, o_k, k0, K)
         if USE_ASM:
             acc = tl.dot(w_t, tl.trans(b_x), acc)
         else:  # the interpreter: exact in fp32 (its bf16 dots are not supported)
             acc = tl.dot(w_t, tl.trans(b_x.to(tl.float32)), acc, input_precision="ieee")
         if PREFETCH == 1:
             words = words_next
+            if XPRE:
+                xw = x_next
         elif PREFETCH == 2:
             words = words2
             words2 = words_next
+            if XPRE:
+                xw = xw2
+                xw2 = x_next
         else:
             words = words2
             words2 = words3
             words3 = words_next
+            if XPRE:
+                xw = xw2
+                xw2 = xw3
+                xw3 = x_next
     # acc [BN, BM] is y^T
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < N
@@ -259,6 +281,12 @@ def _load_step(p_c, o_c, m_r, s, s_end, KC, BLOCKS_K: tl.constexpr):
     """The code words of K step s (zeros past the split's last step and past the row's end)."""
     w0 = s * (8 * BLOCKS_K)
     return tl.load(p_c + w0, mask=m_r & (s < s_end) & (w0 + o_c < KC), other=0)
+
+
+@triton.jit
+def _load_x(p_x, m_m, o_k, k0, K):
+    """x's tile of the K step at column k0 (zeros past M and K)."""
+    return tl.load(p_x + k0, mask=m_m[:, None] & (k0 + o_k < K)[None, :], other=0.0)
 
 
 @triton.jit
@@ -361,7 +389,8 @@ def ternary_matmul_tc(x2d: torch.Tensor, tt, bias: torch.Tensor | None = None, c
     splits = triton.cdiv(n_steps, per_split)
     # TMA needs 16-byte row strides and base (else pointer loads); cfg["TMA"] forces it (the interpreter
     # runs the descriptor path too, for the tests)
-    tma = cfg.get("TMA", not _runtime.INTERPRET) and K % 8 == 0 and x2d.data_ptr() % 16 == 0
+    xpre = bool(cfg.get("XPRE", 0))
+    tma = not xpre and cfg.get("TMA", not _runtime.INTERPRET) and K % 8 == 0 and x2d.data_ptr() % 16 == 0
     if tma:
         launch.use_tensor_descriptors()
     final = splits == 1
@@ -378,7 +407,8 @@ def ternary_matmul_tc(x2d: torch.Tensor, tt, bias: torch.Tensor | None = None, c
         MAGIC_BF16 if is_bf16 else MAGIC_F16, M, N, K, kc, per_split, splits,
         nbytes=codes.numel() * 4 + M * K * xsize + M * N * (xsize if final else 8 * splits + xsize),
         BLOCK_M=bm, ROW_REPS=reps, BLOCKS_K=nbk, WARPS=warps, IS_BF16=is_bf16, USE_ASM=not _runtime.INTERPRET,
-        TMA=tma, FINAL=final, PREFETCH=cfg.get("PREFETCH", 1), FIXUP=fixup, HAS_BIAS=bias is not None, RNE=rne, num_warps=warps,
+        TMA=tma, FINAL=final, PREFETCH=cfg.get("PREFETCH", 1), XPRE=xpre,
+        FIXUP=fixup, HAS_BIAS=bias is not None, RNE=rne, num_warps=warps,
         num_stages=cfg["num_stages"],
     )
     if not final and not fixup:
