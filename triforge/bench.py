@@ -45,14 +45,14 @@ def graph_time_ms(fn, *, calls: int = 16, replays: int = 30) -> dict:
     captured once, the graph replayed ``replays`` times between CUDA events; statistics over the
     replays of (replay time / calls), in time_ms's keys. Host launch overhead is out of the timing, and
     back-to-back kernels overlap their tails as they do in a captured decode step."""
-    for _ in range(2):
+    for _ in range(calls):  # every input set once at least: lazy per-set state (caches) made outside capture
         fn()
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        for _ in range(2):  # warm-up on the capture stream (its own per-stream state, e.g. counters)
+        for _ in range(calls):  # warm-up on the capture stream (its own per-stream state, e.g. counters)
             fn()
         torch.cuda.synchronize()
         with torch.cuda.graph(g, stream=side):

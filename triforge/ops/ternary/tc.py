@@ -335,7 +335,7 @@ def split_counters(device: torch.device, n: int) -> torch.Tensor:
     """int32 [>= n] zeros: the split-K arrival counters of ``ternary_tc_kernel``'s FIXUP, one set per device
     and stream (launches on one stream run in order; each launch leaves them zero again). Grown, never
     shrunk; under CUDA-graph capture the capture stream gets its own set."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    stream = torch._C._cuda_getCurrentRawStream(device.index) if device.type == "cuda" else 0
     key = (device.type, device.index, stream)
     cnt = _COUNTERS.get(key)
     if cnt is None or cnt.numel() < n:
@@ -359,13 +359,34 @@ TC_TUNE_SPACE = {"ROW_REPS": [1, 2], "BLOCKS_K": [1, 2, 4], "num_warps": [4, 8],
                  "programs_per_sm": [2, 4, 8]}
 
 
+@launch.config_cache
+def _tc_plan(M: int, N: int, K: int, kc: int, cfg_items=None):
+    """(BLOCK_M, BLOCK_N, BLOCKS_K, ROW_REPS, warps, stages, PREFETCH, XPRE, FIXUP, TMA, splits, steps per
+    split) of a launch: the tuned (or given) config and the split-K arithmetic, worked out once per shape
+    (host time: the decode path is a few microseconds of GPU time per call)."""
+    cfg = dict(tc_config(M, N, K), **dict(cfg_items or ()))
+    bm, reps, nbk, warps = cfg["BLOCK_M"], cfg["ROW_REPS"], cfg["BLOCKS_K"], cfg["num_warps"]
+    bn = 16 * warps * reps
+    n_steps = triton.cdiv(kc, 8 * nbk)
+    tiles = triton.cdiv(N, bn) * triton.cdiv(M, bm)
+    splits = max(1, min(n_steps, (cfg["programs_per_sm"] * _runtime.num_sms()) // tiles))
+    per_split = triton.cdiv(n_steps, splits)
+    splits = triton.cdiv(n_steps, per_split)
+    xpre = bool(cfg.get("XPRE", 0))
+    # cfg["TMA"] forces it either way (the interpreter runs the descriptor path too, for the tests)
+    use_tma = not xpre and bool(cfg.get("TMA", not _runtime.INTERPRET)) and K % 8 == 0
+    return (bm, bn, nbk, reps, warps, cfg["num_stages"], cfg.get("PREFETCH", 1), xpre, bool(cfg.get("FIXUP", 1)),
+            use_tma, splits, per_split)
+
+
 def ternary_matmul_tc(x2d: torch.Tensor, tt, bias: torch.Tensor | None = None, codes: torch.Tensor | None = None,
                       cfg: dict | None = None) -> torch.Tensor:
     """x2d [M, K] (fp16/bf16) @ (scales * trits)^T (+ bias) -> [M, N] in x's dtype, fp32 accumulation.
 
-    ``tt``: a TernaryTensor; ``codes``: ``pack_tc(tt.plus, tt.minus, tt.in_features)`` made once (packed
-    here on every call when not given: a prototype convenience, not a serving path). Launches the
-    kernel and, when K is split, ``ternary_gemv_reduce_kernel`` (fixed-order sum, scales, bias, cast).
+    ``tt``: a TernaryTensor; ``codes``: ``pack_tc(tt.plus, tt.minus, tt.in_features)`` made once
+    (``TernaryTensor.tc_codes()``; packed here on every call when not given). One launch: where K is
+    split, each tile's last-arriving program sums the fp32 partials in split order (FIXUP; with
+    ``cfg={"FIXUP": 0}`` a second launch, ``ternary_gemv_reduce_kernel``, does, with the same bits).
     """
     if x2d.dtype not in (torch.float16, torch.bfloat16):
         raise TypeError(f"x2d must be fp16 or bf16 for the tensor-core kernel, got {x2d.dtype}")
@@ -378,28 +399,20 @@ def ternary_matmul_tc(x2d: torch.Tensor, tt, bias: torch.Tensor | None = None, c
         codes = pack_tc(tt.plus, tt.minus, tt.in_features)
     scales = tt.kernel_operands()[0]
     bias = None if bias is None else bias.contiguous()
-    cfg = dict(tc_config(M, N, K), **(cfg or {}))
-    bm, reps, nbk, warps = cfg["BLOCK_M"], cfg["ROW_REPS"], cfg["BLOCKS_K"], cfg["num_warps"]
-    bn = 16 * warps * reps
+    bm, bn, nbk, reps, warps, stages, prefetch, xpre, fixup_on, use_tma, splits, per_split = _tc_plan(
+        M, N, K, codes.shape[1], None if cfg is None else tuple(sorted(cfg.items())))
     kc = codes.shape[1]
-    n_steps = triton.cdiv(kc, 8 * nbk)
-    tiles = triton.cdiv(N, bn) * triton.cdiv(M, bm)
-    splits = max(1, min(n_steps, (cfg["programs_per_sm"] * _runtime.num_sms()) // tiles))
-    per_split = triton.cdiv(n_steps, splits)
-    splits = triton.cdiv(n_steps, per_split)
-    # TMA needs 16-byte row strides and base (else pointer loads); cfg["TMA"] forces it (the interpreter
-    # runs the descriptor path too, for the tests)
-    xpre = bool(cfg.get("XPRE", 0))
-    tma = not xpre and cfg.get("TMA", not _runtime.INTERPRET) and K % 8 == 0 and x2d.data_ptr() % 16 == 0
+    # TMA needs 16-byte row strides and base (else pointer loads)
+    tma = use_tma and x2d.data_ptr() % 16 == 0
     if tma:
         launch.use_tensor_descriptors()
     final = splits == 1
-    fixup = not final and bool(cfg.get("FIXUP", 1))
+    fixup = not final and fixup_on
     rne = _runtime.INTERPRET and x2d.dtype == torch.bfloat16  # the interpreter truncates fp32 -> bf16 casts
     is_bf16 = x2d.dtype == torch.bfloat16
     y = new_output((M, N), x2d.dtype, x2d.device)
     part = y if final else new_output((splits, M, N), torch.float32, x2d.device)
-    cnt = split_counters(x2d.device, tiles) if fixup else scales
+    cnt = split_counters(x2d.device, triton.cdiv(N, bn) * triton.cdiv(M, bm)) if fixup else scales
     xsize = x2d.element_size()
     launch.launch(
         "ternary_tc", ternary_tc_kernel, (triton.cdiv(N, bn), triton.cdiv(M, bm), splits),
@@ -407,9 +420,8 @@ def ternary_matmul_tc(x2d: torch.Tensor, tt, bias: torch.Tensor | None = None, c
         MAGIC_BF16 if is_bf16 else MAGIC_F16, M, N, K, kc, per_split, splits,
         nbytes=codes.numel() * 4 + M * K * xsize + M * N * (xsize if final else 8 * splits + xsize),
         BLOCK_M=bm, ROW_REPS=reps, BLOCKS_K=nbk, WARPS=warps, IS_BF16=is_bf16, USE_ASM=not _runtime.INTERPRET,
-        TMA=tma, FINAL=final, PREFETCH=cfg.get("PREFETCH", 1), XPRE=xpre,
-        FIXUP=fixup, HAS_BIAS=bias is not None, RNE=rne, num_warps=warps,
-        num_stages=cfg["num_stages"],
+        TMA=tma, FINAL=final, PREFETCH=prefetch, XPRE=xpre, FIXUP=fixup, HAS_BIAS=bias is not None, RNE=rne,
+        num_warps=warps, num_stages=stages,
     )
     if not final and not fixup:
         reduce_splits(part, scales, bias, y, rne)
