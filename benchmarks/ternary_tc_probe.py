@@ -15,10 +15,10 @@ checked and timed the same way (CUDA graphs) at each shape and M; the five faste
 
 import argparse
 import json
-import statistics
 
 import torch
 
+from triforge.bench import graph_time_ms
 from triforge.ops import ternary as T
 from triforge.ops.ternary import tc
 from triforge.ops.ternary.reference import matmul_dense_ref
@@ -32,30 +32,14 @@ L2_BYTES = 50 << 20
 
 def graph_us(fns, calls=16, replays=20):
     """Per-call microseconds of ``calls`` calls cycling over ``fns`` (one per weight set), captured in a
-    CUDA graph and replayed: median over ``replays``."""
-    for f in fns:
-        f()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for f in fns:  # warm-up on the capture stream
-            f()
-        torch.cuda.synchronize()
-        with torch.cuda.graph(g, stream=s):
-            for i in range(calls):
-                fns[i % len(fns)]()
-    torch.cuda.current_stream().wait_stream(s)
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / calls)
-    return statistics.median(times)
+    CUDA graph and replayed (``bench.graph_time_ms``): median over ``replays``."""
+    state = {"i": 0}
+
+    def cycle():
+        fns[state["i"] % len(fns)]()
+        state["i"] += 1
+
+    return graph_time_ms(cycle, calls=calls, replays=replays)["median_ms"] * 1e3
 
 
 def eager_us(fns, calls=50):

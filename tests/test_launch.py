@@ -153,3 +153,23 @@ def test_interpreter_never_caches():
     y = torch.randn(300)
     torch.testing.assert_close(_run(x, y, 0.5, 300, 1, 2.0), _ref(x, y, 0.5, 300, 1, 2.0))
     assert not launch._fast
+
+
+@pytest.mark.gpu
+def test_graph_time_ms_replays_the_captured_calls():
+    """bench.graph_time_ms: every call warmed outside the capture, then captured once; each replay runs
+    the captured calls (the output moves by the calls' count per replay), and the statistics are ordered."""
+    from triforge.bench import graph_time_ms
+
+    acc = torch.zeros(1, device="cuda")
+    seen = []
+
+    def fn():
+        seen.append(1)
+        acc.add_(1.0)
+
+    stats = graph_time_ms(fn, calls=3, replays=5)
+    # 3 warm-up calls, 3 on the capture stream, 3 captured (run by each of the 1 + 5 replays)
+    assert len(seen) == 9
+    assert float(acc.item()) == 6 + 3 * 6
+    assert 0 < stats["min_ms"] <= stats["median_ms"] <= stats["max_ms"] and stats["n"] == 5

@@ -28,6 +28,11 @@ def time_ms(fn, *, warmup: int = 25, rep: int = 200) -> dict:
     import triton.testing
 
     times = triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="all")
+    return _stats(times)
+
+
+def _stats(times) -> dict:
+    """min / median / p95 / max / mean (ms) and n of a list of per-call times."""
     times = sorted(float(t) for t in times)
     n = len(times)
     return {
@@ -70,16 +75,7 @@ def graph_time_ms(fn, *, calls: int = 16, replays: int = 30) -> dict:
         b.synchronize()
         times.append(a.elapsed_time(b) / calls)
     del g
-    times.sort()
-    n = len(times)
-    return {
-        "min_ms": times[0],
-        "median_ms": times[n // 2] if n % 2 else 0.5 * (times[n // 2 - 1] + times[n // 2]),
-        "p95_ms": times[min(n - 1, math.ceil(0.95 * n) - 1)],
-        "max_ms": times[-1],
-        "mean_ms": sum(times) / n,
-        "n": n,
-    }
+    return _stats(times)
 
 
 def measure_peaks() -> dict:
