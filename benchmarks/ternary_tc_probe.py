@@ -55,11 +55,16 @@ def eager_us(fns, calls=50):
     return a.elapsed_time(b) * 1e3 / calls
 
 
-def run_shape(N, K, ms, gen):
-    sets = max(2, -(-2 * L2_BYTES // (N * K // 4)))  # weight sets whose 2-bit codes exceed the L2 twice over
+def weight_sets(N, K, gen):
+    """Absmean ternary weight sets (N, K) whose 2-bit codes exceed the L2 twice over (2..8), with their codes."""
+    sets = max(2, -(-2 * L2_BYTES // (N * K // 4)))
     tts = [TernaryTensor.from_float(torch.randn(N, K, generator=gen).cuda(), method="absmean", per_row=True)
            for _ in range(min(sets, 8))]
-    codes = [tc.pack_tc(t.plus, t.minus, t.in_features) for t in tts]
+    return tts, [tc.pack_tc(t.plus, t.minus, t.in_features) for t in tts]
+
+
+def run_shape(N, K, ms, gen):
+    tts, codes = weight_sets(N, K, gen)
     w16 = [t.to_float(torch.float16) for t in tts[:2]]  # 2 x N K x 2 bytes already exceed the L2
     rows = []
     for M in ms:
@@ -109,10 +114,7 @@ def sweep_configs(which="main"):
 
 def run_sweep(N, K, ms, gen, which="main"):
     """CUDA-graph time of every sweep config at (N, K) and each M (weights rotated past the L2)."""
-    sets = max(2, -(-2 * L2_BYTES // (N * K // 4)))
-    tts = [TernaryTensor.from_float(torch.randn(N, K, generator=gen).cuda(), method="absmean", per_row=True)
-           for _ in range(min(sets, 8))]
-    codes = [tc.pack_tc(t.plus, t.minus, t.in_features) for t in tts]
+    tts, codes = weight_sets(N, K, gen)
     rows = []
     for M in ms:
         x = torch.randn(M, K, generator=gen).cuda().to(torch.bfloat16)

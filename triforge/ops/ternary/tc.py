@@ -1,4 +1,4 @@
-"""Prototype: ternary x fp16/bf16 matmul on tensor cores with a decode of ~1 instruction per weight.
+"""Ternary x fp16/bf16 matmul on tensor cores with a decode of ~1 instruction per weight.
 
 ``triforge.ternary.matmul`` sends fp16/bf16 activations to it unless ``TRIFORGE_TERNARY_TC=0`` (``ternary._use_tc``); see
 ``ternary_matmul_tc``.
@@ -40,7 +40,7 @@ import triton.language as tl
 from triforge import _runtime, launch
 from triforge.launch import new_output
 from triforge.ops._tl import cast as _cast
-from triforge.ops.ternary.kernels import reduce_splits
+from triforge.ops.ternary.kernels import gemv_splits, reduce_splits
 
 BLOCK_COLS = 128  # columns per group of 8 code words
 WORDS_PER_BLOCK = 8
@@ -361,22 +361,22 @@ TC_TUNE_SPACE = {"ROW_REPS": [1, 2], "BLOCKS_K": [1, 2, 4], "num_warps": [4, 8],
 
 @launch.config_cache
 def _tc_plan(M: int, N: int, K: int, kc: int, cfg_items=None):
-    """(BLOCK_M, BLOCK_N, BLOCKS_K, ROW_REPS, warps, stages, PREFETCH, XPRE, FIXUP, TMA, splits, steps per
-    split) of a launch: the tuned (or given) config and the split-K arithmetic, worked out once per shape
+    """(BLOCK_M, BLOCKS_K, ROW_REPS, warps, stages, PREFETCH, XPRE, FIXUP, TMA, grid (weight tiles, x tiles,
+    splits), steps per split) of a launch: the tuned (or given) config and the split-K arithmetic, worked out once per shape
     (host time: the decode path is a few microseconds of GPU time per call)."""
     cfg = dict(tc_config(M, N, K), **dict(cfg_items or ()))
     bm, reps, nbk, warps = cfg["BLOCK_M"], cfg["ROW_REPS"], cfg["BLOCKS_K"], cfg["num_warps"]
     bn = 16 * warps * reps
     n_steps = triton.cdiv(kc, 8 * nbk)
     tiles = triton.cdiv(N, bn) * triton.cdiv(M, bm)
-    splits = max(1, min(n_steps, (cfg["programs_per_sm"] * _runtime.num_sms()) // tiles))
-    per_split = triton.cdiv(n_steps, splits)
+    per_split = triton.cdiv(n_steps, gemv_splits(tiles, n_steps, cfg["programs_per_sm"]))
     splits = triton.cdiv(n_steps, per_split)
     xpre = bool(cfg.get("XPRE", 0))
     # cfg["TMA"] forces it either way (the interpreter runs the descriptor path too, for the tests)
     use_tma = not xpre and bool(cfg.get("TMA", not _runtime.INTERPRET)) and K % 8 == 0
-    return (bm, bn, nbk, reps, warps, cfg["num_stages"], cfg.get("PREFETCH", 1), xpre, bool(cfg.get("FIXUP", 1)),
-            use_tma, splits, per_split)
+    grid = (triton.cdiv(N, bn), triton.cdiv(M, bm), splits)
+    return (bm, nbk, reps, warps, cfg["num_stages"], cfg.get("PREFETCH", 1), xpre, bool(cfg.get("FIXUP", 1)),
+            use_tma, grid, per_split)
 
 
 def ternary_matmul_tc(x2d: torch.Tensor, tt, bias: torch.Tensor | None = None, codes: torch.Tensor | None = None,
@@ -399,9 +399,10 @@ def ternary_matmul_tc(x2d: torch.Tensor, tt, bias: torch.Tensor | None = None, c
         codes = pack_tc(tt.plus, tt.minus, tt.in_features)
     scales = tt.kernel_operands()[0]
     bias = None if bias is None else bias.contiguous()
-    bm, bn, nbk, reps, warps, stages, prefetch, xpre, fixup_on, use_tma, splits, per_split = _tc_plan(
-        M, N, K, codes.shape[1], None if cfg is None else tuple(sorted(cfg.items())))
     kc = codes.shape[1]
+    bm, nbk, reps, warps, stages, prefetch, xpre, fixup_on, use_tma, grid, per_split = _tc_plan(
+        M, N, K, kc, None if cfg is None else tuple(sorted(cfg.items())))
+    splits = grid[2]
     # TMA needs 16-byte row strides and base (else pointer loads)
     tma = use_tma and x2d.data_ptr() % 16 == 0
     if tma:
@@ -412,10 +413,10 @@ def ternary_matmul_tc(x2d: torch.Tensor, tt, bias: torch.Tensor | None = None, c
     is_bf16 = x2d.dtype == torch.bfloat16
     y = new_output((M, N), x2d.dtype, x2d.device)
     part = y if final else new_output((splits, M, N), torch.float32, x2d.device)
-    cnt = split_counters(x2d.device, triton.cdiv(N, bn) * triton.cdiv(M, bm)) if fixup else scales
+    cnt = split_counters(x2d.device, grid[0] * grid[1]) if fixup else scales
     xsize = x2d.element_size()
     launch.launch(
-        "ternary_tc", ternary_tc_kernel, (triton.cdiv(N, bn), triton.cdiv(M, bm), splits),
+        "ternary_tc", ternary_tc_kernel, grid,
         x2d, codes, scales, bias if bias is not None else scales, y, part, cnt, scales.stride(0),
         MAGIC_BF16 if is_bf16 else MAGIC_F16, M, N, K, kc, per_split, splits,
         nbytes=codes.numel() * 4 + M * K * xsize + M * N * (xsize if final else 8 * splits + xsize),

@@ -338,7 +338,7 @@ class TernaryTensor:
         return ops
 
     def tc_codes(self) -> torch.Tensor:
-        """The planes re-packed for the tensor-core prototype (``tc.pack_tc``: 2 bits per weight in the MMA
+        """The planes re-packed for the tensor-core kernel (``tc.pack_tc``: 2 bits per weight in the MMA
         fragment's order), made on first use and cached beside the planes (4 bits per weight resident while
         cached); ``modify_dim`` and ``invalidate_metadata`` drop it."""
         if self._tc_codes is None or self._tc_codes.device != self.device:
