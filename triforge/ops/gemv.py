@@ -763,8 +763,7 @@ def gemv_mlp_reduce_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_I: tl.constexpr,  # act rows (gate/up row pairs, down columns) per program
     BLOCK_C: tl.constexpr,  # >= C: one step over the hidden size
-    FIX: tl.constexpr,  # accumulator: 1 fp32 atomics, 2 int64 fixed-point atomics (order-independent),
-    # 0 per-program partials (acc [n_programs, M, C] fp32, summed by the caller)
+    FIX: tl.constexpr,  # accumulator: 1 fp32 atomics, 2 int64 fixed-point atomics (order-independent)
     STORE_ACT: tl.constexpr,
     STORE_XN: tl.constexpr,
     RNE: tl.constexpr,
@@ -808,10 +807,7 @@ def gemv_mlp_reduce_kernel(
         tl.store(act_ptr + o_m.to(tl.int64)[:, None] * I + o_i[None, :], b_act.to(act_ptr.dtype.element_ty),
                  mask=m_m[:, None] & m_i[None, :])
     b_p = tl.sum(b_act[:, :, None] * b_wd.to(tl.float32)[None, :, :], axis=1)  # [BLOCK_M, BLOCK_C]
-    if FIX == 0:  # no reduction: this program's partial to its own slot of acc [n_programs, M, C] (fp32)
-        tl.store(acc_ptr + pid.to(tl.int64) * M * C + o_xm + o_c[None, :], b_p, mask=m_x)
-    else:
-        tl.atomic_add(acc_ptr + o_xm + o_c[None, :], _to_acc(b_p, FIX), mask=m_x, sem="relaxed", scope="gpu")
+    tl.atomic_add(acc_ptr + o_xm + o_c[None, :], _to_acc(b_p, FIX), mask=m_x, sem="relaxed", scope="gpu")
 
 
 # ----------------------------------------------------------------------------- launch configs
@@ -1098,21 +1094,16 @@ def gemv_mlp_reduce_launch(x, w_gate_up, norm_weight, w_down_t, acc, eps=1e-6, s
     fix = {torch.float32: 1, torch.int64: 2}.get(acc.dtype)
     if fix is None:
         raise TypeError(f"acc must be float32 or int64 (fixed point), got {acc.dtype}")
-    cfg = cfg or mlp_reduce_config(M, C, inter, x.dtype)
-    n_prog = triton.cdiv(inter, cfg["BLOCK_I"])
-    if acc.dim() == 3 and fix == 1:  # per-program partials [n_programs, M, C]: no atomics (the caller sums them)
-        fix = 0
-        if tuple(acc.shape) != (n_prog, M, C):
-            raise ValueError(f"partials must have shape {(n_prog, M, C)}, got {tuple(acc.shape)}")
-    elif tuple(acc.shape) != (M, C):
+    if tuple(acc.shape) != (M, C):
         raise ValueError(f"acc must have x's shape {(M, C)}, got {tuple(acc.shape)}")
+    cfg = cfg or mlp_reduce_config(M, C, inter, x.dtype)
     act = new_output((M, inter), x.dtype, x.device) if store_act else None
     xn = new_output((M, C), x.dtype, x.device) if store_xn else None
     e = x.element_size()
     nbytes = e * (3 * inter * C + M * C + C) + 2 * acc.element_size() * M * C
     bc = triton.next_power_of_2(C)
     launch.launch(
-        "gemv_mlp_reduce", gemv_mlp_reduce_kernel, (n_prog,),
+        "gemv_mlp_reduce", gemv_mlp_reduce_kernel, (triton.cdiv(inter, cfg["BLOCK_I"]),),
         x, w_gate_up, norm_weight, w_down_t, acc, act if act is not None else x, xn if xn is not None else x,
         M, C, inter, float(eps),
         nbytes=nbytes,
