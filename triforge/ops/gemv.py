@@ -501,16 +501,6 @@ def _stream_tile(w_ptr, j, j1, n_steps, N, K, o_b, o_k0, BLOCK_N: tl.constexpr, 
 
 
 @triton.jit
-def _swiglu_rounded(b_a, b_b, DT: tl.constexpr, RNE: tl.constexpr):
-    """round(round(silu(b_a)) * round(b_b)), b_a already rounded: the eager model's SwiGLU in DT, in fp32."""
-    b_u = _rne_bf16(b_b) if RNE else b_b.to(DT).to(tl.float32)
-    b_act = b_a * tl.sigmoid(b_a)
-    b_act = _rne_bf16(b_act) if RNE else b_act.to(DT).to(tl.float32)
-    b_y = b_act * b_u
-    return _rne_bf16(b_y) if RNE else b_y.to(DT).to(tl.float32)
-
-
-@triton.jit
 def _epilogue(b_a, b_b, o_n, o_m, m_m, y_ptr, b_ptr, r_ptr, N, DT: tl.constexpr, GATE_UP: tl.constexpr,
               HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, RNE: tl.constexpr):
     """Outputs [BLOCK_M, BLOCK_N] at columns o_n from the fp32 projections, rounded where the eager model
@@ -523,7 +513,11 @@ def _epilogue(b_a, b_b, o_n, o_m, m_m, y_ptr, b_ptr, r_ptr, N, DT: tl.constexpr,
         b_a += tl.load(b_ptr + o_n, mask=m_n, other=0.0).to(tl.float32)[None, :]
     b_a = _rne_bf16(b_a) if RNE else b_a.to(DT).to(tl.float32)
     if GATE_UP:
-        b_y = _swiglu_rounded(b_a, b_b, DT, RNE)
+        b_u = _rne_bf16(b_b) if RNE else b_b.to(DT).to(tl.float32)
+        b_act = b_a * tl.sigmoid(b_a)
+        b_act = _rne_bf16(b_act) if RNE else b_act.to(DT).to(tl.float32)
+        b_y = b_act * b_u
+        b_y = _rne_bf16(b_y) if RNE else b_y.to(DT).to(tl.float32)
     else:
         b_y = b_a
         if HAS_RESIDUAL:
@@ -718,96 +712,6 @@ def gemv_mlp_kernel(
     if PHASE != 1:
         _stream_rows(act_ptr, wd_ptr, wd_ptr, x_ptr, wd_ptr, y_ptr, xn_ptr, M, C, I, n_steps_d, eps, d0, d1, d_wa, d_wb,
                      BLOCK_M, BN_D, BK_D, False, False, True, False, False, RNE, BK_D >= I, PHASE == 0)
-
-
-FIX_SCALE = 4294967296.0  # 2^32: the int64 residual accumulator counts units of 2^-32
-
-
-@triton.jit
-def _to_acc(v, FIX: tl.constexpr):
-    """fp32 -> the residual accumulator's element: FIX 1 fp32, 2 int64 fixed point (2^-32 units,
-    rounded to nearest; integer sums are exact, so the total is the same whatever order the adds land in)."""
-    if FIX == 2:
-        s = v * 4294967296.0
-        return (s + tl.where(s >= 0, 0.5, -0.5)).to(tl.int64)
-    else:
-        return v
-
-
-@triton.jit
-def _from_acc(v, DT: tl.constexpr, FIX: tl.constexpr, RNE: tl.constexpr):
-    """A residual-accumulator element (FIX 1 fp32, 2 int64 fixed point; 0: already a DT value) as the
-    DT-rounded value the eager model stores for the residual stream, in fp32."""
-    if FIX == 2:
-        v = v.to(tl.float32) * 2.3283064365386963e-10
-    else:
-        v = v.to(tl.float32)
-    if FIX != 0:
-        v = _rne_bf16(v) if RNE else v.to(DT).to(tl.float32)
-    return v
-
-
-@triton.jit
-def gemv_mlp_reduce_kernel(
-    x_ptr,  # [M, C] residual stream after attention (x's dtype): RMSNorm-ed for gate/up
-    wgu_ptr,  # [2I, C] gate rows, then up rows
-    nw_ptr,  # [C] post-attention RMSNorm weight
-    wdt_ptr,  # [I, C] down_proj weight TRANSPOSED (row j: act j's contribution to every output column)
-    acc_ptr,  # [M, C] residual accumulator (fp32 or int64 fixed point): holds x on entry, x + down(act) on exit
-    act_ptr,  # [M, I] silu(gate) * up (written when STORE_ACT)
-    xn_ptr,  # [M, C] normalised x (written by program 0 when STORE_XN)
-    M,
-    C,
-    I,
-    eps,
-    BLOCK_M: tl.constexpr,
-    BLOCK_I: tl.constexpr,  # act rows (gate/up row pairs, down columns) per program
-    BLOCK_C: tl.constexpr,  # >= C: one step over the hidden size
-    FIX: tl.constexpr,  # accumulator: 1 fp32 atomics, 2 int64 fixed-point atomics (order-independent)
-    STORE_ACT: tl.constexpr,
-    STORE_XN: tl.constexpr,
-    RNE: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    """The decoder MLP as one split-K launch: program p computes act rows [p BLOCK_I, (p + 1) BLOCK_I)
-    (RMSNorm prologue, gate/up, SwiGLU, rounded as gemv_gate_up rounds) and at once their share of down,
-    act_p^T Wd^T[rows], which it adds into the residual accumulator with atomics. Every weight byte is read
-    once, in one launch: gate, up and the transposed down rows are all loaded before griddepcontrol.wait.
-    The sum is rounded to x's dtype once, by whoever reads the accumulator (_from_acc), where the two-kernel
-    form rounds down's projection and then the residual sum."""
-    DT = wgu_ptr.dtype.element_ty
-    pid = tl.program_id(0)
-    o_i = pid * BLOCK_I + tl.arange(0, BLOCK_I)
-    m_i = o_i < I
-    o_c = tl.arange(0, BLOCK_C)
-    m_c = o_c < C
-    o_m = tl.arange(0, BLOCK_M)
-    m_m = o_m < M
-    m_w = m_i[:, None] & m_c[None, :]
-    o_w = o_i.to(tl.int64)[:, None] * C + o_c[None, :]
-    b_wg = tl.load(wgu_ptr + o_w, mask=m_w, other=0.0)
-    b_wu = tl.load(wgu_ptr + I.to(tl.int64) * C + o_w, mask=m_w, other=0.0)
-    b_wd = tl.load(wdt_ptr + o_w, mask=m_w, other=0.0)
-    if PDL:  # weights are constants: in flight while the previous kernel finishes
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    o_xm = o_m.to(tl.int64)[:, None] * C
-    m_x = m_m[:, None] & m_c[None, :]
-    b_x = tl.load(x_ptr + o_xm + o_c[None, :], mask=m_x, other=0.0).to(tl.float32)
-    b_rstd = tl.rsqrt(tl.sum(b_x * b_x, axis=1) / C + eps)
-    b_x = _norm_chunk(b_x, b_rstd, nw_ptr, o_c, m_c, DT, RNE)
-    if STORE_XN:
-        tl.store(xn_ptr + o_xm + o_c[None, :], b_x.to(xn_ptr.dtype.element_ty), mask=m_x & (pid == 0))
-    b_g = tl.sum(b_x[:, None, :] * b_wg.to(tl.float32)[None, :, :], axis=2)  # [BLOCK_M, BLOCK_I]
-    b_u = tl.sum(b_x[:, None, :] * b_wu.to(tl.float32)[None, :, :], axis=2)
-    b_g = _rne_bf16(b_g) if RNE else b_g.to(DT).to(tl.float32)
-    b_act = _swiglu_rounded(b_g, b_u, DT, RNE)
-    b_act = tl.where(m_i[None, :], b_act, 0.0)
-    if STORE_ACT:
-        tl.store(act_ptr + o_m.to(tl.int64)[:, None] * I + o_i[None, :], b_act.to(act_ptr.dtype.element_ty),
-                 mask=m_m[:, None] & m_i[None, :])
-    b_p = tl.sum(b_act[:, :, None] * b_wd.to(tl.float32)[None, :, :], axis=1)  # [BLOCK_M, BLOCK_C]
-    tl.atomic_add(acc_ptr + o_xm + o_c[None, :], _to_acc(b_p, FIX), mask=m_x, sem="relaxed", scope="gpu")
 
 
 # ----------------------------------------------------------------------------- launch configs
@@ -1051,66 +955,6 @@ def gemv_mlp_launch(x, w_gate_up, norm_weight, w_down, sync, eps=1e-6, store_xn=
         grid = (min(units, min(int(cfg["PPS"]), per_sm) * _runtime.num_sms()),)
         launch.launch("gemv_mlp", gemv_mlp_kernel, grid, *args, nbytes=nbytes, **kw)
     return y, act, xn
-
-
-def mlp_reduce_config(M, C, I, dtype):
-    """The split-K MLP's launch config (BLOCK_I, num_warps): tuned where the configs file has one."""
-    if _runtime.INTERPRET:
-        fallback = {"BLOCK_I": 64, "num_warps": 4}
-    else:
-        fallback = {"BLOCK_I": 16, "num_warps": 8}
-    return launch.config("gemv_mlp_reduce", launch.config_key(m=_block_m(M), c=C, i=I, dtype=launch.dtype_tag(dtype)),
-                         fallback)
-
-
-ACC_DTYPES = {1: torch.float32, 2: torch.int64}
-
-
-def acc_from(x, fix):
-    """The residual accumulator (gemv_mlp_reduce_launch) holding x: fp32 (fix 1) or int64 in 2^-32 units (fix 2)."""
-    if fix == 2:
-        return torch.round(x.double() * FIX_SCALE).to(torch.int64)
-    return x.to(torch.float32, copy=True)
-
-
-def acc_value(acc, dtype):
-    """The accumulator's value rounded to the residual stream's dtype (what the kernels read from it)."""
-    v = acc.double() / FIX_SCALE if acc.dtype == torch.int64 else acc
-    return v.float().to(dtype)
-
-
-def gemv_mlp_reduce_launch(x, w_gate_up, norm_weight, w_down_t, acc, eps=1e-6, store_act=False, store_xn=False,
-                           cfg=None, pdl=False):
-    """The decoder MLP, acc += down(silu(gate(rms_norm(x))) * up(rms_norm(x))), as one split-K launch
-    (gemv_mlp_reduce_kernel). x [M <= 2, C]; w_gate_up [2I, C]; norm_weight [C]; w_down_t [I, C] (down_proj's
-    weight transposed); acc [M, C] fp32 or int64 (acc_from: 2^-32 fixed point, summed exactly in any order),
-    holding the residual (normally x itself) on entry. All contiguous. Returns (act [M, I] or None, xn [M, C] or
-    None). The sum is rounded once, when read (acc_value, or a kernel's fixed-point x/residual load)."""
-    M, C = x.shape
-    inter = w_down_t.shape[0]
-    flags = _flags(x.dtype, M)
-    if flags["USE_DOT"]:
-        raise ValueError(f"the split-K MLP kernel takes at most {MAX_FMA_ROWS} rows of x, got {M}")
-    fix = {torch.float32: 1, torch.int64: 2}.get(acc.dtype)
-    if fix is None:
-        raise TypeError(f"acc must be float32 or int64 (fixed point), got {acc.dtype}")
-    if tuple(acc.shape) != (M, C):
-        raise ValueError(f"acc must have x's shape {(M, C)}, got {tuple(acc.shape)}")
-    cfg = cfg or mlp_reduce_config(M, C, inter, x.dtype)
-    act = new_output((M, inter), x.dtype, x.device) if store_act else None
-    xn = new_output((M, C), x.dtype, x.device) if store_xn else None
-    e = x.element_size()
-    nbytes = e * (3 * inter * C + M * C + C) + 2 * acc.element_size() * M * C
-    bc = triton.next_power_of_2(C)
-    launch.launch(
-        "gemv_mlp_reduce", gemv_mlp_reduce_kernel, (triton.cdiv(inter, cfg["BLOCK_I"]),),
-        x, w_gate_up, norm_weight, w_down_t, acc, act if act is not None else x, xn if xn is not None else x,
-        M, C, inter, float(eps),
-        nbytes=nbytes,
-        BLOCK_M=flags["BLOCK_M"], BLOCK_I=cfg["BLOCK_I"], BLOCK_C=bc, FIX=fix, STORE_ACT=store_act,
-        STORE_XN=store_xn, RNE=flags["RNE"], num_warps=cfg["num_warps"], num_stages=1, **launch.pdl_options(pdl),
-    )
-    return act, xn
 
 
 def check_mlp_sync(sync):
