@@ -215,6 +215,8 @@ def bench_op(spec, *, dtype=torch.bfloat16, modes=("fwd", "bwd"), peers=True, se
                 row["peak_mem_mb"] = (torch.cuda.max_memory_allocated() - base) / 2**20
                 if name == "triforge":
                     row["kernels"] = {k: launch.kernel_resources(k) for k in launch.recorded_kernels()}
+                    if spec.extras is not None:
+                        row.update(spec.extras(sets[0]))
                 if spec.bench_graph and mode == "fwd":
                     try:
                         row.update(graph_time_ms(fn, calls=2 * len(sets)))

@@ -47,6 +47,9 @@ class OpSpec:
     # forward timed as CUDA-graph replay (``bench.graph_time_ms``) instead of per call: for decode-sized
     # kernels (~5-50 us) that serving runs from graphs, where a launch's own overhead is not the kernel's
     bench_graph: bool = False
+    # facts about our implementation's inputs after a timed run, merged into its bench rows (a dict; e.g. the
+    # ternary weights' resident bytes)
+    extras: Callable | None = None
 
 
 _OPS: dict[str, OpSpec] = {}

@@ -3,5 +3,7 @@
 from triforge.nn.deltanet import GatedDeltaNet
 from triforge.nn.mhc import MHCLiteBlock, expand_streams, reduce_streams
 from triforge.nn.norm import RMSNorm, patch_hf_rmsnorm
+from triforge.nn.ternary import TernaryLinear
 
-__all__ = ["RMSNorm", "patch_hf_rmsnorm", "MHCLiteBlock", "expand_streams", "reduce_streams", "GatedDeltaNet"]
+__all__ = ["RMSNorm", "patch_hf_rmsnorm", "MHCLiteBlock", "expand_streams", "reduce_streams", "GatedDeltaNet",
+           "TernaryLinear"]

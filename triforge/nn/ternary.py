@@ -12,6 +12,11 @@ class TernaryLinear(nn.Module):
 
     The planes ``plus`` / ``minus`` (int32 [out_features, ceil(in_features / 32)]) and ``scales`` (fp32) are
     buffers, so ``.to()``, ``state_dict()`` and ``load_state_dict()`` carry them; ``bias`` is a Parameter.
+
+    ``compact()`` swaps the planes for one buffer ``codes`` (int32 [out_features, 8 ceil(in_features / 128)],
+    the tensor-core kernel's 2-bit codes): fp16/bf16 inputs then read 2 bits per weight and nothing else is
+    kept, where a planes layer also caches the codes on its first fp16/bf16 call (4 bits per weight resident).
+    A compact layer's state_dict holds ``codes``; either kind loads the other's state_dict (converted).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, per_row: bool = True,
@@ -30,6 +35,7 @@ class TernaryLinear(nn.Module):
         else:
             self.register_parameter("bias", None)
         self._tt = None
+        self._compact = False
 
     @classmethod
     def from_ternary(cls, tt: TernaryTensor, bias: torch.Tensor | None = None) -> "TernaryLinear":
@@ -56,11 +62,26 @@ class TernaryLinear(nn.Module):
     def ternary(self) -> TernaryTensor:
         """A TernaryTensor over the current buffers (its sparsity metadata is cached between calls)."""
         tt = self._tt
-        if tt is None or tt.plus is not self.plus or tt.minus is not self.minus or tt.scales is not self.scales:
-            tt = TernaryTensor(self.plus, self.minus, self.scales, (self.out_features, self.in_features),
-                               validate=False)
+        shape = (self.out_features, self.in_features)
+        if self._compact:
+            if tt is None or tt._tc_codes is not self.codes or tt.scales is not self.scales:
+                tt = self._tt = TernaryTensor(None, None, self.scales, shape, validate=False)
+                tt._tc_codes = self.codes
+            return tt
+        if tt is None or tt._plus is not self.plus or tt._minus is not self.minus or tt.scales is not self.scales:
+            tt = TernaryTensor(self.plus, self.minus, self.scales, shape, validate=False)
             self._tt = tt
         return tt
+
+    def compact(self) -> "TernaryLinear":
+        """Keep only the 2-bit tc codes (buffer ``codes``) and the scales (see the class docstring). Returns self."""
+        if not self._compact:
+            tt = self.ternary.compact()
+            del self.plus, self.minus  # the buffers go (state_dict now holds codes)
+            self.register_buffer("codes", tt._tc_codes)
+            self._compact = True
+            self._tt = tt
+        return self
 
     def _apply(self, fn, recurse=True):
         scales = self.scales
@@ -70,8 +91,18 @@ class TernaryLinear(nn.Module):
             self.scales = scales.to(self.scales.device)
         return self
 
-    def _load_from_state_dict(self, *args, **kwargs):
-        super()._load_from_state_dict(*args, **kwargs)
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        from triforge.ops.ternary import tc
+
+        pk, mk, ck, sk = (prefix + n for n in ("plus", "minus", "codes", "scales"))
+        if self._compact and ck not in state_dict and pk in state_dict and mk in state_dict:
+            state_dict[ck] = tc.pack_tc(state_dict.pop(pk), state_dict.pop(mk), self.in_features)
+        elif not self._compact and ck in state_dict and pk not in state_dict:
+            codes = state_dict.pop(ck)
+            scales = state_dict.get(sk, self.scales).to(device=codes.device, dtype=torch.float32)
+            tt = TernaryTensor.from_codes(codes, scales, (self.out_features, self.in_features))
+            state_dict[pk], state_dict[mk] = tt.planes()
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         self._tt = None  # buffers were overwritten in place: metadata is stale
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -80,7 +111,8 @@ class TernaryLinear(nn.Module):
     def extra_repr(self) -> str:
         tt = self.ternary
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"bits_per_weight={tt.bits_per_weight():.3f}, sparsity={tt.sparsity():.3f}")
+                f"resident={tt.resident}, bits_per_weight={tt.bits_per_weight('resident'):.3f}, "
+                f"sparsity={tt.sparsity():.3f}")
 
 
 __all__ = ["TernaryLinear"]

@@ -69,13 +69,15 @@ def _matmul_dense(x2d: torch.Tensor, tt: TernaryTensor, bias=None) -> torch.Tens
 def _matmul_kernel(x2d: torch.Tensor, tt: TernaryTensor, bias=None) -> torch.Tensor:
     """The tiled tensor-core GEMM on the bit planes; inactive 2048-column chunks are skipped when there are any."""
     scales, active = tt.kernel_operands()
-    return _k.ternary_matmul(x2d.contiguous(), tt.plus, tt.minus, scales, bias=bias, active=active)
+    plus, minus = tt.planes()
+    return _k.ternary_matmul(x2d.contiguous(), plus, minus, scales, bias=bias, active=active)
 
 
 def _matmul_decode(x2d: torch.Tensor, tt: TernaryTensor, bias=None) -> torch.Tensor:
     """The decode GEMV (M <= GEMV_DISPATCH_M here) on the bit planes, with the same chunk skipping."""
     scales, active = tt.kernel_operands()
-    return _k.ternary_gemv(x2d.contiguous(), tt.plus, tt.minus, scales, bias=bias, active=active)
+    plus, minus = tt.planes()
+    return _k.ternary_gemv(x2d.contiguous(), plus, minus, scales, bias=bias, active=active)
 
 
 TC_ENV = "TRIFORGE_TERNARY_TC"
@@ -113,7 +115,7 @@ def _dispatch(x2d: torch.Tensor, tt: TernaryTensor):
     memory.
     """
     kernel_device = "cpu" if _runtime.INTERPRET else "cuda"
-    if x2d.device.type == kernel_device and tt.plus.device.type == kernel_device:
+    if x2d.device.type == kernel_device and tt.device.type == kernel_device:
         if _use_tc(x2d, tt):
             return _matmul_tc
         return _matmul_decode if x2d.shape[0] <= _k.GEMV_DISPATCH_M else _matmul_kernel
@@ -172,7 +174,7 @@ def ternary_attention_scores(q_t: TernaryTensor, k_t: TernaryTensor, causal: boo
     tq, tk = q_t.out_features, k_t.out_features
     if causal and tq != tk:
         raise ValueError(f"causal=True needs as many queries as keys (q_t has {tq} rows, k_t has {tk})")
-    dots = _popcount_dot(q_t.plus, q_t.minus, k_t.plus, k_t.minus)
+    dots = _popcount_dot(*q_t.planes(), *k_t.planes())
     s = dots.to(torch.float32) * q_t.row_scales()[:, None] * k_t.row_scales()[None, :]
     if causal:
         s = torch.tril(s)
@@ -246,7 +248,7 @@ def matmul_w158a8(x: torch.Tensor, tt: TernaryTensor, bias: torch.Tensor | None 
     _check_bias(bias, tt.out_features, tt.device)
     lead = x.shape[:-1]
     q, dq = absmax_quantize_int8(x.reshape(-1, tt.in_features))
-    acc = _k.popcount_matmul_a8(q.contiguous(), tt.plus, tt.minus)
+    acc = _k.popcount_matmul_a8(q.contiguous(), *tt.planes())
     y = acc.to(torch.float32) * dq * tt.row_scales()[None, :]
     if bias is not None:
         y = y + bias.float()
@@ -261,9 +263,19 @@ def _registry_inputs(tier, dtype, device, gen):
     # drawn and quantized on the device (28672 x 8192 weights take seconds on the host), seeded from gen
     g = torch.Generator(device=device).manual_seed(int(torch.randint(0, 2**62, (1,), generator=gen)))
     w = torch.randn(N, K, generator=g, device=device)
-    tt = TernaryTensor.from_float(w, method="absmean", per_row=True)
+    # compact: the 2-bit codes are the only resident form (planes are unpacked per call where a path needs them)
+    tt = TernaryTensor.from_float(w, method="absmean", per_row=True).compact()
     x = torch.randn(M, K, generator=g, device=device).to(dtype)
     return {"x": x, "tt": tt}
+
+
+def _registry_extras(inputs):
+    """The weights' memory after the timed calls: what the TernaryTensor holds, against fp16."""
+    tt = inputs["tt"]
+    held = tt.nbytes("resident")
+    return {"weights": {"resident": tt.resident, "resident_bytes": held, "fp16_bytes": 2 * tt.out_features * tt.in_features,
+                        "bits_per_weight": 8 * held / (tt.out_features * tt.in_features),
+                        "x_smaller_than_fp16": 2 * tt.out_features * tt.in_features / held}}
 
 
 def _registry_ref(x, tt):
@@ -275,7 +287,7 @@ def _registry_ref(x, tt):
 def _registry_bytes(inputs, mode):
     x, tt = inputs["x"], inputs["tt"]
     out = x.shape[0] * tt.out_features * x.element_size()
-    return x.numel() * x.element_size() + tt.plus.numel() * 8 + tt.out_features * 4 + out
+    return x.numel() * x.element_size() + tt.out_features * tt.k_words * 8 + tt.out_features * 4 + out
 
 
 def _cublas_fp16_peer(inputs):
@@ -368,7 +380,7 @@ def _register():
         bytes=_registry_bytes, peers={"cublas_fp16": _cublas_fp16_peer, "gemlite_2bit": _gemlite_2bit_peer},
         dtypes=(torch.float16, torch.bfloat16, torch.float32),
         describe=lambda i: f"M={i['x'].shape[0]} N={i['tt'].out_features} K={i['tt'].in_features}",
-        bench_shapes=BENCH_SHAPES, bench_graph=True,
+        bench_shapes=BENCH_SHAPES, bench_graph=True, extras=_registry_extras,
     ))
 
 

@@ -12,14 +12,17 @@ def _fp16_bytes(linear: nn.Linear) -> int:
 
 
 def quantize_model(model: nn.Module, skip=("lm_head", "embed"), method: str = "absmean", per_row: bool = True,
-                   verbose: bool = True) -> dict:
+                   verbose: bool = True, compact: bool = False) -> dict:
     """Replace, in place, every nn.Linear whose qualified name contains none of the ``skip`` substrings.
 
     Norms, embeddings and other modules are left alone, as are Linears owned by nn.MultiheadAttention (it reads
     their weights directly). Returns a report: ``replaced`` (count), ``names``, ``bytes_before`` (the replaced
-    weights at fp16, 2 bytes each), ``bytes_after`` (resident planes + scales), ``bytes_after_base3`` (the
-    1.6-bit checkpoint form + scales) and the ratios ``ratio`` / ``ratio_base3`` (before / after). Biases are
-    unchanged and counted in neither. Printed as a table with rich when ``verbose``.
+    weights at fp16, 2 bytes each), ``bytes_after`` (what the new layers hold: planes + scales, or with
+    ``compact`` the 2-bit tc codes + scales; a planes layer also caches the codes on its first fp16/bf16 call,
+    4 bits per weight in all), ``bytes_after_base3`` (the 1.6-bit checkpoint form + scales) and the ratios
+    ``ratio`` / ``ratio_base3`` (before / after). ``compact``: each TernaryLinear keeps only the codes
+    (TernaryLinear.compact). Biases are unchanged and counted in neither. Printed as a table with rich when
+    ``verbose``.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
@@ -43,14 +46,17 @@ def quantize_model(model: nn.Module, skip=("lm_head", "embed"), method: str = "a
     for name, parent, child in targets:
         linear = getattr(parent, child)
         new = TernaryLinear.from_linear(linear, method=method, per_row=per_row)
+        if compact:
+            new.compact()
         before += _fp16_bytes(linear)
-        after += new.ternary.nbytes("planes")
+        after += new.ternary.nbytes("resident")
         after_b3 += new.ternary.nbytes("base3")
         setattr(parent, child, new)
         names.append(name)
     report = {
         "method": method,
         "per_row": per_row,
+        "compact": compact,
         "replaced": len(names),
         "names": names,
         "bytes_before": before,

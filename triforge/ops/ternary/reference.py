@@ -61,11 +61,12 @@ def popcount_matmul_a8(x_int8: torch.Tensor, tt: TernaryTensor) -> torch.Tensor:
     if x_int8.device != tt.device:
         raise ValueError(f"x_int8 is on {x_int8.device} but tt is on {tt.device}; they must share a device")
     m = x_int8.shape[0]
-    n, kw = tt.plus.shape
+    plus, minus = tt.planes()
+    n, kw = plus.shape
     planes = activation_bit_planes(x_int8)  # [8, M, KW]
     out = torch.zeros((m, n), dtype=torch.int64, device=x_int8.device)
     rows = max(1, _BLOCK_ELEMS // max(1, n * kw))
-    plus, minus = tt.plus[None], tt.minus[None]  # [1, N, KW]
+    plus, minus = plus[None], minus[None]  # [1, N, KW]
     for r0 in range(0, m, rows):
         r1 = min(m, r0 + rows)
         for b in range(A8_BITS):

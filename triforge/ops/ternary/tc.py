@@ -76,8 +76,24 @@ def pack_tc(plus: torch.Tensor, minus: torch.Tensor, in_features: int) -> torch.
     return out
 
 
+def code_words(in_features: int) -> int:
+    """int32 code words per row: 8 per 128-column block (16 two-bit fields each)."""
+    return triton.cdiv(in_features, BLOCK_COLS) * WORDS_PER_BLOCK
+
+
+def code_position(col: int) -> tuple[int, int]:
+    """(word, bit shift) of column ``col``'s 2-bit field in a row of codes (``pack_tc``'s order: column
+    k = 128 b + 64 u + 16 kb2 + 8 h + 2 t + e sits in word 8 b + 2 t + u at bit 16 e + 2 (2 kb2 + h))."""
+    b, r = divmod(col, BLOCK_COLS)
+    u, r = divmod(r, 64)
+    kb2, r = divmod(r, 16)
+    h, r = divmod(r, 8)
+    t, e = divmod(r, 2)
+    return WORDS_PER_BLOCK * b + 2 * t + u, 16 * e + 2 * (2 * kb2 + h)
+
+
 def unpack_tc(codes: torch.Tensor, in_features: int) -> torch.Tensor:
-    """tc codes -> int8 trits [N, in_features] (the inverse of ``pack_tc``; for tests)."""
+    """tc codes -> int8 trits [N, in_features] (the inverse of ``pack_tc``)."""
     n, kc = codes.shape
     nb = kc // WORDS_PER_BLOCK
     w = codes.to(torch.int64).view(n, nb, 4, 2, 1, 1) & 0xFFFFFFFF  # [r, b, t, u, e, i]

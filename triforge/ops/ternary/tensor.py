@@ -91,6 +91,12 @@ def _bit_i32(b: int) -> int:
     return (1 << b) if b < WORD_BITS - 1 else -(1 << (WORD_BITS - 1))
 
 
+def _signed_i32(v: int) -> int:
+    """A 32-bit pattern as the int32 value with those bits."""
+    v &= 0xFFFFFFFF
+    return v - (1 << 32) if v >= 1 << 31 else v
+
+
 def _bit_i64(j: int) -> int:
     return (1 << j) if j < 63 else -(1 << 63)
 
@@ -195,15 +201,63 @@ class TernaryTensor:
     """Ternary weights {-1, 0, +1} x scales, stored as two bit planes (see the module docstring)."""
 
     def __init__(self, plus: torch.Tensor, minus: torch.Tensor, scales: torch.Tensor, shape, *, validate=True):
-        self.plus = plus
-        self.minus = minus
+        self._plus = plus  # None once compact(): the tc codes are then the only resident form
+        self._minus = minus
         self.scales = scales
         self.shape = (int(shape[0]), int(shape[1]))
         self._metadata = None
         self._operands = None  # kernel_operands(), cached
-        self._tc_codes = None  # tc_codes(), cached
+        self._tc_codes = None  # tc_codes(), cached (the weights themselves once compact())
         if validate:
             self._validate()
+
+    @property
+    def plus(self) -> torch.Tensor:
+        """int32 [out_features, k_words] plane of the +1 weights (derived from the codes, not kept, once compact())."""
+        return self._plus if self._plus is not None else self.planes()[0]
+
+    @plus.setter
+    def plus(self, value: torch.Tensor) -> None:
+        self._plus = value
+
+    @property
+    def minus(self) -> torch.Tensor:
+        """int32 [out_features, k_words] plane of the -1 weights (derived, not kept, once compact())."""
+        return self._minus if self._minus is not None else self.planes()[1]
+
+    @minus.setter
+    def minus(self, value: torch.Tensor) -> None:
+        self._minus = value
+
+    def planes(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(plus, minus): the resident planes, or after compact() planes unpacked from the codes for this call."""
+        if self._plus is not None:
+            return self._plus, self._minus
+        from triforge.ops.ternary import tc
+
+        t = tc.unpack_tc(self._tc_codes, self.in_features)
+        return bits_to_words(t == 1), bits_to_words(t == -1)
+
+    @property
+    def resident(self) -> str:
+        """What this tensor holds: "planes", "planes+codes" (tc codes cached beside them) or "codes" (compact())."""
+        if self._plus is None:
+            return "codes"
+        return "planes+codes" if self._tc_codes is not None else "planes"
+
+    def compact(self) -> "TernaryTensor":
+        """Keep only the tc codes (2 bits per weight in the tensor-core kernel's order) and the scales: the
+        planes and the sparsity metadata are dropped, so the weights take 2 bits each instead of 4 while the
+        codes are cached beside the planes. fp16/bf16 activations run the tc kernel at every M (no chunk
+        skipping); everything that reads planes (fp32 activations, the A8 popcount path, trits(), save) unpacks
+        them from the codes per call. modify_dim edits the codes in place. Returns self."""
+        if self._plus is None:
+            return self
+        self.tc_codes()
+        self._plus = self._minus = None
+        self._metadata = None
+        self._operands = None
+        return self
 
     # --------------------------------------------------------------- construction
 
@@ -261,6 +315,34 @@ class TernaryTensor:
         return cls(plus, minus, scales, tuple(trits.shape))
 
     @classmethod
+    def from_codes(cls, codes: torch.Tensor, scales: torch.Tensor, shape) -> "TernaryTensor":
+        """A compact() tensor from tc codes int32 [out_features, 8 ceil(in_features / 128)] (``tc.pack_tc``'s
+        layout; every field 0, 1 or 2, i.e. trit + 1, and 1 past in_features) and fp32 scales [N] or [1]."""
+        from triforge.ops.ternary import tc
+
+        n, k = int(shape[0]), int(shape[1])
+        if not isinstance(codes, torch.Tensor):
+            raise TypeError(f"codes must be a torch.Tensor, got {type(codes).__name__}")
+        if codes.dtype != torch.int32:
+            raise TypeError(f"codes must have dtype int32, got {codes.dtype}")
+        if tuple(codes.shape) != (n, tc.code_words(k)):
+            raise ValueError(f"codes must have shape {(n, tc.code_words(k))} for shape {(n, k)}, got {tuple(codes.shape)}")
+        fields = (codes.to(torch.int64)[..., None] >> torch.arange(0, 32, 2, device=codes.device)) & 3
+        if bool((fields == 3).any()):
+            raise ValueError("codes hold a field 3 (fields are trit + 1: 0, 1 or 2)")
+        tt = cls(None, None, scales, (n, k), validate=False)
+        tt._tc_codes = codes
+        if k % tc.BLOCK_COLS and bool((tc.unpack_tc(codes, tc.code_words(k) // 8 * tc.BLOCK_COLS)[:, k:] != 0).any()):
+            raise ValueError(f"codes past in_features={k} must hold trit 0 (field 1)")
+        s = scales
+        if not isinstance(s, torch.Tensor) or s.dtype != torch.float32 or s.dim() != 1 or s.shape[0] not in (1, n):
+            raise ValueError(f"scales must be fp32 of shape ({n},) or (1,), got "
+                             f"{getattr(s, 'dtype', type(s).__name__)} {tuple(getattr(s, 'shape', ()))}")
+        if s.device != codes.device:
+            raise ValueError(f"scales is on {s.device} but codes is on {codes.device}")
+        return tt
+
+    @classmethod
     def from_float(cls, w: torch.Tensor, method: str = "absmean", per_row: bool = True) -> "TernaryTensor":
         """Quantize a float weight [out_features, in_features] with ``method`` in ("twn", "absmean")."""
         if method not in METHODS:
@@ -280,11 +362,11 @@ class TernaryTensor:
 
     @property
     def k_words(self) -> int:
-        return self.plus.shape[1]
+        return math.ceil(self.in_features / WORD_BITS)
 
     @property
     def device(self) -> torch.device:
-        return self.plus.device
+        return self.scales.device
 
     @property
     def per_row(self) -> bool:
@@ -299,6 +381,10 @@ class TernaryTensor:
     def trits(self) -> torch.Tensor:
         """int8 [out_features, in_features] in {-1, 0, 1}."""
         k = self.in_features
+        if self._plus is None:
+            from triforge.ops.ternary import tc
+
+            return tc.unpack_tc(self._tc_codes, k)
         return words_to_bits(self.plus, k).to(torch.int8) - words_to_bits(self.minus, k).to(torch.int8)
 
     def to_float(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -309,6 +395,8 @@ class TernaryTensor:
         return (self.trits().to(acc) * self.scales.to(acc)[:, None]).to(dtype)
 
     def nonzeros(self) -> int:
+        if self._plus is None:
+            return int((self.trits() != 0).sum())
         return int(popcount32(self.plus).sum() + popcount32(self.minus).sum())
 
     def sparsity(self) -> float:
@@ -322,10 +410,12 @@ class TernaryTensor:
         return self._metadata
 
     def invalidate_metadata(self) -> None:
-        """Drop the cached metadata (call after editing the planes other than through ``modify_dim``)."""
+        """Drop the cached metadata (call after editing the planes other than through ``modify_dim``; after
+        compact() the codes are the weights and are kept)."""
         self._metadata = None
         self._operands = None
-        self._tc_codes = None
+        if self._plus is not None:
+            self._tc_codes = None
 
     def kernel_operands(self):
         """(row scales [out_features] fp32, ``active`` [out_features, n_chunks] or None): what the kernels
@@ -333,8 +423,11 @@ class TernaryTensor:
         Cached for the per-call path; ``modify_dim`` and ``invalidate_metadata`` drop it."""
         ops = self._operands
         if ops is None:
-            meta = self.sparsity_metadata()
-            ops = self._operands = (self.row_scales(), meta.active if meta.has_inactive_chunks() else None)
+            if self._plus is None:  # compact(): no metadata kept, nothing skipped
+                ops = self._operands = (self.row_scales(), None)
+            else:
+                meta = self.sparsity_metadata()
+                ops = self._operands = (self.row_scales(), meta.active if meta.has_inactive_chunks() else None)
         return ops
 
     def tc_codes(self) -> torch.Tensor:
@@ -361,41 +454,76 @@ class TernaryTensor:
             raise ValueError(f"value must be one of -1, 0, 1, got {value!r}")
         value = int(value)
         w, b = divmod(c, WORD_BITS)
-        bit = _bit_i32(b)
-        p = self.plus[r, w]  # 0-d views into the planes
-        m = self.minus[r, w]
-        p.bitwise_and_(~bit)
-        m.bitwise_and_(~bit)
-        if value == 1:
-            p.bitwise_or_(bit)
-        elif value == -1:
-            m.bitwise_or_(bit)
-        if self._metadata is not None:
-            self._metadata.update_word(r, w, (p | m) != 0)
+        if self._tc_codes is not None:  # the codes (cached or the only form): edited in place too
+            from triforge.ops.ternary import tc
+
+            cw, shift = tc.code_position(c)
+            f = self._tc_codes[r, cw]  # 0-d view
+            f.bitwise_and_(~_signed_i32(3 << shift))  # clear the 2-bit field, then set trit + 1
+            f.bitwise_or_(_signed_i32((value + 1) << shift))
+        if self._plus is not None:
+            bit = _bit_i32(b)
+            p = self._plus[r, w]  # 0-d views into the planes
+            m = self._minus[r, w]
+            p.bitwise_and_(~bit)
+            m.bitwise_and_(~bit)
+            if value == 1:
+                p.bitwise_or_(bit)
+            elif value == -1:
+                m.bitwise_or_(bit)
+            if self._metadata is not None:
+                self._metadata.update_word(r, w, (p | m) != 0)
         self._operands = None
-        self._tc_codes = None
 
     # --------------------------------------------------------------- device / size
 
     def to(self, device) -> "TernaryTensor":
+        """A copy on ``device`` holding what this one holds (planes, cached codes, or only the codes)."""
         device = torch.device(device)
-        out = TernaryTensor(self.plus.to(device), self.minus.to(device), self.scales.to(device), self.shape,
+        if self._plus is None:
+            out = TernaryTensor(None, None, self.scales.to(device), self.shape, validate=False)
+            out._tc_codes = self._tc_codes.to(device)
+            return out
+        out = TernaryTensor(self._plus.to(device), self._minus.to(device), self.scales.to(device), self.shape,
                             validate=False)
         if self._metadata is not None:
             out._metadata = self._metadata.to(device)
+        if self._tc_codes is not None:
+            out._tc_codes = self._tc_codes.to(device)
         return out
 
     def nbytes(self, storage: str = "planes") -> int:
-        """Bytes of the weights: resident planes + scales ("planes"), or the base-3 form + scales ("base3")."""
+        """Bytes of the weights in one form + scales: "planes" (2 int32 planes), "codes" (the tc codes, 2 bits
+        per weight in 128-column blocks), "base3" (the 1.6-bit checkpoint form); or "resident": every tensor
+        this object holds now (planes, cached codes, sparsity metadata, kernel operands), what it costs in
+        memory."""
         s = self.scales.numel() * 4
+        n, k = self.shape
         if storage == "planes":
-            return self.plus.numel() * 4 + self.minus.numel() * 4 + s
+            return 2 * n * self.k_words * 4 + s
+        if storage == "codes":
+            from triforge.ops.ternary import tc
+
+            return n * tc.code_words(k) * 4 + s
         if storage == "base3":
-            return math.ceil(self.out_features * self.in_features / TRITS_PER_BYTE) + s
-        raise ValueError(f"storage must be 'planes' or 'base3', got {storage!r}")
+            return math.ceil(n * k / TRITS_PER_BYTE) + s
+        if storage == "resident":
+            held = [self.scales, self._plus, self._minus, self._tc_codes]
+            if self._metadata is not None:
+                held += [self._metadata.word_masks, self._metadata.active]
+            if self._operands is not None:
+                held += list(self._operands)
+            seen, total = set(), 0
+            for t in held:
+                if t is not None and t.untyped_storage().data_ptr() not in seen:
+                    seen.add(t.untyped_storage().data_ptr())
+                    total += t.untyped_storage().nbytes()
+            return total
+        raise ValueError(f"storage must be 'planes', 'codes', 'base3' or 'resident', got {storage!r}")
 
     def bits_per_weight(self, storage: str = "planes") -> float:
-        """8 * nbytes(storage) / (out_features * in_features): ~2 for planes, ~1.6 for base 3 (scales included)."""
+        """8 * nbytes(storage) / (out_features * in_features): ~2 for planes and codes, ~1.6 for base 3 (scales
+        included); "resident": what this object holds now (~4 while codes are cached beside the planes)."""
         return 8.0 * self.nbytes(storage) / (self.out_features * self.in_features)
 
     # --------------------------------------------------------------- base-3 packing
@@ -496,8 +624,8 @@ class TernaryTensor:
 
     def __repr__(self) -> str:
         kind = "per-row" if self.per_row else "per-tensor"
-        return (f"TernaryTensor(shape={self.shape}, scales={kind}, device={self.device}, "
-                f"bits_per_weight={self.bits_per_weight():.3f}, sparsity={self.sparsity():.4f})")
+        return (f"TernaryTensor(shape={self.shape}, scales={kind}, device={self.device}, resident={self.resident}, "
+                f"bits_per_weight={self.bits_per_weight('resident'):.3f}, sparsity={self.sparsity():.4f})")
 
 
 __all__ = [
