@@ -494,6 +494,46 @@ def test_fp32_check_scales_hold_the_fp32_evaluation(gen):
         assert checked >= (6 if rename else 8)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_grad_scales_carry_per_head_changes_through_the_group_sum_and_l2norm(dtype, gen, monkeypatch):
+    """fp32: dq and dk are sums of per-value-head terms followed by the l2norm's projection, both of which
+    cancel. Their error scales take at least the instances' per-head changes (dq_hv, dk_hv) carried through
+    those steps in absolute value (abs_l2norm_bwd), where the fp32 evaluation's own dq/dk change may cancel
+    by chance. The floor must hold elementwise, must bite somewhere (else it is not what moves the fp32 real
+    tier), and must not loosen typical elements: the median scale grows by at most a quarter. 16-bit scales
+    are left as they were (several instances of their dominant roundings; they pass)."""
+    from triforge.ops import deltanet as dn
+    from triforge.ops.deltanet.reference import STORE_C, abs_l2norm_bwd, error_changes, rounding_samples
+
+    x = _bwd_inputs(1, 200, 2, 4, 32, 32, torch.float32, gen)
+    inputs = {**{n: x[n].double() for n in GRAD_NAMES}, "output_final_state": True, "use_qk_l2norm_in_kernel": True}
+    grads = [x["do"].double(), x["dht"].double()]
+    atol = tolerance_for(dtype).atol
+    scales = dn._chunk_magnitudes(inputs, grads, dtype)
+    args = {n: inputs[n] for n in GRAD_NAMES}
+    kw = dict(do=grads[0], dht=grads[1], use_qk_l2norm_in_kernel=True)
+    exact = chunk_bwd_ref_stages(**args, **kw)
+    samples = rounding_samples(lambda **r: chunk_bwd_ref_stages(**args, **kw, **r), dtype, lazy=True)
+    if dtype == torch.float32:
+        samples = list(samples) + list(dn._fp32_instance(chunk_bwd_ref_stages, args, kw))
+    change = error_changes({n: exact[n] for n in ("dq_hv", "dk_hv", "dq", "dk")}, samples)
+    monkeypatch.setattr(dn, "abs_l2norm_bwd", lambda x, d: torch.zeros_like(d))
+    without = dn._chunk_magnitudes(inputs, grads, dtype)
+    if dtype != torch.float32:
+        assert all(torch.equal(scales[n], without[n]) for n in scales)
+        return
+    bit = 0
+    for hv, name, xin, mult in (("dq_hv", "dq", inputs["q"], 32 ** -0.5), ("dk_hv", "dk", inputs["k"], 1.0)):
+        rms = float(exact[name].square().mean().sqrt())
+        floor = rms + (STORE_C / atol) * abs_l2norm_bwd(xin, mult * change[hv].view(1, 200, 2, 2, 32).sum(3))
+        assert torch.all(scales[name] >= floor * (1 - 1e-12)), name
+        assert torch.all(scales[name] >= without[name] * (1 - 1e-12)), name
+        ratio = scales[name] / without[name]
+        bit += int((ratio > 1.01).sum())
+        assert float(ratio.median()) <= 1.25, (name, float(ratio.median()))
+    assert bit > 0
+
+
 def test_triton_backward_matches_torch_backward(gen):
     """The two implementations side by side (fp32, grouped heads, no l2norm, scale given)."""
     _both_backwards_match_reference(_bwd_inputs(1, 90, 2, 4, 32, 32, torch.float32, gen, l2norm=False), 0.25, False)

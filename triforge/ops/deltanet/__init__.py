@@ -49,10 +49,13 @@ import torch
 from triforge.ops._checks import FLOAT_DTYPES, check_same_device, check_tensor
 from triforge.ops.deltanet import chunk, chunk_bwd, fused_recurrent
 from triforge.ops.deltanet.reference import (
+    abs_l2norm_bwd,
     chunk_bwd_ref_stages,
     chunk_ref_stages,
+    error_changes,
     recurrent_ref,
     rounding_samples,
+    scales_from_changes,
     stored_error_scales,
 )
 from triforge.registry import OpSpec, register
@@ -441,15 +444,34 @@ def _chunk_magnitudes(inputs, grads, dtype=None):
     kw = dict(do=grads[0], dht=dht, use_qk_l2norm_in_kernel=l2)
     names = {"dq": "dq", "dk": "dk", "dv": "dv", "dg": "dg", "dbeta": "dbeta", "dh0": "dinitial_state"}
 
-    def grads_only(stages):  # the input gradients; the rest (states: gigabytes in float64) dropped at once
-        return {n: t for n, t in stages.items() if n in names}
+    per_head = ("dq_hv", "dk_hv")
+
+    def grads_only(stages):  # the input gradients (and dq/dk per value head); the rest (states: gigabytes in
+        return {n: t for n, t in stages.items() if n in names or n in per_head}  # float64) dropped at once
 
     exact = grads_only(chunk_bwd_ref_stages(**args, **kw))
     samples = rounding_samples(lambda **r: chunk_bwd_ref_stages(**args, **kw, **r), dtype, lazy=True)
     if dtype == torch.float32:
         samples = itertools.chain(samples, _fp32_instance(chunk_bwd_ref_stages, args, kw))
     samples = (grads_only(st) for st in samples)
-    scales = stored_error_scales(exact, samples, atol)
+    change = error_changes(exact, samples)
+    # fp32: dq and dk are sums over a group's value heads of dq_hv / dk_hv, then (l2norm) a projection, and
+    # both cancel (at the last rows of a sequence with a final-state gradient the terms are ~10, dk ~5e-3).
+    # There the fp32 arithmetic's error has a single instance (the fp32 evaluation; the store instances are
+    # far smaller), whose dq/dk change can cancel by chance where the kernel's does not, so each element's
+    # change is at least the per-head changes carried through those two steps in absolute value. (The fp32
+    # real tier at (8, 4096, 16, 32) failed 1-8 dk elements of 67M without it. 16-bit runs have several
+    # instances of the roundings that dominate them, and pass: their bound is left as it is.)
+    B, T, H, K = inputs["q"].shape
+    HV = inputs["v"].shape[2]
+    scale = _scale(inputs["q"], inputs.get("scale"))
+    for hv_name, name, x, mult in (("dq_hv", "dq", inputs["q"], scale), ("dk_hv", "dk", inputs["k"], 1.0)):
+        if dtype == torch.float32 and hv_name in change and name in change:
+            d = mult * change[hv_name].view(B, T, H, HV // H, K).sum(3)
+            if l2:
+                d = abs_l2norm_bwd(x.to(d.dtype), d)
+            change[name] = torch.maximum(change[name], d)
+    scales = scales_from_changes(exact, {n: change[n] for n in names if n in change}, atol)
     return {names[n]: t for n, t in scales.items()}
 
 

@@ -525,7 +525,13 @@ def stored_error_scales(exact, stored, atol, c=STORE_C):
     {name: scale} for the names in all. ``stored`` may be an iterator
     (``rounding_samples(lazy=True)``): one instance is held at a time.
     """
-    samples = [stored] if isinstance(stored, dict) else stored  # a list, or an iterator consumed once
+    return scales_from_changes(exact, error_changes(exact, stored), atol, c)
+
+
+def error_changes(exact, stored):
+    """{name: max over the instances ``stored`` of |stored - exact|} for the floating tensors in all of them
+    (``stored``: a dict of stages, a list, or an iterator consumed once, one instance held at a time)."""
+    samples = [stored] if isinstance(stored, dict) else stored
     names = [n for n, r in exact.items() if isinstance(r, torch.Tensor) and r.is_floating_point()]
     change = {}
     for st in samples:
@@ -534,9 +540,23 @@ def stored_error_scales(exact, stored, atol, c=STORE_C):
             d = (st[n] - exact[n]).abs()
             change[n] = d if n not in change else torch.maximum(change[n], d)
         del st
+    return {n: change[n] for n in names}
+
+
+def scales_from_changes(exact, change, atol, c=STORE_C):
+    """stored_error_scales' rms(exact) + (c / atol) change, for the names in ``change``."""
     out = {}
-    for n in names:
+    for n, d in change.items():
         r = exact[n]
         rms = float(r.square().mean().sqrt()) if r.numel() else 0.0
-        out[n] = (rms if rms > 0 else 1.0) + (c / atol) * change[n]
+        out[n] = (rms if rms > 0 else 1.0) + (c / atol) * d
     return out
+
+
+def abs_l2norm_bwd(x: torch.Tensor, d: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:
+    """An elementwise bound on |l2norm_bwd(x, dy)| over every dy with |dy| <= d: r (d + |y| (|y| . d)),
+    r = rsqrt(|x|^2 + eps), y = x r (the projection's two terms in absolute value, so whatever cancels in
+    them is counted at full size)."""
+    r = torch.rsqrt(x.square().sum(-1, keepdim=True) + eps)
+    y = (x * r).abs()
+    return r * (d + y * (y * d).sum(-1, keepdim=True))
