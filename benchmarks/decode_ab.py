@@ -5,7 +5,7 @@ issue's benchmark, so the cache holds 512 rows and the split heuristic gives 2 s
 A variant sets engine attributes and launch configs:
 - pre:        the multi-K-step GEMV (down_proj, K = 4864) loads its first weight step before griddepcontrol.wait
 - splits:     forced KV splits (0: the heuristic; 1: the split kernel writes o and lse itself, no merge launch;
-              more: the merge kernel merges them, or with cfg FIXUP 1 the last split to finish does)
+              more: the last split to finish merges them (FIXUP), or with cfg FIXUP 0 the merge kernel does)
 - cfg:        launch configs patched in: {(kernel, key): config}
 Earlier sessions' variants (one-shot vs streaming GEMVs, the fused MLP) are in git history (session 13, 982bedb).
 
@@ -84,15 +84,15 @@ def main():
     # session 18: the split kernel merging its own splits (FIXUP: each row block's last-arriving split merges,
     # no merge launch) against the merge launch, at the heuristic's split count and others
     split_cfg = dict(dec._split_config(64, torch.bfloat16, 16))
-    fixup = {("flash_decode_split", sp_key): dict(split_cfg, FIXUP=1)}
+    merge_launch = {("flash_decode_split", sp_key): dict(split_cfg, FIXUP=0)}
     variants = [
-        ("merge launch, heuristic splits", {}),
-        ("fixup, heuristic splits", {"cfg": fixup}),
+        ("merge launch, heuristic splits", {"cfg": merge_launch}),
+        ("fixup, heuristic splits", {}),
         ("one split (direct)", {"splits": 1}),
-        ("fixup, 4 splits", {"cfg": fixup, "splits": 4}),
-        ("fixup, 8 splits", {"cfg": fixup, "splits": 8}),
-        ("merge launch again", {}),
-        ("fixup again", {"cfg": fixup}),
+        ("fixup, 4 splits", {"splits": 4}),
+        ("fixup, 8 splits", {"splits": 8}),
+        ("merge launch again", {"cfg": merge_launch}),
+        ("fixup again", {}),
     ]
     rows, ref, best = [], None, (0.0, None)
     for name, v in variants:

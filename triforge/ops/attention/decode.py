@@ -363,11 +363,8 @@ def flash_decode_split(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax
     """The split kernel alone. q, k, v contiguous; caches with unit last stride (written in place when
     k/v are given); cache_seqlens int32 [B]. Returns ``(o, lse)`` (o [B, Sq, H, D], lse [B, H, Sq]
     fp32) when there is one split (the kernel normalises and writes them itself) or, with several, when
-    ``fixup`` (default: cfg "FIXUP", default 0): each row block's last split to finish merges the partials
-    in split order (arrival counters, ``launch.arrival_counters``), so there is no merge launch. (Opt-in: in
-    the Qwen2.5-0.5B decode step on the H100 it was slower than the merge launch, 1406 against 1414 tokens/s,
-    benchmarks/decode_ab.py at 077b4a9: under PDL the merge launch overlaps, the in-kernel merge follows an
-    acq_rel arrival and L2 reads.) Else the
+    ``fixup`` (default: cfg "FIXUP", default 1): each row block's last split to finish merges the partials
+    in split order (arrival counters, ``launch.arrival_counters``), so there is no merge launch. Else the
     partials ``(acc [B * Hkv, S, G * Sq, D], m [B * Hkv, S, G * Sq], l)`` (fp32; m in the log2 domain, -inf
     for a split that saw no key) for flash_decode_merge. pdl: a programmatic dependent launch (sm90+)."""
     B, Sq, H, D = q.shape
@@ -385,7 +382,7 @@ def flash_decode_split(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax
                                        cfg["min_blocks_per_split"])
     dev = q.device
     direct = num_splits == 1
-    fixup = not direct and bool(cfg.get("FIXUP", 0) if fixup is None else fixup)
+    fixup = not direct and bool(cfg.get("FIXUP", 1) if fixup is None else fixup)
     e = q.element_size()
     acc = m_part = l_part = o = lse = None
     out_bytes = 0
