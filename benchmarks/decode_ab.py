@@ -4,10 +4,8 @@ issue's benchmark, so the cache holds 512 rows and the split heuristic gives 2 s
 
 A variant sets engine attributes and launch configs:
 - pre:        the multi-K-step GEMV (down_proj, K = 4864) loads its first weight step before griddepcontrol.wait
-- splits:     forced KV splits (0: the heuristic; 1: the split kernel writes o and lse itself, no merge launch;
-              more: the last split to finish merges them (FIXUP), or with cfg FIXUP 0 the merge kernel does)
+- splits:     forced KV splits (0: the heuristic; 1: the split kernel writes o and lse itself, no merge launch)
 - cfg:        launch configs patched in: {(kernel, key): config}
-Earlier sessions' variants (one-shot vs streaming GEMVs, the fused MLP) are in git history (session 13, 982bedb).
 
 Each variant: steps/s of the plain step graph (median of 5 x 50 replays, CUDA events, same cache length) and
 tokens/s of generate() itself (median of 3 timed calls, as benchmarks/qwen2_decode.py times it); tokens are
@@ -81,18 +79,24 @@ def main():
             table.setdefault(kernel, {})[k] = dict(cfg)
         engine._num_splits = v.get("splits", 0)
 
-    # session 18: the split kernel merging its own splits (FIXUP: each row block's last-arriving split merges,
-    # no merge launch) against the merge launch, at the heuristic's split count and others
-    split_cfg = dict(dec._split_config(64, torch.bfloat16, 16))
-    merge_launch = {("flash_decode_split", sp_key): dict(split_cfg, FIXUP=0)}
+    # session 12's one-shot configs (the table's) against the persistent streaming kernel's, and the fused MLP
+    # (one launch, grid barrier)
+    one_shot = {("gemv", key): {"BLOCK_N": 2, "BLOCK_K": 2048, "num_warps": 8, "num_stages": 2},
+                ("gemv", o_key): {"BLOCK_N": 1, "BLOCK_K": 2048, "num_warps": 4, "num_stages": 2},
+                ("gemv_gate_up", gu_key): {"BLOCK_N": 2, "BLOCK_K": 1024, "num_warps": 4, "num_stages": 1}}
+    # the session-13 decode_tune winners (chosen with the overrunning replay timer)
+    stream = {("gemv", key): {"BLOCK_N": 2, "BLOCK_K": 2048, "num_warps": 4, "num_stages": 1, "PPS": 8},
+              ("gemv", o_key): {"BLOCK_N": 2, "BLOCK_K": 1024, "num_warps": 4, "num_stages": 1, "PPS": 4},
+              ("gemv_gate_up", gu_key): {"BLOCK_N": 2, "BLOCK_K": 1024, "num_warps": 2, "num_stages": 1, "PPS": 8}}
+    stream_no_gu = {**stream, **{k: c for k, c in one_shot.items() if k[0] == "gemv_gate_up"}}
+    fused = {("gemv_mlp", mlp_key): {"BN_GU": 2, "BK_GU": 1024, "BN_D": 2, "BK_D": 2048, "PPS": 4, "num_warps": 4}}
     variants = [
-        ("merge launch, heuristic splits", {"cfg": merge_launch}),
-        ("fixup, heuristic splits", {}),
-        ("one split (direct)", {"splits": 1}),
-        ("fixup, 4 splits", {"splits": 4}),
-        ("fixup, 8 splits", {"splits": 8}),
-        ("merge launch again", {"cfg": merge_launch}),
-        ("fixup again", {}),
+        ("one-shot (session 12)", {"cfg": one_shot}),
+        ("stream", {"cfg": stream}),
+        ("stream down/o_proj, one-shot gate_up", {"cfg": stream_no_gu}),
+        ("fused MLP", {"cfg": fused}),
+        ("one-shot again", {"cfg": one_shot}),
+        ("stream again", {"cfg": stream}),
     ]
     rows, ref, best = [], None, (0.0, None)
     for name, v in variants:

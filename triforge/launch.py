@@ -350,22 +350,3 @@ def new_output(shape, dtype, device) -> torch.Tensor:
         fill = float("nan") if dtype.is_floating_point else -1
         return torch.full(shape, fill, dtype=dtype, device=device)
     return torch.empty(shape, dtype=dtype, device=device)
-
-
-_COUNTERS: dict = {}
-
-
-def arrival_counters(tag: str, device: torch.device, n: int) -> torch.Tensor:
-    """int32 [>= n] zeros for a kernel whose programs count their arrivals so the last one does a tile's
-    final step (split-K / split-KV fix-ups): one set per ``tag``, device and stream. Launches on one stream
-    run in order and each leaves its counters zero again (the last arrival re-arms them); under CUDA-graph
-    capture the capture stream gets its own set, which the graph keeps. Grown, never shrunk."""
-    if device.type == "cuda" and device.index is None:  # torch.device("cuda"): the current device
-        device = torch.device("cuda", torch.cuda.current_device())
-    stream = torch._C._cuda_getCurrentRawStream(device.index) if device.type == "cuda" else 0
-    key = (tag, device.type, device.index, stream)
-    cnt = _COUNTERS.get(key)
-    if cnt is None or cnt.numel() < n:
-        cnt = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
-        _COUNTERS[key] = cnt
-    return cnt

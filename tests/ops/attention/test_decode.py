@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import triforge  # noqa: F401  (sets TRITON_INTERPRET before triton kernels are defined)
-from triforge import _runtime, launch, registry
+from triforge import registry
 from triforge.check import check_op
 from triforge.launch import poisoned
 from triforge.ops.attention import decode
@@ -226,35 +226,6 @@ def test_deterministic(gen, device):
     o1, l1 = flash_attn_with_kvcache(q, kc, vc, sl, return_lse=True, num_splits=3)
     o2, l2 = flash_attn_with_kvcache(q, kc, vc, sl, return_lse=True, num_splits=3)
     assert torch.equal(o1, o2) and torch.equal(l1, l2)
-
-
-@pytest.mark.parametrize("num_splits,Sn", [(2, 0), (3, 1), (5, 2), (20, 0)], ids=["2", "3-append", "5-append2", "20"])
-def test_fixup_merge_equals_merge_launch(num_splits, Sn, gen, device):
-    """Several splits merged by each row block's last-arriving split (FIXUP, the default: no merge launch)
-    against the split kernel's partials merged by the merge kernel (the same partials, merged one split at a
-    time rather than in chunks: equal to fp32 rounding), both against float64.
-    20 splits over 48 cached rows: splits past the keys arrive empty. H = 32 over Hkv = 2 with Sq = 2 is 32
-    query rows per kv head: 2 row blocks, each with its own counter. The counters are zero after each launch."""
-    q, kc, vc, sl, k, v = _inputs(gen, B=2, Sq=2, H=32, Hkv=2, D=64, S=48, Sn=Sn, dtype=torch.bfloat16,
-                                  device=device)
-    scale = 64 ** -0.5
-    ref, _, _ = kvcache_attention_ref(_d(q), _d(kc), _d(vc), sl, _d(k), _d(v), True, scale)
-    kc2, vc2 = kc.clone(), vc.clone()
-    with poisoned():
-        o_fix, lse_fix = decode.flash_decode_split(q, kc, vc, sl, k, v, True, scale, num_splits, fixup=True)
-        parts = decode.flash_decode_split(q, kc2, vc2, sl, k, v, True, scale, num_splits, fixup=False)
-        assert len(parts) == 3
-        o_m, lse_m = decode.flash_decode_merge(q, kc2, parts)
-    assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
-    for name, got in (("o fixup", o_fix), ("o merge", o_m)):
-        _assert_ok(compare(name, ref["o"], got, dtype=torch.bfloat16, verbose=False))
-    for name, got in (("lse fixup", lse_fix), ("lse merge", lse_m)):
-        _assert_ok(compare(name, ref["lse"], got, dtype=torch.bfloat16, verbose=False))
-    # the same fp32 partials merged one split at a time against in chunks: equal to fp32 rounding (o is then
-    # rounded to bf16 alike but for ties), lse to a few fp32 ulps
-    assert float((o_fix.float() - o_m.float()).abs().max()) <= 2 ** -7 * float(o_m.float().abs().max())
-    _assert_ok(compare("lse fixup vs merge", lse_m.double(), lse_fix, dtype=torch.float32, verbose=False))
-    assert int(launch.arrival_counters("flash_decode_split", q.device, 1).abs().sum()) == 0
 
 
 # ----------------------------------------------------------------------------- decode vs full attention
@@ -559,11 +530,11 @@ for dtype, D, G, Sq, append, causal in json.loads(sys.argv[1]):
     sc = dec._split_config(D, dtype, bm)
     ptrs = {n: "*" + t for n in ("q_ptr", "kc_ptr", "vc_ptr", "kn_ptr", "vn_ptr")}
     ptrs.update({"acc_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32", "seqlens_ptr": "*i32", "o_ptr": "*" + t,
-                 "lse_ptr": "*fp32", "cnt_ptr": "*i32"})
-    # both PDL forms, both output forms (DIRECT / partials merged by the last split, FIXUP)
+                 "lse_ptr": "*fp32"})
+    # both PDL forms, both output forms (partials / DIRECT)
     consts = dict(H=2 * G, HKV=2, GROUP=G, HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=sc["BLOCK_N"], BLOCK_NEW=16,
                   CAUSAL=causal, APPEND=append, UPCAST=False, IEEE=dtype == torch.float32, PDL=bool(append),
-                  DIRECT=bool(causal), FIXUP=not causal)
+                  DIRECT=bool(causal))
     r = compile_(dec.flash_decode_split_kernel, ptrs, ("qk_scale",), consts,
                  {"num_warps": sc["num_warps"], "num_stages": sc["num_stages"]})
     rows.append(dict(r, kernel="split", dtype=t, D=D, G=G, Sq=Sq))

@@ -99,20 +99,6 @@ def _attend_block(
 
 
 @triton.jit
-def _store_o_lse(b_acc, b_m, b_l, o_ptr, lse_ptr, i_b, o_qi, o_h, o_d, m_r, stride_ob, stride_os, stride_oh, Sq,
-                 H: tl.constexpr):
-    """o = acc / l and lse = (m + log2 l) ln 2 for the query rows (o_qi, o_h); a row that saw no key gives 0
-    and lse -inf, never 0 / 0."""
-    has = b_l > 0
-    b_o = tl.where(has[:, None], b_acc / tl.where(has, b_l, 1.0)[:, None], 0.0)
-    b_lse = tl.where(has, (b_m + tl.log2(tl.where(has, b_l, 1.0))) * 0.6931471805599453, float("-inf"))
-    p_o = (o_ptr + i_b * stride_ob + o_qi.to(tl.int64)[:, None] * stride_os + o_h.to(tl.int64)[:, None] * stride_oh
-           + o_d[None, :])
-    tl.store(p_o, b_o.to(o_ptr.dtype.element_ty), mask=m_r[:, None])
-    tl.store(lse_ptr + (i_b * H + o_h) * Sq + o_qi, b_lse, mask=m_r)
-
-
-@triton.jit
 def flash_decode_split_kernel(
     q_ptr,  # [B, Sq, H, D]
     kc_ptr,  # [B, S_max, Hkv, D] key cache (rows cache_seqlens[b] .. + Sn written when APPEND)
@@ -124,8 +110,7 @@ def flash_decode_split_kernel(
     m_ptr,  # [B * Hkv, NUM_SPLITS, M_ROWS] fp32 running max (log2 domain), -inf when empty
     l_ptr,  # [B * Hkv, NUM_SPLITS, M_ROWS] fp32 sum of exp2(s - m)
     o_ptr,  # [B, Sq, H, D] q's dtype (written when DIRECT)
-    lse_ptr,  # [B, H, Sq] fp32, natural log (written when DIRECT or FIXUP)
-    cnt_ptr,  # int32 [B * Hkv * row blocks] arrival counters, zero between launches (FIXUP)
+    lse_ptr,  # [B, H, Sq] fp32, natural log (written when DIRECT)
     stride_qb, stride_qs, stride_qh,
     stride_ob, stride_os, stride_oh,
     stride_kb, stride_ks, stride_kh,
@@ -151,7 +136,6 @@ def flash_decode_split_kernel(
     IEEE: tl.constexpr,
     PDL: tl.constexpr,  # programmatic dependent launch: wait for the previous kernel before any access
     DIRECT: tl.constexpr,  # NUM_SPLITS == 1: write the normalised o and lse (no merge kernel)
-    FIXUP: tl.constexpr,  # NUM_SPLITS > 1: the last split to arrive merges the partials (no merge kernel)
 ):
     if PDL:
         tl.extra.cuda.gdc_wait()
@@ -217,40 +201,19 @@ def flash_decode_split_kernel(
 
     if DIRECT:
         # the only split: normalise here (a row that saw no key gives 0 and lse -inf, never 0 / 0)
-        _store_o_lse(b_acc, b_m, b_l, o_ptr, lse_ptr, i_b, o_qi, o_h, o_d, m_r, stride_ob, stride_os, stride_oh, Sq, H)
+        has = b_l > 0
+        b_o = tl.where(has[:, None], b_acc / tl.where(has, b_l, 1.0)[:, None], 0.0)
+        b_lse = tl.where(has, (b_m + tl.log2(tl.where(has, b_l, 1.0))) * 0.6931471805599453, float("-inf"))
+        p_o = (o_ptr + i_b * stride_ob + o_qi.to(tl.int64)[:, None] * stride_os + o_h.to(tl.int64)[:, None] * stride_oh
+               + o_d[None, :])
+        tl.store(p_o, b_o.to(o_ptr.dtype.element_ty), mask=m_r[:, None])
+        tl.store(lse_ptr + (i_b * H + o_h) * Sq + o_qi, b_lse, mask=m_r)
     else:
         o_part = (i_bg.to(tl.int64) * NUM_SPLITS + i_s) * M_ROWS + o_r
         tl.store(m_ptr + o_part, b_m, mask=m_r)
         tl.store(l_ptr + o_part, b_l, mask=m_r)
         seen = b_m > float("-inf")
         tl.store(acc_ptr + o_part[:, None] * HEAD_DIM + o_d[None, :], b_acc, mask=(m_r & seen)[:, None])
-        if FIXUP:
-            # this row block's splits count their arrivals; the last one merges every split's partials (read
-            # past L1: other SMs wrote them) in split order and re-arms the counter
-            tl.debug_barrier()  # every thread's partial stores precede the arrival (release below)
-            i_cnt = i_bg * tl.num_programs(2) + i_mb
-            prev = tl.atomic_add(cnt_ptr + i_cnt, 1, sem="acq_rel", scope="gpu")
-            if prev == NUM_SPLITS - 1:
-                tl.atomic_xchg(cnt_ptr + i_cnt, 0, sem="relaxed", scope="gpu")
-                b_mx = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-                b_L = tl.zeros([BLOCK_M], dtype=tl.float32)
-                b_A = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-                for s in range(NUM_SPLITS):  # one split at a time: [BLOCK_M, D] live, no spills at D = 128
-                    o_p = (i_bg.to(tl.int64) * NUM_SPLITS + s) * M_ROWS + o_r
-                    b_ms = tl.load(m_ptr + o_p, mask=m_r, other=float("-inf"), cache_modifier=".cg")
-                    b_ls = tl.load(l_ptr + o_p, mask=m_r, other=0.0, cache_modifier=".cg")
-                    seen_s = b_ms > float("-inf")
-                    b_os = tl.load(acc_ptr + o_p[:, None] * HEAD_DIM + o_d[None, :], mask=seen_s[:, None], other=0.0,
-                                   cache_modifier=".cg")
-                    m_new = tl.maximum(b_mx, b_ms)
-                    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-                    alpha = tl.exp2(b_mx - m_safe)
-                    b_w = tl.exp2(b_ms - m_safe)  # 0 for an empty split (m = -inf, m_safe finite)
-                    b_L = b_L * alpha + b_w * b_ls
-                    b_A = b_A * alpha[:, None] + b_w[:, None] * b_os
-                    b_mx = m_new
-                _store_o_lse(b_A, b_mx, b_L, o_ptr, lse_ptr, i_b, o_qi, o_h, o_d, m_r, stride_ob, stride_os,
-                             stride_oh, Sq, H)
 
 
 @triton.jit
@@ -359,13 +322,11 @@ def choose_num_splits(B, Hkv, S_max, row_blocks, block_n, programs_per_sm, min_b
 
 
 def flash_decode_split(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax_scale, num_splits=0, cfg=None,
-                       pdl=False, fixup=None):
+                       pdl=False):
     """The split kernel alone. q, k, v contiguous; caches with unit last stride (written in place when
     k/v are given); cache_seqlens int32 [B]. Returns ``(o, lse)`` (o [B, Sq, H, D], lse [B, H, Sq]
-    fp32) when there is one split (the kernel normalises and writes them itself) or, with several, when
-    ``fixup`` (default: cfg "FIXUP", default 1): each row block's last split to finish merges the partials
-    in split order (arrival counters, ``launch.arrival_counters``), so there is no merge launch. Else the
-    partials ``(acc [B * Hkv, S, G * Sq, D], m [B * Hkv, S, G * Sq], l)`` (fp32; m in the log2 domain, -inf
+    fp32) when there is one split (the kernel normalises and writes them itself), else the partials
+    ``(acc [B * Hkv, S, G * Sq, D], m [B * Hkv, S, G * Sq], l)`` (fp32; m in the log2 domain, -inf
     for a split that saw no key) for flash_decode_merge. pdl: a programmatic dependent launch (sm90+)."""
     B, Sq, H, D = q.shape
     S_max, Hkv = k_cache.shape[1], k_cache.shape[2]
@@ -382,31 +343,26 @@ def flash_decode_split(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax
                                        cfg["min_blocks_per_split"])
     dev = q.device
     direct = num_splits == 1
-    fixup = not direct and bool(cfg.get("FIXUP", 1) if fixup is None else fixup)
     e = q.element_size()
-    acc = m_part = l_part = o = lse = None
-    out_bytes = 0
-    if direct or fixup:
+    if direct:  # no partials: their pointers are never used
         o = new_output((B, Sq, H, D), q.dtype, dev)
         lse = new_output((B, H, Sq), torch.float32, dev)
+        acc, m_part, l_part = o, lse, lse
         out_bytes = o.numel() * e + lse.numel() * 4
-    if not direct:
+    else:  # no output: its pointers are never used
         acc = new_output((B * Hkv, num_splits, m_rows, D), torch.float32, dev)
         m_part = new_output((B * Hkv, num_splits, m_rows), torch.float32, dev)
         l_part = new_output((B * Hkv, num_splits, m_rows), torch.float32, dev)
-        out_bytes += (acc.numel() * 4 + 8 * m_part.numel()) * (2 if fixup else 1)  # written, and read back
-    cnt = launch.arrival_counters("flash_decode_split", dev, B * Hkv * row_blocks) if fixup else cache_seqlens
+        o, lse = q, m_part
+        out_bytes = acc.numel() * 4 + 8 * m_part.numel()
     kn, vn = (k, v) if append else (k_cache, v_cache)
     # byte model: the cached rows up to S_max at most (lengths are on the device), new rows read + written
     kv_bytes = 2 * B * S_max * Hkv * D * e + 4 * B * S_new * Hkv * D * e
     launch.launch(
         "flash_decode_split", flash_decode_split_kernel, (num_splits, B * Hkv, row_blocks),
-        q, k_cache, v_cache, kn, vn, cache_seqlens,
-        *(t if t is not None else f for t, f in ((acc, q), (m_part, cache_seqlens), (l_part, cache_seqlens),
-                                                  (o, q), (lse, cache_seqlens))),
-        cnt,
+        q, k_cache, v_cache, kn, vn, cache_seqlens, acc, m_part, l_part, o, lse,
         q.stride(0), q.stride(1), q.stride(2),
-        *(o if o is not None else q).stride()[:3],
+        o.stride(0), o.stride(1), o.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         kn.stride(0), kn.stride(1), kn.stride(2),
@@ -417,10 +373,10 @@ def flash_decode_split(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax
         BLOCK_NEW=max(16, min(block_n, triton.next_power_of_2(max(S_new, 1)))),
         CAUSAL=bool(causal) and Sq > 1, APPEND=append,
         UPCAST=_runtime.INTERPRET and q.dtype == torch.bfloat16, IEEE=q.dtype == torch.float32,
-        DIRECT=direct, FIXUP=fixup,
+        DIRECT=direct,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch.pdl_options(pdl),
     )
-    return (o, lse) if direct or fixup else (acc, m_part, l_part)
+    return (o, lse) if direct else (acc, m_part, l_part)
 
 
 def flash_decode_merge(q, k_cache, partials, merge_cfg=None, pdl=False):
@@ -447,8 +403,7 @@ def flash_decode_merge(q, k_cache, partials, merge_cfg=None, pdl=False):
 
 def flash_decode_fwd(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax_scale, num_splits=0, cfg=None,
                      merge_cfg=None, pdl=False):
-    """Both kernels (the split kernel alone when there is one split or it merges its own splits; see
-    flash_decode_split).
+    """Both kernels (the split kernel alone when there is one split; see flash_decode_split).
     Returns (o [B, Sq, H, D], lse [B, H, Sq] fp32)."""
     out = flash_decode_split(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax_scale, num_splits, cfg, pdl)
     return out if len(out) == 2 else flash_decode_merge(q, k_cache, out, merge_cfg, pdl)
