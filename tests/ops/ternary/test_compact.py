@@ -41,6 +41,19 @@ def test_compact_holds_the_same_weights(k, gen, device):
     assert "resident=codes" in repr(small)
 
 
+def test_unpack_in_row_blocks(gen, device, monkeypatch):
+    """planes() and trits() of a compact tensor unpack a few rows at a time (bounded intermediates): the same
+    values with blocks of 1 row and of 3 rows (a partial last block) as in one block."""
+    from triforge.ops.ternary import tensor as T
+
+    full, small, trits = _pair(7, 300, gen, device)
+    for elems in (1, 3 * tc.code_words(300) * 16):
+        monkeypatch.setattr(T, "UNPACK_ELEMS", elems)
+        assert torch.equal(small.trits(), trits)
+        plus, minus = small.planes()
+        assert torch.equal(plus, full.plus) and torch.equal(minus, full.minus)
+
+
 def test_resident_bytes(gen, device):
     """Planes: 2 bits per weight; the codes cached beside them on a tc call: 4; compact: 2 (+ scales)."""
     n, k = 8, 4096

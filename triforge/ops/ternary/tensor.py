@@ -91,6 +91,9 @@ def _bit_i32(b: int) -> int:
     return (1 << b) if b < WORD_BITS - 1 else -(1 << (WORD_BITS - 1))
 
 
+UNPACK_ELEMS = 1 << 22  # weights unpacked from the codes at a time (compact tensors' planes() / trits())
+
+
 def _signed_i32(v: int) -> int:
     """A 32-bit pattern as the int32 value with those bits."""
     v &= 0xFFFFFFFF
@@ -233,10 +236,24 @@ class TernaryTensor:
         """(plus, minus): the resident planes, or after compact() planes unpacked from the codes for this call."""
         if self._plus is not None:
             return self._plus, self._minus
+        n, kw = self.out_features, self.k_words
+        plus = torch.empty((n, kw), dtype=torch.int32, device=self.device)
+        minus = torch.empty_like(plus)
+        for r0, r1, t in self._code_trits():
+            plus[r0:r1] = bits_to_words(t == 1)
+            minus[r0:r1] = bits_to_words(t == -1)
+        return plus, minus
+
+    def _code_trits(self):
+        """(r0, r1, int8 trits of rows r0..r1) from the codes, a few million weights at a time (the unpack's
+        intermediates are int64: 8 bytes per weight)."""
         from triforge.ops.ternary import tc
 
-        t = tc.unpack_tc(self._tc_codes, self.in_features)
-        return bits_to_words(t == 1), bits_to_words(t == -1)
+        codes = self._tc_codes
+        rows = max(1, UNPACK_ELEMS // max(1, codes.shape[1] * 16))
+        for r0 in range(0, self.out_features, rows):
+            r1 = min(self.out_features, r0 + rows)
+            yield r0, r1, tc.unpack_tc(codes[r0:r1], self.in_features)
 
     @property
     def resident(self) -> str:
@@ -327,12 +344,12 @@ class TernaryTensor:
             raise TypeError(f"codes must have dtype int32, got {codes.dtype}")
         if tuple(codes.shape) != (n, tc.code_words(k)):
             raise ValueError(f"codes must have shape {(n, tc.code_words(k))} for shape {(n, k)}, got {tuple(codes.shape)}")
-        fields = (codes.to(torch.int64)[..., None] >> torch.arange(0, 32, 2, device=codes.device)) & 3
-        if bool((fields == 3).any()):
+        if bool(((codes & (codes >> 1) & 0x55555555) != 0).any()):  # a field with both bits set
             raise ValueError("codes hold a field 3 (fields are trit + 1: 0, 1 or 2)")
         tt = cls(None, None, scales, (n, k), validate=False)
         tt._tc_codes = codes
-        if k % tc.BLOCK_COLS and bool((tc.unpack_tc(codes, tc.code_words(k) // 8 * tc.BLOCK_COLS)[:, k:] != 0).any()):
+        tail = k % tc.BLOCK_COLS  # the last 128-column block's columns past in_features
+        if tail and bool((tc.unpack_tc(codes[:, -tc.WORDS_PER_BLOCK:], tc.BLOCK_COLS)[:, tail:] != 0).any()):
             raise ValueError(f"codes past in_features={k} must hold trit 0 (field 1)")
         s = scales
         if not isinstance(s, torch.Tensor) or s.dtype != torch.float32 or s.dim() != 1 or s.shape[0] not in (1, n):
@@ -382,9 +399,10 @@ class TernaryTensor:
         """int8 [out_features, in_features] in {-1, 0, 1}."""
         k = self.in_features
         if self._plus is None:
-            from triforge.ops.ternary import tc
-
-            return tc.unpack_tc(self._tc_codes, k)
+            out = torch.empty((self.out_features, k), dtype=torch.int8, device=self.device)
+            for r0, r1, t in self._code_trits():
+                out[r0:r1] = t
+            return out
         return words_to_bits(self.plus, k).to(torch.int8) - words_to_bits(self.minus, k).to(torch.int8)
 
     def to_float(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
