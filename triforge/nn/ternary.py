@@ -43,7 +43,13 @@ class TernaryLinear(nn.Module):
             raise TypeError(f"tt must be a TernaryTensor, got {type(tt).__name__}")
         m = cls(tt.in_features, tt.out_features, bias=bias is not None, per_row=tt.per_row, device=tt.device,
                 dtype=bias.dtype if bias is not None else None)
-        m.plus, m.minus, m.scales = tt.plus, tt.minus, tt.scales
+        if tt.resident == "codes":  # a compact tensor makes a compact layer (its codes, no planes)
+            del m.plus, m.minus
+            m.register_buffer("codes", tt._tc_codes)
+            m._compact = True
+            m.scales = tt.scales
+        else:
+            m.plus, m.minus, m.scales = tt.plus, tt.minus, tt.scales
         if bias is not None:
             m.bias = nn.Parameter(bias.detach().clone().to(tt.device), requires_grad=bias.requires_grad)
         m._tt = tt

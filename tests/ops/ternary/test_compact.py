@@ -208,6 +208,11 @@ def test_ternary_linear_compact_and_state_dict(gen, device):
     plain.load_state_dict(small.state_dict())
     assert torch.equal(plain.plus, full.plus) and torch.equal(plain.minus, full.minus)
     assert torch.equal(plain(x), full(x))
+    # a compact tensor makes a compact layer holding the same codes
+    from_tt = TernaryLinear.from_ternary(TernaryTensor.from_codes(small.codes.clone(), small.scales, (12, 200)),
+                                         small.bias.detach())
+    assert from_tt._compact and set(from_tt.state_dict()) == {"codes", "scales", "bias"}
+    assert torch.equal(from_tt(x), small(x))
     # edits through the layer's tensor land in its buffer
     small.ternary.modify_dim(0, 5, -1)
     assert int(TernaryTensor.from_codes(small.codes, small.scales, (12, 200)).trits()[0, 5]) == -1
