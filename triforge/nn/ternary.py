@@ -82,7 +82,13 @@ class TernaryLinear(nn.Module):
     def compact(self) -> "TernaryLinear":
         """Keep only the 2-bit tc codes (buffer ``codes``) and the scales (see the class docstring). Returns self."""
         if not self._compact:
-            tt = self.ternary.compact()
+            src = self.ternary  # possibly the caller's tensor (from_ternary): left as it was
+            had = src._tc_codes is not None
+            codes = src.tc_codes()
+            if not had:
+                src._tc_codes = None  # packed here for the layer: not left cached on the caller's tensor
+            tt = TernaryTensor(None, None, self.scales, (self.out_features, self.in_features), validate=False)
+            tt._tc_codes = codes
             del self.plus, self.minus  # the buffers go (state_dict now holds codes)
             self.register_buffer("codes", tt._tc_codes)
             self._compact = True

@@ -160,6 +160,33 @@ def test_to_device_save_load_and_base3(tmp_path, gen, device):
     assert cached.to("cpu").resident == "planes+codes"
 
 
+def test_strided_codes_metadata_after_edits_and_setters(gen, device):
+    """A strided codes view is copied contiguous (the kernel reads rows KC words apart); the sparsity metadata
+    of a compact tensor is rebuilt after an edit, not left stale; planes of a compact tensor cannot be set, and
+    setting a plane of a planes tensor drops its cached codes and metadata."""
+    full, small, trits = _pair(4, 200, gen, device)
+    kc = small._tc_codes.shape[1]
+    wide = torch.zeros(4, 2 * kc, dtype=torch.int32, device=device)
+    wide[:, :kc] = small._tc_codes
+    strided = TernaryTensor.from_codes(wide[:, :kc], small.scales, (4, 200))
+    assert strided._tc_codes.is_contiguous() and torch.equal(strided.trits(), trits)
+    if KERNEL_DEVICE:
+        x = torch.randn(3, 200, generator=gen).to(device, torch.float16)
+        assert torch.equal(matmul(x, strided), matmul(x, full))
+    md = small.sparsity_metadata()
+    assert bool(md.active[0].all())
+    for col in range(200):
+        small.modify_dim(0, col, 0)
+    assert not bool(small.sparsity_metadata().active[0].any())
+    assert small.sparsity_metadata().word_mask(0, 0) == 0
+    with pytest.raises(AttributeError, match="compact"):
+        small.plus = full.plus
+    full.tc_codes()
+    full.sparsity_metadata()
+    full.minus = full.minus.clone()
+    assert full.resident == "planes" and full._metadata is None
+
+
 def test_from_codes_validates(gen, device):
     full, small, trits = _pair(3, 70, gen, device)
     codes, scales = small._tc_codes, small.scales
@@ -181,6 +208,8 @@ def test_from_codes_validates(gen, device):
         TernaryTensor.from_codes(pad, scales, (3, 70))
     with pytest.raises(ValueError, match="scales must be fp32"):
         TernaryTensor.from_codes(codes, scales.double(), (3, 70))
+    with pytest.raises(ValueError, match="finite"):
+        TernaryTensor.from_codes(codes, torch.full_like(scales, float("nan")), (3, 70))
 
 
 def _linear(k, n, gen):
@@ -213,6 +242,14 @@ def test_ternary_linear_compact_and_state_dict(gen, device):
                                          small.bias.detach())
     assert from_tt._compact and set(from_tt.state_dict()) == {"codes", "scales", "bias"}
     assert torch.equal(from_tt(x), small(x))
+    # compacting a layer leaves the caller's tensor as it was (planes, no codes cached on it)
+    user = TernaryTensor.from_float(lin.weight.detach())
+    TernaryLinear.from_ternary(user).compact()
+    assert user.resident == "planes"
+    # .half() keeps the codes int32 and the scales fp32; the layer follows its moved buffers
+    half = TernaryLinear.from_linear(lin).compact().half()
+    assert half.codes.dtype == torch.int32 and half.scales.dtype == torch.float32
+    assert half.ternary._tc_codes is half.codes
     # edits through the layer's tensor land in its buffer
     small.ternary.modify_dim(0, 5, -1)
     assert int(TernaryTensor.from_codes(small.codes, small.scales, (12, 200)).trits()[0, 5]) == -1

@@ -464,7 +464,7 @@ def _chunk_magnitudes(inputs, grads, dtype=None):
     # instances of the roundings that dominate them, and pass: their bound is left as it is.)
     B, T, H, K = inputs["q"].shape
     HV = inputs["v"].shape[2]
-    scale = _scale(inputs["q"], inputs.get("scale"))
+    scale = abs(_scale(inputs["q"], inputs.get("scale")))
     for hv_name, name, x, mult in (("dq_hv", "dq", inputs["q"], scale), ("dk_hv", "dk", inputs["k"], 1.0)):
         if dtype == torch.float32 and hv_name in change and name in change:
             d = mult * change[hv_name].view(B, T, H, HV // H, K).sum(3)

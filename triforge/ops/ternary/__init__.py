@@ -263,8 +263,11 @@ def _registry_inputs(tier, dtype, device, gen):
     # drawn and quantized on the device (28672 x 8192 weights take seconds on the host), seeded from gen
     g = torch.Generator(device=device).manual_seed(int(torch.randint(0, 2**62, (1,), generator=gen)))
     w = torch.randn(N, K, generator=g, device=device)
-    # compact: the 2-bit codes are the only resident form (planes are unpacked per call where a path needs them)
-    tt = TernaryTensor.from_float(w, method="absmean", per_row=True).compact()
+    # fp16/bf16 (the tc kernel's dtypes): compact, the 2-bit codes the only resident form; fp32 keeps the planes
+    # its kernels read (a compact tensor would unpack them in every timed call)
+    tt = TernaryTensor.from_float(w, method="absmean", per_row=True)
+    if dtype in (torch.float16, torch.bfloat16):
+        tt.compact()
     x = torch.randn(M, K, generator=g, device=device).to(dtype)
     return {"x": x, "tt": tt}
 

@@ -417,6 +417,7 @@ def ternary_matmul_tc(x2d: torch.Tensor, tt, bias: torch.Tensor | None = None, c
         codes = pack_tc(tt.plus, tt.minus, tt.in_features)
     scales = tt.kernel_operands()[0]
     bias = None if bias is None else bias.contiguous()
+    codes = codes.contiguous()  # the kernel addresses rows KC words apart
     kc = codes.shape[1]
     bm, nbk, reps, warps, stages, prefetch, xpre, fixup_on, use_tma, grid, per_split = _tc_plan(
         M, N, K, kc, None if cfg is None else tuple(sorted(cfg.items())))

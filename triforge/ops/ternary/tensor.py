@@ -221,7 +221,7 @@ class TernaryTensor:
 
     @plus.setter
     def plus(self, value: torch.Tensor) -> None:
-        self._plus = value
+        self._set_plane("plus", value)
 
     @property
     def minus(self) -> torch.Tensor:
@@ -230,7 +230,16 @@ class TernaryTensor:
 
     @minus.setter
     def minus(self, value: torch.Tensor) -> None:
-        self._minus = value
+        self._set_plane("minus", value)
+
+    def _set_plane(self, name: str, value: torch.Tensor) -> None:
+        if self._plus is None:
+            raise AttributeError(f"{name} of a compact TernaryTensor is derived from its codes and cannot be set; "
+                                 "build a new TernaryTensor from planes (or edit weights with modify_dim)")
+        setattr(self, "_" + name, value)
+        self._tc_codes = None  # cached codes of the old planes
+        self._metadata = None
+        self._operands = None
 
     def planes(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(plus, minus): the resident planes, or after compact() planes unpacked from the codes for this call."""
@@ -342,6 +351,7 @@ class TernaryTensor:
             raise TypeError(f"codes must be a torch.Tensor, got {type(codes).__name__}")
         if codes.dtype != torch.int32:
             raise TypeError(f"codes must have dtype int32, got {codes.dtype}")
+        codes = codes.contiguous()  # (a strided view is copied: the kernels read rows KC words apart)
         if tuple(codes.shape) != (n, tc.code_words(k)):
             raise ValueError(f"codes must have shape {(n, tc.code_words(k))} for shape {(n, k)}, got {tuple(codes.shape)}")
         if bool(((codes & (codes >> 1) & 0x55555555) != 0).any()):  # a field with both bits set
@@ -357,6 +367,8 @@ class TernaryTensor:
                              f"{getattr(s, 'dtype', type(s).__name__)} {tuple(getattr(s, 'shape', ()))}")
         if s.device != codes.device:
             raise ValueError(f"scales is on {s.device} but codes is on {codes.device}")
+        if not bool(torch.isfinite(s).all()):
+            raise ValueError("scales must be finite")
         return tt
 
     @classmethod
@@ -479,7 +491,9 @@ class TernaryTensor:
             f = self._tc_codes[r, cw]  # 0-d view
             f.bitwise_and_(~_signed_i32(3 << shift))  # clear the 2-bit field, then set trit + 1
             f.bitwise_or_(_signed_i32((value + 1) << shift))
-        if self._plus is not None:
+        if self._plus is None:
+            self._metadata = None  # (built from unpacked planes if asked for; rebuilt on the next request)
+        else:
             bit = _bit_i32(b)
             p = self._plus[r, w]  # 0-d views into the planes
             m = self._minus[r, w]
