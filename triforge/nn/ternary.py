@@ -103,18 +103,31 @@ class TernaryLinear(nn.Module):
             self.scales = scales.to(self.scales.device)
         return self
 
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
         from triforge.ops.ternary import tc
 
         pk, mk, ck, sk = (prefix + n for n in ("plus", "minus", "codes", "scales"))
-        if self._compact and ck not in state_dict and pk in state_dict and mk in state_dict:
-            state_dict[ck] = tc.pack_tc(state_dict.pop(pk), state_dict.pop(mk), self.in_features)
-        elif not self._compact and ck in state_dict and pk not in state_dict:
-            codes = state_dict.pop(ck)
-            scales = state_dict.get(sk, self.scales).to(device=codes.device, dtype=torch.float32)
-            tt = TernaryTensor.from_codes(codes, scales, (self.out_features, self.in_features))
-            state_dict[pk], state_dict[mk] = tt.planes()
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        shape = (self.out_features, self.in_features)
+        try:
+            if self._compact and ck not in state_dict and pk in state_dict and mk in state_dict:
+                planes = TernaryTensor(state_dict[pk], state_dict[mk], state_dict.get(sk, self.scales).float(), shape)
+                state_dict[ck] = tc.pack_tc(planes.plus, planes.minus, self.in_features)
+                del state_dict[pk], state_dict[mk]
+            elif ck in state_dict:
+                codes = state_dict[ck]
+                scales = state_dict.get(sk, self.scales).to(device=codes.device, dtype=torch.float32)
+                tt = TernaryTensor.from_codes(codes, scales, shape)  # validated: shape, fields, padding
+                if not self._compact and pk not in state_dict:
+                    del state_dict[ck]
+                    state_dict[pk], state_dict[mk] = tt.planes()
+            elif pk in state_dict and mk in state_dict:  # planes into a planes layer: validated as well
+                TernaryTensor(state_dict[pk], state_dict[mk], state_dict.get(sk, self.scales).float(), shape)
+        except (TypeError, ValueError) as e:  # reported like torch's own size mismatches
+            error_msgs.append(f"invalid ternary weights for {prefix or 'the layer'} ({shape[0]}x{shape[1]}): {e}")
+            return
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
         self._tt = None  # buffers were overwritten in place: metadata is stale
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -237,6 +237,17 @@ def test_ternary_linear_compact_and_state_dict(gen, device):
     plain.load_state_dict(small.state_dict())
     assert torch.equal(plain.plus, full.plus) and torch.equal(plain.minus, full.minus)
     assert torch.equal(plain(x), full(x))
+    # invalid codes or planes are reported by load_state_dict, like a size mismatch
+    bad = dict(small.state_dict())
+    bad["codes"] = bad["codes"] | 3  # field 0 of every word = 3
+    for layer in (TernaryLinear(200, 12).to(device).compact(), TernaryLinear(200, 12).to(device)):
+        with pytest.raises(RuntimeError, match="invalid ternary weights"):
+            layer.load_state_dict(bad)
+    bad_planes = dict(full.state_dict())
+    bad_planes["minus"] = bad_planes["plus"].clone()  # plus & minus both set
+    for layer in (TernaryLinear(200, 12).to(device).compact(), TernaryLinear(200, 12).to(device)):
+        with pytest.raises(RuntimeError, match="invalid ternary weights"):
+            layer.load_state_dict(bad_planes)
     # a compact tensor makes a compact layer holding the same codes
     from_tt = TernaryLinear.from_ternary(TernaryTensor.from_codes(small.codes.clone(), small.scales, (12, 200)),
                                          small.bias.detach())
