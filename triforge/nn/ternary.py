@@ -44,9 +44,7 @@ class TernaryLinear(nn.Module):
         m = cls(tt.in_features, tt.out_features, bias=bias is not None, per_row=tt.per_row, device=tt.device,
                 dtype=bias.dtype if bias is not None else None)
         if tt.resident == "codes":  # a compact tensor makes a compact layer (its codes, no planes)
-            del m.plus, m.minus
-            m.register_buffer("codes", tt._tc_codes)
-            m._compact = True
+            m._hold_codes(tt._tc_codes)
             m.scales = tt.scales
         else:
             m.plus, m.minus, m.scales = tt.plus, tt.minus, tt.scales
@@ -71,8 +69,7 @@ class TernaryLinear(nn.Module):
         shape = (self.out_features, self.in_features)
         if self._compact:
             if tt is None or tt._tc_codes is not self.codes or tt.scales is not self.scales:
-                tt = self._tt = TernaryTensor(None, None, self.scales, shape, validate=False)
-                tt._tc_codes = self.codes
+                tt = self._tt = TernaryTensor._of_codes(self.codes, self.scales, shape)
             return tt
         if tt is None or tt._plus is not self.plus or tt._minus is not self.minus or tt.scales is not self.scales:
             tt = TernaryTensor(self.plus, self.minus, self.scales, shape, validate=False)
@@ -87,13 +84,15 @@ class TernaryLinear(nn.Module):
             codes = src.tc_codes()
             if not had:
                 src._tc_codes = None  # packed here for the layer: not left cached on the caller's tensor
-            tt = TernaryTensor(None, None, self.scales, (self.out_features, self.in_features), validate=False)
-            tt._tc_codes = codes
-            del self.plus, self.minus  # the buffers go (state_dict now holds codes)
-            self.register_buffer("codes", tt._tc_codes)
-            self._compact = True
-            self._tt = tt
+            self._hold_codes(codes)
         return self
+
+    def _hold_codes(self, codes: torch.Tensor) -> None:
+        """The plane buffers go, ``codes`` becomes the weights' buffer (state_dict now holds codes)."""
+        del self.plus, self.minus
+        self.register_buffer("codes", codes)
+        self._compact = True
+        self._tt = None
 
     def _apply(self, fn, recurse=True):
         scales = self.scales

@@ -214,23 +214,28 @@ class TernaryTensor:
         if validate:
             self._validate()
 
-    @property
-    def plus(self) -> torch.Tensor:
-        """int32 [out_features, k_words] plane of the +1 weights (derived from the codes, not kept, once compact())."""
-        return self._plus if self._plus is not None else self.planes()[0]
+    @classmethod
+    def _of_codes(cls, codes: torch.Tensor, scales: torch.Tensor, shape) -> "TernaryTensor":
+        """A compact tensor over ``codes`` and ``scales`` as they are (unvalidated: from_codes checks them)."""
+        tt = cls(None, None, scales, shape, validate=False)
+        tt._tc_codes = codes
+        return tt
 
-    @plus.setter
-    def plus(self, value: torch.Tensor) -> None:
-        self._set_plane("plus", value)
+    def _plane(name: str, index: int, doc: str):  # noqa: N805  (a property factory, used in the class body)
+        def get(self) -> torch.Tensor:
+            held = getattr(self, "_" + name)
+            return held if held is not None else self.planes()[index]
 
-    @property
-    def minus(self) -> torch.Tensor:
-        """int32 [out_features, k_words] plane of the -1 weights (derived, not kept, once compact())."""
-        return self._minus if self._minus is not None else self.planes()[1]
+        def put(self, value: torch.Tensor) -> None:
+            self._set_plane(name, value)
 
-    @minus.setter
-    def minus(self, value: torch.Tensor) -> None:
-        self._set_plane("minus", value)
+        return property(get, put, doc=doc)
+
+    plus = _plane("plus", 0, "int32 [out_features, k_words] plane of the +1 weights (derived from the codes, "
+                             "not kept, once compact()).")
+    minus = _plane("minus", 1, "int32 [out_features, k_words] plane of the -1 weights (derived, not kept, "
+                               "once compact()).")
+    del _plane
 
     def _set_plane(self, name: str, value: torch.Tensor) -> None:
         if self._plus is None:
@@ -356,8 +361,7 @@ class TernaryTensor:
             raise ValueError(f"codes must have shape {(n, tc.code_words(k))} for shape {(n, k)}, got {tuple(codes.shape)}")
         if bool(((codes & (codes >> 1) & 0x55555555) != 0).any()):  # a field with both bits set
             raise ValueError("codes hold a field 3 (fields are trit + 1: 0, 1 or 2)")
-        tt = cls(None, None, scales, (n, k), validate=False)
-        tt._tc_codes = codes
+        tt = cls._of_codes(codes, scales, (n, k))
         tail = k % tc.BLOCK_COLS  # the last 128-column block's columns past in_features
         if tail and bool((tc.unpack_tc(codes[:, -tc.WORDS_PER_BLOCK:], tc.BLOCK_COLS)[:, tail:] != 0).any()):
             raise ValueError(f"codes past in_features={k} must hold trit 0 (field 1)")
@@ -513,9 +517,7 @@ class TernaryTensor:
         """A copy on ``device`` holding what this one holds (planes, cached codes, or only the codes)."""
         device = torch.device(device)
         if self._plus is None:
-            out = TernaryTensor(None, None, self.scales.to(device), self.shape, validate=False)
-            out._tc_codes = self._tc_codes.to(device)
-            return out
+            return TernaryTensor._of_codes(self._tc_codes.to(device), self.scales.to(device), self.shape)
         out = TernaryTensor(self._plus.to(device), self._minus.to(device), self.scales.to(device), self.shape,
                             validate=False)
         if self._metadata is not None:
