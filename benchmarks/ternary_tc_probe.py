@@ -10,7 +10,8 @@ For each (N, K) of the issue and batch M in {1, 4, 16, 64, 256}, bf16 activation
     PYTHONPATH=. python benchmarks/ternary_tc_probe.py [--json PATH] [--shapes 8192x8192 ...] [--m 1 16 ...]
 
 ``--sweep``: instead, every launch config of ``sweep_configs()`` (PREFETCH depth, tile, split target, stages)
-checked and timed the same way (CUDA graphs) at each shape and M; the five fastest printed per shape.
+checked and timed the same way (CUDA graphs) at each shape and M, with the config in use and the fallback
+first; the five fastest printed per shape. ``--sweep wdesc``: the code words through a tensor descriptor.
 """
 
 import argparse
@@ -103,6 +104,10 @@ def run_shape(N, K, ms, gen):
 def sweep_configs(which="main"):
     """The launch configs the sweep times. main: PREFETCH depth x tile shape x split target x pipelining
     (x by TMA); xpre: x by pointer loads, prefetched with the words (XPRE)."""
+    if which == "wdesc":  # words through a descriptor, ringed through shared memory by the pipeliner (num_stages)
+        tiles = [(1, 1, 4), (2, 1, 4), (1, 2, 4), (2, 2, 4), (1, 4, 4), (1, 2, 8), (2, 1, 8)]
+        return [{"ROW_REPS": r, "BLOCKS_K": b, "num_warps": w, "num_stages": st, "programs_per_sm": pps, "WDESC": 1}
+                for r, b, w in tiles for st in (2, 3, 4) for pps in (2, 4, 8)]
     if which == "xpre":
         tiles = [(1, 1, 4), (1, 2, 4), (2, 1, 4), (1, 2, 8)]
         return [{"ROW_REPS": r, "BLOCKS_K": b, "num_warps": w, "PREFETCH": p, "programs_per_sm": pps, "num_stages": 1,
@@ -120,7 +125,9 @@ def run_sweep(N, K, ms, gen, which="main"):
         x = torch.randn(M, K, generator=gen).cuda().to(torch.bfloat16)
         ref = matmul_dense_ref(x, tts[0])
         timed = []
-        for cfg in sweep_configs(which):
+        # the config in use and the untuned fallback, timed beside the sweep (same process, same inputs)
+        base = [dict(tc.tc_config(M, N, K)), dict(tc.tc_fallback_config(M, N, K))]
+        for cfg in base + sweep_configs(which):
             try:
                 y = tc.ternary_matmul_tc(x, tts[0], codes=codes[0], cfg=cfg)
                 ok = compare("sweep", ref, y, dtype=torch.bfloat16, verbose=False).ok
@@ -130,13 +137,14 @@ def run_sweep(N, K, ms, gen, which="main"):
                 ok, us = False, None
                 print(f"  {cfg}: {type(e).__name__}", flush=True)
             timed.append({"config": cfg, "ok": ok, "us": us})
+        timed[0]["label"], timed[1]["label"] = "current", "fallback"
         good = sorted((t for t in timed if t["us"] is not None), key=lambda t: t["us"])
-        fallback = tc.tc_config(M, N, K)
         print(f"N={N} K={K} M={M}: {len(good)} configs, parity failures {sum(not t['ok'] for t in timed)}; "
-              f"current config {fallback}", flush=True)
+              f"current {timed[0]['us']} us {timed[0]['config']}; fallback {timed[1]['us']} us", flush=True)
         for t in good[:5]:
             print(f"   {t['us']:7.2f} us  {t['config']}", flush=True)
-        rows.append({"N": N, "K": K, "M": M, "timed": timed, "best": good[0] if good else None})
+        rows.append({"N": N, "K": K, "M": M, "timed": timed, "best": good[0] if good else None,
+                     "current": timed[0], "fallback": timed[1]})
     del tts, codes
     torch.cuda.empty_cache()
     return rows
@@ -147,7 +155,7 @@ def main():
     ap.add_argument("--json", help="write the rows here")
     ap.add_argument("--shapes", nargs="*", help="NxK, e.g. 8192x8192 (default: the issue's five)")
     ap.add_argument("--m", nargs="*", type=int, default=MS)
-    ap.add_argument("--sweep", nargs="?", const="main", choices=["main", "xpre"],
+    ap.add_argument("--sweep", nargs="?", const="main", choices=["main", "xpre", "wdesc"],
                     help="time the sweep's launch configs instead (CUDA graphs)")
     args = ap.parse_args()
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes] if args.shapes else SHAPES

@@ -95,9 +95,12 @@ def test_tc_split_fixup_equals_reduce_launch(dtype, device, gen):
 @pytest.mark.parametrize("cfg", [{"BLOCKS_K": 2}, {"ROW_REPS": 2}, {"num_warps": 8, "BLOCK_M": 32},
                                  {"PREFETCH": 2}, {"PREFETCH": 3, "programs_per_sm": 4},
                                  {"PREFETCH": 3, "BLOCKS_K": 2}, {"XPRE": 1}, {"XPRE": 1, "PREFETCH": 2},
-                                 {"XPRE": 1, "PREFETCH": 3, "programs_per_sm": 4}],
+                                 {"XPRE": 1, "PREFETCH": 3, "programs_per_sm": 4},
+                                 {"WDESC": 1, "BLOCKS_K": 2, "programs_per_sm": 4}, {"WDESC": 1, "ROW_REPS": 2},
+                                 {"WDESC": 1, "XPRE": 1, "programs_per_sm": 4}],
                          ids=["blocks_k2", "row_reps2", "warps8", "prefetch2", "prefetch3_split", "prefetch3_k2",
-                              "xpre", "xpre_prefetch2", "xpre_prefetch3_split"])
+                              "xpre", "xpre_prefetch2", "xpre_prefetch3_split", "wdesc_k2_split", "wdesc_row_reps2",
+                              "wdesc_xpre_split"])
 def test_tc_matmul_configs(cfg, device, gen):
     """The GPU configs' shapes of the kernel (256-column steps with a partial last step, 128-row blocks,
     words loaded 2 and 3 steps ahead, also past a split's end) under the interpreter."""

@@ -171,6 +171,9 @@ def ternary_tc_kernel(
     FIXUP: tl.constexpr,  # several splits: the last of a tile's splits to finish sums them (else a reduce launch)
     HAS_BIAS: tl.constexpr,
     RNE: tl.constexpr,
+    WDESC: tl.constexpr = False,  # code words through a tensor descriptor, loaded in the loop (PREFETCH unused):
+    # with num_stages > 1 the pipeliner keeps num_stages - 1 steps of words in flight in a shared-memory ring
+    # (TMA), not in registers; Triton does not pipeline the pointer loads of words (they feed the decode, not a dot)
 ):
     BLOCK_N: tl.constexpr = 16 * WARPS * ROW_REPS
     BK: tl.constexpr = 128 * BLOCKS_K
@@ -202,6 +205,8 @@ def ternary_tc_kernel(
     p_x = x_ptr + o_m.to(tl.int64)[:, None] * K + o_k[None, :]
     if TMA:
         x_desc = tl.make_tensor_descriptor(x_ptr, [M, K], [K, 1], [BLOCK_M, BK])
+    if WDESC:
+        w_desc = tl.make_tensor_descriptor(codes_ptr, [N, KC], [KC, 1], [BLOCK_N, 8 * BLOCKS_K])
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     n_steps = tl.cdiv(KC, 8 * BLOCKS_K)
     s_start = i_s * steps_per_split
@@ -210,20 +215,28 @@ def ternary_tc_kernel(
     # per row): the loop is latency-bound at small M, where each program decodes little per step
     # XPRE (pointer loads of x, not TMA): x tiles travel with the words, PREFETCH steps ahead in registers
     # (a TMA load per step is issued and waited on in the same step: its latency is exposed)
-    words = _load_step(p_c, o_c, m_r, s_start, s_end, KC, BLOCKS_K)
+    if not WDESC:
+        words = _load_step(p_c, o_c, m_r, s_start, s_end, KC, BLOCKS_K)
     if XPRE:
         xw = _load_x(p_x, m_m, o_k, s_start * BK, K)
     if PREFETCH >= 2:
-        words2 = _load_step(p_c, o_c, m_r, s_start + 1, s_end, KC, BLOCKS_K)
+        if not WDESC:
+            words2 = _load_step(p_c, o_c, m_r, s_start + 1, s_end, KC, BLOCKS_K)
         if XPRE:
             xw2 = _load_x(p_x, m_m, o_k, (s_start + 1) * BK, K)
     if PREFETCH >= 3:
-        words3 = _load_step(p_c, o_c, m_r, s_start + 2, s_end, KC, BLOCKS_K)
+        if not WDESC:
+            words3 = _load_step(p_c, o_c, m_r, s_start + 2, s_end, KC, BLOCKS_K)
         if XPRE:
             xw3 = _load_x(p_x, m_m, o_k, (s_start + 2) * BK, K)
     for s in range(s_start, s_end):
         # the step PREFETCH ahead is requested before this step's decode
-        words_next = _load_step(p_c, o_c, m_r, s + PREFETCH, s_end, KC, BLOCKS_K)
+        if WDESC:
+            # [BLOCK_N, 8 BLOCKS_K] rows 16 WARPS r + 16 w + 8 b3 + rlo, words 8 blk + 2 t + u -> the 7-d order
+            words = w_desc.load([i_n * BLOCK_N, s * (8 * BLOCKS_K)])
+            words = tl.permute(tl.reshape(words, [ROW_REPS, WARPS, 2, 8, BLOCKS_K, 4, 2]), (5, 3, 1, 2, 0, 4, 6))
+        else:
+            words_next = _load_step(p_c, o_c, m_r, s + PREFETCH, s_end, KC, BLOCKS_K)
         if XPRE:
             x_next = _load_x(p_x, m_m, o_k, (s + PREFETCH) * BK, K)
         w9 = words[:, :, :, :, :, :, :, None, None]
@@ -249,19 +262,22 @@ def ternary_tc_kernel(
         else:  # the interpreter: exact in fp32 (its bf16 dots are not supported)
             acc = tl.dot(w_t, tl.trans(b_x.to(tl.float32)), acc, input_precision="ieee")
         if PREFETCH == 1:
-            words = words_next
+            if not WDESC:
+                words = words_next
             if XPRE:
                 xw = x_next
         elif PREFETCH == 2:
-            words = words2
-            words2 = words_next
+            if not WDESC:
+                words = words2
+                words2 = words_next
             if XPRE:
                 xw = xw2
                 xw2 = x_next
         else:
-            words = words2
-            words2 = words3
-            words3 = words_next
+            if not WDESC:
+                words = words2
+                words2 = words3
+                words3 = words_next
             if XPRE:
                 xw = xw2
                 xw2 = xw3
@@ -362,9 +378,20 @@ def split_counters(device: torch.device, n: int) -> torch.Tensor:
     return cnt
 
 
+def tc_m_bucket(M: int) -> int:
+    """M's bucket in the config keys: 1, 4 (2..4), 16 (5..16), then powers of two up to 256. M <= 16 share one x
+    tile of 16 rows, but not their best config: at M = 1 x by pointer loads beside the words pays, at M = 16 it
+    does not (8192^2: 19.9 us with the M = 1 config against 15.6 with the untuned fallback, session 17)."""
+    if M <= 1:
+        return 1
+    if M <= 4:
+        return 4
+    return max(16, triton.next_power_of_2(min(M, 256)))
+
+
 def tc_config_key(M: int, N: int, K: int) -> str:
-    # the x-row tile (BLOCK_M's bucket) with the weight shape; fp16 and bf16 share configs (same decode count)
-    return launch.config_key(m=max(16, triton.next_power_of_2(min(M, 256))), n=N, k=K)
+    # M's bucket with the weight shape; fp16 and bf16 share configs (same decode count)
+    return launch.config_key(m=tc_m_bucket(M), n=N, k=K)
 
 
 def tc_config(M: int, N: int, K: int) -> dict:
@@ -380,7 +407,7 @@ TC_TUNE_SPACE = {"ROW_REPS": [1, 2], "BLOCKS_K": [1, 2, 4], "num_warps": [4, 8],
 @launch.config_cache
 def _tc_plan(M: int, N: int, K: int, kc: int, cfg_items=None):
     """(BLOCK_M, BLOCKS_K, ROW_REPS, warps, stages, PREFETCH, XPRE, FIXUP, TMA, grid (weight tiles, x tiles,
-    splits), steps per split) of a launch: the tuned (or given) config and the split-K arithmetic, worked out once per shape
+    splits), steps per split, WDESC) of a launch: the tuned (or given) config and the split-K arithmetic, worked out once per shape
     (host time: the decode path is a few microseconds of GPU time per call)."""
     cfg = dict(tc_config(M, N, K), **dict(cfg_items or ()))
     bm, reps, nbk, warps = cfg["BLOCK_M"], cfg["ROW_REPS"], cfg["BLOCKS_K"], cfg["num_warps"]
@@ -393,8 +420,10 @@ def _tc_plan(M: int, N: int, K: int, kc: int, cfg_items=None):
     # cfg["TMA"] forces it either way (the interpreter runs the descriptor path too, for the tests)
     use_tma = not xpre and bool(cfg.get("TMA", not _runtime.INTERPRET)) and K % 8 == 0
     grid = (triton.cdiv(N, bn), triton.cdiv(M, bm), splits)
+    # words through a descriptor: 16-byte row stride of the codes (KC is a multiple of 8 words: always)
+    wdesc = bool(cfg.get("WDESC", 0))
     return (bm, nbk, reps, warps, cfg["num_stages"], cfg.get("PREFETCH", 1), xpre, bool(cfg.get("FIXUP", 1)),
-            use_tma, grid, per_split)
+            use_tma, grid, per_split, wdesc)
 
 
 def ternary_matmul_tc(x2d: torch.Tensor, tt, bias: torch.Tensor | None = None, codes: torch.Tensor | None = None,
@@ -419,12 +448,13 @@ def ternary_matmul_tc(x2d: torch.Tensor, tt, bias: torch.Tensor | None = None, c
     bias = None if bias is None else bias.contiguous()
     codes = codes.contiguous()  # the kernel addresses rows KC words apart
     kc = codes.shape[1]
-    bm, nbk, reps, warps, stages, prefetch, xpre, fixup_on, use_tma, grid, per_split = _tc_plan(
+    bm, nbk, reps, warps, stages, prefetch, xpre, fixup_on, use_tma, grid, per_split, wdesc = _tc_plan(
         M, N, K, kc, None if cfg is None else tuple(sorted(cfg.items())))
     splits = grid[2]
     # TMA needs 16-byte row strides and base (else pointer loads)
     tma = use_tma and x2d.data_ptr() % 16 == 0
-    if tma:
+    wdesc = wdesc and codes.data_ptr() % 16 == 0
+    if tma or wdesc:
         launch.use_tensor_descriptors()
     final = splits == 1
     fixup = not final and fixup_on
@@ -441,7 +471,7 @@ def ternary_matmul_tc(x2d: torch.Tensor, tt, bias: torch.Tensor | None = None, c
         nbytes=codes.numel() * 4 + M * K * xsize + M * N * (xsize if final else 8 * splits + xsize),
         BLOCK_M=bm, ROW_REPS=reps, BLOCKS_K=nbk, WARPS=warps, IS_BF16=is_bf16, USE_ASM=not _runtime.INTERPRET,
         TMA=tma, FINAL=final, PREFETCH=prefetch, XPRE=xpre, FIXUP=fixup, HAS_BIAS=bias is not None, RNE=rne,
-        num_warps=warps, num_stages=stages,
+        WDESC=wdesc, num_warps=warps, num_stages=stages,
     )
     if not final and not fixup:
         reduce_splits(part, scales, bias, y, rne)
