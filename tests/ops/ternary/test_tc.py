@@ -227,7 +227,7 @@ def _tc_sm90_cases():
             "constexprs": dict(BLOCK_M=cfg["BLOCK_M"], ROW_REPS=cfg["ROW_REPS"], BLOCKS_K=cfg["BLOCKS_K"],
                                WARPS=cfg["num_warps"], IS_BF16=dt == "bf16", USE_ASM=True, TMA=not cfg.get("XPRE", 0), FINAL=False,
                                PREFETCH=cfg.get("PREFETCH", 1), XPRE=bool(cfg.get("XPRE", 0)),
-                               FIXUP=m <= 64, HAS_BIAS=True, RNE=False),
+                               FIXUP=m <= 64, HAS_BIAS=True, RNE=False, WDESC=bool(cfg.get("WDESC", 0))),
             "divisible": ["x_ptr", "codes_ptr", "scale_ptr", "bias_ptr", "y_ptr", "part_ptr", "cnt_ptr", "magic", "M",
                           "N", "K", "KC"],
             "options": {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]},
