@@ -11,7 +11,8 @@ For each (N, K) of the issue and batch M in {1, 4, 16, 64, 256}, bf16 activation
 
 ``--sweep``: instead, every launch config of ``sweep_configs()`` (PREFETCH depth, tile, split target, stages)
 checked and timed the same way (CUDA graphs) at each shape and M, with the config in use and the fallback
-first; the five fastest printed per shape. ``--sweep wdesc``: the code words through a tensor descriptor.
+first; the five fastest printed per shape. ``--sweep wdesc``: the code words through a tensor descriptor;
+``--sweep tiled``: the codes in 4 KB tiles (the two configs above on tiled codes too, then a tiled sweep).
 """
 
 import argparse
@@ -108,6 +109,10 @@ def sweep_configs(which="main"):
         tiles = [(1, 1, 4), (2, 1, 4), (1, 2, 4), (2, 2, 4), (1, 4, 4), (1, 2, 8), (2, 1, 8)]
         return [{"ROW_REPS": r, "BLOCKS_K": b, "num_warps": w, "num_stages": st, "programs_per_sm": pps, "WDESC": 1}
                 for r, b, w in tiles for st in (2, 3, 4) for pps in (2, 4, 8)]
+    if which == "tiled":  # the codes in 4 KB tiles (tc.tile_codes): each step's words contiguous in memory
+        tiles = [(1, 1, 4), (2, 1, 4), (1, 2, 4), (2, 2, 4), (1, 4, 4), (1, 2, 8), (2, 1, 8)]
+        return [{"ROW_REPS": r, "BLOCKS_K": b, "num_warps": w, "num_stages": 1, "programs_per_sm": pps, "TILED": 1,
+                 "PREFETCH": p, "XPRE": xp} for r, b, w in tiles for pps in (2, 4, 8) for p in (1, 2) for xp in (0, 1)]
     if which == "xpre":
         tiles = [(1, 1, 4), (1, 2, 4), (2, 1, 4), (1, 2, 8)]
         return [{"ROW_REPS": r, "BLOCKS_K": b, "num_warps": w, "PREFETCH": p, "programs_per_sm": pps, "num_stages": 1,
@@ -117,9 +122,10 @@ def sweep_configs(which="main"):
             for r, b, w in tiles for p in (1, 2, 3) for pps in (2, 4, 8) for st in (1, 2)]
 
 
-def run_sweep(N, K, ms, gen, which="main"):
+def run_sweep(N, K, ms, gen, which="main", base_only=False):
     """CUDA-graph time of every sweep config at (N, K) and each M (weights rotated past the L2)."""
     tts, codes = weight_sets(N, K, gen)
+    tiled = [tc.tile_codes(c) for c in codes] if which == "tiled" else None
     rows = []
     for M in ms:
         x = torch.randn(M, K, generator=gen).cuda().to(torch.bfloat16)
@@ -127,17 +133,24 @@ def run_sweep(N, K, ms, gen, which="main"):
         timed = []
         # the config in use and the untuned fallback, timed beside the sweep (same process, same inputs)
         base = [dict(tc.tc_config(M, N, K)), dict(tc.tc_fallback_config(M, N, K))]
-        for cfg in base + sweep_configs(which):
+        if which == "tiled":  # the same two configs reading tiled codes: the layout's own effect
+            base += [dict(b, TILED=1) for b in base]
+        for cfg in base + ([] if base_only else sweep_configs(which)):
+            cs = tiled if cfg.get("TILED") else codes
             try:
-                y = tc.ternary_matmul_tc(x, tts[0], codes=codes[0], cfg=cfg)
+                y = tc.ternary_matmul_tc(x, tts[0], codes=cs[0], cfg=cfg)
                 ok = compare("sweep", ref, y, dtype=torch.bfloat16, verbose=False).ok
                 us = graph_us([lambda t=t, c=c: tc.ternary_matmul_tc(x, t, codes=c, cfg=cfg)
-                               for t, c in zip(tts, codes)]) if ok else None
+                               for t, c in zip(tts, cs)]) if ok else None
             except Exception as e:  # out of resources: reported, skipped
                 ok, us = False, None
                 print(f"  {cfg}: {type(e).__name__}", flush=True)
             timed.append({"config": cfg, "ok": ok, "us": us})
         timed[0]["label"], timed[1]["label"] = "current", "fallback"
+        if which == "tiled":
+            timed[2]["label"], timed[3]["label"] = "current tiled", "fallback tiled"
+            print(f"N={N} K={K} M={M}: tiled codes, current config {timed[2]['us']} us, fallback {timed[3]['us']} us",
+                  flush=True)
         good = sorted((t for t in timed if t["us"] is not None), key=lambda t: t["us"])
         print(f"N={N} K={K} M={M}: {len(good)} configs, parity failures {sum(not t['ok'] for t in timed)}; "
               f"current {timed[0]['us']} us {timed[0]['config']}; fallback {timed[1]['us']} us", flush=True)
@@ -145,7 +158,7 @@ def run_sweep(N, K, ms, gen, which="main"):
             print(f"   {t['us']:7.2f} us  {t['config']}", flush=True)
         rows.append({"N": N, "K": K, "M": M, "timed": timed, "best": good[0] if good else None,
                      "current": timed[0], "fallback": timed[1]})
-    del tts, codes
+    del tts, codes, tiled
     torch.cuda.empty_cache()
     return rows
 
@@ -155,15 +168,16 @@ def main():
     ap.add_argument("--json", help="write the rows here")
     ap.add_argument("--shapes", nargs="*", help="NxK, e.g. 8192x8192 (default: the issue's five)")
     ap.add_argument("--m", nargs="*", type=int, default=MS)
-    ap.add_argument("--sweep", nargs="?", const="main", choices=["main", "xpre", "wdesc"],
+    ap.add_argument("--sweep", nargs="?", const="main", choices=["main", "xpre", "wdesc", "tiled"],
                     help="time the sweep's launch configs instead (CUDA graphs)")
+    ap.add_argument("--base-only", action="store_true", help="with --sweep: the config in use and the fallback only")
     args = ap.parse_args()
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes] if args.shapes else SHAPES
     gen = torch.Generator().manual_seed(0)
     rows = []
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     for N, K in shapes:
-        rows += run_sweep(N, K, args.m, gen, args.sweep) if args.sweep else run_shape(N, K, args.m, gen)
+        rows += run_sweep(N, K, args.m, gen, args.sweep, args.base_only) if args.sweep else run_shape(N, K, args.m, gen)
         if args.json:  # after every shape: a run cut short keeps what it measured
             with open(args.json, "w") as f:
                 json.dump({"meta": meta, "rows": rows}, f, indent=1)

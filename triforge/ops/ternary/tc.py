@@ -92,6 +92,16 @@ def code_position(col: int) -> tuple[int, int]:
     return WORDS_PER_BLOCK * b + 2 * t + u, 16 * e + 2 * (2 * kb2 + h)
 
 
+def tile_codes(codes: torch.Tensor) -> torch.Tensor:
+    """Row-major tc codes [N, KC] -> the TILED order: 128-row x 8-word tiles (4 KB), row blocks outer, word blocks
+    inner, rows within a tile row-major; N padded to a multiple of 128 (padding rows: code 1, trit 0)."""
+    n, kc = codes.shape
+    n_pad = -(-n // 128) * 128
+    if n_pad != n:
+        codes = torch.cat([codes, codes.new_full((n_pad - n, kc), 0x55555555)])
+    return codes.view(n_pad // 128, 128, kc // 8, 8).permute(0, 2, 1, 3).contiguous().view(n_pad, kc)
+
+
 def unpack_tc(codes: torch.Tensor, in_features: int) -> torch.Tensor:
     """tc codes -> int8 trits [N, in_features] (the inverse of ``pack_tc``)."""
     n, kc = codes.shape
@@ -171,6 +181,7 @@ def ternary_tc_kernel(
     FIXUP: tl.constexpr,  # several splits: the last of a tile's splits to finish sums them (else a reduce launch)
     HAS_BIAS: tl.constexpr,
     RNE: tl.constexpr,
+    TILED: tl.constexpr = False,  # codes in 4 KB tiles of 128 rows x 8 words (tile_codes): each step's words contiguous
     WDESC: tl.constexpr = False,  # code words through a tensor descriptor, loaded in the loop (PREFETCH unused):
     # with num_stages > 1 the pipeliner keeps num_stages - 1 steps of words in flight in a shared-memory ring
     # (TMA), not in registers; Triton does not pipeline the pointer loads of words (they feed the decode, not a dot)
@@ -191,7 +202,10 @@ def ternary_tc_kernel(
     a_u = tl.arange(0, 2)[None, None, None, None, None, None, :]
     r_n = i_n * BLOCK_N + 16 * WARPS * a_r + 16 * a_w + 8 * a_b3 + a_rlo
     o_c = 8 * a_blk + 2 * a_t + a_u
-    p_c = codes_ptr + r_n.to(tl.int64) * KC + o_c
+    if TILED:  # tile (row block r_n // 128, word block b) at (r_n // 128) 128 KC + 1024 b; row r_n % 128 at 8 words each
+        p_c = codes_ptr + (r_n // 128).to(tl.int64) * KC * 128 + (r_n % 128) * 8 + 1024 * a_blk + 2 * a_t + a_u
+    else:
+        p_c = codes_ptr + r_n.to(tl.int64) * KC + o_c
     m_r = r_n < N
     sh, j, mask, c, d = _decode_constants(magic, IS_BF16)  # [4, 2] each, over (kb2, h)
     sh = sh[None, None, None, None, None, None, None, :, :]
@@ -216,17 +230,17 @@ def ternary_tc_kernel(
     # XPRE (pointer loads of x, not TMA): x tiles travel with the words, PREFETCH steps ahead in registers
     # (a TMA load per step is issued and waited on in the same step: its latency is exposed)
     if not WDESC:
-        words = _load_step(p_c, o_c, m_r, s_start, s_end, KC, BLOCKS_K)
+        words = _load_step(p_c, o_c, m_r, s_start, s_end, KC, BLOCKS_K, TILED)
     if XPRE:
         xw = _load_x(p_x, m_m, o_k, s_start * BK, K)
     if PREFETCH >= 2:
         if not WDESC:
-            words2 = _load_step(p_c, o_c, m_r, s_start + 1, s_end, KC, BLOCKS_K)
+            words2 = _load_step(p_c, o_c, m_r, s_start + 1, s_end, KC, BLOCKS_K, TILED)
         if XPRE:
             xw2 = _load_x(p_x, m_m, o_k, (s_start + 1) * BK, K)
     if PREFETCH >= 3:
         if not WDESC:
-            words3 = _load_step(p_c, o_c, m_r, s_start + 2, s_end, KC, BLOCKS_K)
+            words3 = _load_step(p_c, o_c, m_r, s_start + 2, s_end, KC, BLOCKS_K, TILED)
         if XPRE:
             xw3 = _load_x(p_x, m_m, o_k, (s_start + 2) * BK, K)
     for s in range(s_start, s_end):
@@ -236,7 +250,7 @@ def ternary_tc_kernel(
             words = w_desc.load([i_n * BLOCK_N, s * (8 * BLOCKS_K)])
             words = tl.permute(tl.reshape(words, [ROW_REPS, WARPS, 2, 8, BLOCKS_K, 4, 2]), (5, 3, 1, 2, 0, 4, 6))
         else:
-            words_next = _load_step(p_c, o_c, m_r, s + PREFETCH, s_end, KC, BLOCKS_K)
+            words_next = _load_step(p_c, o_c, m_r, s + PREFETCH, s_end, KC, BLOCKS_K, TILED)
         if XPRE:
             x_next = _load_x(p_x, m_m, o_k, (s + PREFETCH) * BK, K)
         w9 = words[:, :, :, :, :, :, :, None, None]
@@ -309,10 +323,11 @@ def ternary_tc_kernel(
 
 
 @triton.jit
-def _load_step(p_c, o_c, m_r, s, s_end, KC, BLOCKS_K: tl.constexpr):
-    """The code words of K step s (zeros past the split's last step and past the row's end)."""
+def _load_step(p_c, o_c, m_r, s, s_end, KC, BLOCKS_K: tl.constexpr, TILED: tl.constexpr = False):
+    """The code words of K step s (zeros past the split's last step and past the row's end). TILED: the words
+    are stored in [128-row x 8-word] tiles, one 4 KB block per 128 rows and 128 columns."""
     w0 = s * (8 * BLOCKS_K)
-    return tl.load(p_c + w0, mask=m_r & (s < s_end) & (w0 + o_c < KC), other=0)
+    return tl.load(p_c + (w0 * 128 if TILED else w0), mask=m_r & (s < s_end) & (w0 + o_c < KC), other=0)
 
 
 @triton.jit
@@ -423,7 +438,7 @@ def _tc_plan(M: int, N: int, K: int, kc: int, cfg_items=None):
     # words through a descriptor: 16-byte row stride of the codes (KC is a multiple of 8 words: always)
     wdesc = bool(cfg.get("WDESC", 0))
     return (bm, nbk, reps, warps, cfg["num_stages"], cfg.get("PREFETCH", 1), xpre, bool(cfg.get("FIXUP", 1)),
-            use_tma, grid, per_split, wdesc)
+            use_tma, grid, per_split, wdesc, bool(cfg.get("TILED", 0)))
 
 
 def ternary_matmul_tc(x2d: torch.Tensor, tt, bias: torch.Tensor | None = None, codes: torch.Tensor | None = None,
@@ -448,7 +463,7 @@ def ternary_matmul_tc(x2d: torch.Tensor, tt, bias: torch.Tensor | None = None, c
     bias = None if bias is None else bias.contiguous()
     codes = codes.contiguous()  # the kernel addresses rows KC words apart
     kc = codes.shape[1]
-    bm, nbk, reps, warps, stages, prefetch, xpre, fixup_on, use_tma, grid, per_split, wdesc = _tc_plan(
+    bm, nbk, reps, warps, stages, prefetch, xpre, fixup_on, use_tma, grid, per_split, wdesc, tiled = _tc_plan(
         M, N, K, kc, None if cfg is None else tuple(sorted(cfg.items())))
     splits = grid[2]
     # TMA needs 16-byte row strides and base (else pointer loads)
@@ -471,7 +486,7 @@ def ternary_matmul_tc(x2d: torch.Tensor, tt, bias: torch.Tensor | None = None, c
         nbytes=codes.numel() * 4 + M * K * xsize + M * N * (xsize if final else 8 * splits + xsize),
         BLOCK_M=bm, ROW_REPS=reps, BLOCKS_K=nbk, WARPS=warps, IS_BF16=is_bf16, USE_ASM=not _runtime.INTERPRET,
         TMA=tma, FINAL=final, PREFETCH=prefetch, XPRE=xpre, FIXUP=fixup, HAS_BIAS=bias is not None, RNE=rne,
-        WDESC=wdesc, num_warps=warps, num_stages=stages,
+        WDESC=wdesc, TILED=tiled, num_warps=warps, num_stages=stages,
     )
     if not final and not fixup:
         reduce_splits(part, scales, bias, y, rne)
