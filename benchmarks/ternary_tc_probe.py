@@ -11,8 +11,8 @@ For each (N, K) of the issue and batch M in {1, 4, 16, 64, 256}, bf16 activation
 
 ``--sweep``: instead, every launch config of ``sweep_configs()`` (PREFETCH depth, tile, split target, stages)
 checked and timed the same way (CUDA graphs) at each shape and M, with the config in use and the fallback
-first; the five fastest printed per shape. ``--sweep wdesc``: the code words through a tensor descriptor;
-``--sweep tiled``: the codes in 4 KB tiles (the two configs above on tiled codes too, then a tiled sweep).
+first; the five fastest printed per shape. ``--sweep tiles``: the storage tile height too (16 and 128 rows; the
+two configs above on 16-row tiles as well).
 """
 
 import argparse
@@ -105,14 +105,11 @@ def run_shape(N, K, ms, gen):
 def sweep_configs(which="main"):
     """The launch configs the sweep times. main: PREFETCH depth x tile shape x split target x pipelining
     (x by TMA); xpre: x by pointer loads, prefetched with the words (XPRE)."""
-    if which == "wdesc":  # words through a descriptor, ringed through shared memory by the pipeliner (num_stages)
-        tiles = [(1, 1, 4), (2, 1, 4), (1, 2, 4), (2, 2, 4), (1, 4, 4), (1, 2, 8), (2, 1, 8)]
-        return [{"ROW_REPS": r, "BLOCKS_K": b, "num_warps": w, "num_stages": st, "programs_per_sm": pps, "WDESC": 1}
-                for r, b, w in tiles for st in (2, 3, 4) for pps in (2, 4, 8)]
-    if which == "tiled":  # the codes in 4 KB tiles (tc.tile_codes): each step's words contiguous in memory
-        tiles = [(1, 1, 4), (2, 1, 4), (1, 2, 4), (2, 2, 4), (1, 4, 4), (1, 2, 8), (2, 1, 8)]
-        return [{"ROW_REPS": r, "BLOCKS_K": b, "num_warps": w, "num_stages": 1, "programs_per_sm": pps, "TILED": 1,
-                 "PREFETCH": p, "XPRE": xp} for r, b, w in tiles for pps in (2, 4, 8) for p in (1, 2) for xp in (0, 1)]
+    if which == "tiles":  # tile heights of the codes' storage (TR rows x 8 words per tile) x tile shape x split target
+        tiles = [(1, 1, 4), (2, 1, 4), (1, 2, 4), (2, 2, 4), (1, 2, 8)]
+        return [{"ROW_REPS": r, "BLOCKS_K": b, "num_warps": w, "num_stages": 1, "programs_per_sm": pps, "TR": tr,
+                 "PREFETCH": p, "XPRE": xp} for tr in (16, 128) for r, b, w in tiles for pps in (2, 4, 8)
+                for p, xp in ((1, 0), (2, 0), (1, 1))]
     if which == "xpre":
         tiles = [(1, 1, 4), (1, 2, 4), (2, 1, 4), (1, 2, 8)]
         return [{"ROW_REPS": r, "BLOCKS_K": b, "num_warps": w, "PREFETCH": p, "programs_per_sm": pps, "num_stages": 1,
@@ -125,7 +122,7 @@ def sweep_configs(which="main"):
 def run_sweep(N, K, ms, gen, which="main", base_only=False):
     """CUDA-graph time of every sweep config at (N, K) and each M (weights rotated past the L2)."""
     tts, codes = weight_sets(N, K, gen)
-    tiled = [tc.tile_codes(c) for c in codes] if which == "tiled" else None
+    by_tr = {tc.TILE_ROWS: codes}  # codes per tile height
     rows = []
     for M in ms:
         x = torch.randn(M, K, generator=gen).cuda().to(torch.bfloat16)
@@ -133,10 +130,13 @@ def run_sweep(N, K, ms, gen, which="main", base_only=False):
         timed = []
         # the config in use and the untuned fallback, timed beside the sweep (same process, same inputs)
         base = [dict(tc.tc_config(M, N, K)), dict(tc.tc_fallback_config(M, N, K))]
-        if which == "tiled":  # the same two configs reading tiled codes: the layout's own effect
-            base += [dict(b, TILED=1) for b in base]
+        if which == "tiles":  # the same two configs on 16-row tiles
+            base += [dict(b, TR=16) for b in base]
         for cfg in base + ([] if base_only else sweep_configs(which)):
-            cs = tiled if cfg.get("TILED") else codes
+            tr = cfg.get("TR", tc.TILE_ROWS)
+            if tr not in by_tr:
+                by_tr[tr] = [tc.pack_tc(t.plus, t.minus, t.in_features, tr) for t in tts]
+            cs = by_tr[tr]
             try:
                 y = tc.ternary_matmul_tc(x, tts[0], codes=cs[0], cfg=cfg)
                 ok = compare("sweep", ref, y, dtype=torch.bfloat16, verbose=False).ok
@@ -147,9 +147,9 @@ def run_sweep(N, K, ms, gen, which="main", base_only=False):
                 print(f"  {cfg}: {type(e).__name__}", flush=True)
             timed.append({"config": cfg, "ok": ok, "us": us})
         timed[0]["label"], timed[1]["label"] = "current", "fallback"
-        if which == "tiled":
-            timed[2]["label"], timed[3]["label"] = "current tiled", "fallback tiled"
-            print(f"N={N} K={K} M={M}: tiled codes, current config {timed[2]['us']} us, fallback {timed[3]['us']} us",
+        if which == "tiles":
+            timed[2]["label"], timed[3]["label"] = "current TR16", "fallback TR16"
+            print(f"N={N} K={K} M={M}: 16-row tiles, current config {timed[2]['us']} us, fallback {timed[3]['us']} us",
                   flush=True)
         good = sorted((t for t in timed if t["us"] is not None), key=lambda t: t["us"])
         print(f"N={N} K={K} M={M}: {len(good)} configs, parity failures {sum(not t['ok'] for t in timed)}; "
@@ -158,7 +158,7 @@ def run_sweep(N, K, ms, gen, which="main", base_only=False):
             print(f"   {t['us']:7.2f} us  {t['config']}", flush=True)
         rows.append({"N": N, "K": K, "M": M, "timed": timed, "best": good[0] if good else None,
                      "current": timed[0], "fallback": timed[1]})
-    del tts, codes, tiled
+    del tts, codes, by_tr
     torch.cuda.empty_cache()
     return rows
 
@@ -168,7 +168,7 @@ def main():
     ap.add_argument("--json", help="write the rows here")
     ap.add_argument("--shapes", nargs="*", help="NxK, e.g. 8192x8192 (default: the issue's five)")
     ap.add_argument("--m", nargs="*", type=int, default=MS)
-    ap.add_argument("--sweep", nargs="?", const="main", choices=["main", "xpre", "wdesc", "tiled"],
+    ap.add_argument("--sweep", nargs="?", const="main", choices=["main", "xpre", "tiles"],
                     help="time the sweep's launch configs instead (CUDA graphs)")
     ap.add_argument("--base-only", action="store_true", help="with --sweep: the config in use and the fallback only")
     args = ap.parse_args()

@@ -56,7 +56,7 @@ def test_unpack_in_row_blocks(gen, device, monkeypatch):
 
 def test_resident_bytes(gen, device):
     """Planes: 2 bits per weight; the codes cached beside them on a tc call: 4; compact: 2 (+ scales)."""
-    n, k = 8, 4096
+    n, k = 128, 4096
     full, small, _ = _pair(n, k, gen, device)
     scales = n * 4
     assert full.nbytes("resident") == 2 * n * (k // 32) * 4 + scales == full.nbytes("planes")
@@ -65,6 +65,8 @@ def test_resident_bytes(gen, device):
     assert full.nbytes("resident") == full.nbytes("planes") + n * tc.code_words(k) * 4
     assert full.bits_per_weight("resident") == pytest.approx(4.0, abs=0.01)
     assert small.nbytes("resident") == n * tc.code_words(k) * 4 + scales == small.nbytes("codes")
+    odd = _pair(100, 256, gen, device)[1]  # rows padded to a whole 128-row tile
+    assert odd.nbytes("codes") == odd.nbytes("resident") == 128 * tc.code_words(256) * 4 + 100 * 4
     assert small.bits_per_weight("resident") == pytest.approx(2.0, abs=0.01)
     small.kernel_operands()  # row scales are a view of the scales: no new bytes
     assert small.nbytes("resident") == small.nbytes("codes")
@@ -135,16 +137,16 @@ def test_modify_dim_on_codes(k, gen, device):
         small.modify_dim(0, 0, 2)
 
 
-def test_code_position_inverts_pack(gen):
-    k = 384
-    for col in (0, 1, 9, 17, 70, 127, 128, 255, 383):
-        t = torch.zeros(1, k, dtype=torch.int8)
-        t[0, col] = -1  # field value 0 where every other field is 1
+def test_code_index_inverts_pack(gen):
+    n, k = 260, 384
+    for row, col in ((0, 0), (1, 1), (127, 9), (128, 17), (200, 70), (259, 127), (3, 128), (130, 255), (259, 383)):
+        t = torch.zeros(n, k, dtype=torch.int8)
+        t[row, col] = -1  # field value 0 where every other field is 1
         codes = TernaryTensor.from_trits(t, torch.ones(1)).tc_codes()
-        word, shift = tc.code_position(col)
-        fields = (codes[0].to(torch.int64) & 0xFFFFFFFF)[:, None] >> torch.arange(0, 32, 2) & 3
+        word, shift = tc.code_index(row, col, codes.shape[1])
+        fields = (codes.view(-1).to(torch.int64) & 0xFFFFFFFF)[:, None] >> torch.arange(0, 32, 2) & 3
         zero = (fields == 0).nonzero().tolist()
-        assert zero == [[word, shift // 2]], (col, zero)
+        assert zero == [[word, shift // 2]], (row, col, zero)
 
 
 def test_to_device_save_load_and_base3(tmp_path, gen, device):
@@ -161,12 +163,12 @@ def test_to_device_save_load_and_base3(tmp_path, gen, device):
 
 
 def test_strided_codes_metadata_after_edits_and_setters(gen, device):
-    """A strided codes view is copied contiguous (the kernel reads rows KC words apart); the sparsity metadata
+    """A strided codes view is copied contiguous (the kernel reads 4 KB tiles); the sparsity metadata
     of a compact tensor is rebuilt after an edit, not left stale; planes of a compact tensor cannot be set, and
     setting a plane of a planes tensor drops its cached codes and metadata."""
     full, small, trits = _pair(4, 200, gen, device)
     kc = small._tc_codes.shape[1]
-    wide = torch.zeros(4, 2 * kc, dtype=torch.int32, device=device)
+    wide = torch.zeros(128, 2 * kc, dtype=torch.int32, device=device)
     wide[:, :kc] = small._tc_codes
     strided = TernaryTensor.from_codes(wide[:, :kc], small.scales, (4, 200))
     assert strided._tc_codes.is_contiguous() and torch.equal(strided.trits(), trits)
@@ -196,14 +198,21 @@ def test_from_codes_validates(gen, device):
         TernaryTensor.from_codes(codes.to(torch.int64), scales, (3, 70))
     with pytest.raises(ValueError, match="codes must have shape"):
         TernaryTensor.from_codes(codes[:, :4], scales, (3, 70))
+    with pytest.raises(ValueError, match="codes must have shape"):  # rows not padded to a whole tile
+        TernaryTensor.from_codes(codes[:3], scales, (3, 70))
+    row_pad = codes.clone()
+    row_pad.view(-1)[tc.code_index(5, 0, codes.shape[1])[0]] = 0x55555556  # padding row 5: a field 2 (trit +1)
+    with pytest.raises(ValueError, match="padding rows"):
+        TernaryTensor.from_codes(row_pad, scales, (3, 70))
     bad = codes.clone()
     bad[0, 0] |= 3  # field 0 of word 0 = 3
     with pytest.raises(ValueError, match="field 3"):
         TernaryTensor.from_codes(bad, scales, (3, 70))
-    word, shift = tc.code_position(100)  # a padding column (in_features = 70) holding trit +1
+    word, shift = tc.code_index(1, 100, codes.shape[1])  # a padding column (in_features = 70) holding trit +1
     pad = codes.clone()
-    v = (int(pad[1, word]) & 0xFFFFFFFF & ~(3 << shift)) | (2 << shift)
-    pad[1, word] = v - (1 << 32) if v >= 1 << 31 else v
+    flat = pad.view(-1)
+    v = (int(flat[word]) & 0xFFFFFFFF & ~(3 << shift)) | (2 << shift)
+    flat[word] = v - (1 << 32) if v >= 1 << 31 else v
     with pytest.raises(ValueError, match="past in_features"):
         TernaryTensor.from_codes(pad, scales, (3, 70))
     with pytest.raises(ValueError, match="scales must be fp32"):

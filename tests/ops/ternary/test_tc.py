@@ -24,21 +24,25 @@ def test_pack_tc_round_trip(k, gen):
     trits[:, -1] = -1
     tt = TernaryTensor.from_trits(trits, random_scales(n, gen))
     codes = tc.pack_tc(tt.plus, tt.minus, k)
-    assert codes.dtype == torch.int32 and codes.shape == (n, 8 * -(-k // 128))  # 2 bits per weight
-    assert torch.equal(tc.unpack_tc(codes, k), trits)
-    # padding columns hold code 1 (trit 0)
+    # 2 bits per weight; rows padded to whole 128-row tiles
+    assert codes.dtype == torch.int32 and codes.shape == (128, 8 * -(-k // 128))
+    assert torch.equal(tc.unpack_tc(codes, k)[:n], trits)
+    # padding columns and padding rows hold code 1 (trit 0)
     padded = tc.unpack_tc(codes, codes.shape[1] * 16)
-    assert bool((padded[:, k:] == 0).all())
-    # column k = 128 b + 64 u + 16 (i // 2) + 8 (i % 2) + 2 t + e is field i of half e of word 8 b + 2 t + u
-    one = torch.zeros(1, 256, dtype=torch.int8)
-    b, u, i, t, e = 1, 1, 5, 3, 1
-    one[0, 128 * b + 64 * u + 16 * (i // 2) + 8 * (i % 2) + 2 * t + e] = 1
+    assert bool((padded[:, k:] == 0).all()) and bool((padded[n:] == 0).all())
+    # column k = 128 b + 64 u + 16 (i // 2) + 8 (i % 2) + 2 t + e of row r is field i of half e of word 8 b + 2 t + u
+    # of the row, stored at (r // 128) 128 KC + 1024 b + 8 (r % 128) + 2 t + u (tiles of 128 rows x 8 words)
+    rows, cols = 300, 384
+    b, u, i, t, e, r = 1, 1, 5, 3, 1, 200
+    one = torch.zeros(rows, cols, dtype=torch.int8)
+    one[r, 128 * b + 64 * u + 16 * (i // 2) + 8 * (i % 2) + 2 * t + e] = 1
     tt1 = TernaryTensor.from_trits(one, torch.ones(1))
-    w = tc.pack_tc(tt1.plus, tt1.minus, 256)[0].tolist()
-    word = 8 * b + 2 * t + u
+    flat = tc.pack_tc(tt1.plus, tt1.minus, cols).view(-1).tolist()
+    assert len(flat) == 384 * 24  # 3 tile rows of 128 rows x 24 words
+    word = (r // 128) * 128 * 24 + 1024 * b + 8 * (r % 128) + 2 * t + u
     ones_code = 0x55555555  # every field code 1 (trit 0)
-    assert all(v == ones_code for j, v in enumerate(w) if j != word)
-    assert (w[word] & 0xFFFFFFFF) == (0x55555555 ^ (3 << (16 * e + 2 * i)))  # code 2 there
+    assert all(v == ones_code for j, v in enumerate(flat) if j != word)
+    assert (flat[word] & 0xFFFFFFFF) == (0x55555555 ^ (3 << (16 * e + 2 * i)))  # code 2 there
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
@@ -96,11 +100,11 @@ def test_tc_split_fixup_equals_reduce_launch(dtype, device, gen):
                                  {"PREFETCH": 2}, {"PREFETCH": 3, "programs_per_sm": 4},
                                  {"PREFETCH": 3, "BLOCKS_K": 2}, {"XPRE": 1}, {"XPRE": 1, "PREFETCH": 2},
                                  {"XPRE": 1, "PREFETCH": 3, "programs_per_sm": 4},
-                                 {"WDESC": 1, "BLOCKS_K": 2, "programs_per_sm": 4}, {"WDESC": 1, "ROW_REPS": 2},
-                                 {"WDESC": 1, "XPRE": 1, "programs_per_sm": 4}],
+                                 {"TR": 16, "BLOCKS_K": 2, "programs_per_sm": 4}, {"TR": 32, "ROW_REPS": 2},
+                                 {"TR": 64, "XPRE": 1, "programs_per_sm": 4}],
                          ids=["blocks_k2", "row_reps2", "warps8", "prefetch2", "prefetch3_split", "prefetch3_k2",
-                              "xpre", "xpre_prefetch2", "xpre_prefetch3_split", "wdesc_k2_split", "wdesc_row_reps2",
-                              "wdesc_xpre_split"])
+                              "xpre", "xpre_prefetch2", "xpre_prefetch3_split", "tile16_k2_split", "tile32_row_reps2",
+                              "tile64_xpre_split"])
 def test_tc_matmul_configs(cfg, device, gen):
     """The GPU configs' shapes of the kernel (256-column steps with a partial last step, 128-row blocks,
     words loaded 2 and 3 steps ahead, also past a split's end) under the interpreter."""
@@ -142,7 +146,7 @@ def test_matmul_dispatch_tc(monkeypatch, device, gen):
     codes = tt.tc_codes()
     assert tt.tc_codes() is codes  # cached
     tt.modify_dim(5, 7, -int(trits[5, 7]))
-    assert torch.equal(tc.unpack_tc(tt.tc_codes(), k), tt.trits())  # re-packed after the edit
+    assert torch.equal(tc.unpack_tc(tt.tc_codes(), k)[:n], tt.trits())  # re-packed after the edit
     monkeypatch.setenv(T.TC_ENV, "1")
     assert compare("dispatch tc after edit", matmul_dense_ref(x, tt), T.matmul(x, tt), dtype=torch.bfloat16).ok
     assert len(calls) == 2
@@ -227,8 +231,7 @@ def _tc_sm90_cases():
             "constexprs": dict(BLOCK_M=cfg["BLOCK_M"], ROW_REPS=cfg["ROW_REPS"], BLOCKS_K=cfg["BLOCKS_K"],
                                WARPS=cfg["num_warps"], IS_BF16=dt == "bf16", USE_ASM=True, TMA=not cfg.get("XPRE", 0), FINAL=False,
                                PREFETCH=cfg.get("PREFETCH", 1), XPRE=bool(cfg.get("XPRE", 0)),
-                               FIXUP=m <= 64, HAS_BIAS=True, RNE=False, WDESC=bool(cfg.get("WDESC", 0)),
-                               TILED=bool(cfg.get("TILED", 0))),
+                               FIXUP=m <= 64, HAS_BIAS=True, RNE=False, TR=tc.TILE_ROWS),
             "divisible": ["x_ptr", "codes_ptr", "scale_ptr", "bias_ptr", "y_ptr", "part_ptr", "cnt_ptr", "magic", "M",
                           "N", "K", "KC"],
             "options": {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]},

@@ -4,9 +4,13 @@
 ``ternary_matmul_tc``.
 
 Weight format ("tc codes", made from a ``TernaryTensor``'s planes by ``pack_tc``; 2 bits per weight like
-the planes): int32 [N, KC], KC = 8 * ceil(K / 128). Each weight is a 2-bit code, trit + 1 in {0, 1, 2}
-(padding columns: 1). Word 8 b + 2 t + u of a row (t = 0..3, u = 0, 1) holds 16 weights of the row's
-128-column block b; its field at bits 16 e + 2 i (i = 0..7, e = 0, 1) is the weight at column
+the planes): int32 [N padded to a multiple of 128, KC], KC = 8 * ceil(K / 128), stored in tiles of 128 rows x
+8 words (4 KB: one 128-column block of 128 rows, row by row), tile rows outer, column blocks inner, so that
+a program's K step reads whole 4 KB blocks (row-major storage read 32-64 bytes of each of 128 rows per step:
+5-22% slower at the large shapes, results/logs-2026-11-23-session19). Each weight is a 2-bit code, trit + 1
+in {0, 1, 2} (padding columns and rows: 1). Word 8 b + 2 t + u of a row (t = 0..3, u = 0, 1) holds 16
+weights of the row's 128-column block b; its field at bits 16 e + 2 i (i = 0..7, e = 0, 1) is the weight at
+column
 
     k = 128 b + 64 u + 16 (i // 2) + 8 (i % 2) + 2 t + e
 
@@ -44,36 +48,16 @@ from triforge.ops.ternary.kernels import gemv_splits, reduce_splits
 
 BLOCK_COLS = 128  # columns per group of 8 code words
 WORDS_PER_BLOCK = 8
+TILE_ROWS = 128  # rows per storage tile (a tile: 128 rows x 8 words = 4 KB, one 128-column block of 128 rows)
 MAGIC_F16 = 0x64006400  # fp16x2 bits of (2^10, 2^10)
 MAGIC_BF16 = 0x43004300  # bf16x2 bits of (2^7, 2^7)
 
 # ----------------------------------------------------------------------------- packing (host, torch)
 
 
-def pack_tc(plus: torch.Tensor, minus: torch.Tensor, in_features: int) -> torch.Tensor:
-    """Bit planes (int32 [N, KW], bit b of word w is column 32 w + b) -> tc codes int32 [N, 8 ceil(K/128)]."""
-    n, kw = plus.shape
-    nb = triton.cdiv(in_features, BLOCK_COLS)
-    out = torch.empty((n, nb * WORDS_PER_BLOCK), dtype=torch.int32, device=plus.device)
-    sh = torch.arange(32, dtype=torch.int32, device=plus.device)
-    # field shifts [e, i] of a word (field i of half e at bit 16 e + 2 i)
-    i = torch.arange(8, device=plus.device)
-    e = torch.arange(2, device=plus.device)
-    shift = (16 * e[:, None] + 2 * i[None, :]).to(torch.int64)  # [e, i]
-    rows = max(1, (1 << 22) // max(1, nb * BLOCK_COLS))
-    for r0 in range(0, n, rows):
-        r1 = min(n, r0 + rows)
-        bits_p = ((plus[r0:r1, :, None] >> sh) & 1).reshape(r1 - r0, kw * 32)
-        bits_q = ((minus[r0:r1, :, None] >> sh) & 1).reshape(r1 - r0, kw * 32)
-        code = (bits_p - bits_q + 1).to(torch.int64)  # trit + 1; padding columns (0 in both) give 1
-        code = torch.nn.functional.pad(code, (0, nb * BLOCK_COLS - kw * 32), value=1)
-        # column k = 128 b + 64 u + 16 kb2 + 8 h + 2 t + e, field i = 2 kb2 + h
-        c = code.view(r1 - r0, nb, 2, 4, 2, 4, 2)  # [r, b, u, kb2, h, t, e]
-        c = c.permute(0, 1, 5, 2, 6, 3, 4).reshape(r1 - r0, nb, 4, 2, 2, 8)  # [r, b, t, u, e, i]
-        words = (c << shift).sum((-1, -2))  # [r, b, t, u] < 2^32
-        words = torch.where(words >= 2**31, words - 2**32, words)
-        out[r0:r1] = words.reshape(r1 - r0, nb * WORDS_PER_BLOCK).to(torch.int32)
-    return out
+def code_rows(out_features: int, tile_rows: int = TILE_ROWS) -> int:
+    """Rows of the codes tensor: out_features padded to a multiple of TILE_ROWS (padding rows hold trit 0)."""
+    return triton.cdiv(out_features, tile_rows) * tile_rows
 
 
 def code_words(in_features: int) -> int:
@@ -81,37 +65,83 @@ def code_words(in_features: int) -> int:
     return triton.cdiv(in_features, BLOCK_COLS) * WORDS_PER_BLOCK
 
 
-def code_position(col: int) -> tuple[int, int]:
-    """(word, bit shift) of column ``col``'s 2-bit field in a row of codes (``pack_tc``'s order: column
-    k = 128 b + 64 u + 16 kb2 + 8 h + 2 t + e sits in word 8 b + 2 t + u at bit 16 e + 2 (2 kb2 + h))."""
+def _pack_rows(plus: torch.Tensor, minus: torch.Tensor, in_features: int, nb: int) -> torch.Tensor:
+    """Planes of some rows -> their code words in row order, int32 [rows, 8 nb] (the order within a row)."""
+    n, kw = plus.shape
+    sh = torch.arange(32, dtype=torch.int32, device=plus.device)
+    i = torch.arange(8, device=plus.device)
+    e = torch.arange(2, device=plus.device)
+    shift = (16 * e[:, None] + 2 * i[None, :]).to(torch.int64)  # field shifts [e, i]: field i of half e at 16 e + 2 i
+    bits_p = ((plus[:, :, None] >> sh) & 1).reshape(n, kw * 32)
+    bits_q = ((minus[:, :, None] >> sh) & 1).reshape(n, kw * 32)
+    code = (bits_p - bits_q + 1).to(torch.int64)  # trit + 1; padding columns (0 in both) give 1
+    code = torch.nn.functional.pad(code, (0, nb * BLOCK_COLS - kw * 32), value=1)
+    # column k = 128 b + 64 u + 16 kb2 + 8 h + 2 t + e, field i = 2 kb2 + h
+    c = code.view(n, nb, 2, 4, 2, 4, 2)  # [r, b, u, kb2, h, t, e]
+    c = c.permute(0, 1, 5, 2, 6, 3, 4).reshape(n, nb, 4, 2, 2, 8)  # [r, b, t, u, e, i]
+    words = (c << shift).sum((-1, -2))  # [r, b, t, u] < 2^32
+    words = torch.where(words >= 2**31, words - 2**32, words)
+    return words.reshape(n, nb * WORDS_PER_BLOCK).to(torch.int32)
+
+
+def pack_tc(plus: torch.Tensor, minus: torch.Tensor, in_features: int, tile_rows: int = TILE_ROWS) -> torch.Tensor:
+    """Bit planes (int32 [N, KW], bit b of word w is column 32 w + b) -> tc codes int32 [code_rows(N), KC],
+    KC = code_words(K), in tiles: the words of rows 128 t..128 t + 127 and 128-column block b are the 1024
+    consecutive words at (t KC / 8 + b) 1024, row by row (8 words each). The 2-D shape is storage only: row r of
+    the tensor is not weight row r (``code_index`` maps); rows t 128.. of it hold exactly the tile row t."""
+    n, kw = plus.shape
+    nb = triton.cdiv(in_features, BLOCK_COLS)
+    kc = nb * WORDS_PER_BLOCK
+    tr = tile_rows
+    n_pad = code_rows(n, tr)
+    out = torch.empty((n_pad, kc), dtype=torch.int32, device=plus.device)
+    tiles = out.view(n_pad // tr, nb, tr, WORDS_PER_BLOCK)  # [tile row, word block, row, word]
+    step = tr * max(1, (1 << 22) // max(1, nb * BLOCK_COLS * tr))  # rows per pass, whole tiles
+    for r0 in range(0, n_pad, step):
+        r1 = min(n_pad, r0 + step)
+        words = torch.full((r1 - r0, kc), 0x55555555, dtype=torch.int32, device=plus.device)  # padding rows: trit 0
+        if r0 < n:
+            words[: min(n, r1) - r0] = _pack_rows(plus[r0:r1], minus[r0:r1], in_features, nb)
+        tiles[r0 // tr: r1 // tr] = words.view(-1, tr, nb, WORDS_PER_BLOCK).permute(0, 2, 1, 3)
+    return out
+
+
+def untile(codes: torch.Tensor, tile_rows: int = TILE_ROWS) -> torch.Tensor:
+    """Tiled codes (whole tile rows: [128 t, KC]) -> the same words row by row ([rows, KC], row r = weight row)."""
+    r, kc = codes.shape
+    return codes.view(r // tile_rows, kc // WORDS_PER_BLOCK, tile_rows, WORDS_PER_BLOCK).permute(0, 2, 1, 3).reshape(r, kc)
+
+
+def code_index(row: int, col: int, kc: int) -> tuple[int, int]:
+    """(flat word index in the codes, bit shift) of weight (row, col)'s 2-bit field: within a row, column
+    k = 128 b + 64 u + 16 kb2 + 8 h + 2 t + e sits in word 8 b + 2 t + u at bit 16 e + 2 (2 kb2 + h); the word
+    of (row, 8 b + w) is at ((row // 128) KC / 8 + b) 1024 + 8 (row % 128) + w."""
     b, r = divmod(col, BLOCK_COLS)
     u, r = divmod(r, 64)
     kb2, r = divmod(r, 16)
     h, r = divmod(r, 8)
     t, e = divmod(r, 2)
-    return WORDS_PER_BLOCK * b + 2 * t + u, 16 * e + 2 * (2 * kb2 + h)
+    tr, rr = divmod(row, TILE_ROWS)
+    word = ((tr * (kc // WORDS_PER_BLOCK) + b) * TILE_ROWS + rr) * WORDS_PER_BLOCK + 2 * t + u
+    return word, 16 * e + 2 * (2 * kb2 + h)
 
 
-def tile_codes(codes: torch.Tensor) -> torch.Tensor:
-    """Row-major tc codes [N, KC] -> the TILED order: 128-row x 8-word tiles (4 KB), row blocks outer, word blocks
-    inner, rows within a tile row-major; N padded to a multiple of 128 (padding rows: code 1, trit 0)."""
-    n, kc = codes.shape
-    n_pad = -(-n // 128) * 128
-    if n_pad != n:
-        codes = torch.cat([codes, codes.new_full((n_pad - n, kc), 0x55555555)])
-    return codes.view(n_pad // 128, 128, kc // 8, 8).permute(0, 2, 1, 3).contiguous().view(n_pad, kc)
-
-
-def unpack_tc(codes: torch.Tensor, in_features: int) -> torch.Tensor:
-    """tc codes -> int8 trits [N, in_features] (the inverse of ``pack_tc``)."""
-    n, kc = codes.shape
+def unpack_words(words: torch.Tensor, in_features: int) -> torch.Tensor:
+    """Code words in row order (``untile``'s output, or any of its column blocks) -> int8 trits [rows, in_features]."""
+    n, kc = words.shape
     nb = kc // WORDS_PER_BLOCK
-    w = codes.to(torch.int64).view(n, nb, 4, 2, 1, 1) & 0xFFFFFFFF  # [r, b, t, u, e, i]
-    e = torch.arange(2, device=codes.device).view(1, 1, 1, 1, 2, 1)
-    i = torch.arange(8, device=codes.device).view(1, 1, 1, 1, 1, 8)
+    w = words.to(torch.int64).view(n, nb, 4, 2, 1, 1) & 0xFFFFFFFF  # [r, b, t, u, e, i]
+    e = torch.arange(2, device=words.device).view(1, 1, 1, 1, 2, 1)
+    i = torch.arange(8, device=words.device).view(1, 1, 1, 1, 1, 8)
     c = (w >> (16 * e + 2 * i)) & 3  # [r, b, t, u, e, i]
     c = c.view(n, nb, 4, 2, 2, 4, 2).permute(0, 1, 3, 5, 6, 2, 4)  # [r, b, u, kb2, h, t, e]
     return (c.reshape(n, nb * BLOCK_COLS)[:, :in_features] - 1).to(torch.int8)
+
+
+def unpack_tc(codes: torch.Tensor, in_features: int, tile_rows: int = TILE_ROWS) -> torch.Tensor:
+    """Tiled codes (whole tile rows, e.g. ``codes[128 a:128 b]``) -> int8 trits [rows, in_features], padding rows
+    included (the inverse of ``pack_tc``)."""
+    return unpack_words(untile(codes, tile_rows), in_features)
 
 
 # ----------------------------------------------------------------------------- kernel
@@ -154,7 +184,7 @@ def _decode_constants(magic, IS_BF16: tl.constexpr):
 @triton.jit
 def ternary_tc_kernel(
     x_ptr,  # [M, K] fp16/bf16
-    codes_ptr,  # [N, KC] int32 tc codes (pack_tc)
+    codes_ptr,  # [code_rows(N), KC] int32 tc codes in 4 KB tiles (pack_tc)
     scale_ptr,  # [N] fp32 row scales at n * stride_scale (read when FINAL)
     bias_ptr,  # [N] any float dtype (read when FINAL or FIXUP, and HAS_BIAS)
     y_ptr,  # [M, N] in x's dtype (written when FINAL, or by a tile's last split when FIXUP)
@@ -181,10 +211,7 @@ def ternary_tc_kernel(
     FIXUP: tl.constexpr,  # several splits: the last of a tile's splits to finish sums them (else a reduce launch)
     HAS_BIAS: tl.constexpr,
     RNE: tl.constexpr,
-    TILED: tl.constexpr = False,  # codes in 4 KB tiles of 128 rows x 8 words (tile_codes): each step's words contiguous
-    WDESC: tl.constexpr = False,  # code words through a tensor descriptor, loaded in the loop (PREFETCH unused):
-    # with num_stages > 1 the pipeliner keeps num_stages - 1 steps of words in flight in a shared-memory ring
-    # (TMA), not in registers; Triton does not pipeline the pointer loads of words (they feed the decode, not a dot)
+    TR: tl.constexpr = 128,  # rows per storage tile of the codes (pack_tc's tile_rows)
 ):
     BLOCK_N: tl.constexpr = 16 * WARPS * ROW_REPS
     BK: tl.constexpr = 128 * BLOCKS_K
@@ -202,10 +229,9 @@ def ternary_tc_kernel(
     a_u = tl.arange(0, 2)[None, None, None, None, None, None, :]
     r_n = i_n * BLOCK_N + 16 * WARPS * a_r + 16 * a_w + 8 * a_b3 + a_rlo
     o_c = 8 * a_blk + 2 * a_t + a_u
-    if TILED:  # tile (row block r_n // 128, word block b) at (r_n // 128) 128 KC + 1024 b; row r_n % 128 at 8 words each
-        p_c = codes_ptr + (r_n // 128).to(tl.int64) * KC * 128 + (r_n % 128) * 8 + 1024 * a_blk + 2 * a_t + a_u
-    else:
-        p_c = codes_ptr + r_n.to(tl.int64) * KC + o_c
+    # tiled storage (pack_tc): tile (row block r_n // TR, word block b) of TR rows x 8 words at
+    # ((r_n // TR) KC / 8 + b) 8 TR words; row r_n % TR at 8 words each: a K step's words are contiguous
+    p_c = codes_ptr + (r_n // TR).to(tl.int64) * KC * TR + (r_n % TR) * 8 + (8 * TR) * a_blk + 2 * a_t + a_u
     m_r = r_n < N
     sh, j, mask, c, d = _decode_constants(magic, IS_BF16)  # [4, 2] each, over (kb2, h)
     sh = sh[None, None, None, None, None, None, None, :, :]
@@ -219,8 +245,6 @@ def ternary_tc_kernel(
     p_x = x_ptr + o_m.to(tl.int64)[:, None] * K + o_k[None, :]
     if TMA:
         x_desc = tl.make_tensor_descriptor(x_ptr, [M, K], [K, 1], [BLOCK_M, BK])
-    if WDESC:
-        w_desc = tl.make_tensor_descriptor(codes_ptr, [N, KC], [KC, 1], [BLOCK_N, 8 * BLOCKS_K])
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     n_steps = tl.cdiv(KC, 8 * BLOCKS_K)
     s_start = i_s * steps_per_split
@@ -229,28 +253,20 @@ def ternary_tc_kernel(
     # per row): the loop is latency-bound at small M, where each program decodes little per step
     # XPRE (pointer loads of x, not TMA): x tiles travel with the words, PREFETCH steps ahead in registers
     # (a TMA load per step is issued and waited on in the same step: its latency is exposed)
-    if not WDESC:
-        words = _load_step(p_c, o_c, m_r, s_start, s_end, KC, BLOCKS_K, TILED)
+    words = _load_step(p_c, o_c, m_r, s_start, s_end, KC, BLOCKS_K, TR)
     if XPRE:
         xw = _load_x(p_x, m_m, o_k, s_start * BK, K)
     if PREFETCH >= 2:
-        if not WDESC:
-            words2 = _load_step(p_c, o_c, m_r, s_start + 1, s_end, KC, BLOCKS_K, TILED)
+        words2 = _load_step(p_c, o_c, m_r, s_start + 1, s_end, KC, BLOCKS_K, TR)
         if XPRE:
             xw2 = _load_x(p_x, m_m, o_k, (s_start + 1) * BK, K)
     if PREFETCH >= 3:
-        if not WDESC:
-            words3 = _load_step(p_c, o_c, m_r, s_start + 2, s_end, KC, BLOCKS_K, TILED)
+        words3 = _load_step(p_c, o_c, m_r, s_start + 2, s_end, KC, BLOCKS_K, TR)
         if XPRE:
             xw3 = _load_x(p_x, m_m, o_k, (s_start + 2) * BK, K)
     for s in range(s_start, s_end):
         # the step PREFETCH ahead is requested before this step's decode
-        if WDESC:
-            # [BLOCK_N, 8 BLOCKS_K] rows 16 WARPS r + 16 w + 8 b3 + rlo, words 8 blk + 2 t + u -> the 7-d order
-            words = w_desc.load([i_n * BLOCK_N, s * (8 * BLOCKS_K)])
-            words = tl.permute(tl.reshape(words, [ROW_REPS, WARPS, 2, 8, BLOCKS_K, 4, 2]), (5, 3, 1, 2, 0, 4, 6))
-        else:
-            words_next = _load_step(p_c, o_c, m_r, s + PREFETCH, s_end, KC, BLOCKS_K, TILED)
+        words_next = _load_step(p_c, o_c, m_r, s + PREFETCH, s_end, KC, BLOCKS_K, TR)
         if XPRE:
             x_next = _load_x(p_x, m_m, o_k, (s + PREFETCH) * BK, K)
         w9 = words[:, :, :, :, :, :, :, None, None]
@@ -276,22 +292,19 @@ def ternary_tc_kernel(
         else:  # the interpreter: exact in fp32 (its bf16 dots are not supported)
             acc = tl.dot(w_t, tl.trans(b_x.to(tl.float32)), acc, input_precision="ieee")
         if PREFETCH == 1:
-            if not WDESC:
-                words = words_next
+            words = words_next
             if XPRE:
                 xw = x_next
         elif PREFETCH == 2:
-            if not WDESC:
-                words = words2
-                words2 = words_next
+            words = words2
+            words2 = words_next
             if XPRE:
                 xw = xw2
                 xw2 = x_next
         else:
-            if not WDESC:
-                words = words2
-                words2 = words3
-                words3 = words_next
+            words = words2
+            words2 = words3
+            words3 = words_next
             if XPRE:
                 xw = xw2
                 xw2 = xw3
@@ -323,11 +336,11 @@ def ternary_tc_kernel(
 
 
 @triton.jit
-def _load_step(p_c, o_c, m_r, s, s_end, KC, BLOCKS_K: tl.constexpr, TILED: tl.constexpr = False):
-    """The code words of K step s (zeros past the split's last step and past the row's end). TILED: the words
-    are stored in [128-row x 8-word] tiles, one 4 KB block per 128 rows and 128 columns."""
+def _load_step(p_c, o_c, m_r, s, s_end, KC, BLOCKS_K: tl.constexpr, TR: tl.constexpr):
+    """The code words of K step s (zeros past the split's last step and past the row's end): BLOCKS_K tiles of
+    1024 words (tiled storage: word block b of a row block at 1024 b)."""
     w0 = s * (8 * BLOCKS_K)
-    return tl.load(p_c + (w0 * 128 if TILED else w0), mask=m_r & (s < s_end) & (w0 + o_c < KC), other=0)
+    return tl.load(p_c + w0 * TR, mask=m_r & (s < s_end) & (w0 + o_c < KC), other=0)
 
 
 @triton.jit
@@ -422,7 +435,7 @@ TC_TUNE_SPACE = {"ROW_REPS": [1, 2], "BLOCKS_K": [1, 2, 4], "num_warps": [4, 8],
 @launch.config_cache
 def _tc_plan(M: int, N: int, K: int, kc: int, cfg_items=None):
     """(BLOCK_M, BLOCKS_K, ROW_REPS, warps, stages, PREFETCH, XPRE, FIXUP, TMA, grid (weight tiles, x tiles,
-    splits), steps per split, WDESC) of a launch: the tuned (or given) config and the split-K arithmetic, worked out once per shape
+    splits), steps per split) of a launch: the tuned (or given) config and the split-K arithmetic, worked out once per shape
     (host time: the decode path is a few microseconds of GPU time per call)."""
     cfg = dict(tc_config(M, N, K), **dict(cfg_items or ()))
     bm, reps, nbk, warps = cfg["BLOCK_M"], cfg["ROW_REPS"], cfg["BLOCKS_K"], cfg["num_warps"]
@@ -435,10 +448,8 @@ def _tc_plan(M: int, N: int, K: int, kc: int, cfg_items=None):
     # cfg["TMA"] forces it either way (the interpreter runs the descriptor path too, for the tests)
     use_tma = not xpre and bool(cfg.get("TMA", not _runtime.INTERPRET)) and K % 8 == 0
     grid = (triton.cdiv(N, bn), triton.cdiv(M, bm), splits)
-    # words through a descriptor: 16-byte row stride of the codes (KC is a multiple of 8 words: always)
-    wdesc = bool(cfg.get("WDESC", 0))
     return (bm, nbk, reps, warps, cfg["num_stages"], cfg.get("PREFETCH", 1), xpre, bool(cfg.get("FIXUP", 1)),
-            use_tma, grid, per_split, wdesc, bool(cfg.get("TILED", 0)))
+            use_tma, grid, per_split)
 
 
 def ternary_matmul_tc(x2d: torch.Tensor, tt, bias: torch.Tensor | None = None, codes: torch.Tensor | None = None,
@@ -457,19 +468,22 @@ def ternary_matmul_tc(x2d: torch.Tensor, tt, bias: torch.Tensor | None = None, c
     N = tt.out_features
     if K != tt.in_features:
         raise ValueError(f"x2d must have {tt.in_features} columns, got {K}")
+    tr = (cfg or {}).get("TR", TILE_ROWS)  # (another tile height: codes packed with pack_tc(..., tile_rows=TR))
     if codes is None:
-        codes = pack_tc(tt.plus, tt.minus, tt.in_features)
+        codes = pack_tc(tt.plus, tt.minus, tt.in_features, tr)
     scales = tt.kernel_operands()[0]
     bias = None if bias is None else bias.contiguous()
-    codes = codes.contiguous()  # the kernel addresses rows KC words apart
+    codes = codes.contiguous()  # the kernel addresses tiles 8 TR words apart
     kc = codes.shape[1]
-    bm, nbk, reps, warps, stages, prefetch, xpre, fixup_on, use_tma, grid, per_split, wdesc, tiled = _tc_plan(
+    if tuple(codes.shape) != (code_rows(N, tr), code_words(K)):
+        raise ValueError(f"codes must have shape {(code_rows(N, tr), code_words(K))} (pack_tc) for {N} x {K} weights, "
+                         f"got {tuple(codes.shape)}")
+    bm, nbk, reps, warps, stages, prefetch, xpre, fixup_on, use_tma, grid, per_split = _tc_plan(
         M, N, K, kc, None if cfg is None else tuple(sorted(cfg.items())))
     splits = grid[2]
     # TMA needs 16-byte row strides and base (else pointer loads)
     tma = use_tma and x2d.data_ptr() % 16 == 0
-    wdesc = wdesc and codes.data_ptr() % 16 == 0
-    if tma or wdesc:
+    if tma:
         launch.use_tensor_descriptors()
     final = splits == 1
     fixup = not final and fixup_on
@@ -486,7 +500,7 @@ def ternary_matmul_tc(x2d: torch.Tensor, tt, bias: torch.Tensor | None = None, c
         nbytes=codes.numel() * 4 + M * K * xsize + M * N * (xsize if final else 8 * splits + xsize),
         BLOCK_M=bm, ROW_REPS=reps, BLOCKS_K=nbk, WARPS=warps, IS_BF16=is_bf16, USE_ASM=not _runtime.INTERPRET,
         TMA=tma, FINAL=final, PREFETCH=prefetch, XPRE=xpre, FIXUP=fixup, HAS_BIAS=bias is not None, RNE=rne,
-        WDESC=wdesc, TILED=tiled, num_warps=warps, num_stages=stages,
+        TR=tr, num_warps=warps, num_stages=stages,
     )
     if not final and not fixup:
         reduce_splits(part, scales, bias, y, rne)

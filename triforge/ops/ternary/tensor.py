@@ -264,10 +264,12 @@ class TernaryTensor:
         from triforge.ops.ternary import tc
 
         codes = self._tc_codes
-        rows = max(1, UNPACK_ELEMS // max(1, codes.shape[1] * 16))
-        for r0 in range(0, self.out_features, rows):
-            r1 = min(self.out_features, r0 + rows)
-            yield r0, r1, tc.unpack_tc(codes[r0:r1], self.in_features)
+        # whole 128-row tiles at a time (the codes' storage unit); the last one's padding rows are cut
+        rows = tc.TILE_ROWS * max(1, UNPACK_ELEMS // max(1, codes.shape[1] * 16 * tc.TILE_ROWS))
+        n = self.out_features
+        for r0 in range(0, n, rows):
+            r1 = min(n, r0 + rows)
+            yield r0, r1, tc.unpack_tc(codes[r0:r0 + rows], self.in_features)[: r1 - r0]
 
     @property
     def resident(self) -> str:
@@ -347,8 +349,9 @@ class TernaryTensor:
 
     @classmethod
     def from_codes(cls, codes: torch.Tensor, scales: torch.Tensor, shape) -> "TernaryTensor":
-        """A compact() tensor from tc codes int32 [out_features, 8 ceil(in_features / 128)] (``tc.pack_tc``'s
-        layout; every field 0, 1 or 2, i.e. trit + 1, and 1 past in_features) and fp32 scales [N] or [1]."""
+        """A compact() tensor from tc codes int32 [out_features padded to a multiple of 128, 8 ceil(in_features /
+        128)] (``tc.pack_tc``'s tiled layout; every field 0, 1 or 2, i.e. trit + 1, and 1 past in_features and
+        in the padding rows) and fp32 scales [N] or [1]."""
         from triforge.ops.ternary import tc
 
         n, k = int(shape[0]), int(shape[1])
@@ -356,15 +359,23 @@ class TernaryTensor:
             raise TypeError(f"codes must be a torch.Tensor, got {type(codes).__name__}")
         if codes.dtype != torch.int32:
             raise TypeError(f"codes must have dtype int32, got {codes.dtype}")
-        codes = codes.contiguous()  # (a strided view is copied: the kernels read rows KC words apart)
-        if tuple(codes.shape) != (n, tc.code_words(k)):
-            raise ValueError(f"codes must have shape {(n, tc.code_words(k))} for shape {(n, k)}, got {tuple(codes.shape)}")
+        codes = codes.contiguous()  # (a strided view is copied: the kernels read 4 KB tiles)
+        shape_c = (tc.code_rows(n), tc.code_words(k))
+        if tuple(codes.shape) != shape_c:
+            raise ValueError(f"codes must have shape {shape_c} for shape {(n, k)} (pack_tc: rows padded to a multiple "
+                             f"of {tc.TILE_ROWS}), got {tuple(codes.shape)}")
         if bool(((codes & (codes >> 1) & 0x55555555) != 0).any()):  # a field with both bits set
             raise ValueError("codes hold a field 3 (fields are trit + 1: 0, 1 or 2)")
         tt = cls._of_codes(codes, scales, (n, k))
         tail = k % tc.BLOCK_COLS  # the last 128-column block's columns past in_features
-        if tail and bool((tc.unpack_tc(codes[:, -tc.WORDS_PER_BLOCK:], tc.BLOCK_COLS)[:, tail:] != 0).any()):
-            raise ValueError(f"codes past in_features={k} must hold trit 0 (field 1)")
+        if tail:
+            nb = shape_c[1] // tc.WORDS_PER_BLOCK
+            last = codes.view(-1, nb, tc.TILE_ROWS, tc.WORDS_PER_BLOCK)[:, -1].reshape(-1, tc.WORDS_PER_BLOCK)
+            if bool((tc.unpack_words(last, tc.BLOCK_COLS)[:, tail:] != 0).any()):
+                raise ValueError(f"codes past in_features={k} must hold trit 0 (field 1)")
+        if shape_c[0] > n and bool((codes[-tc.TILE_ROWS:].view(-1, tc.TILE_ROWS, tc.WORDS_PER_BLOCK)
+                                    [:, n % tc.TILE_ROWS:] != 0x55555555).any()):
+            raise ValueError(f"codes of the padding rows past out_features={n} must hold trit 0 (field 1)")
         s = scales
         if not isinstance(s, torch.Tensor) or s.dtype != torch.float32 or s.dim() != 1 or s.shape[0] not in (1, n):
             raise ValueError(f"scales must be fp32 of shape ({n},) or (1,), got "
@@ -491,8 +502,8 @@ class TernaryTensor:
         if self._tc_codes is not None:  # the codes (cached or the only form): edited in place too
             from triforge.ops.ternary import tc
 
-            cw, shift = tc.code_position(c)
-            f = self._tc_codes[r, cw]  # 0-d view
+            cw, shift = tc.code_index(r, c, self._tc_codes.shape[1])
+            f = self._tc_codes.view(-1)[cw]  # 0-d view
             f.bitwise_and_(~_signed_i32(3 << shift))  # clear the 2-bit field, then set trit + 1
             f.bitwise_or_(_signed_i32((value + 1) << shift))
         if self._plus is None:
@@ -538,7 +549,7 @@ class TernaryTensor:
         if storage == "codes":
             from triforge.ops.ternary import tc
 
-            return n * tc.code_words(k) * 4 + s
+            return tc.code_rows(n) * tc.code_words(k) * 4 + s
         if storage == "base3":
             return math.ceil(n * k / TRITS_PER_BYTE) + s
         if storage == "resident":
