@@ -56,7 +56,7 @@ def test_unpack_in_row_blocks(gen, device, monkeypatch):
 
 def test_resident_bytes(gen, device):
     """Planes: 2 bits per weight; the codes cached beside them on a tc call: 4; compact: 2 (+ scales)."""
-    n, k = 128, 4096
+    n, k = 16, 4096
     full, small, _ = _pair(n, k, gen, device)
     scales = n * 4
     assert full.nbytes("resident") == 2 * n * (k // 32) * 4 + scales == full.nbytes("planes")
@@ -65,8 +65,8 @@ def test_resident_bytes(gen, device):
     assert full.nbytes("resident") == full.nbytes("planes") + n * tc.code_words(k) * 4
     assert full.bits_per_weight("resident") == pytest.approx(4.0, abs=0.01)
     assert small.nbytes("resident") == n * tc.code_words(k) * 4 + scales == small.nbytes("codes")
-    odd = _pair(100, 256, gen, device)[1]  # rows padded to a whole 128-row tile
-    assert odd.nbytes("codes") == odd.nbytes("resident") == 128 * tc.code_words(256) * 4 + 100 * 4
+    odd = _pair(100, 256, gen, device)[1]  # rows padded to a whole 16-row tile
+    assert odd.nbytes("codes") == odd.nbytes("resident") == 112 * tc.code_words(256) * 4 + 100 * 4
     assert small.bits_per_weight("resident") == pytest.approx(2.0, abs=0.01)
     small.kernel_operands()  # row scales are a view of the scales: no new bytes
     assert small.nbytes("resident") == small.nbytes("codes")
@@ -139,7 +139,7 @@ def test_modify_dim_on_codes(k, gen, device):
 
 def test_code_index_inverts_pack(gen):
     n, k = 260, 384
-    for row, col in ((0, 0), (1, 1), (127, 9), (128, 17), (200, 70), (259, 127), (3, 128), (130, 255), (259, 383)):
+    for row, col in ((0, 0), (1, 1), (15, 9), (16, 17), (200, 70), (259, 127), (3, 128), (130, 255), (259, 383)):
         t = torch.zeros(n, k, dtype=torch.int8)
         t[row, col] = -1  # field value 0 where every other field is 1
         codes = TernaryTensor.from_trits(t, torch.ones(1)).tc_codes()
@@ -163,12 +163,12 @@ def test_to_device_save_load_and_base3(tmp_path, gen, device):
 
 
 def test_strided_codes_metadata_after_edits_and_setters(gen, device):
-    """A strided codes view is copied contiguous (the kernel reads 4 KB tiles); the sparsity metadata
+    """A strided codes view is copied contiguous (the kernel reads whole tiles); the sparsity metadata
     of a compact tensor is rebuilt after an edit, not left stale; planes of a compact tensor cannot be set, and
     setting a plane of a planes tensor drops its cached codes and metadata."""
     full, small, trits = _pair(4, 200, gen, device)
     kc = small._tc_codes.shape[1]
-    wide = torch.zeros(128, 2 * kc, dtype=torch.int32, device=device)
+    wide = torch.zeros(16, 2 * kc, dtype=torch.int32, device=device)
     wide[:, :kc] = small._tc_codes
     strided = TernaryTensor.from_codes(wide[:, :kc], small.scales, (4, 200))
     assert strided._tc_codes.is_contiguous() and torch.equal(strided.trits(), trits)

@@ -24,22 +24,22 @@ def test_pack_tc_round_trip(k, gen):
     trits[:, -1] = -1
     tt = TernaryTensor.from_trits(trits, random_scales(n, gen))
     codes = tc.pack_tc(tt.plus, tt.minus, k)
-    # 2 bits per weight; rows padded to whole 128-row tiles
-    assert codes.dtype == torch.int32 and codes.shape == (128, 8 * -(-k // 128))
+    # 2 bits per weight; rows padded to whole 16-row tiles
+    assert codes.dtype == torch.int32 and codes.shape == (16, 8 * -(-k // 128))
     assert torch.equal(tc.unpack_tc(codes, k)[:n], trits)
     # padding columns and padding rows hold code 1 (trit 0)
     padded = tc.unpack_tc(codes, codes.shape[1] * 16)
     assert bool((padded[:, k:] == 0).all()) and bool((padded[n:] == 0).all())
     # column k = 128 b + 64 u + 16 (i // 2) + 8 (i % 2) + 2 t + e of row r is field i of half e of word 8 b + 2 t + u
-    # of the row, stored at (r // 128) 128 KC + 1024 b + 8 (r % 128) + 2 t + u (tiles of 128 rows x 8 words)
+    # of the row, stored at (r // 16) 16 KC + 128 b + 8 (r % 16) + 2 t + u (tiles of 16 rows x 8 words)
     rows, cols = 300, 384
     b, u, i, t, e, r = 1, 1, 5, 3, 1, 200
     one = torch.zeros(rows, cols, dtype=torch.int8)
     one[r, 128 * b + 64 * u + 16 * (i // 2) + 8 * (i % 2) + 2 * t + e] = 1
     tt1 = TernaryTensor.from_trits(one, torch.ones(1))
     flat = tc.pack_tc(tt1.plus, tt1.minus, cols).view(-1).tolist()
-    assert len(flat) == 384 * 24  # 3 tile rows of 128 rows x 24 words
-    word = (r // 128) * 128 * 24 + 1024 * b + 8 * (r % 128) + 2 * t + u
+    assert len(flat) == 304 * 24  # 19 tile rows of 16 rows x 24 words
+    word = (r // 16) * 16 * 24 + 128 * b + 8 * (r % 16) + 2 * t + u
     ones_code = 0x55555555  # every field code 1 (trit 0)
     assert all(v == ones_code for j, v in enumerate(flat) if j != word)
     assert (flat[word] & 0xFFFFFFFF) == (0x55555555 ^ (3 << (16 * e + 2 * i)))  # code 2 there
@@ -100,10 +100,10 @@ def test_tc_split_fixup_equals_reduce_launch(dtype, device, gen):
                                  {"PREFETCH": 2}, {"PREFETCH": 3, "programs_per_sm": 4},
                                  {"PREFETCH": 3, "BLOCKS_K": 2}, {"XPRE": 1}, {"XPRE": 1, "PREFETCH": 2},
                                  {"XPRE": 1, "PREFETCH": 3, "programs_per_sm": 4},
-                                 {"TR": 16, "BLOCKS_K": 2, "programs_per_sm": 4}, {"TR": 32, "ROW_REPS": 2},
+                                 {"TR": 128, "BLOCKS_K": 2, "programs_per_sm": 4}, {"TR": 32, "ROW_REPS": 2},
                                  {"TR": 64, "XPRE": 1, "programs_per_sm": 4}],
                          ids=["blocks_k2", "row_reps2", "warps8", "prefetch2", "prefetch3_split", "prefetch3_k2",
-                              "xpre", "xpre_prefetch2", "xpre_prefetch3_split", "tile16_k2_split", "tile32_row_reps2",
+                              "xpre", "xpre_prefetch2", "xpre_prefetch3_split", "tile128_k2_split", "tile32_row_reps2",
                               "tile64_xpre_split"])
 def test_tc_matmul_configs(cfg, device, gen):
     """The GPU configs' shapes of the kernel (256-column steps with a partial last step, 128-row blocks,
@@ -285,7 +285,9 @@ def test_tc_kernel_compiles_for_sm90():
         assert loop.get(hadd, 0) == weights // 2, loop
         assert weights // 2 <= loop["LOP3.LUT"] <= weights // 2 + 2, loop
         shf = sum(n for op, n in loop.items() if op.startswith("SHF"))
-        assert shf == words * (2 if cx["IS_BF16"] else 1), loop
+        # one SHF per word and shift of the decode; at most one more per step in the address arithmetic of the
+        # tiled codes (the step's offset in tiles)
+        assert words * (2 if cx["IS_BF16"] else 1) <= shf <= words * (2 if cx["IS_BF16"] else 1) + 1, loop
         assert not any(op.startswith(("I2F", "F2F", "I2FP", "PRMT", "LDSM")) for op in loop), loop
         if cx["TMA"]:  # x arrives by TMA, weights stay in registers
             assert not any(op.startswith("STS") for op in loop), loop

@@ -4,11 +4,12 @@
 ``ternary_matmul_tc``.
 
 Weight format ("tc codes", made from a ``TernaryTensor``'s planes by ``pack_tc``; 2 bits per weight like
-the planes): int32 [N padded to a multiple of 128, KC], KC = 8 * ceil(K / 128), stored in tiles of 128 rows x
-8 words (4 KB: one 128-column block of 128 rows, row by row), tile rows outer, column blocks inner, so that
-a program's K step reads whole 4 KB blocks (row-major storage read 32-64 bytes of each of 128 rows per step:
-5-22% slower at the large shapes, results/logs-2026-11-23-session19). Each weight is a 2-bit code, trit + 1
-in {0, 1, 2} (padding columns and rows: 1). Word 8 b + 2 t + u of a row (t = 0..3, u = 0, 1) holds 16
+the planes): int32 [N padded to a multiple of 16, KC], KC = 8 * ceil(K / 128), stored in tiles of 16 rows x
+8 words (512 bytes: one 128-column block of 16 rows, row by row), tile rows outer, column blocks inner, so that
+a program's K step reads whole 512-byte blocks (row-major storage read 32-64 bytes of each of 64-256 rows per
+step: 5-22% slower at the large shapes; 128-row tiles of 4 KB were no faster than 16-row ones;
+benchmarks/NOTES.md, nineteenth session). Each weight is a 2-bit code, trit + 1 in {0, 1, 2} (padding columns
+and rows: 1). Word 8 b + 2 t + u of a row (t = 0..3, u = 0, 1) holds 16
 weights of the row's 128-column block b; its field at bits 16 e + 2 i (i = 0..7, e = 0, 1) is the weight at
 column
 
@@ -48,7 +49,7 @@ from triforge.ops.ternary.kernels import gemv_splits, reduce_splits
 
 BLOCK_COLS = 128  # columns per group of 8 code words
 WORDS_PER_BLOCK = 8
-TILE_ROWS = 128  # rows per storage tile (a tile: 128 rows x 8 words = 4 KB, one 128-column block of 128 rows)
+TILE_ROWS = 16  # rows per storage tile (a tile: 16 rows x 8 words = 512 bytes, one 128-column block of 16 rows)
 MAGIC_F16 = 0x64006400  # fp16x2 bits of (2^10, 2^10)
 MAGIC_BF16 = 0x43004300  # bf16x2 bits of (2^7, 2^7)
 
@@ -86,9 +87,10 @@ def _pack_rows(plus: torch.Tensor, minus: torch.Tensor, in_features: int, nb: in
 
 def pack_tc(plus: torch.Tensor, minus: torch.Tensor, in_features: int, tile_rows: int = TILE_ROWS) -> torch.Tensor:
     """Bit planes (int32 [N, KW], bit b of word w is column 32 w + b) -> tc codes int32 [code_rows(N), KC],
-    KC = code_words(K), in tiles: the words of rows 128 t..128 t + 127 and 128-column block b are the 1024
-    consecutive words at (t KC / 8 + b) 1024, row by row (8 words each). The 2-D shape is storage only: row r of
-    the tensor is not weight row r (``code_index`` maps); rows t 128.. of it hold exactly the tile row t."""
+    KC = code_words(K), in tiles of TR = tile_rows rows: the words of rows TR t..TR t + TR - 1 and 128-column
+    block b are the 8 TR consecutive words at (t KC / 8 + b) 8 TR, row by row (8 words each). The 2-D shape is
+    storage only: row r of the tensor is not weight row r (``code_index`` maps); rows TR t.. of it hold exactly
+    the tile row t."""
     n, kw = plus.shape
     nb = triton.cdiv(in_features, BLOCK_COLS)
     kc = nb * WORDS_PER_BLOCK
@@ -107,7 +109,7 @@ def pack_tc(plus: torch.Tensor, minus: torch.Tensor, in_features: int, tile_rows
 
 
 def untile(codes: torch.Tensor, tile_rows: int = TILE_ROWS) -> torch.Tensor:
-    """Tiled codes (whole tile rows: [128 t, KC]) -> the same words row by row ([rows, KC], row r = weight row)."""
+    """Tiled codes (whole tile rows: [TR t, KC]) -> the same words row by row ([rows, KC], row r = weight row)."""
     r, kc = codes.shape
     return codes.view(r // tile_rows, kc // WORDS_PER_BLOCK, tile_rows, WORDS_PER_BLOCK).permute(0, 2, 1, 3).reshape(r, kc)
 
@@ -115,7 +117,7 @@ def untile(codes: torch.Tensor, tile_rows: int = TILE_ROWS) -> torch.Tensor:
 def code_index(row: int, col: int, kc: int) -> tuple[int, int]:
     """(flat word index in the codes, bit shift) of weight (row, col)'s 2-bit field: within a row, column
     k = 128 b + 64 u + 16 kb2 + 8 h + 2 t + e sits in word 8 b + 2 t + u at bit 16 e + 2 (2 kb2 + h); the word
-    of (row, 8 b + w) is at ((row // 128) KC / 8 + b) 1024 + 8 (row % 128) + w."""
+    of (row, 8 b + w) is at ((row // TR) KC / 8 + b) 8 TR + 8 (row % TR) + w, TR = TILE_ROWS."""
     b, r = divmod(col, BLOCK_COLS)
     u, r = divmod(r, 64)
     kb2, r = divmod(r, 16)
@@ -139,7 +141,7 @@ def unpack_words(words: torch.Tensor, in_features: int) -> torch.Tensor:
 
 
 def unpack_tc(codes: torch.Tensor, in_features: int, tile_rows: int = TILE_ROWS) -> torch.Tensor:
-    """Tiled codes (whole tile rows, e.g. ``codes[128 a:128 b]``) -> int8 trits [rows, in_features], padding rows
+    """Tiled codes (whole tile rows, e.g. ``codes[16 a:16 b]``) -> int8 trits [rows, in_features], padding rows
     included (the inverse of ``pack_tc``)."""
     return unpack_words(untile(codes, tile_rows), in_features)
 
@@ -211,7 +213,7 @@ def ternary_tc_kernel(
     FIXUP: tl.constexpr,  # several splits: the last of a tile's splits to finish sums them (else a reduce launch)
     HAS_BIAS: tl.constexpr,
     RNE: tl.constexpr,
-    TR: tl.constexpr = 128,  # rows per storage tile of the codes (pack_tc's tile_rows)
+    TR: tl.constexpr,  # rows per storage tile of the codes (pack_tc's tile_rows)
 ):
     BLOCK_N: tl.constexpr = 16 * WARPS * ROW_REPS
     BK: tl.constexpr = 128 * BLOCKS_K

@@ -264,7 +264,7 @@ class TernaryTensor:
         from triforge.ops.ternary import tc
 
         codes = self._tc_codes
-        # whole 128-row tiles at a time (the codes' storage unit); the last one's padding rows are cut
+        # whole tiles of rows at a time (the codes' storage unit); the last one's padding rows are cut
         rows = tc.TILE_ROWS * max(1, UNPACK_ELEMS // max(1, codes.shape[1] * 16 * tc.TILE_ROWS))
         n = self.out_features
         for r0 in range(0, n, rows):
@@ -349,7 +349,7 @@ class TernaryTensor:
 
     @classmethod
     def from_codes(cls, codes: torch.Tensor, scales: torch.Tensor, shape) -> "TernaryTensor":
-        """A compact() tensor from tc codes int32 [out_features padded to a multiple of 128, 8 ceil(in_features /
+        """A compact() tensor from tc codes int32 [out_features padded to a multiple of 16, 8 ceil(in_features /
         128)] (``tc.pack_tc``'s tiled layout; every field 0, 1 or 2, i.e. trit + 1, and 1 past in_features and
         in the padding rows) and fp32 scales [N] or [1]."""
         from triforge.ops.ternary import tc
@@ -359,7 +359,7 @@ class TernaryTensor:
             raise TypeError(f"codes must be a torch.Tensor, got {type(codes).__name__}")
         if codes.dtype != torch.int32:
             raise TypeError(f"codes must have dtype int32, got {codes.dtype}")
-        codes = codes.contiguous()  # (a strided view is copied: the kernels read 4 KB tiles)
+        codes = codes.contiguous()  # (a strided view is copied: the kernels read whole 512-byte tiles)
         shape_c = (tc.code_rows(n), tc.code_words(k))
         if tuple(codes.shape) != shape_c:
             raise ValueError(f"codes must have shape {shape_c} for shape {(n, k)} (pack_tc: rows padded to a multiple "
