@@ -12,7 +12,7 @@ For each (N, K) of the issue and batch M in {1, 4, 16, 64, 256}, bf16 activation
 ``--sweep``: instead, every launch config of ``sweep_configs()`` (PREFETCH depth, tile, split target, stages)
 checked and timed the same way (CUDA graphs) at each shape and M, with the config in use and the fallback
 first; the five fastest printed per shape. ``--sweep tiles``: the storage tile height too (16 and 128 rows; the
-two configs above on 16-row tiles as well).
+two configs above on 128-row tiles as well).
 """
 
 import argparse
@@ -130,8 +130,8 @@ def run_sweep(N, K, ms, gen, which="main", base_only=False):
         timed = []
         # the config in use and the untuned fallback, timed beside the sweep (same process, same inputs)
         base = [dict(tc.tc_config(M, N, K)), dict(tc.tc_fallback_config(M, N, K))]
-        if which == "tiles":  # the same two configs on 16-row tiles
-            base += [dict(b, TR=16) for b in base]
+        if which == "tiles":  # the same two configs on 128-row tiles (the default is 16)
+            base += [dict(b, TR=128) for b in base]
         for cfg in base + ([] if base_only else sweep_configs(which)):
             tr = cfg.get("TR", tc.TILE_ROWS)
             if tr not in by_tr:
@@ -148,8 +148,8 @@ def run_sweep(N, K, ms, gen, which="main", base_only=False):
             timed.append({"config": cfg, "ok": ok, "us": us})
         timed[0]["label"], timed[1]["label"] = "current", "fallback"
         if which == "tiles":
-            timed[2]["label"], timed[3]["label"] = "current TR16", "fallback TR16"
-            print(f"N={N} K={K} M={M}: 16-row tiles, current config {timed[2]['us']} us, fallback {timed[3]['us']} us",
+            timed[2]["label"], timed[3]["label"] = "current TR128", "fallback TR128"
+            print(f"N={N} K={K} M={M}: 128-row tiles, current config {timed[2]['us']} us, fallback {timed[3]['us']} us",
                   flush=True)
         good = sorted((t for t in timed if t["us"] is not None), key=lambda t: t["us"])
         print(f"N={N} K={K} M={M}: {len(good)} configs, parity failures {sum(not t['ok'] for t in timed)}; "

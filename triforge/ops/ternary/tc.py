@@ -9,9 +9,8 @@ the planes): int32 [N padded to a multiple of 16, KC], KC = 8 * ceil(K / 128), s
 a program's K step reads whole 512-byte blocks (row-major storage read 32-64 bytes of each of 64-256 rows per
 step: 5-22% slower at the large shapes; 128-row tiles of 4 KB were no faster than 16-row ones;
 benchmarks/NOTES.md, nineteenth session). Each weight is a 2-bit code, trit + 1 in {0, 1, 2} (padding columns
-and rows: 1). Word 8 b + 2 t + u of a row (t = 0..3, u = 0, 1) holds 16
-weights of the row's 128-column block b; its field at bits 16 e + 2 i (i = 0..7, e = 0, 1) is the weight at
-column
+and rows: 1). Word 8 b + 2 t + u of a row (t = 0..3, u = 0, 1) holds 16 weights of the row's 128-column
+block b; its field at bits 16 e + 2 i (i = 0..7, e = 0, 1) is the weight at column
 
     k = 128 b + 64 u + 16 (i // 2) + 8 (i % 2) + 2 t + e
 
@@ -186,7 +185,7 @@ def _decode_constants(magic, IS_BF16: tl.constexpr):
 @triton.jit
 def ternary_tc_kernel(
     x_ptr,  # [M, K] fp16/bf16
-    codes_ptr,  # [code_rows(N), KC] int32 tc codes in 4 KB tiles (pack_tc)
+    codes_ptr,  # [code_rows(N), KC] int32 tc codes in tiles of TR rows x 8 words (pack_tc)
     scale_ptr,  # [N] fp32 row scales at n * stride_scale (read when FINAL)
     bias_ptr,  # [N] any float dtype (read when FINAL or FIXUP, and HAS_BIAS)
     y_ptr,  # [M, N] in x's dtype (written when FINAL, or by a tile's last split when FIXUP)
@@ -340,7 +339,7 @@ def ternary_tc_kernel(
 @triton.jit
 def _load_step(p_c, o_c, m_r, s, s_end, KC, BLOCKS_K: tl.constexpr, TR: tl.constexpr):
     """The code words of K step s (zeros past the split's last step and past the row's end): BLOCKS_K tiles of
-    1024 words (tiled storage: word block b of a row block at 1024 b)."""
+    8 TR words (tiled storage: word block b of a row block at 8 TR b)."""
     w0 = s * (8 * BLOCKS_K)
     return tl.load(p_c + w0 * TR, mask=m_r & (s < s_end) & (w0 + o_c < KC), other=0)
 
