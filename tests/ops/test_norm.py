@@ -65,11 +65,27 @@ def _assert_ok(*results):
 
 
 def _grad_ref(x, weight, eps, residual, grads):
-    """float64 autograd through the reference; ``grads`` maps output name ('y'/'h') -> upstream grad."""
-    leaves = {"x": _to64(x).requires_grad_(), "weight": _to64(weight).requires_grad_()}
+    """float64 autograd through the reference; ``grads`` maps output name ('y'/'h') -> upstream grad.
+
+    With a residual the kernel normalises h = x + residual rounded to x's dtype (as the eager model
+    does), so the reference normalises that same rounded h, taken from the kernel and checked against
+    x + residual on its own in ``_check_forward``. Normalising the unrounded float64 sum instead makes
+    the reference a different function: at small N in bf16 the rounding of h alone moves dweight by
+    more than the bf16 tolerance. dx and dresidual both equal dh (h = x + residual)."""
     if residual is not None:
-        leaves["residual"] = _to64(residual).requires_grad_()
-    st = rms_norm_ref(leaves["x"], leaves["weight"], eps, leaves.get("residual"))
+        with poisoned():
+            h_kernel = rms_norm(x, weight, eps, residual)[1]
+        h = _to64(h_kernel).requires_grad_()
+        w = _to64(weight).requires_grad_()
+        st = rms_norm_ref(h, w, eps)
+        named = {"y": st["y"], "h": h}
+        outs = [named[k] for k in grads]
+        dh, dw = torch.autograd.grad(outs, [h, w], [_to64(g) for g in grads.values()], allow_unused=True)
+        dh = dh if dh is not None else torch.zeros_like(h)
+        dw = dw if dw is not None else torch.zeros_like(w)
+        return {"x": dh, "weight": dw, "residual": dh}
+    leaves = {"x": _to64(x).requires_grad_(), "weight": _to64(weight).requires_grad_()}
+    st = rms_norm_ref(leaves["x"], leaves["weight"], eps)
     outs = [st[k] for k in grads]
     gs = torch.autograd.grad(outs, list(leaves.values()), [_to64(g) for g in grads.values()], allow_unused=True)
     return {k: (g if g is not None else torch.zeros_like(leaves[k])) for k, g in zip(leaves, gs)}
@@ -93,6 +109,9 @@ def _check_forward(x, weight, eps=1e-6, residual=None, dtype=None):
     with poisoned():
         out = rms_norm(x, weight, eps, residual)
     y = out if residual is None else out[0]
+    if residual is not None:
+        # y normalises h rounded to x's dtype (checked against x + residual below), not the float64 sum
+        ref["y"] = rms_norm_ref(_to64(out[1]), _to64(weight), eps)["y"]
     assert y.shape == x.shape
     assert y.dtype == torch.promote_types(x.dtype, weight.dtype)
     _assert_ok(compare("y", ref["y"], y, dtype=dtype, verbose=False))
@@ -361,7 +380,7 @@ def test_stages(dtype, residual, gen):
 # ----------------------------------------------------------------------------- property test
 
 try:
-    from hypothesis import given
+    from hypothesis import example, given
     from hypothesis import strategies as st
 except ImportError:  # pragma: no cover
     given = None
@@ -376,6 +395,9 @@ if given is not None:
         eps=st.sampled_from([1e-6, 1e-5, 0.1]),
         seed=st.integers(0, 2**31 - 1),
     )
+    # drawn by CI: bf16 h = x + residual rounded over 5 rows at N=2 moved dweight 2.3e-2 when the
+    # reference normalised the unrounded sum
+    @example(lead=[5], n=2, dtype=torch.bfloat16, residual=True, eps=1e-6, seed=64688222)
     def test_property_forward_and_backward(lead, n, dtype, residual, eps, seed):
         gen = torch.Generator().manual_seed(seed)
         shape = (*lead, n)
