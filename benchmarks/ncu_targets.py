@@ -3,7 +3,8 @@
     ncu --clock-control none -k regex:KERNEL -s 2 -c 1 --section ... python benchmarks/ncu_targets.py TARGET
 
 Targets: mhc_k1_bwd (T=65536, C=2560), gate_up (Qwen2.5-0.5B gate/up GEMV + RMSNorm, M=1),
-down (down_proj GEMV + residual, M=1), ternary_m1 (ternary GEMV, M=1, 8192 x 8192).
+down (down_proj GEMV + residual, M=1), ternary_m1 (ternary.matmul, M=1, 8192 x 8192: the tc kernel),
+ternary_m1_ffn (the same at 28672 x 8192).
 """
 
 import sys
@@ -36,9 +37,10 @@ def main():
             w = torch.randn(896, 4864, device="cuda", dtype=dt) * 0.014
             r = torch.randn(1, 896, device="cuda", dtype=dt)
             fn = lambda: G.gemv_launch(x, w, residual=r)  # noqa: E731
-    elif target == "ternary_m1":
+    elif target in ("ternary_m1", "ternary_m1_ffn"):
         from triforge.ternary import TernaryTensor, matmul
-        tt = TernaryTensor.from_float(torch.randn(8192, 8192, device="cuda"), method="absmean")
+        n = 8192 if target == "ternary_m1" else 28672
+        tt = TernaryTensor.from_float(torch.randn(n, 8192, device="cuda"), method="absmean").compact()
         x = torch.randn(1, 8192, device="cuda", dtype=dt)
         fn = lambda: matmul(x, tt)  # noqa: E731
     else:

@@ -12,7 +12,9 @@ For each (N, K) of the issue and batch M in {1, 4, 16, 64, 256}, bf16 activation
 ``--sweep``: instead, every launch config of ``sweep_configs()`` (PREFETCH depth, tile, split target, stages)
 checked and timed the same way (CUDA graphs) at each shape and M, with the config in use and the fallback
 first; the five fastest printed per shape. ``--sweep tiles``: the storage tile height too (16 and 128 rows; the
-two configs above on 128-row tiles as well).
+two configs above on 128-row tiles as well). ``--sweep pdl``: the config in use with the fix-up's partials read
+four at a time (FIX4) or one at a time, launched as programmatic dependents (PDL) or not; then at M <= 16 its
+split target under PDL, at M >= 64 a small grid of tiles, stages and split targets under PDL.
 """
 
 import argparse
@@ -110,6 +112,10 @@ def sweep_configs(which="main"):
         return [{"ROW_REPS": r, "BLOCKS_K": b, "num_warps": w, "num_stages": 1, "programs_per_sm": pps, "TR": tr,
                  "PREFETCH": p, "XPRE": xp} for tr in (16, 128) for r, b, w in tiles for pps in (2, 4, 8)
                 for p, xp in ((1, 0), (2, 0), (1, 1))]
+    if which == "pdl":  # (the M >= 64 grid; the flags themselves are crossed with the config in use by run_sweep)
+        return [{"ROW_REPS": r, "BLOCKS_K": b, "num_warps": w, "num_stages": st, "programs_per_sm": pps, "FIX4": 1,
+                 "PDL": True} for r in (1, 2) for b in (1, 2) for w in (4, 8) for st in (1, 2) for pps in (1, 2, 4)
+                if not (w == 8 and r == 2)]
     if which == "xpre":
         tiles = [(1, 1, 4), (1, 2, 4), (2, 1, 4), (1, 2, 8)]
         return [{"ROW_REPS": r, "BLOCKS_K": b, "num_warps": w, "PREFETCH": p, "programs_per_sm": pps, "num_stages": 1,
@@ -132,7 +138,15 @@ def run_sweep(N, K, ms, gen, which="main", base_only=False):
         base = [dict(tc.tc_config(M, N, K)), dict(tc.tc_fallback_config(M, N, K))]
         if which == "tiles":  # the same two configs on 128-row tiles (the default is 16)
             base += [dict(b, TR=128) for b in base]
-        for cfg in base + ([] if base_only else sweep_configs(which)):
+        extra = [] if base_only else sweep_configs(which)
+        if which == "pdl":
+            # the config in use with the split-K sum read one partial (FIX4 0) or four (1) at a time, launched
+            # with PDL or not; then its split targets under PDL (M <= 16), or the M >= 64 grid under PDL
+            cur = base[0]
+            base = [dict(cur, FIX4=f4, PDL=pdl) for pdl in (False, True) for f4 in (0, 1)] + [base[1]]
+            extra = ([dict(cur, FIX4=1, PDL=True, programs_per_sm=pps) for pps in (2, 3, 4, 6, 8)
+                      if pps != cur.get("programs_per_sm")] if M <= 16 else extra)
+        for cfg in base + extra:
             tr = cfg.get("TR", tc.TILE_ROWS)
             if tr not in by_tr:
                 by_tr[tr] = [tc.pack_tc(t.plus, t.minus, t.in_features, tr) for t in tts]
@@ -146,18 +160,25 @@ def run_sweep(N, K, ms, gen, which="main", base_only=False):
                 ok, us = False, None
                 print(f"  {cfg}: {type(e).__name__}", flush=True)
             timed.append({"config": cfg, "ok": ok, "us": us})
-        timed[0]["label"], timed[1]["label"] = "current", "fallback"
+        if which == "pdl":
+            for t, lab in zip(timed, ["current", "current FIX4", "current PDL", "current FIX4 PDL", "fallback"]):
+                t["label"] = lab
+            print(f"N={N} K={K} M={M}: " + ", ".join(f"{t['label']} {t['us']}" for t in timed[:5]), flush=True)
+            i_fb = 4
+        else:
+            i_fb = 1
+            timed[0]["label"], timed[1]["label"] = "current", "fallback"
         if which == "tiles":
             timed[2]["label"], timed[3]["label"] = "current TR128", "fallback TR128"
             print(f"N={N} K={K} M={M}: 128-row tiles, current config {timed[2]['us']} us, fallback {timed[3]['us']} us",
                   flush=True)
         good = sorted((t for t in timed if t["us"] is not None), key=lambda t: t["us"])
         print(f"N={N} K={K} M={M}: {len(good)} configs, parity failures {sum(not t['ok'] for t in timed)}; "
-              f"current {timed[0]['us']} us {timed[0]['config']}; fallback {timed[1]['us']} us", flush=True)
+              f"current {timed[0]['us']} us {timed[0]['config']}; fallback {timed[i_fb]['us']} us", flush=True)
         for t in good[:5]:
             print(f"   {t['us']:7.2f} us  {t['config']}", flush=True)
         rows.append({"N": N, "K": K, "M": M, "timed": timed, "best": good[0] if good else None,
-                     "current": timed[0], "fallback": timed[1]})
+                     "current": timed[0], "fallback": timed[i_fb]})
     del tts, codes, by_tr
     torch.cuda.empty_cache()
     return rows
@@ -168,7 +189,7 @@ def main():
     ap.add_argument("--json", help="write the rows here")
     ap.add_argument("--shapes", nargs="*", help="NxK, e.g. 8192x8192 (default: the issue's five)")
     ap.add_argument("--m", nargs="*", type=int, default=MS)
-    ap.add_argument("--sweep", nargs="?", const="main", choices=["main", "xpre", "tiles"],
+    ap.add_argument("--sweep", nargs="?", const="main", choices=["main", "xpre", "tiles", "pdl"],
                     help="time the sweep's launch configs instead (CUDA graphs)")
     ap.add_argument("--base-only", action="store_true", help="with --sweep: the config in use and the fallback only")
     args = ap.parse_args()

@@ -76,22 +76,27 @@ def test_tc_matmul_split_and_whole_k(dtype, device, gen):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
-def test_tc_split_fixup_equals_reduce_launch(dtype, device, gen):
-    """Split K summed by the tiles' last-arriving programs (FIXUP, the default) against the separate reduce
-    launch: the same order of the same fp32 partials, so the same bits; right against float64 over several
-    calls (each launch re-arms the arrival counters: they are zero after it), with a bias, at 2 x tiles."""
-    m, n, k = 20, 70, 1100  # BLOCK_M 32: 1 x tile; 2 weight tiles of 64 rows; 72 words: 5 steps of 16
+@pytest.mark.parametrize("k", [1100, 300, 1000], ids=["5splits", "3splits", "8splits"])
+def test_tc_split_fixup_equals_reduce_launch(dtype, k, device, gen):
+    """Split K summed by the tiles' last-arriving programs (FIXUP, the default; partials read four at a time,
+    FIX4, or one at a time) against the separate reduce launch: the same order of the same fp32 partials, so
+    the same bits, with split counts below, above and at multiples of four; right against float64 over
+    several calls (each launch re-arms the arrival counters: they are zero after it), with a bias, at 2 x
+    tiles."""
+    m, n = 20, 70  # BLOCK_M 32: 1 x tile; 2 weight tiles of 64 rows; 8 words per 128 columns: one step each
     tt = TernaryTensor.from_trits(random_trits(n, k, gen), random_scales(n, gen)).to(device)
     codes = tc.pack_tc(tt.plus, tt.minus, k)
+    base = {"programs_per_sm": 64, "BLOCKS_K": 1}
     for call in range(3):
         x = torch.randn(m, k, generator=gen).to(device=device, dtype=dtype)
         bias = torch.randn(n, generator=gen).to(device=device, dtype=dtype)
         with poisoned():
-            y_fix = tc.ternary_matmul_tc(x, tt, bias, codes=codes, cfg={"programs_per_sm": 64, "BLOCKS_K": 1})
-            y_red = tc.ternary_matmul_tc(x, tt, bias, codes=codes,
-                                         cfg={"programs_per_sm": 64, "BLOCKS_K": 1, "FIXUP": 0})
+            y_fix = tc.ternary_matmul_tc(x, tt, bias, codes=codes, cfg=dict(base, FIX4=1))
+            y_fix1 = tc.ternary_matmul_tc(x, tt, bias, codes=codes, cfg=dict(base, FIX4=0))
+            y_red = tc.ternary_matmul_tc(x, tt, bias, codes=codes, cfg=dict(base, FIXUP=0))
         assert compare(f"tc matmul split fixup call {call}", matmul_dense_ref(x, tt, bias), y_fix, dtype=dtype).ok
         assert torch.equal(y_fix, y_red), (y_fix - y_red).abs().max()
+        assert torch.equal(y_fix1, y_red), (y_fix1 - y_red).abs().max()
         cnt = tc.split_counters(torch.device(device), 1)
         assert int(cnt.abs().sum()) == 0
 
@@ -101,10 +106,11 @@ def test_tc_split_fixup_equals_reduce_launch(dtype, device, gen):
                                  {"PREFETCH": 3, "BLOCKS_K": 2}, {"XPRE": 1}, {"XPRE": 1, "PREFETCH": 2},
                                  {"XPRE": 1, "PREFETCH": 3, "programs_per_sm": 4},
                                  {"TR": 128, "BLOCKS_K": 2, "programs_per_sm": 4}, {"TR": 32, "ROW_REPS": 2},
-                                 {"TR": 64, "XPRE": 1, "programs_per_sm": 4}],
+                                 {"TR": 64, "XPRE": 1, "programs_per_sm": 4},
+                                 {"PDL": True, "XPRE": 1, "PREFETCH": 2, "programs_per_sm": 4}, {"PDL": True}],
                          ids=["blocks_k2", "row_reps2", "warps8", "prefetch2", "prefetch3_split", "prefetch3_k2",
                               "xpre", "xpre_prefetch2", "xpre_prefetch3_split", "tile128_k2_split", "tile32_row_reps2",
-                              "tile64_xpre_split"])
+                              "tile64_xpre_split", "pdl_xpre_split", "pdl"])
 def test_tc_matmul_configs(cfg, device, gen):
     """The GPU configs' shapes of the kernel (256-column steps with a partial last step, 128-row blocks,
     words loaded 2 and 3 steps ahead, also past a split's end) under the interpreter."""
@@ -114,6 +120,48 @@ def test_tc_matmul_configs(cfg, device, gen):
     with poisoned():
         y = tc.ternary_matmul_tc(x, tt, cfg=cfg)
     assert compare(f"tc matmul {cfg}", matmul_dense_ref(x, tt), y, dtype=torch.float16).ok
+
+
+def test_pdl_rule(monkeypatch, device, gen):
+    """A launch is a programmatic dependent one (its first code words read before griddepcontrol.wait) only
+    on codes an earlier launch read and nothing wrote since: not on fresh codes, not right after modify_dim
+    (an in-place write the previous kernel may still be doing), never with TRIFORGE_TERNARY_PDL=0."""
+    monkeypatch.setattr(tc.launch, "pdl_supported", lambda: True)
+    tt = TernaryTensor.from_trits(random_trits(20, 100, gen), random_scales(20, gen)).to(device).compact()
+    codes = tt.tc_codes()
+    assert [tc._settled(codes) for _ in range(3)] == [False, True, True]
+    tt.modify_dim(3, 7, -1)  # in place on the codes
+    assert tt.tc_codes() is codes
+    assert [tc._settled(codes) for _ in range(2)] == [False, True]
+    codes.copy_(codes.clone())  # any in-place write
+    assert tc._settled(codes) is False
+    assert tc._settled(tc.pack_tc(tt.plus, tt.minus, 100)) is False  # fresh codes
+    monkeypatch.setenv(tc.PDL_ENV, "0")
+    assert tc._settled(codes) is False
+    monkeypatch.setattr(tc.launch, "pdl_supported", lambda: False)
+    monkeypatch.setenv(tc.PDL_ENV, "1")
+    assert tc._settled(codes) is False
+
+
+@pytest.mark.gpu
+def test_pdl_chain_reads_its_predecessors_output(device, gen):
+    """Compiled with PDL, each launch reading the previous launch's output: x is only read after the wait, so
+    every link equals the float64 product of its own input (a read before the wait would see a stale y)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    n = 1024
+    tt = TernaryTensor.from_trits(random_trits(n, n, gen), torch.full((n,), 1.0 / 32)).to("cuda").compact()
+    codes = tt.tc_codes()
+    x = torch.randn(16, n, generator=gen).to(device="cuda", dtype=torch.bfloat16)
+    for cfg in ({"XPRE": 1, "PREFETCH": 2}, {}):
+        tc._settled(codes)
+        ins, outs = [x], []
+        for _ in range(12):
+            outs.append(tc.ternary_matmul_tc(ins[-1], tt, codes=codes, cfg=dict(cfg, PDL=True)))
+            ins.append(outs[-1])
+        torch.cuda.synchronize()
+        for i, (a, y) in enumerate(zip(ins, outs)):
+            assert compare(f"pdl chain {cfg} link {i}", matmul_dense_ref(a, tt), y, dtype=torch.bfloat16).ok
 
 
 def test_tc_matmul_bad_input(device, gen):
@@ -221,7 +269,8 @@ def _tc_sm90_cases():
     cases = []
     for m, dt, extra in [(16, "fp16", {}), (16, "bf16", {}), (64, "fp16", {}), (256, "fp16", {}), (256, "bf16", {}),
                          (16, "bf16", {"PREFETCH": 3}),
-                         (16, "fp16", {"PREFETCH": 2, "XPRE": 1})]:
+                         (16, "fp16", {"PREFETCH": 2, "XPRE": 1}),
+                         (16, "bf16", {"PREFETCH": 2, "XPRE": 1, "PDL": True}), (64, "bf16", {"PDL": True})]:
         cfg = dict(tc.tc_fallback_config(m, 8192, 8192, interpreter=False), **extra)
         x = f"*{dt}"
         cases.append({
@@ -231,7 +280,8 @@ def _tc_sm90_cases():
             "constexprs": dict(BLOCK_M=cfg["BLOCK_M"], ROW_REPS=cfg["ROW_REPS"], BLOCKS_K=cfg["BLOCKS_K"],
                                WARPS=cfg["num_warps"], IS_BF16=dt == "bf16", USE_ASM=True, TMA=not cfg.get("XPRE", 0), FINAL=False,
                                PREFETCH=cfg.get("PREFETCH", 1), XPRE=bool(cfg.get("XPRE", 0)),
-                               FIXUP=m <= 64, HAS_BIAS=True, RNE=False, TR=tc.TILE_ROWS),
+                               FIXUP=m <= 64, FIX4=True, HAS_BIAS=True, RNE=False, TR=tc.TILE_ROWS,
+                               PDL=bool(cfg.get("PDL", False))),
             "divisible": ["x_ptr", "codes_ptr", "scale_ptr", "bias_ptr", "y_ptr", "part_ptr", "cnt_ptr", "magic", "M",
                           "N", "K", "KC"],
             "options": {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]},
@@ -277,11 +327,11 @@ def test_tc_kernel_compiles_for_sm90():
         loop = k_loop(r["loops"])
         weights = 16 * warps * cx["ROW_REPS"] * 128 * cx["BLOCKS_K"] // (32 * warps)  # per thread per step
         words = weights // 16
+        hadd = "HADD2.BF16_V2" if cx["IS_BF16"] else "HADD2"
         if cx["XPRE"]:  # x by registers into shared (PRMT + STS): the decode's counts hold, the totals do not
-            assert loop.get("HADD2", 0) == weights // 2 and total_ok(loop, weights, 2.5), loop
+            assert loop.get(hadd, 0) == weights // 2 and total_ok(loop, weights, 2.5), loop
             continue
         total = sum(loop.values())
-        hadd = "HADD2.BF16_V2" if cx["IS_BF16"] else "HADD2"
         assert loop.get(hadd, 0) == weights // 2, loop
         assert weights // 2 <= loop["LOP3.LUT"] <= weights // 2 + 2, loop
         shf = sum(n for op, n in loop.items() if op.startswith("SHF"))

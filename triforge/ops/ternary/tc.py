@@ -37,6 +37,8 @@ MMA's N dimension (16..256), so small M is not padded to 64 rows; x tiles reach 
 memory by TMA.
 """
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -210,9 +212,11 @@ def ternary_tc_kernel(
     PREFETCH: tl.constexpr,  # steps of words loaded ahead of the decode: 1..3
     XPRE: tl.constexpr,  # x by pointer loads, PREFETCH steps ahead too (not TMA)
     FIXUP: tl.constexpr,  # several splits: the last of a tile's splits to finish sums them (else a reduce launch)
+    FIX4: tl.constexpr,  # FIXUP: the partials read four at a time (else one per loop trip)
     HAS_BIAS: tl.constexpr,
     RNE: tl.constexpr,
     TR: tl.constexpr,  # rows per storage tile of the codes (pack_tc's tile_rows)
+    PDL: tl.constexpr,  # programmatic dependent launch: the first words in flight before griddepcontrol.wait
 ):
     BLOCK_N: tl.constexpr = 16 * WARPS * ROW_REPS
     BK: tl.constexpr = 128 * BLOCKS_K
@@ -244,8 +248,6 @@ def ternary_tc_kernel(
     m_m = o_m < M
     o_k = tl.arange(0, BK)
     p_x = x_ptr + o_m.to(tl.int64)[:, None] * K + o_k[None, :]
-    if TMA:
-        x_desc = tl.make_tensor_descriptor(x_ptr, [M, K], [K, 1], [BLOCK_M, BK])
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     n_steps = tl.cdiv(KC, 8 * BLOCKS_K)
     s_start = i_s * steps_per_split
@@ -255,15 +257,23 @@ def ternary_tc_kernel(
     # XPRE (pointer loads of x, not TMA): x tiles travel with the words, PREFETCH steps ahead in registers
     # (a TMA load per step is issued and waited on in the same step: its latency is exposed)
     words = _load_step(p_c, o_c, m_r, s_start, s_end, KC, BLOCKS_K, TR)
-    if XPRE:
-        xw = _load_x(p_x, m_m, o_k, s_start * BK, K)
     if PREFETCH >= 2:
         words2 = _load_step(p_c, o_c, m_r, s_start + 1, s_end, KC, BLOCKS_K, TR)
-        if XPRE:
-            xw2 = _load_x(p_x, m_m, o_k, (s_start + 1) * BK, K)
     if PREFETCH >= 3:
         words3 = _load_step(p_c, o_c, m_r, s_start + 2, s_end, KC, BLOCKS_K, TR)
-        if XPRE:
+    if PDL:
+        # only the codes (constant since an earlier launch read them: the launcher's rule) are read above; x,
+        # the descriptor's scratch, the partials, the counters and y are touched after the previous kernel
+        # in the stream has finished and its writes are visible
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()  # the next kernel may start: it waits the same way
+    if TMA:
+        x_desc = tl.make_tensor_descriptor(x_ptr, [M, K], [K, 1], [BLOCK_M, BK])
+    if XPRE:
+        xw = _load_x(p_x, m_m, o_k, s_start * BK, K)
+        if PREFETCH >= 2:
+            xw2 = _load_x(p_x, m_m, o_k, (s_start + 1) * BK, K)
+        if PREFETCH >= 3:
             xw3 = _load_x(p_x, m_m, o_k, (s_start + 2) * BK, K)
     for s in range(s_start, s_end):
         # the step PREFETCH ahead is requested before this step's decode
@@ -329,9 +339,19 @@ def ternary_tc_kernel(
             if arrived == n_splits - 1:
                 tl.debug_barrier()  # the other threads' reads follow the acquire
                 y = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-                for s2 in range(0, n_splits):  # L2 reads (.cg): other SMs wrote these
-                    o_s = (s2 * M + o_m[None, :]).to(tl.int64) * N + o_n[:, None]
-                    y += tl.load(part_ptr + o_s, mask=m_y, other=0.0, cache_modifier=".cg")
+                if FIX4:  # four partials' loads issued before their sums (one L2 round trip per four splits)
+                    for s2 in range(0, n_splits, 4):
+                        q0 = _load_part(part_ptr, o_m, o_n, m_y, M, N, s2, n_splits)
+                        q1 = _load_part(part_ptr, o_m, o_n, m_y, M, N, s2 + 1, n_splits)
+                        q2 = _load_part(part_ptr, o_m, o_n, m_y, M, N, s2 + 2, n_splits)
+                        q3 = _load_part(part_ptr, o_m, o_n, m_y, M, N, s2 + 3, n_splits)
+                        y += q0  # split order 0..S-1, past the last split nothing is added (same bits)
+                        y = tl.where(s2 + 1 < n_splits, y + q1, y)
+                        y = tl.where(s2 + 2 < n_splits, y + q2, y)
+                        y = tl.where(s2 + 3 < n_splits, y + q3, y)
+                else:
+                    for s2 in range(0, n_splits):
+                        y += _load_part(part_ptr, o_m, o_n, m_y, M, N, s2, n_splits)
                 _store_y(y, scale_ptr, stride_scale, bias_ptr, y_ptr, o_m, o_n, m_y, N, HAS_BIAS, RNE)
                 tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
 
@@ -342,6 +362,13 @@ def _load_step(p_c, o_c, m_r, s, s_end, KC, BLOCKS_K: tl.constexpr, TR: tl.const
     8 TR words (tiled storage: word block b of a row block at 8 TR b)."""
     w0 = s * (8 * BLOCKS_K)
     return tl.load(p_c + w0 * TR, mask=m_r & (s < s_end) & (w0 + o_c < KC), other=0)
+
+
+@triton.jit
+def _load_part(part_ptr, o_m, o_n, m_y, M, N, s, n_splits):
+    """Split s's fp32 partial tile (zeros past the last split), read from L2 (.cg): other SMs wrote it."""
+    o_s = (s * M + o_m[None, :]).to(tl.int64) * N + o_n[:, None]
+    return tl.load(part_ptr + o_s, mask=m_y & (s < n_splits), other=0.0, cache_modifier=".cg")
 
 
 @triton.jit
@@ -435,8 +462,8 @@ TC_TUNE_SPACE = {"ROW_REPS": [1, 2], "BLOCKS_K": [1, 2, 4], "num_warps": [4, 8],
 
 @launch.config_cache
 def _tc_plan(M: int, N: int, K: int, kc: int, cfg_items=None):
-    """(BLOCK_M, BLOCKS_K, ROW_REPS, warps, stages, PREFETCH, XPRE, FIXUP, TMA, grid (weight tiles, x tiles,
-    splits), steps per split) of a launch: the tuned (or given) config and the split-K arithmetic, worked out once per shape
+    """(BLOCK_M, BLOCKS_K, ROW_REPS, warps, stages, PREFETCH, XPRE, FIXUP, FIX4, PDL (None: the launcher's rule),
+    TMA, grid (weight tiles, x tiles, splits), steps per split) of a launch: the tuned (or given) config and the split-K arithmetic, worked out once per shape
     (host time: the decode path is a few microseconds of GPU time per call)."""
     cfg = dict(tc_config(M, N, K), **dict(cfg_items or ()))
     bm, reps, nbk, warps = cfg["BLOCK_M"], cfg["ROW_REPS"], cfg["BLOCKS_K"], cfg["num_warps"]
@@ -450,7 +477,27 @@ def _tc_plan(M: int, N: int, K: int, kc: int, cfg_items=None):
     use_tma = not xpre and bool(cfg.get("TMA", not _runtime.INTERPRET)) and K % 8 == 0
     grid = (triton.cdiv(N, bn), triton.cdiv(M, bm), splits)
     return (bm, nbk, reps, warps, cfg["num_stages"], cfg.get("PREFETCH", 1), xpre, bool(cfg.get("FIXUP", 1)),
-            use_tma, grid, per_split)
+            bool(cfg.get("FIX4", 1)), cfg.get("PDL"), use_tma, grid, per_split)
+
+
+PDL_ENV = "TRIFORGE_TERNARY_PDL"
+
+
+def _settled(codes: torch.Tensor) -> bool:
+    """Whether this launch may be a programmatic dependent one (``TRIFORGE_TERNARY_PDL``, default 1; 0 never).
+
+    Under PDL the kernel reads its first code words before griddepcontrol.wait, i.e. while the previous kernel in
+    the stream may still run, so the codes must not be that kernel's output. The rule: the codes tensor was
+    already read by an earlier launch and has not been written in place since (its version counter, which
+    ``modify_dim``, ``copy_`` and every in-place op bump, is the one recorded then). A fresh or just-edited
+    codes tensor launches without PDL once."""
+    if not launch.pdl_supported() or os.environ.get(PDL_ENV, "1") == "0":
+        return False
+    seen = getattr(codes, "_triforge_read_version", None)
+    if seen == codes._version:
+        return True
+    codes._triforge_read_version = codes._version
+    return False
 
 
 def ternary_matmul_tc(x2d: torch.Tensor, tt, bias: torch.Tensor | None = None, codes: torch.Tensor | None = None,
@@ -479,7 +526,7 @@ def ternary_matmul_tc(x2d: torch.Tensor, tt, bias: torch.Tensor | None = None, c
     if tuple(codes.shape) != (code_rows(N, tr), code_words(K)):
         raise ValueError(f"codes must have shape {(code_rows(N, tr), code_words(K))} (pack_tc) for {N} x {K} weights, "
                          f"got {tuple(codes.shape)}")
-    bm, nbk, reps, warps, stages, prefetch, xpre, fixup_on, use_tma, grid, per_split = _tc_plan(
+    bm, nbk, reps, warps, stages, prefetch, xpre, fixup_on, fix4, pdl, use_tma, grid, per_split = _tc_plan(
         M, N, K, kc, None if cfg is None else tuple(sorted(cfg.items())))
     splits = grid[2]
     # TMA needs 16-byte row strides and base (else pointer loads)
@@ -493,6 +540,8 @@ def ternary_matmul_tc(x2d: torch.Tensor, tt, bias: torch.Tensor | None = None, c
     y = new_output((M, N), x2d.dtype, x2d.device)
     part = y if final else new_output((splits, M, N), torch.float32, x2d.device)
     cnt = split_counters(x2d.device, grid[0] * grid[1]) if fixup else scales
+    if pdl is None:
+        pdl = _settled(codes)
     xsize = x2d.element_size()
     launch.launch(
         "ternary_tc", ternary_tc_kernel, grid,
@@ -500,8 +549,8 @@ def ternary_matmul_tc(x2d: torch.Tensor, tt, bias: torch.Tensor | None = None, c
         MAGIC_BF16 if is_bf16 else MAGIC_F16, M, N, K, kc, per_split, splits,
         nbytes=codes.numel() * 4 + M * K * xsize + M * N * (xsize if final else 8 * splits + xsize),
         BLOCK_M=bm, ROW_REPS=reps, BLOCKS_K=nbk, WARPS=warps, IS_BF16=is_bf16, USE_ASM=not _runtime.INTERPRET,
-        TMA=tma, FINAL=final, PREFETCH=prefetch, XPRE=xpre, FIXUP=fixup, HAS_BIAS=bias is not None, RNE=rne,
-        TR=tr, num_warps=warps, num_stages=stages,
+        TMA=tma, FINAL=final, PREFETCH=prefetch, XPRE=xpre, FIXUP=fixup, FIX4=fix4, HAS_BIAS=bias is not None,
+        RNE=rne, TR=tr, num_warps=warps, num_stages=stages, **launch.pdl_options(pdl),
     )
     if not final and not fixup:
         reduce_splits(part, scales, bias, y, rne)
