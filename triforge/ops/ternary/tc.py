@@ -212,8 +212,10 @@ def ternary_tc_kernel(
     PREFETCH: tl.constexpr,  # steps of words loaded ahead of the decode: 1..3
     XPRE: tl.constexpr,  # x by pointer loads, PREFETCH steps ahead too (not TMA)
     FIXUP: tl.constexpr,  # several splits: the last of a tile's splits to finish sums them (else a reduce launch)
-    FIX4: tl.constexpr,  # FIXUP: the partials read four at a time (else one per loop trip; the default for BLOCK_M > 64,
-    #                      where four fp32 tiles in registers at once measured slower: 17.7 -> 19.9 us at 896x4864 M=256)
+    FIX4: tl.constexpr,  # FIXUP: the partials read four at a time (else one per loop trip). Four fp32 tiles of
+    #                      ROW_REPS BLOCK_M / 2 registers each: the default only up to 16 each (ROW_REPS BLOCK_M <= 32);
+    #                      larger, it measured slower (896x4864 M=256: 17.7 -> 19.9 us; 8192^2 M=64, 8 warps: 124 ->
+    #                      165 registers, one program per SM instead of two, 25.0 -> 38.6 us)
     HAS_BIAS: tl.constexpr,
     RNE: tl.constexpr,
     TR: tl.constexpr,  # rows per storage tile of the codes (pack_tc's tile_rows)
@@ -463,8 +465,8 @@ TC_TUNE_SPACE = {"ROW_REPS": [1, 2], "BLOCKS_K": [1, 2, 4], "num_warps": [4, 8],
 
 @launch.config_cache
 def _tc_plan(M: int, N: int, K: int, kc: int, cfg_items=None):
-    """(BLOCK_M, BLOCKS_K, ROW_REPS, warps, stages, PREFETCH, XPRE, FIXUP, FIX4, PDL (None: the launcher's rule),
-    TMA, grid (weight tiles, x tiles, splits), steps per split) of a launch: the tuned (or given) config and the split-K arithmetic, worked out once per shape
+    """(BLOCK_M, BLOCKS_K, ROW_REPS, warps, stages, PREFETCH, XPRE, FIXUP, FIX4, PDL (allowed; the launcher also asks
+    ``_settled``), TMA, grid (weight tiles, x tiles, splits), steps per split) of a launch: the tuned (or given) config and the split-K arithmetic, worked out once per shape
     (host time: the decode path is a few microseconds of GPU time per call)."""
     cfg = dict(tc_config(M, N, K), **dict(cfg_items or ()))
     bm, reps, nbk, warps = cfg["BLOCK_M"], cfg["ROW_REPS"], cfg["BLOCKS_K"], cfg["num_warps"]
@@ -478,7 +480,7 @@ def _tc_plan(M: int, N: int, K: int, kc: int, cfg_items=None):
     use_tma = not xpre and bool(cfg.get("TMA", not _runtime.INTERPRET)) and K % 8 == 0
     grid = (triton.cdiv(N, bn), triton.cdiv(M, bm), splits)
     return (bm, nbk, reps, warps, cfg["num_stages"], cfg.get("PREFETCH", 1), xpre, bool(cfg.get("FIXUP", 1)),
-            bool(cfg.get("FIX4", bm <= 64)), cfg.get("PDL"), use_tma, grid, per_split)
+            bool(cfg.get("FIX4", reps * bm <= 32)), bool(cfg.get("PDL", bm <= 64)), use_tma, grid, per_split)
 
 
 PDL_ENV = "TRIFORGE_TERNARY_PDL"
@@ -541,8 +543,9 @@ def ternary_matmul_tc(x2d: torch.Tensor, tt, bias: torch.Tensor | None = None, c
     y = new_output((M, N), x2d.dtype, x2d.device)
     part = y if final else new_output((splits, M, N), torch.float32, x2d.device)
     cnt = split_counters(x2d.device, grid[0] * grid[1]) if fixup else scales
-    if pdl is None:
-        pdl = _settled(codes)
+    # PDL where the config allows it (default: M <= 64; at M = 256 it measured slower at 8192^2, 65.4 -> 71.0 us)
+    # and the codes are settled
+    pdl = pdl and _settled(codes)
     xsize = x2d.element_size()
     launch.launch(
         "ternary_tc", ternary_tc_kernel, grid,
