@@ -116,6 +116,10 @@ def sweep_configs(which="main"):
         return [{"ROW_REPS": r, "BLOCKS_K": b, "num_warps": w, "num_stages": st, "programs_per_sm": pps, "FIX4": 1,
                  "PDL": True} for r in (1, 2) for b in (1, 2) for w in (4, 8) for st in (1, 2) for pps in (1, 2, 4)
                 if not (w == 8 and r == 2)]
+    if which == "m256":  # x tiles of 64 and 256 rows at M = 256 (the pdl grid has 128), PDL allowed
+        return [{"BLOCK_M": bm, "ROW_REPS": r, "BLOCKS_K": b, "num_warps": w, "num_stages": st, "programs_per_sm": pps,
+                 "PDL": True} for bm in (64, 256) for r in (1, 2) for b in (1, 2) for w in (4, 8) for st in (1, 2)
+                for pps in (1, 2, 4) if not (w == 8 and r == 2) and not (bm == 256 and r == 2)]
     if which == "xpre":
         tiles = [(1, 1, 4), (1, 2, 4), (2, 1, 4), (1, 2, 8)]
         return [{"ROW_REPS": r, "BLOCKS_K": b, "num_warps": w, "PREFETCH": p, "programs_per_sm": pps, "num_stages": 1,
@@ -189,7 +193,7 @@ def main():
     ap.add_argument("--json", help="write the rows here")
     ap.add_argument("--shapes", nargs="*", help="NxK, e.g. 8192x8192 (default: the issue's five)")
     ap.add_argument("--m", nargs="*", type=int, default=MS)
-    ap.add_argument("--sweep", nargs="?", const="main", choices=["main", "xpre", "tiles", "pdl"],
+    ap.add_argument("--sweep", nargs="?", const="main", choices=["main", "xpre", "tiles", "pdl", "m256"],
                     help="time the sweep's launch configs instead (CUDA graphs)")
     ap.add_argument("--base-only", action="store_true", help="with --sweep: the config in use and the fallback only")
     args = ap.parse_args()
