@@ -14,7 +14,8 @@ checked and timed the same way (CUDA graphs) at each shape and M, with the confi
 first; the five fastest printed per shape. ``--sweep tiles``: the storage tile height too (16 and 128 rows; the
 two configs above on 128-row tiles as well). ``--sweep pdl``: the config in use with the fix-up's partials read
 four at a time (FIX4) or one at a time, launched as programmatic dependents (PDL) or not; then at M <= 16 its
-split target under PDL, at M >= 64 a small grid of tiles, stages and split targets under PDL.
+split target under PDL, at M >= 64 a small grid of tiles, stages and split targets under PDL. ``--sweep m1``:
+deeper word prefetch at M = 1 under a register cap (maxnreg), and 64-row tiles at 5-6 programs per SM.
 """
 
 import argparse
@@ -120,6 +121,14 @@ def sweep_configs(which="main"):
         return [{"BLOCK_M": bm, "ROW_REPS": r, "BLOCKS_K": b, "num_warps": w, "num_stages": st, "programs_per_sm": pps,
                  "PDL": True} for bm in (64, 256) for r in (1, 2) for b in (1, 2) for w in (4, 8) for st in (1, 2)
                 for pps in (1, 2, 4) if not (w == 8 and r == 2) and not (bm == 256 and r == 2)]
+    if which == "m1":  # more code words in flight per SM at M = 1 (x by pointer loads): the 128-row tile two or three
+        # steps ahead under a register cap (168/167 registers uncapped: 3 programs per SM), 64-row tiles (79-103
+        # registers) at 5-6 programs per SM, 8-warp 128-row tiles
+        grid = [(2, 4, p, 4, 128) for p in (2, 3)] + [(2, 4, 1, 4, 120)]
+        grid += [(1, 4, p, pps, None) for p in (1, 2, 3) for pps in (5, 6)]
+        grid += [(1, 8, p, pps, None) for p in (1, 2) for pps in (2, 3)]
+        return [dict({"ROW_REPS": r, "BLOCKS_K": 1, "num_warps": w, "PREFETCH": p, "programs_per_sm": pps,
+                      "num_stages": 1, "XPRE": 1}, **({"maxnreg": reg} if reg else {})) for r, w, p, pps, reg in grid]
     if which == "xpre":
         tiles = [(1, 1, 4), (1, 2, 4), (2, 1, 4), (1, 2, 8)]
         return [{"ROW_REPS": r, "BLOCKS_K": b, "num_warps": w, "PREFETCH": p, "programs_per_sm": pps, "num_stages": 1,
@@ -193,7 +202,7 @@ def main():
     ap.add_argument("--json", help="write the rows here")
     ap.add_argument("--shapes", nargs="*", help="NxK, e.g. 8192x8192 (default: the issue's five)")
     ap.add_argument("--m", nargs="*", type=int, default=MS)
-    ap.add_argument("--sweep", nargs="?", const="main", choices=["main", "xpre", "tiles", "pdl", "m256"],
+    ap.add_argument("--sweep", nargs="?", const="main", choices=["main", "xpre", "tiles", "pdl", "m256", "m1"],
                     help="time the sweep's launch configs instead (CUDA graphs)")
     ap.add_argument("--base-only", action="store_true", help="with --sweep: the config in use and the fallback only")
     args = ap.parse_args()

@@ -155,6 +155,27 @@ def test_interpreter_never_caches():
     assert not launch._fast
 
 
+def test_bench_rotation_exceeds_the_l2():
+    """bench.rotation_count: enough input sets that together they hold four L2s (so a set's data is evicted before
+    it comes round again), at least 1, at most MAX_SETS; set_bytes counts tensors and objects that report their
+    resident bytes (a TernaryTensor's codes are not a tensor value of the inputs)."""
+    from triforge import bench
+    from triforge.ternary import TernaryTensor
+
+    l2 = 50 * 2**20
+    for nbytes in (1, 3 << 20, 12 << 20, 25 << 20, 60 << 20, 1 << 30):
+        n = bench.rotation_count(nbytes, l2)
+        assert 1 <= n <= bench.MAX_SETS
+        assert n == bench.MAX_SETS or n * nbytes >= 4 * l2
+        assert n == 1 or (n - 1) * nbytes < 4 * l2  # no more than needed
+    assert bench.rotation_count(3 << 20, l2) == bench.MAX_SETS  # 200 MB / 3 MB = 66.7 sets: capped
+    assert bench.rotation_count(12 << 20, l2) == 17
+    tt = TernaryTensor.from_float(torch.randn(48, 200), method="absmean")
+    x = torch.randn(3, 200)
+    assert bench.set_bytes({"x": x, "tt": tt, "eps": 1e-6}) == 3 * 200 * 4 + tt.nbytes("resident")
+    assert tt.nbytes("resident") >= 2 * 48 * 7 * 4  # its two int32 planes at least
+
+
 @pytest.mark.gpu
 def test_graph_time_ms_replays_the_captured_calls():
     """bench.graph_time_ms: every call warmed outside the capture, then captured once; each replay runs

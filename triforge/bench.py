@@ -5,8 +5,9 @@
 - ``peaks``: the device's measured ceilings (device-to-device copy, bf16 8192^3 matmul), cached
   per device name.
 - ``bench_op``: an op's triforge kernels and its peers on the same inputs, forward and backward;
-  inputs rotate among several sets when one set would fit in L2. Timing only starts after the op
-  passes its parity check at the same shape.
+  inputs rotate among enough sets to exceed the L2 four times (at most ``MAX_SETS``; peers that hold a
+  prepared form of some input must build it per set, e.g. the ternary fp16 weights). Timing only starts
+  after the op passes its parity check at the same shape.
 """
 
 import datetime as _dt
@@ -110,10 +111,6 @@ def peaks(force: bool = False) -> dict:
     return cache[name]
 
 
-def _tensors(inputs):
-    return [v for v in inputs.values() if isinstance(v, torch.Tensor)]
-
-
 def _input_sets(spec, dtype, n_sets, seed, tier="real"):
     gen = torch.Generator().manual_seed(seed)
     try:
@@ -124,12 +121,32 @@ def _input_sets(spec, dtype, n_sets, seed, tier="real"):
         raise
 
 
+MAX_SETS = 64  # input sets rotated at most: 64 sets of 3.2 MB already exceed a 50 MB L2 four times
+
+
+def set_bytes(inputs: dict) -> int:
+    """Device bytes one input set occupies: its tensors, and the objects that report what they hold through a
+    ``nbytes("resident")`` method (a TernaryTensor: its codes or planes and scales)."""
+    total = 0
+    for v in inputs.values():
+        if isinstance(v, torch.Tensor):
+            total += v.numel() * v.element_size()
+        elif callable(getattr(v, "nbytes", None)):
+            total += int(v.nbytes("resident"))
+    return total
+
+
+def rotation_count(nbytes: int, l2_bytes: int) -> int:
+    """Input sets to rotate so that together they exceed the L2 four times (each call then finds its inputs
+    evicted by the three-plus L2s of data touched since its set last ran), at most ``MAX_SETS``."""
+    return min(MAX_SETS, max(1, math.ceil(4 * l2_bytes / max(nbytes, 1))))
+
+
 def _rotation(spec, dtype, seed, tier="real") -> list:
-    """Enough input sets that consecutive calls never find their data in L2."""
+    """Enough input sets that consecutive calls never find their data in L2 (``rotation_count``)."""
     first = _input_sets(spec, dtype, 1, seed, tier)
-    nbytes = sum(t.numel() * t.element_size() for t in _tensors(first[0]))
     l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 * 2**20)
-    n_sets = min(8, max(1, math.ceil(4 * l2 / max(nbytes, 1))))
+    n_sets = rotation_count(set_bytes(first[0]), l2)
     return first + _input_sets(spec, dtype, n_sets - 1, seed + 1, tier)
 
 

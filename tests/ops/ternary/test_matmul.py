@@ -166,3 +166,26 @@ def test_skip_flag_follows_modify_dim(device, gen):
     assert not md.has_inactive_chunks()
     assert compare("refilled", matmul_dense_ref(x, tt), matmul(x, tt), dtype=torch.float32).ok
     assert tt.kernel_operands()[1] is None
+
+
+def test_bench_peer_builds_each_weight_set_once(gen):
+    """The bench's peers (cuBLAS fp16, gemlite) prepare their weights per TernaryTensor they are handed: each set
+    once, the right set's form for each call (a peer that kept the first set would read one weight set, from L2 at
+    the small shapes, while the bench rotates sets past it)."""
+    from triforge.ops.ternary import _per_weight_set
+
+    sets = [TernaryTensor.from_trits(random_trits(6, 40, gen), random_scales(6, gen)) for _ in range(3)]
+    made = []
+
+    def make(tt):
+        made.append(tt)
+        w = tt.to_float(torch.float64)
+        return lambda x: (x @ w.T,)
+
+    peer = _per_weight_set(make)
+    x = torch.randn(2, 40, generator=gen, dtype=torch.float64)
+    for rnd in range(2):
+        for tt in sets:
+            (y,) = peer(x, tt)
+            torch.testing.assert_close(y, matmul_dense_ref(x, tt), rtol=1e-12, atol=1e-12)
+    assert len(made) == 3 and all(a is b for a, b in zip(made, sets))

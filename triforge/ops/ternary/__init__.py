@@ -293,12 +293,31 @@ def _registry_bytes(inputs, mode):
     return x.numel() * x.element_size() + tt.out_features * tt.k_words * 8 + tt.out_features * 4 + out
 
 
+def _per_weight_set(make):
+    """A peer call (x, tt) that builds its own form of the weights, ``make(tt)`` -> callable(x) -> outputs, once per
+    TernaryTensor it is handed. The bench rotates weight sets past the L2; a peer that kept the first set's form
+    would read the same weights every call (from L2 at the 0.5B shapes: 8.7 MB in fp16)."""
+    built = {}
+
+    def run(x, tt):
+        entry = built.get(id(tt))
+        if entry is None or entry[0] is not tt:  # (the tensor held beside its form: its id is not reused)
+            entry = built[id(tt)] = (tt, make(tt))
+        return entry[1](x)
+
+    return run
+
+
 def _cublas_fp16_peer(inputs):
     """fp16 weights through torch.matmul (cuBLAS): the dense baseline the ternary kernels must beat."""
     if not torch.cuda.is_available():
         return None
-    w16 = inputs["tt"].to_float(torch.float16)
-    return lambda x, tt: (x.to(torch.float16) @ w16.T,)
+
+    def make(tt):
+        w16 = tt.to_float(torch.float16)
+        return lambda x: (x.to(torch.float16) @ w16.T,)
+
+    return _per_weight_set(make)
 
 
 def _gemlite_2bit_peer(inputs):
@@ -310,14 +329,17 @@ def _gemlite_2bit_peer(inputs):
         from gemlite.helper import A16Wn
     except ImportError:
         return None
-    tt = inputs["tt"]
-    trits = tt.to_float(torch.float32).div(tt.row_scales()[:, None]).round()
-    w_q = (trits + 1).to(torch.uint8)
-    scales = tt.row_scales().to(torch.float16)[:, None]
-    layer = A16Wn(device=str(tt.device), dtype=torch.float16).from_weights(
-        w_q, scales, torch.ones_like(scales), W_nbits=2, group_size=tt.in_features
-    )
-    return lambda x, tt: (layer(x.to(torch.float16)),)
+
+    def make(tt):
+        trits = tt.to_float(torch.float32).div(tt.row_scales()[:, None]).round()
+        w_q = (trits + 1).to(torch.uint8)
+        scales = tt.row_scales().to(torch.float16)[:, None]
+        layer = A16Wn(device=str(tt.device), dtype=torch.float16).from_weights(
+            w_q, scales, torch.ones_like(scales), W_nbits=2, group_size=tt.in_features
+        )
+        return lambda x: (layer(x.to(torch.float16)),)
+
+    return _per_weight_set(make)
 
 
 # the issue's grid: (N, K) of 7B-70B and 0.5B projections at batch 1 .. 256

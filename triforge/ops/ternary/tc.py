@@ -466,7 +466,7 @@ TC_TUNE_SPACE = {"ROW_REPS": [1, 2], "BLOCKS_K": [1, 2, 4], "num_warps": [4, 8],
 @launch.config_cache
 def _tc_plan(M: int, N: int, K: int, kc: int, cfg_items=None):
     """(BLOCK_M, BLOCKS_K, ROW_REPS, warps, stages, PREFETCH, XPRE, FIXUP, FIX4, PDL (allowed; the launcher also asks
-    ``_settled``), TMA, grid (weight tiles, x tiles, splits), steps per split) of a launch: the tuned (or given) config and the split-K arithmetic, worked out once per shape
+    ``_settled``), TMA, grid (weight tiles, x tiles, splits), steps per split, compile options (maxnreg)) of a launch: the tuned (or given) config and the split-K arithmetic, worked out once per shape
     (host time: the decode path is a few microseconds of GPU time per call)."""
     cfg = dict(tc_config(M, N, K), **dict(cfg_items or ()))
     bm, reps, nbk, warps = cfg["BLOCK_M"], cfg["ROW_REPS"], cfg["BLOCKS_K"], cfg["num_warps"]
@@ -479,8 +479,10 @@ def _tc_plan(M: int, N: int, K: int, kc: int, cfg_items=None):
     # cfg["TMA"] forces it either way (the interpreter runs the descriptor path too, for the tests)
     use_tma = not xpre and bool(cfg.get("TMA", not _runtime.INTERPRET)) and K % 8 == 0
     grid = (triton.cdiv(N, bn), triton.cdiv(M, bm), splits)
+    # maxnreg: a register cap for ptxas (more programs per SM, hence more code words in flight, at some spill risk)
+    opts = {"maxnreg": int(cfg["maxnreg"])} if cfg.get("maxnreg") else {}
     return (bm, nbk, reps, warps, cfg["num_stages"], cfg.get("PREFETCH", 1), xpre, bool(cfg.get("FIXUP", 1)),
-            bool(cfg.get("FIX4", reps * bm <= 32)), bool(cfg.get("PDL", bm <= 64)), use_tma, grid, per_split)
+            bool(cfg.get("FIX4", reps * bm <= 32)), bool(cfg.get("PDL", bm <= 64)), use_tma, grid, per_split, opts)
 
 
 PDL_ENV = "TRIFORGE_TERNARY_PDL"
@@ -529,7 +531,7 @@ def ternary_matmul_tc(x2d: torch.Tensor, tt, bias: torch.Tensor | None = None, c
     if tuple(codes.shape) != (code_rows(N, tr), code_words(K)):
         raise ValueError(f"codes must have shape {(code_rows(N, tr), code_words(K))} (pack_tc) for {N} x {K} weights, "
                          f"got {tuple(codes.shape)}")
-    bm, nbk, reps, warps, stages, prefetch, xpre, fixup_on, fix4, pdl, use_tma, grid, per_split = _tc_plan(
+    bm, nbk, reps, warps, stages, prefetch, xpre, fixup_on, fix4, pdl, use_tma, grid, per_split, opts = _tc_plan(
         M, N, K, kc, None if cfg is None else tuple(sorted(cfg.items())))
     splits = grid[2]
     # TMA needs 16-byte row strides and base (else pointer loads)
@@ -554,7 +556,7 @@ def ternary_matmul_tc(x2d: torch.Tensor, tt, bias: torch.Tensor | None = None, c
         nbytes=codes.numel() * 4 + M * K * xsize + M * N * (xsize if final else 8 * splits + xsize),
         BLOCK_M=bm, ROW_REPS=reps, BLOCKS_K=nbk, WARPS=warps, IS_BF16=is_bf16, USE_ASM=not _runtime.INTERPRET,
         TMA=tma, FINAL=final, PREFETCH=prefetch, XPRE=xpre, FIXUP=fixup, FIX4=fix4, HAS_BIAS=bias is not None,
-        RNE=rne, TR=tr, num_warps=warps, num_stages=stages, **launch.pdl_options(pdl),
+        RNE=rne, TR=tr, num_warps=warps, num_stages=stages, **opts, **launch.pdl_options(pdl),
     )
     if not final and not fixup:
         reduce_splits(part, scales, bias, y, rne)
