@@ -138,13 +138,17 @@ def sweep_configs(which="main"):
             for r, b, w in tiles for p in (1, 2, 3) for pps in (2, 4, 8) for st in (1, 2)]
 
 
-def run_sweep(N, K, ms, gen, which="main", base_only=False):
-    """CUDA-graph time of every sweep config at (N, K) and each M (weights rotated past the L2)."""
+def run_sweep(N, K, ms, gen, which="main", base_only=False, rotate_x=False):
+    """CUDA-graph time of every sweep config at (N, K) and each M (weights rotated past the L2; with ``rotate_x`` each
+    weight set has its own x, as in ``triforge bench``, else one x serves every call and stays in L2)."""
     tts, codes = weight_sets(N, K, gen)
     by_tr = {tc.TILE_ROWS: codes}  # codes per tile height
     rows = []
     for M in ms:
         x = torch.randn(M, K, generator=gen).cuda().to(torch.bfloat16)
+        xs = [x] * len(tts)
+        if rotate_x:
+            xs = [x] + [torch.randn(M, K, generator=gen).cuda().to(torch.bfloat16) for _ in tts[1:]]
         ref = matmul_dense_ref(x, tts[0])
         timed = []
         # the config in use and the untuned fallback, timed beside the sweep (same process, same inputs)
@@ -167,8 +171,8 @@ def run_sweep(N, K, ms, gen, which="main", base_only=False):
             try:
                 y = tc.ternary_matmul_tc(x, tts[0], codes=cs[0], cfg=cfg)
                 ok = compare("sweep", ref, y, dtype=torch.bfloat16, verbose=False).ok
-                us = graph_us([lambda t=t, c=c: tc.ternary_matmul_tc(x, t, codes=c, cfg=cfg)
-                               for t, c in zip(tts, cs)]) if ok else None
+                us = graph_us([lambda t=t, c=c, xi=xi: tc.ternary_matmul_tc(xi, t, codes=c, cfg=cfg)
+                               for t, c, xi in zip(tts, cs, xs)]) if ok else None
             except Exception as e:  # out of resources: reported, skipped
                 ok, us = False, None
                 print(f"  {cfg}: {type(e).__name__}", flush=True)
@@ -205,13 +209,14 @@ def main():
     ap.add_argument("--sweep", nargs="?", const="main", choices=["main", "xpre", "tiles", "pdl", "m256", "m1"],
                     help="time the sweep's launch configs instead (CUDA graphs)")
     ap.add_argument("--base-only", action="store_true", help="with --sweep: the config in use and the fallback only")
+    ap.add_argument("--rotate-x", action="store_true", help="with --sweep: an x per weight set (as triforge bench)")
     args = ap.parse_args()
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes] if args.shapes else SHAPES
     gen = torch.Generator().manual_seed(0)
     rows = []
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     for N, K in shapes:
-        rows += run_sweep(N, K, args.m, gen, args.sweep, args.base_only) if args.sweep else run_shape(N, K, args.m, gen)
+        rows += run_sweep(N, K, args.m, gen, args.sweep, args.base_only, args.rotate_x) if args.sweep else run_shape(N, K, args.m, gen)
         if args.json:  # after every shape: a run cut short keeps what it measured
             with open(args.json, "w") as f:
                 json.dump({"meta": meta, "rows": rows}, f, indent=1)

@@ -121,6 +121,7 @@ def _input_sets(spec, dtype, n_sets, seed, tier="real"):
         raise
 
 
+GRAPH_CALLS = 16  # calls per captured graph at least (bench_graph ops)
 MAX_SETS = 64  # input sets rotated at most: 64 sets of 3.2 MB already exceed a 50 MB L2 four times
 
 
@@ -236,7 +237,9 @@ def bench_op(spec, *, dtype=torch.bfloat16, modes=("fwd", "bwd"), peers=True, se
                         row.update(spec.extras(sets[0]))
                 if spec.bench_graph and mode == "fwd":
                     try:
-                        row.update(graph_time_ms(fn, calls=2 * len(sets)))
+                        # each set at least twice, and 16 calls at least: the replay's own start (and the first
+                        # kernel's, which no predecessor overlaps) is spread over as many calls whatever the set count
+                        row.update(graph_time_ms(fn, calls=max(GRAPH_CALLS, 2 * len(sets))))
                         row["timing"] = "cuda_graph"
                     except Exception as e:  # not capturable: timed per call, and said so
                         torch.cuda.synchronize()
