@@ -549,6 +549,7 @@ register(OpSpec(
     peers={"fla": _fla_peer("fused_recurrent_gated_delta_rule")},
     describe=_describe,
     bench_shapes=tuple({"B": B, "T": 1, "H": 16, "HV": 32, "K": 128, "V": 128} for B in (1, 64, 256)),
+    bench_graph=True,  # decode runs inside a captured step: CUDA-graph replay, the fla peer too
 ))
 
 
