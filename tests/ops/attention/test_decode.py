@@ -613,3 +613,52 @@ def test_gpu_cache_past_2gib(gen):
     ref, _, _ = kvcache_attention_ref(_d(q[b]), _d(kc[b]), _d(vc[b]), sl[b], _d(k[b]), _d(v[b]))
     _assert_ok(compare("lse", ref["lse"], lse[b], dtype=dtype, verbose=False))
     _assert_ok(compare("o", ref["o"], o[b], dtype=dtype, verbose=False))
+
+
+@pytest.mark.parametrize("env,want", [(None, True), ("1", True), ("0", False)], ids=["default", "on", "off"])
+def test_op_launches_with_pdl_unless_turned_off(env, want, monkeypatch, gen):
+    """flash_attn_with_kvcache asks for programmatic dependent launch (both kernels wait for the previous kernel
+    before any access, so it is safe after any producer); TRIFORGE_PDL=0 turns it off. (Where PDL is unsupported,
+    the interpreter included, launch.pdl_options drops it.)"""
+    seen = []
+    real = decode.flash_decode_fwd
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("pdl"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(decode, "flash_decode_fwd", spy)
+    if env is None:
+        monkeypatch.delenv("TRIFORGE_PDL", raising=False)
+    else:
+        monkeypatch.setenv("TRIFORGE_PDL", env)
+    q, kc, vc, sl, k, v = _inputs(gen, B=2, S=40)
+    o = flash_attn_with_kvcache(q, kc, vc, sl, k=k, v=v)
+    assert seen == [want] and torch.isfinite(o).all()
+
+
+@pytest.mark.gpu
+def test_gpu_pdl_chain_reads_its_predecessors_output(gen, monkeypatch):
+    """A chain of decode calls, each one's q the previous call's output (so the split kernel's first reads are the
+    merge kernel's writes, with both launched as programmatic dependents): the same bits as the chain launched
+    plainly (TRIFORGE_PDL=0), and every link equal to attention over its cache in float64."""
+    B, H, Hkv, D, S = 2, 16, 2, 128, 4096
+    q0, kc, vc, sl, _, _ = (t.cuda() if t is not None else None
+                            for t in _inputs(gen, B=B, H=H, Hkv=Hkv, D=D, S=S, Sn=0, dtype=torch.bfloat16,
+                                             seqlens=[S, 3000]))
+    chains = {}
+    for env in ("0", "1"):
+        monkeypatch.setenv("TRIFORGE_PDL", env)
+        q, outs = q0, []
+        for _ in range(12):
+            q = flash_attn_with_kvcache(q, kc, vc, sl, check_lengths=False)
+            outs.append(q)
+        torch.cuda.synchronize()
+        chains[env] = outs
+    for a, b in zip(chains["0"], chains["1"]):
+        assert torch.equal(a, b)
+    q = q0
+    for o in chains["1"]:
+        ref = kvcache_attention_ref(q.double(), kc.double(), vc.double(), sl, causal=True)[0]
+        _assert_ok(compare("pdl chain link", ref["o"], o, dtype=torch.bfloat16, verbose=False))
+        q = o

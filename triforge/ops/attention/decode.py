@@ -39,6 +39,7 @@ skips that (no sync, CUDA-graph capturable); the split kernel clamps every lengt
 """
 
 import math
+import os
 from collections import OrderedDict
 
 import torch
@@ -514,8 +515,10 @@ def _run(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax_scale, num_sp
         _check_lengths(cache_seqlens, S_new, k_cache.shape[1])
     k = k.contiguous() if k is not None else None
     v = v.contiguous() if v is not None else None
+    # programmatic dependent launch (sm90+; TRIFORGE_PDL=0 turns it off): both kernels wait for the previous kernel
+    # before any access, so it is safe after any producer; the merge launch then overlaps the split kernel's tail
     return flash_decode_fwd(q.contiguous(), k_cache, v_cache, cache_seqlens.contiguous(), k, v, causal,
-                            softmax_scale, num_splits)
+                            softmax_scale, num_splits, pdl=os.environ.get("TRIFORGE_PDL", "1") != "0")
 
 
 def _fake(q, cache_seqlens):
