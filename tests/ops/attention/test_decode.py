@@ -616,7 +616,7 @@ def test_gpu_cache_past_2gib(gen):
 
 
 @pytest.mark.parametrize("env,want", [(None, True), ("1", True), ("0", False)], ids=["default", "on", "off"])
-def test_op_launches_with_pdl_unless_turned_off(env, want, monkeypatch, gen):
+def test_op_launches_with_pdl_unless_turned_off(env, want, monkeypatch, gen, device):
     """flash_attn_with_kvcache asks for programmatic dependent launch (both kernels wait for the previous kernel
     before any access, so it is safe after any producer); TRIFORGE_PDL=0 turns it off. (Where PDL is unsupported,
     the interpreter included, launch.pdl_options drops it.)"""
@@ -632,7 +632,7 @@ def test_op_launches_with_pdl_unless_turned_off(env, want, monkeypatch, gen):
         monkeypatch.delenv("TRIFORGE_PDL", raising=False)
     else:
         monkeypatch.setenv("TRIFORGE_PDL", env)
-    q, kc, vc, sl, k, v = _inputs(gen, B=2, S=40)
+    q, kc, vc, sl, k, v = _inputs(gen, B=2, S=40, device=device)
     o = flash_attn_with_kvcache(q, kc, vc, sl, k=k, v=v)
     assert seen == [want] and torch.isfinite(o).all()
 

@@ -1,0 +1,75 @@
+"""Flash-decoding's split count at the issue's decode shapes (issue 3): CUDA-graph time per num_splits.
+
+For (B, S) in the issue's grid (16 q / 2 kv heads, D 128, bf16, one appended token, full caches), the op
+(``flash_attn_with_kvcache``, PDL as by default) is timed as ``bench.graph_time_ms`` over enough cache sets to
+exceed the L2 four times, at the heuristic's split count and at a range of fixed counts; every count's output is
+checked against the heuristic's (same math, a different split of the sum: compared by testing.compare against
+float64 attention on the first set). Prints one line per shape; writes JSON.
+
+    PYTHONPATH=. python benchmarks/decode_splits_probe.py [--json PATH] [--shapes 1x32768 8x4096 ...]
+"""
+
+import argparse
+import json
+
+import torch
+
+from triforge import bench
+from triforge.ops.attention import decode
+from triforge.ops.attention.reference import kvcache_attention_ref
+from triforge.testing import compare
+
+SPLITS = [8, 16, 24, 32, 48, 64, 96, 128, 160, 198, 256]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json")
+    ap.add_argument("--shapes", nargs="*", default=["1x4096", "1x32768", "1x131072", "8x4096", "8x32768"])
+    args = ap.parse_args()
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    for shape in args.shapes:
+        B, S = (int(v) for v in shape.split("x"))
+        one = decode._make_inputs({"B": B, "S": S}, torch.bfloat16, "cuda", gen)
+        n = bench.rotation_count(bench.set_bytes(one), l2)
+        sets = [one] + [decode._make_inputs({"B": B, "S": S}, torch.bfloat16, "cuda", gen) for _ in range(n - 1)]
+        i0 = sets[0]
+        ref = kvcache_attention_ref(i0["q"].double(), i0["k_cache"].double(), i0["v_cache"].double(),
+                                    i0["cache_seqlens"], i0["k"].double(), i0["v"].double(), causal=True)[0]["o"]
+        heur = decode.choose_num_splits(B, 2, S, 1, 64, 3, 2)
+        row = {"B": B, "S": S, "sets": n, "heuristic": heur, "us": {}}
+        for ns in [0] + [s for s in SPLITS if s != heur]:
+            def call(inp, ns=ns):
+                return decode.flash_attn_with_kvcache(inp["q"], inp["k_cache"], inp["v_cache"], inp["cache_seqlens"],
+                                                      inp["k"], inp["v"], num_splits=ns, check_lengths=False)
+            kc0, vc0 = i0["k_cache"].clone(), i0["v_cache"].clone()
+            ok = compare("o", ref, call(i0), dtype=torch.bfloat16, verbose=False).ok
+            i0["k_cache"].copy_(kc0)
+            i0["v_cache"].copy_(vc0)
+            del kc0, vc0
+            state = {"i": 0}
+
+            def run():
+                inp = sets[state["i"] % len(sets)]
+                state["i"] += 1
+                return call(inp)
+
+            us = bench.graph_time_ms(run, calls=max(16, 2 * len(sets)))["median_ms"] * 1e3
+            row["us"][str(ns or f"heuristic ({heur})")] = {"us": us, "ok": ok}
+        best = min(row["us"].items(), key=lambda kv: kv[1]["us"])
+        kv_bytes = 2 * B * S * 2 * 128 * 2
+        print(f"B={B} S={S}: heuristic {heur} splits {row['us'][f'heuristic ({heur})']['us']:.1f} us; best {best[0]} "
+              f"{best[1]['us']:.1f} us ({kv_bytes / best[1]['us'] / 1e6 / 3.0:.1%} of 3.0 TB/s); "
+              + " ".join(f"{k}:{v['us']:.1f}{'' if v['ok'] else '(FAIL)'}" for k, v in row["us"].items()), flush=True)
+        rows.append(row)
+        del sets
+        torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
