@@ -26,6 +26,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json")
     ap.add_argument("--shapes", nargs="*", default=["1x4096", "1x32768", "1x131072", "8x4096", "8x32768"])
+    ap.add_argument("--splits", nargs="*", type=int, default=SPLITS, help="fixed split counts timed beside the heuristic's")
+    ap.add_argument("--ppsm", type=int, default=3, help="the heuristic's programs per SM (the config's)")
     args = ap.parse_args()
     gen = torch.Generator().manual_seed(0)
     rows = []
@@ -38,9 +40,9 @@ def main():
         i0 = sets[0]
         ref = kvcache_attention_ref(i0["q"].double(), i0["k_cache"].double(), i0["v_cache"].double(),
                                     i0["cache_seqlens"], i0["k"].double(), i0["v"].double(), causal=True)[0]["o"]
-        heur = decode.choose_num_splits(B, 2, S, 1, 64, 3, 2)
+        heur = decode.choose_num_splits(B, 2, S, 1, 64, args.ppsm, 2)
         row = {"B": B, "S": S, "sets": n, "heuristic": heur, "us": {}}
-        for ns in [0] + [s for s in SPLITS if s != heur]:
+        for ns in [0] + [s for s in args.splits if s != heur]:
             def call(inp, ns=ns):
                 return decode.flash_attn_with_kvcache(inp["q"], inp["k_cache"], inp["v_cache"], inp["cache_seqlens"],
                                                       inp["k"], inp["v"], num_splits=ns, check_lengths=False)
