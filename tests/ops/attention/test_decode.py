@@ -276,12 +276,17 @@ def test_decode_steps_equal_full_attention(gen, device):
 
 
 def test_choose_num_splits():
-    # batch-1 decode on a 132-SM H100: ~3-4 programs per SM
-    s = choose_num_splits(1, 2, 32768, 1, 64, 4, 2, num_sms=132)
-    assert s == 256 and 1 * 2 * s >= 132 * 3
-    # big batches need no splitting
-    assert choose_num_splits(64, 8, 4096, 1, 64, 4, 2, num_sms=132) == 2
+    # batch-1 decode on a 132-SM H100 at one program per SM: 66 splits of each of 2 kv heads
+    s = choose_num_splits(1, 2, 32768, 1, 64, 1, 2, num_sms=132)
+    assert s == 66 and 1 * 2 * s <= 132 < 1 * 2 * (s + 1)
+    # rounded down: 8 batch rows x 2 kv heads = 16 programs -> 8 splits (128 programs, not 9 x 16 = 144)
+    assert choose_num_splits(8, 2, 4096, 1, 64, 1, 2, num_sms=132) == 8
+    # big batches need no splitting: 128 programs already (B=64, 2 kv heads), and past one program per SM
+    assert choose_num_splits(64, 2, 4096, 1, 64, 1, 2, num_sms=132) == 1
     assert choose_num_splits(512, 8, 4096, 1, 64, 4, 2, num_sms=132) == 1
+    # several programs per SM where a config asks for them
+    assert choose_num_splits(64, 8, 4096, 1, 64, 4, 2, num_sms=132) == 1
+    assert choose_num_splits(8, 2, 4096, 1, 64, 4, 2, num_sms=132) == 32
     # short caches keep min_blocks_per_split blocks a split
     assert choose_num_splits(1, 1, 256, 1, 64, 4, 2, num_sms=132) == 2
     assert choose_num_splits(1, 1, 10, 1, 64, 4, 2, num_sms=132) == 1

@@ -293,12 +293,17 @@ def _split_config(D, dtype, block_m):
     elif dtype == torch.float32:  # fp32 dots run on FMA units (ieee): smaller tiles, no spills
         fallback = {"BLOCK_N": 32, "num_warps": 8, "num_stages": 2, "programs_per_sm": 4, "min_blocks_per_split": 2}
     else:
-        # sm90 compile (ptxas): ~100 registers, 70 KB shared memory -> 3 programs per SM resident
+        # sm90 compile (ptxas): ~100 registers, 70 KB shared memory -> 3 programs per SM resident; but one program
+        # per SM in all is fastest (benchmarks/decode_splits_probe.py, H100, graph-timed at the issue's shapes, 16 / 2
+        # heads, D 128): B=64 one split 92.5 / 687 us at 4k / 32k against 106 / 778 with 4 (3 per SM), B=8 8 splits
+        # 18.2 / 95.3 / 347 us at 4k / 32k / 128k against 20.9 / 104 / 389 with 25, B=1 48-64 splits 20.6 / 53.4 us at
+        # 32k / 128k against 28.8 / 63.7 with 198: more, shorter splits cost more in per-program start and merge
+        # than their extra loads in flight buy
         fallback = {
             "BLOCK_N": 64 if D >= 128 else 128,
             "num_warps": 4,
             "num_stages": 3,
-            "programs_per_sm": 3,
+            "programs_per_sm": 1,
             "min_blocks_per_split": 2,
         }
     return launch.config("flash_decode_split", _split_key(D, dtype, block_m), fallback)
@@ -310,11 +315,12 @@ def _merge_config(D, dtype):
 
 
 def choose_num_splits(B, Hkv, S_max, row_blocks, block_n, programs_per_sm, min_blocks_per_split, num_sms=None):
-    """Splits per (batch, kv head) so the split kernel runs ~programs_per_sm programs per SM,
+    """Splits per (batch, kv head) so the split kernel runs at most ~programs_per_sm programs per SM (rounded down:
+    B=64 with 2 kv heads is 128 programs unsplit on 132 SMs, and 2 splits, 256 programs, measured 111 against 92.5 us),
     each split keeping at least min_blocks_per_split key blocks of the cache capacity S_max."""
     num_sms = num_sms or _runtime.num_sms()
     programs = B * Hkv * row_blocks
-    want = triton.cdiv(num_sms * programs_per_sm, programs)
+    want = (num_sms * programs_per_sm) // programs
     most = max(1, triton.cdiv(S_max, block_n) // max(1, min_blocks_per_split))
     return max(1, min(want, most, MAX_SPLITS))
 
