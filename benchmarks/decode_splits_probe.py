@@ -7,6 +7,9 @@ checked against the heuristic's (same math, a different split of the sum: compar
 float64 attention on the first set). Prints one line per shape; writes JSON.
 
     PYTHONPATH=. python benchmarks/decode_splits_probe.py [--json PATH] [--shapes 1x32768 8x4096 ...]
+
+``--configs``: instead, the split kernel's launch configs (BLOCK_N x stages x warps, one program per SM in all,
+the heuristic's split count for each BLOCK_N) through ``flash_decode_fwd`` with PDL, each checked the same way.
 """
 
 import argparse
@@ -22,12 +25,56 @@ from triforge.testing import compare
 SPLITS = [8, 16, 24, 32, 48, 64, 96, 128, 160, 198, 256]
 
 
+CONFIGS = [{"BLOCK_N": bn, "num_stages": st, "num_warps": w, "programs_per_sm": 1, "min_blocks_per_split": 2}
+           for bn in (32, 64, 128) for st in (2, 3, 4) for w in (4, 8)]
+
+
+def config_sweep(B, S, sets, ref):
+    """Graph time of each split-kernel config (its own heuristic split count) at one shape."""
+    i0 = sets[0]
+    scale = 128 ** -0.5
+    out = {"B": B, "S": S, "sets": len(sets), "configs": []}
+    for cfg in CONFIGS:
+        def call(inp, cfg=cfg):
+            return decode.flash_decode_fwd(inp["q"], inp["k_cache"], inp["v_cache"], inp["cache_seqlens"], inp["k"],
+                                           inp["v"], True, scale, 0, cfg=cfg, pdl=True)[0]
+        try:
+            kc0, vc0 = i0["k_cache"].clone(), i0["v_cache"].clone()
+            ok = compare("o", ref, call(i0), dtype=torch.bfloat16, verbose=False).ok
+            i0["k_cache"].copy_(kc0)
+            i0["v_cache"].copy_(vc0)
+            del kc0, vc0
+            state = {"i": 0}
+
+            def run(call=call):
+                inp = sets[state["i"] % len(sets)]
+                state["i"] += 1
+                return call(inp)
+
+            us = bench.graph_time_ms(run, calls=max(16, 2 * len(sets)))["median_ms"] * 1e3
+        except Exception as e:  # out of resources: reported
+            ok, us = False, None
+            print(f"  {cfg}: {type(e).__name__}", flush=True)
+        out["configs"].append({"config": cfg, "us": us, "ok": ok,
+                               "splits": decode.choose_num_splits(B, 2, S, 1, cfg["BLOCK_N"], 1, 2)})
+    good = sorted((c for c in out["configs"] if c["us"]), key=lambda c: c["us"])
+    cur = next(c for c in out["configs"] if c["config"]["BLOCK_N"] == 64 and c["config"]["num_stages"] == 3
+               and c["config"]["num_warps"] == 4)
+    kv_bytes = 2 * B * S * 2 * 128 * 2
+    print(f"B={B} S={S}: fallback (64, 3 stages, 4 warps) {cur['us']:.1f} us; best "
+          + "; ".join(f"{c['config']['BLOCK_N']}/{c['config']['num_stages']}/{c['config']['num_warps']} "
+                      f"{c['us']:.1f} us ({kv_bytes / c['us'] / 3e6:.0%}){'' if c['ok'] else ' FAIL'}" for c in good[:5]),
+          flush=True)
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json")
     ap.add_argument("--shapes", nargs="*", default=["1x4096", "1x32768", "1x131072", "8x4096", "8x32768"])
     ap.add_argument("--splits", nargs="*", type=int, default=SPLITS, help="fixed split counts timed beside the heuristic's")
     ap.add_argument("--ppsm", type=int, default=3, help="the heuristic's programs per SM (the config's)")
+    ap.add_argument("--configs", action="store_true", help="sweep the split kernel's configs instead")
     args = ap.parse_args()
     gen = torch.Generator().manual_seed(0)
     rows = []
@@ -40,6 +87,11 @@ def main():
         i0 = sets[0]
         ref = kvcache_attention_ref(i0["q"].double(), i0["k_cache"].double(), i0["v_cache"].double(),
                                     i0["cache_seqlens"], i0["k"].double(), i0["v"].double(), causal=True)[0]["o"]
+        if args.configs:
+            rows.append(config_sweep(B, S, sets, ref))
+            del sets
+            torch.cuda.empty_cache()
+            continue
         heur = decode.choose_num_splits(B, 2, S, 1, 64, args.ppsm, 2)
         row = {"B": B, "S": S, "sets": n, "heuristic": heur, "us": {}}
         for ns in [0] + [s for s in args.splits if s != heur]:
