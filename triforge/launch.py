@@ -259,6 +259,15 @@ def pdl_supported() -> bool:
     return (not _runtime.INTERPRET) and torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
 
 
+PDL_ENV = "TRIFORGE_PDL"
+
+
+def pdl_wanted() -> bool:
+    """The library-wide switch for programmatic dependent launch (``TRIFORGE_PDL``, default 1; 0 turns it off),
+    read by the callers that launch that way by default (the decode-attention op, the Qwen2 engine)."""
+    return os.environ.get(PDL_ENV, "1") != "0"
+
+
 def pdl_options(pdl: bool) -> dict:
     """Launch kwargs for a kernel with a ``PDL`` constexpr: ``PDL`` (the kernel waits with
     griddepcontrol.wait before reading what earlier kernels wrote) and ``launch_pdl`` (the launch may

@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from triforge import _runtime
+from triforge import _runtime, launch
 from triforge.ops.attention import flash_attn_func
 from triforge.ops.attention.decode import HEAD_DIMS, flash_decode_fwd
 from triforge.ops.gemv import (check_mlp_sync, gemv_gate_up_launch, gemv_launch, gemv_mlp_launch, gemv_qkv_rope_launch,
@@ -284,7 +284,7 @@ class Qwen2Engine:
         self._num_splits = 1 if _runtime.INTERPRET else 0
         # decode kernels launched as programmatic dependents (sm90+): each starts, and fetches its
         # weights, while the previous one drains; False (or TRIFORGE_PDL=0) launches them plainly
-        self.use_pdl = os.environ.get("TRIFORGE_PDL", "1") != "0"
+        self.use_pdl = launch.pdl_wanted()
         # the MLP (gate/up + SwiGLU, down + residual) as one persistent launch with a grid barrier where a
         # tuned config exists for the shape (gemv.mlp_config); False (or TRIFORGE_FUSED_MLP=0): two launches
         self.fused_mlp = os.environ.get("TRIFORGE_FUSED_MLP", "1") != "0"

@@ -39,7 +39,6 @@ skips that (no sync, CUDA-graph capturable); the split kernel clamps every lengt
 """
 
 import math
-import os
 from collections import OrderedDict
 
 import torch
@@ -524,7 +523,7 @@ def _run(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax_scale, num_sp
     # programmatic dependent launch (sm90+; TRIFORGE_PDL=0 turns it off): both kernels wait for the previous kernel
     # before any access, so it is safe after any producer; the merge launch then overlaps the split kernel's tail
     return flash_decode_fwd(q.contiguous(), k_cache, v_cache, cache_seqlens.contiguous(), k, v, causal,
-                            softmax_scale, num_splits, pdl=os.environ.get("TRIFORGE_PDL", "1") != "0")
+                            softmax_scale, num_splits, pdl=launch.pdl_wanted())
 
 
 def _fake(q, cache_seqlens):
