@@ -107,14 +107,10 @@ def test_tc_split_fixup_equals_reduce_launch(dtype, k, device, gen):
                                  {"XPRE": 1, "PREFETCH": 3, "programs_per_sm": 4},
                                  {"TR": 128, "BLOCKS_K": 2, "programs_per_sm": 4}, {"TR": 32, "ROW_REPS": 2},
                                  {"TR": 64, "XPRE": 1, "programs_per_sm": 4},
-                                 {"PDL": True, "XPRE": 1, "PREFETCH": 2, "programs_per_sm": 4}, {"PDL": True},
-                                 {"PP": 1}, {"PP": 1, "XPRE": 1}, {"PP": 1, "XPRE": 1, "programs_per_sm": 4},
-                                 {"PP": 1, "BLOCKS_K": 2, "programs_per_sm": 4}, {"PP": 1, "TMA": 0},
-                                 {"PP": 1, "XPRE": 1, "PDL": True, "ROW_REPS": 2}],
+                                 {"PDL": True, "XPRE": 1, "PREFETCH": 2, "programs_per_sm": 4}, {"PDL": True}],
                          ids=["blocks_k2", "row_reps2", "warps8", "prefetch2", "prefetch3_split", "prefetch3_k2",
                               "xpre", "xpre_prefetch2", "xpre_prefetch3_split", "tile128_k2_split", "tile32_row_reps2",
-                              "tile64_xpre_split", "pdl_xpre_split", "pdl", "pp", "pp_xpre", "pp_xpre_split",
-                              "pp_k2_split", "pp_pointers", "pp_xpre_pdl_row_reps2"])
+                              "tile64_xpre_split", "pdl_xpre_split", "pdl"])
 def test_tc_matmul_configs(cfg, device, gen):
     """The GPU configs' shapes of the kernel (256-column steps with a partial last step, 128-row blocks,
     words loaded 2 and 3 steps ahead, also past a split's end) under the interpreter."""
@@ -124,25 +120,6 @@ def test_tc_matmul_configs(cfg, device, gen):
     with poisoned():
         y = tc.ternary_matmul_tc(x, tt, cfg=cfg)
     assert compare(f"tc matmul {cfg}", matmul_dense_ref(x, tt), y, dtype=torch.float16).ok
-
-
-@pytest.mark.parametrize("k, offset", [(700, 0), (701, 0), (700, 1)], ids=["even", "odd_k", "misaligned_x"])
-@pytest.mark.parametrize("m", [1, 3])
-def test_tc_ping_pong_steps_and_x_pairs(m, k, offset, device, gen):
-    """PP (two K steps per trip, words and x reloaded after their decode; x carried as int32 pairs with XPRE) at
-    every split length: odd and even step counts per split (the second step of the last trip past the split's end
-    loads trit 0), one step per split, no split; odd K and an x 2 bytes off a 4-byte boundary take pointer loads."""
-    n = 150
-    tt = TernaryTensor.from_trits(random_trits(n, k, gen), random_scales(n, gen)).to(device)
-    base = torch.randn(m * k + offset, generator=gen).to(device=device, dtype=torch.bfloat16)
-    x = base[offset:].view(m, k)  # offset 1: the data pointer 2 bytes past a 4-byte boundary
-    ref = matmul_dense_ref(x, tt)
-    for pps in (1, 2, 3, 6, 64):  # splits of 6, 3, 2, 1 steps (6 steps of 128 columns)
-        for xpre in (0, 1):
-            cfg = {"PP": 1, "XPRE": xpre, "programs_per_sm": pps, "BLOCKS_K": 1}
-            with poisoned():
-                y = tc.ternary_matmul_tc(x, tt, cfg=cfg)
-            assert compare(f"tc matmul PP {cfg}", ref, y, dtype=torch.bfloat16).ok
 
 
 def test_pdl_rule(monkeypatch, device, gen):
@@ -293,8 +270,7 @@ def _tc_sm90_cases():
     for m, dt, extra in [(16, "fp16", {}), (16, "bf16", {}), (64, "fp16", {}), (256, "fp16", {}), (256, "bf16", {}),
                          (16, "bf16", {"PREFETCH": 3}),
                          (16, "fp16", {"PREFETCH": 2, "XPRE": 1}),
-                         (16, "bf16", {"PREFETCH": 2, "XPRE": 1, "PDL": True}), (64, "bf16", {"PDL": True}),
-                         (16, "bf16", {"PP": 1, "XPRE": 1, "PDL": True}), (16, "fp16", {"PP": 1})]:
+                         (16, "bf16", {"PREFETCH": 2, "XPRE": 1, "PDL": True}), (64, "bf16", {"PDL": True})]:
         cfg = dict(tc.tc_fallback_config(m, 8192, 8192, interpreter=False), **extra)
         x = f"*{dt}"
         cases.append({
@@ -305,7 +281,7 @@ def _tc_sm90_cases():
                                WARPS=cfg["num_warps"], IS_BF16=dt == "bf16", USE_ASM=True, TMA=not cfg.get("XPRE", 0), FINAL=False,
                                PREFETCH=cfg.get("PREFETCH", 1), XPRE=bool(cfg.get("XPRE", 0)),
                                FIXUP=m <= 64, FIX4=True, HAS_BIAS=True, RNE=False, TR=tc.TILE_ROWS,
-                               PDL=bool(cfg.get("PDL", False)), PP=bool(cfg.get("PP", 0))),
+                               PDL=bool(cfg.get("PDL", False))),
             "divisible": ["x_ptr", "codes_ptr", "scale_ptr", "bias_ptr", "y_ptr", "part_ptr", "cnt_ptr", "magic", "M",
                           "N", "K", "KC"],
             "options": {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]},
@@ -340,7 +316,6 @@ def test_tc_kernel_compiles_for_sm90():
         cx, warps = case["constexprs"], case["options"]["num_warps"]
         loop = k_loop(r["loops"])
         weights = 16 * warps * cx["ROW_REPS"] * 128 * cx["BLOCKS_K"] // (32 * warps)  # per thread per step
-        weights *= 2 if cx["PP"] else 1  # per loop trip: PP runs two steps per trip
         total = sum(loop.values())
         print(f"M={case['m']} {'bf16' if cx['IS_BF16'] else 'fp16'} BLOCK_M={cx['BLOCK_M']} warps={warps} "
               f"stages={case['options']['num_stages']}: regs={r['regs']} spill={r['spill_bytes']} shared={r['shared']} "
@@ -351,13 +326,8 @@ def test_tc_kernel_compiles_for_sm90():
         assert r["spill_bytes"] == 0 and not any(op.startswith(("LDL", "STL")) for op in r["sass"]), (cx, r)
         loop = k_loop(r["loops"])
         weights = 16 * warps * cx["ROW_REPS"] * 128 * cx["BLOCKS_K"] // (32 * warps)  # per thread per step
-        weights *= 2 if cx["PP"] else 1  # per loop trip
         words = weights // 16
         hadd = "HADD2.BF16_V2" if cx["IS_BF16"] else "HADD2"
-        if cx["XPRE"] and cx["PP"]:  # x carried as int32 pairs goes to shared memory as loaded: no repacking
-            assert loop.get(hadd, 0) == weights // 2 and total_ok(loop, weights, 2.5), loop
-            assert not any(op.startswith("PRMT") for op in loop), loop
-            continue
         if cx["XPRE"]:  # x by registers into shared (PRMT + STS): the decode's counts hold, the totals do not
             assert loop.get(hadd, 0) == weights // 2 and total_ok(loop, weights, 2.5), loop
             continue

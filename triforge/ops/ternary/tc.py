@@ -220,8 +220,6 @@ def ternary_tc_kernel(
     RNE: tl.constexpr,
     TR: tl.constexpr,  # rows per storage tile of the codes (pack_tc's tile_rows)
     PDL: tl.constexpr,  # programmatic dependent launch: the first words in flight before griddepcontrol.wait
-    PP: tl.constexpr = False,  # ping-pong: the K loop two steps per trip, each step's words (and x) reloaded after
-    #                            their own decode, so no loaded register is copied at the back edge (PREFETCH unused)
 ):
     BLOCK_N: tl.constexpr = 16 * WARPS * ROW_REPS
     BK: tl.constexpr = 128 * BLOCKS_K
@@ -253,10 +251,6 @@ def ternary_tc_kernel(
     m_m = o_m < M
     o_k = tl.arange(0, BK)
     p_x = x_ptr + o_m.to(tl.int64)[:, None] * K + o_k[None, :]
-    # PP with XPRE: x's rows read as int32 pairs (K even) and carried so; split into halves in the step. A 16-bit
-    # tile carried across the loop is repacked by ptxas right at its load (PRMT), which waits for the load.
-    o_k2 = tl.arange(0, BK // 2)
-    p_x2 = x_ptr.to(tl.pointer_type(tl.int32)) + o_m.to(tl.int64)[:, None] * (K // 2) + o_k2[None, :]
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     n_steps = tl.cdiv(KC, 8 * BLOCKS_K)
     s_start = i_s * steps_per_split
@@ -266,9 +260,7 @@ def ternary_tc_kernel(
     # XPRE (pointer loads of x, not TMA): x tiles travel with the words, PREFETCH steps ahead in registers
     # (a TMA load per step is issued and waited on in the same step: its latency is exposed)
     words = _load_step(p_c, o_c, m_r, s_start, s_end, KC, BLOCKS_K, TR)
-    if PP:
-        words2 = _load_step(p_c, o_c, m_r, s_start + 1, s_end, KC, BLOCKS_K, TR)
-    elif PREFETCH >= 2:
+    if PREFETCH >= 2:
         words2 = _load_step(p_c, o_c, m_r, s_start + 1, s_end, KC, BLOCKS_K, TR)
     if PREFETCH >= 3:
         words3 = _load_step(p_c, o_c, m_r, s_start + 2, s_end, KC, BLOCKS_K, TR)
@@ -278,64 +270,59 @@ def ternary_tc_kernel(
         # in the stream has finished and its writes are visible
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()  # the next kernel may start: it waits the same way
-    x_desc = x_ptr  # (a placeholder where x is not read through a descriptor)
     if TMA:
         x_desc = tl.make_tensor_descriptor(x_ptr, [M, K], [K, 1], [BLOCK_M, BK])
-    xw = x_ptr  # (placeholders where x is not prefetched)
-    xw2 = x_ptr
     if XPRE:
-        if PP:
-            xw = _load_x2(p_x2, m_m, o_k2, s_start * (BK // 2), K // 2)
-            xw2 = _load_x2(p_x2, m_m, o_k2, (s_start + 1) * (BK // 2), K // 2)
+        xw = _load_x(p_x, m_m, o_k, s_start * BK, K)
+        if PREFETCH >= 2:
+            xw2 = _load_x(p_x, m_m, o_k, (s_start + 1) * BK, K)
+        if PREFETCH >= 3:
+            xw3 = _load_x(p_x, m_m, o_k, (s_start + 2) * BK, K)
+    for s in range(s_start, s_end):
+        # the step PREFETCH ahead is requested before this step's decode
+        words_next = _load_step(p_c, o_c, m_r, s + PREFETCH, s_end, KC, BLOCKS_K, TR)
+        if XPRE:
+            x_next = _load_x(p_x, m_m, o_k, (s + PREFETCH) * BK, K)
+        w9 = words[:, :, :, :, :, :, :, None, None]
+        src = tl.where(sh == 12, w9 >> 12, tl.where(sh == 6, w9 >> 6, w9))  # [.., kb2 4, h 2]
+        if USE_ASM:
+            lo, hi = _decode_asm(src, mask, c, d, IS_BF16)
         else:
-            xw = _load_x(p_x, m_m, o_k, s_start * BK, K)
-            if PREFETCH >= 2:
-                xw2 = _load_x(p_x, m_m, o_k, (s_start + 1) * BK, K)
-            if PREFETCH >= 3:
-                xw3 = _load_x(p_x, m_m, o_k, (s_start + 2) * BK, K)
-    if PP:
-        # Two steps per trip (A: s, B: s + 1). A register set is reloaded only after its own decode has read
-        # it, so the new load can take the same registers: nothing loaded is copied at the back edge (a copy
-        # waits for its load, which capped the rotating prefetch at one step in flight, PREFETCH 2-3 included).
-        # In flight during B's decode: A's next step; during A's: B's. Past the split's end the words load as
-        # trit 0 (zero products, whatever x holds there).
-        for s in range(s_start, s_end, 2):
-            acc = _tc_step(acc, words, xw, x_desc, p_x, m_m, o_k, i_m, s, K, sh, j, mask, c, d, BLOCK_M, BLOCK_N, BK,
-                           IS_BF16, USE_ASM, TMA, XPRE, True)
-            words = _load_step(p_c, o_c, m_r, s + 2, s_end, KC, BLOCKS_K, TR)
+            # plain decode for the interpreter (no inline asm there), exact: trits in fp32 for its fp32 dot
+            lo = (((src >> j) & 3) - 1).to(tl.float32)
+            hi = (((src >> (j + 16)) & 3) - 1).to(tl.float32)
+        w10 = tl.join(lo, hi)  # [t, rlo, w, b3, r, blk, u, kb2, h, e]
+        w10 = tl.permute(w10, (4, 2, 3, 1, 5, 6, 7, 8, 0, 9))  # [r, w, b3, rlo, blk, u, kb2, h, t, e]
+        w_t = tl.reshape(w10, [BLOCK_N, BK])
+        k0 = s * BK
+        if XPRE:
+            b_x = xw
+        elif TMA:
+            b_x = x_desc.load([i_m * BLOCK_M, k0])
+        else:
+            b_x = _load_x(p_x, m_m, o_k, k0, K)
+        if USE_ASM:
+            acc = tl.dot(w_t, tl.trans(b_x), acc)
+        else:  # the interpreter: exact in fp32 (its bf16 dots are not supported)
+            acc = tl.dot(w_t, tl.trans(b_x.to(tl.float32)), acc, input_precision="ieee")
+        if PREFETCH == 1:
+            words = words_next
             if XPRE:
-                xw = _load_x2(p_x2, m_m, o_k2, (s + 2) * (BK // 2), K // 2)
-            acc = _tc_step(acc, words2, xw2, x_desc, p_x, m_m, o_k, i_m, s + 1, K, sh, j, mask, c, d, BLOCK_M, BLOCK_N,
-                           BK, IS_BF16, USE_ASM, TMA, XPRE, True)
-            words2 = _load_step(p_c, o_c, m_r, s + 3, s_end, KC, BLOCKS_K, TR)
+                xw = x_next
+        elif PREFETCH == 2:
+            words = words2
+            words2 = words_next
             if XPRE:
-                xw2 = _load_x2(p_x2, m_m, o_k2, (s + 3) * (BK // 2), K // 2)
-    else:
-        for s in range(s_start, s_end):
-            # the step PREFETCH ahead is requested before this step's decode
-            words_next = _load_step(p_c, o_c, m_r, s + PREFETCH, s_end, KC, BLOCKS_K, TR)
+                xw = xw2
+                xw2 = x_next
+        else:
+            words = words2
+            words2 = words3
+            words3 = words_next
             if XPRE:
-                x_next = _load_x(p_x, m_m, o_k, (s + PREFETCH) * BK, K)
-            acc = _tc_step(acc, words, xw, x_desc, p_x, m_m, o_k, i_m, s, K, sh, j, mask, c, d, BLOCK_M, BLOCK_N, BK,
-                           IS_BF16, USE_ASM, TMA, XPRE)
-            if PREFETCH == 1:
-                words = words_next
-                if XPRE:
-                    xw = x_next
-            elif PREFETCH == 2:
-                words = words2
-                words2 = words_next
-                if XPRE:
-                    xw = xw2
-                    xw2 = x_next
-            else:
-                words = words2
-                words2 = words3
-                words3 = words_next
-                if XPRE:
-                    xw = xw2
-                    xw2 = xw3
-                    xw3 = x_next
+                xw = xw2
+                xw2 = xw3
+                xw3 = x_next
     # acc [BN, BM] is y^T
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < N
@@ -373,73 +360,11 @@ def ternary_tc_kernel(
 
 
 @triton.jit
-def _tc_step(acc, words, xw, x_desc, p_x, m_m, o_k, i_m, s, K, sh, j, mask, c, d, BLOCK_M: tl.constexpr,
-             BLOCK_N: tl.constexpr, BK: tl.constexpr, IS_BF16: tl.constexpr, USE_ASM: tl.constexpr, TMA: tl.constexpr,
-             XPRE: tl.constexpr, X2: tl.constexpr = False):
-    """acc + the weight tile of K step s (its code ``words``, decoded) times x's tile of the step: ``xw`` when x is
-    prefetched (XPRE), else requested here before the decode (TMA or pointers), so its latency overlaps the decode."""
-    k0 = s * BK
-    if XPRE:
-        b_x = xw
-        if X2:  # int32 pairs (PP): the two 16-bit halves of each
-            b_x = _x_halves(xw, IS_BF16, BLOCK_M, BK, USE_ASM)
-    elif TMA:
-        b_x = x_desc.load([i_m * BLOCK_M, k0])
-    else:
-        b_x = _load_x(p_x, m_m, o_k, k0, K)
-    w9 = words[:, :, :, :, :, :, :, None, None]
-    src = tl.where(sh == 12, w9 >> 12, tl.where(sh == 6, w9 >> 6, w9))  # [.., kb2 4, h 2]
-    if USE_ASM:
-        lo, hi = _decode_asm(src, mask, c, d, IS_BF16)
-    else:
-        # plain decode for the interpreter (no inline asm there), exact: trits in fp32 for its fp32 dot
-        lo = (((src >> j) & 3) - 1).to(tl.float32)
-        hi = (((src >> (j + 16)) & 3) - 1).to(tl.float32)
-    w10 = tl.join(lo, hi)  # [t, rlo, w, b3, r, blk, u, kb2, h, e]
-    w10 = tl.permute(w10, (4, 2, 3, 1, 5, 6, 7, 8, 0, 9))  # [r, w, b3, rlo, blk, u, kb2, h, t, e]
-    w_t = tl.reshape(w10, [BLOCK_N, BK])
-    if USE_ASM:
-        out = tl.dot(w_t, tl.trans(b_x), acc)
-    else:  # the interpreter: exact in fp32 (its bf16 dots are not supported)
-        out = tl.dot(w_t, tl.trans(b_x.to(tl.float32)), acc, input_precision="ieee")
-    return out
-
-
-@triton.jit
-def _load_x2(p_x2, m_m, o_k2, k0, K2):
-    """x's tile of the K step at int32 column k0 as int32 pairs [BLOCK_M, BK / 2] (zeros past M and K)."""
-    return tl.load(p_x2 + k0, mask=m_m[:, None] & (k0 + o_k2 < K2)[None, :], other=0)
-
-
-@triton.jit
-def _x_halves(xw, IS_BF16: tl.constexpr, BLOCK_M: tl.constexpr, BK: tl.constexpr, USE_ASM: tl.constexpr):
-    """int32 pairs [BLOCK_M, BK / 2] -> the 16-bit tile [BLOCK_M, BK] (bf16 or fp16; column 2 i + e: half e of
-    pair i, little-endian)."""
-    if USE_ASM:  # naming the halves (mov.b32 {lo, hi}) is free
-        if IS_BF16:
-            lo, hi = tl.inline_asm_elementwise("mov.b32 {$0, $1}, $2;", "=h,=h,r", [xw],
-                                               dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=1)
-        else:
-            lo, hi = tl.inline_asm_elementwise("mov.b32 {$0, $1}, $2;", "=h,=h,r", [xw],
-                                               dtype=(tl.float16, tl.float16), is_pure=True, pack=1)
-    else:
-        lo16 = (xw & 0xFFFF).to(tl.int16)
-        hi16 = ((xw >> 16) & 0xFFFF).to(tl.int16)
-        if IS_BF16:
-            lo = lo16.to(tl.bfloat16, bitcast=True)
-            hi = hi16.to(tl.bfloat16, bitcast=True)
-        else:
-            lo = lo16.to(tl.float16, bitcast=True)
-            hi = hi16.to(tl.float16, bitcast=True)
-    return tl.reshape(tl.join(lo, hi), [BLOCK_M, BK])
-
-
-@triton.jit
 def _load_step(p_c, o_c, m_r, s, s_end, KC, BLOCKS_K: tl.constexpr, TR: tl.constexpr):
-    """The code words of K step s (trit 0 in every field, 0x55555555, past the split's last step, the row's end and
-    the last word: zero products): BLOCKS_K tiles of 8 TR words (tiled storage: word block b of a row block at 8 TR b)."""
+    """The code words of K step s (zeros past the split's last step and past the row's end): BLOCKS_K tiles of
+    8 TR words (tiled storage: word block b of a row block at 8 TR b)."""
     w0 = s * (8 * BLOCKS_K)
-    return tl.load(p_c + w0 * TR, mask=m_r & (s < s_end) & (w0 + o_c < KC), other=0x55555555)
+    return tl.load(p_c + w0 * TR, mask=m_r & (s < s_end) & (w0 + o_c < KC), other=0)
 
 
 @triton.jit
@@ -541,7 +466,7 @@ TC_TUNE_SPACE = {"ROW_REPS": [1, 2], "BLOCKS_K": [1, 2, 4], "num_warps": [4, 8],
 @launch.config_cache
 def _tc_plan(M: int, N: int, K: int, kc: int, cfg_items=None):
     """(BLOCK_M, BLOCKS_K, ROW_REPS, warps, stages, PREFETCH, XPRE, FIXUP, FIX4, PDL (allowed; the launcher also asks
-    ``_settled``), TMA, grid (weight tiles, x tiles, splits), steps per split, compile options (maxnreg), PP) of a launch: the tuned (or given) config and the split-K arithmetic, worked out once per shape
+    ``_settled``), TMA, grid (weight tiles, x tiles, splits), steps per split, compile options (maxnreg)) of a launch: the tuned (or given) config and the split-K arithmetic, worked out once per shape
     (host time: the decode path is a few microseconds of GPU time per call)."""
     cfg = dict(tc_config(M, N, K), **dict(cfg_items or ()))
     bm, reps, nbk, warps = cfg["BLOCK_M"], cfg["ROW_REPS"], cfg["BLOCKS_K"], cfg["num_warps"]
@@ -557,8 +482,7 @@ def _tc_plan(M: int, N: int, K: int, kc: int, cfg_items=None):
     # maxnreg: a register cap for ptxas (more programs per SM, hence more code words in flight, at some spill risk)
     opts = {"maxnreg": int(cfg["maxnreg"])} if cfg.get("maxnreg") else {}
     return (bm, nbk, reps, warps, cfg["num_stages"], cfg.get("PREFETCH", 1), xpre, bool(cfg.get("FIXUP", 1)),
-            bool(cfg.get("FIX4", reps * bm <= 32)), bool(cfg.get("PDL", bm <= 64)), use_tma, grid, per_split, opts,
-            bool(cfg.get("PP", 0)))
+            bool(cfg.get("FIX4", reps * bm <= 32)), bool(cfg.get("PDL", bm <= 64)), use_tma, grid, per_split, opts)
 
 
 PDL_ENV = "TRIFORGE_TERNARY_PDL"
@@ -607,10 +531,8 @@ def ternary_matmul_tc(x2d: torch.Tensor, tt, bias: torch.Tensor | None = None, c
     if tuple(codes.shape) != (code_rows(N, tr), code_words(K)):
         raise ValueError(f"codes must have shape {(code_rows(N, tr), code_words(K))} (pack_tc) for {N} x {K} weights, "
                          f"got {tuple(codes.shape)}")
-    bm, nbk, reps, warps, stages, prefetch, xpre, fixup_on, fix4, pdl, use_tma, grid, per_split, opts, pp = _tc_plan(
+    bm, nbk, reps, warps, stages, prefetch, xpre, fixup_on, fix4, pdl, use_tma, grid, per_split, opts = _tc_plan(
         M, N, K, kc, None if cfg is None else tuple(sorted(cfg.items())))
-    # ping-pong with x prefetched reads x as int32 pairs: K even and a 4-byte aligned x, else x by pointer loads
-    xpre = xpre and not (pp and (K % 2 or x2d.data_ptr() % 4))
     splits = grid[2]
     # TMA needs 16-byte row strides and base (else pointer loads)
     tma = use_tma and x2d.data_ptr() % 16 == 0
@@ -634,7 +556,7 @@ def ternary_matmul_tc(x2d: torch.Tensor, tt, bias: torch.Tensor | None = None, c
         nbytes=codes.numel() * 4 + M * K * xsize + M * N * (xsize if final else 8 * splits + xsize),
         BLOCK_M=bm, ROW_REPS=reps, BLOCKS_K=nbk, WARPS=warps, IS_BF16=is_bf16, USE_ASM=not _runtime.INTERPRET,
         TMA=tma, FINAL=final, PREFETCH=prefetch, XPRE=xpre, FIXUP=fixup, FIX4=fix4, HAS_BIAS=bias is not None,
-        RNE=rne, TR=tr, PP=pp, num_warps=warps, num_stages=stages, **opts, **launch.pdl_options(pdl),
+        RNE=rne, TR=tr, num_warps=warps, num_stages=stages, **opts, **launch.pdl_options(pdl),
     )
     if not final and not fixup:
         reduce_splits(part, scales, bias, y, rne)
