@@ -1,7 +1,8 @@
 """Where the Gated DeltaNet forward and backward spend their GPU time, kernel by kernel (issue 4).
 
 At each bench shape (bf16, K = V = 128, l2norm in the kernel, an initial state, the final state out: the bench's
-inputs), the public op's forward and its backward (``torch.autograd.grad`` of o and the final state) run under
+inputs), the public op's forward (under no_grad, and differentiable: it then keeps the backward's residuals unless
+TRIFORGE_DELTANET_SAVE=0) and its backward (``torch.autograd.grad`` of o and the final state) run under
 torch.profiler after a warm-up; each CUDA kernel's time is summed over the profiled iterations and divided by
 their number. The backward's rows show how much of it recomputes the forward (the intra and state kernels).
 
@@ -98,6 +99,9 @@ def main():
             with torch.no_grad():
                 triforge.chunk_gated_delta_rule(**call)
 
+        def fwd_train():  # differentiable: keeps the backward's residuals unless TRIFORGE_DELTANET_SAVE=0
+            triforge.chunk_gated_delta_rule(**call)
+
         o, final = triforge.chunk_gated_delta_rule(**call)
         do, dfinal = torch.randn_like(o), torch.randn_like(final)
         leaves = [ins[n] for n in ("q", "k", "v", "g", "beta", "initial_state")]
@@ -105,14 +109,18 @@ def main():
         def bwd():
             torch.autograd.grad((o, final), leaves, (do, dfinal), retain_graph=True)
 
-        f, b = kernel_times(fwd, args.iters), kernel_times(bwd, args.iters)
-        ft, bt = sum(f.values()), sum(b.values())
-        print(f"B={B} T={T} H={H} HV={HV}: forward {ft:.0f} us, backward {bt:.0f} us ({bt / ft:.2f}x)", flush=True)
+        f, ftr, b = kernel_times(fwd, args.iters), kernel_times(fwd_train, args.iters), kernel_times(bwd, args.iters)
+        ft, ftrt, bt = sum(f.values()), sum(ftr.values()), sum(b.values())
+        print(f"B={B} T={T} H={H} HV={HV}: forward {ft:.0f} us (differentiable: {ftrt:.0f}), backward {bt:.0f} us "
+              f"({bt / ft:.2f}x the forward, {bt / ftrt:.2f}x the differentiable one)", flush=True)
         for name, us in f.items():
             print(f"   fwd {us:8.1f} us  {name[:90]}")
+        for name, us in ftr.items():
+            print(f"   fwd(grad) {us:8.1f} us  {name[:90]}")
         for name, us in b.items():
             print(f"   bwd {us:8.1f} us  {name[:90]}")
-        rows.append({"shape": s, "fwd_us": f, "bwd_us": b, "fwd_total_us": ft, "bwd_total_us": bt})
+        rows.append({"shape": s, "fwd_us": f, "fwd_grad_us": ftr, "bwd_us": b, "fwd_total_us": ft, "fwd_grad_total_us": ftrt,
+                     "bwd_total_us": bt})
         del ins, call, o, final, do, dfinal, leaves
         torch.cuda.empty_cache()
     if args.json:

@@ -410,12 +410,15 @@ _GRAD_CASES = [
 ]
 
 
+@pytest.mark.parametrize("save", ["1", "0"], ids=["saved", "recomputed"])
 @pytest.mark.parametrize("T,dtype,h0,use_final,l2,cu", _GRAD_CASES,
                          ids=["fp32-h0-final", "bf16-varlen", "fp16-noL2"])
-def test_triton_backward_gradients_through_autograd(T, dtype, h0, use_final, l2, cu, monkeypatch, gen):
+def test_triton_backward_gradients_through_autograd(T, dtype, h0, use_final, l2, cu, save, monkeypatch, gen):
     """The public function's gradients with TRIFORGE_DELTANET_BWD=triton against float64 autograd
-    through the recurrent reference (an independent formulation of the forward)."""
+    through the recurrent reference (an independent formulation of the forward), with the forward's
+    intermediates kept for the backward (TRIFORGE_DELTANET_SAVE=1, not with varlen) or recomputed there."""
     monkeypatch.setenv("TRIFORGE_DELTANET_BWD", "triton")
+    monkeypatch.setenv("TRIFORGE_DELTANET_SAVE", save)
     cu = torch.tensor(cu, device=DEV) if cu is not None else None
     N = len(cu) - 1 if cu is not None else None
     x = _inputs(1 if cu is not None else 2, T, 1, 2, 32, 32, dtype, gen, h0=h0, normalized_k=not l2, N=N)
@@ -539,6 +542,65 @@ def test_triton_backward_matches_torch_backward(gen):
     _both_backwards_match_reference(_bwd_inputs(1, 90, 2, 4, 32, 32, torch.float32, gen, l2norm=False), 0.25, False)
 
 
+@pytest.mark.parametrize("K,V,dtype,padded", [(32, 32, torch.float32, False), (64, 32, torch.bfloat16, False),
+                                              (32, 32, torch.float16, True)], ids=["fp32", "bf16-K64", "fp16-padded"])
+def test_saved_residuals_are_the_recompute(K, V, dtype, padded, monkeypatch, gen):
+    """The training forward's residuals (gamma, w, T, h, v_new) are what the backward's recompute makes (the
+    same kernels on the same inputs; h and v_new from the fused recurrence, the recompute's from the unfused
+    one), the saved and the recomputed backward give the same gradients, and a forward that is not
+    differentiated (no_grad, or inputs without requires_grad) keeps nothing. T = 100: a partial last chunk; padded:
+    the head dims padded to 64 as compiled kernels run 32 (the residuals stay padded)."""
+    monkeypatch.setattr(chunk_fwd_module, "PAD_SMALL_DIMS", padded)
+    x = _bwd_inputs(1, 100, 1, 2, K, V, dtype, gen)
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"], 0.3, x["initial_state"])
+    o_s, fin_s, *res = torch.ops.triforge.chunk_gated_delta_rule_fwd_save(*args, True, True)
+    o, fin = torch.ops.triforge.chunk_gated_delta_rule_fwd(*args, True, True, None)
+    assert torch.equal(o_s, o) and torch.equal(fin_s, fin)
+    Kp, Vp = chunk_fwd_module.padded_dims(K, V)
+    pad = lambda t, n: torch.nn.functional.pad(t, (0, n - t.shape[-1]))  # noqa: E731
+    intra = chunk_fwd_module.chunk_fwd_intra(pad(x["k"], Kp), pad(x["v"], Vp), x["g"], x["beta"], l2norm=True,
+                                             store_t=True)
+    h0 = torch.nn.functional.pad(x["initial_state"], (0, Vp - V, 0, Kp - K))
+    h, v_new, _ = chunk_fwd_module.chunk_fwd_h(pad(x["k"], Kp), intra["w"], intra["u"], intra["gamma"], h0, l2norm=True,
+                                               output_final_state=False)
+    want = {"gamma": intra["gamma"], "w": intra["w"], "T": intra["T"], "h": h, "v_new": v_new}
+    for name, got in zip(chunk_fwd_module.SAVED_NAMES, res):
+        assert got.shape == want[name].shape and got.dtype == want[name].dtype, name
+        if name in ("gamma", "w", "T"):
+            assert torch.equal(got, want[name]), name
+        else:  # the fused and the unfused recurrence: the same products, maybe another block order
+            torch.testing.assert_close(got.float(), want[name].float(), rtol=1e-5, atol=1e-5, msg=name)
+    grads_of = {}
+    for save in ("1", "0"):
+        monkeypatch.setenv("TRIFORGE_DELTANET_SAVE", save)
+        leaves = {n: x[n].clone().requires_grad_(True) for n in GRAD_NAMES}
+        o, fin = chunk_gated_delta_rule(**leaves, scale=0.3, output_final_state=True, use_qk_l2norm_in_kernel=True)
+        with poisoned():
+            grads_of[save] = torch.autograd.grad([o, fin], list(leaves.values()), [x["do"], x["dht"]])
+    for n, a, b in zip(GRAD_NAMES, grads_of["1"], grads_of["0"]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=f"d{n}")
+    monkeypatch.setenv("TRIFORGE_DELTANET_SAVE", "1")
+    calls = []
+    real = chunk_fwd_module.chunk_fwd
+    # (the save flag of each public call: the padded forward calls itself again at the padded dims)
+    monkeypatch.setattr(chunk_fwd_module, "chunk_fwd",
+                        lambda *a, **kw: (a[0].shape[-1] == K and calls.append(kw.get("save", False))) or real(*a, **kw))
+    with torch.no_grad():
+        chunk_gated_delta_rule(*args[:5], initial_state=x["initial_state"].requires_grad_(True))
+    chunk_gated_delta_rule(*args[:5], initial_state=x["initial_state"].detach())
+    leaf = x["q"].clone().requires_grad_(True)
+    chunk_gated_delta_rule(leaf, *args[1:5], cu_seqlens=torch.tensor([0, 40, 100], device=DEV))
+    chunk_gated_delta_rule(leaf, *args[1:5])
+    assert calls == [False, False, False, True], calls
+
+
+def test_save_switch_rejects_other_values(monkeypatch, gen):
+    monkeypatch.setenv("TRIFORGE_DELTANET_SAVE", "yes")
+    x = _inputs(1, 20, 1, 2, 32, 32, torch.float32, gen)
+    with pytest.raises(ValueError, match="TRIFORGE_DELTANET_SAVE"):
+        chunk_gated_delta_rule(x["q"].requires_grad_(True), x["k"], x["v"], x["g"], x["beta"])
+
+
 def test_bwd_op_opcheck(gen):
     x = _inputs(1, 20, 1, 2, 32, 32, torch.float32, gen)
     do = torch.randn(x["v"].shape, generator=gen).to(DEV)
@@ -548,6 +610,13 @@ def test_bwd_op_opcheck(gen):
     for args in ((do, dht, *base, x["initial_state"], True, None),
                  (do, None, *base, None, False, torch.tensor([0, 7, 20], device=DEV))):
         torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
+    fwd_save = torch.ops.triforge.chunk_gated_delta_rule_fwd_save.default
+    for h0, final, l2 in ((x["initial_state"], True, True), (None, False, False)):
+        torch.library.opcheck(fwd_save, (*base, h0, final, l2), test_utils=("test_schema", "test_faketensor"))
+        res = fwd_save(*base, h0, final, l2)[2:]
+        torch.library.opcheck(torch.ops.triforge.chunk_gated_delta_rule_bwd_saved.default,
+                              (do, dht if final else None, *base, h0, l2, *res),
+                              test_utils=("test_schema", "test_faketensor"))
 
 
 def test_torch_compile_traces_the_triton_backward(monkeypatch, gen):

@@ -652,39 +652,47 @@ def chunk_fwd_o(q, k, v_new, h, gamma, scale, *, l2norm=False, varlen=None, cfg=
     return o
 
 
+SAVED_NAMES = ("gamma", "w", "T", "h", "v_new")  # chunk_fwd(save=True)'s residuals, in this order
+
+
 def chunk_fwd(q, k, v, g, beta, scale, initial_state=None, *, output_final_state=True, l2norm=False, cu_seqlens=None,
-              stages=False, fuse_o=None):
+              stages=False, fuse_o=None, save=False):
     """The chunked forward: the intra kernel, then the recurrence with the output fused, or the
     recurrence and the output kernel (``fuse_o``; None: ``use_fused``'s choice).
 
     Returns (o, final_state); with ``stages`` a dict of every stage instead (gamma, decay, A, T, w,
-    u, h, v_new, o, final_state), all from the kernels' own buffers.
+    u, h, v_new, o, final_state), all from the kernels' own buffers. With ``save``: (o, final_state,
+    saved), saved = {gamma, w, T, h, v_new} (``SAVED_NAMES``), what the backward would otherwise
+    recompute with the intra and state kernels (T is stored by the intra kernel, h and v_new by the
+    fused recurrence too); at padded head dims (``padded_dims``) in the padded dims.
     """
     K, V = q.shape[3], v.shape[3]
     Kp, Vp = padded_dims(K, V)
     if (Kp, Vp) != (K, V):
         res = chunk_fwd(pad_last(q, Kp), pad_last(k, Kp), pad_last(v, Vp), g, beta, scale,
                         pad_state(initial_state, Kp, Vp), output_final_state=output_final_state, l2norm=l2norm,
-                        cu_seqlens=cu_seqlens, stages=stages, fuse_o=fuse_o)
+                        cu_seqlens=cu_seqlens, stages=stages, fuse_o=fuse_o, save=save)
         if stages:
             return {n: unpad(n, t, K, V) for n, t in res.items()}
-        return unpad("o", res[0], K, V), unpad("final_state", res[1], K, V)
+        return (unpad("o", res[0], K, V), unpad("final_state", res[1], K, V)) + tuple(res[2:])
     varlen = prepare_varlen(cu_seqlens)
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     N = B if varlen is None else varlen.n_seqs
     fuse_o = use_fused(K, V, N * HV) if fuse_o is None else fuse_o
     want_final = output_final_state or stages
-    intra = chunk_fwd_intra(k, v, g, beta, l2norm=l2norm, varlen=varlen, stages=stages)
+    intra = chunk_fwd_intra(k, v, g, beta, l2norm=l2norm, varlen=varlen, stages=stages, store_t=save)
     w, u, gamma = intra["w"], intra["u"], intra["gamma"]
     if fuse_o:
-        rec = chunk_fwd_h_o(q, k, w, u, gamma, initial_state, scale, l2norm=l2norm, varlen=varlen, stages=stages,
-                            output_final_state=want_final)
+        rec = chunk_fwd_h_o(q, k, w, u, gamma, initial_state, scale, l2norm=l2norm, varlen=varlen,
+                            stages=stages or save, output_final_state=want_final)  # (stages: h and v_new stored)
         o, final, h, v_new = rec["o"], rec["final_state"], rec["h"], rec["v_new"]
     else:
         h, v_new, final = chunk_fwd_h(k, w, u, gamma, initial_state, l2norm=l2norm, varlen=varlen,
                                       output_final_state=want_final)
         o = chunk_fwd_o(q, k, v_new, h, gamma, scale, l2norm=l2norm, varlen=varlen)
+    if save and not stages:
+        return o, final, {"gamma": gamma, "w": w, "T": intra["T"], "h": h, "v_new": v_new}
     if not stages:
         return o, final
     out = {n: intra[n] for n in ("gamma", "decay", "A", "T", "w", "u")}

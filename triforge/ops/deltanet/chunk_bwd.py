@@ -621,8 +621,11 @@ BWD_STAGE_NAMES = ("dh", "dv_new", "dq_hv", "dk_local", "dw", "dgamma_local", "d
                    "dgamma", "dg", "dq", "dk", "dh0")
 
 
-def chunk_bwd(do, dht, q, k, v, g, beta, scale, initial_state=None, *, l2norm=False, cu_seqlens=None, stages=False):
-    """The chunked backward: the forward's intra and state kernels again, then kernels 0-4.
+def chunk_bwd(do, dht, q, k, v, g, beta, scale, initial_state=None, *, l2norm=False, cu_seqlens=None, stages=False,
+              saved=None):
+    """The chunked backward: the forward's intra and state kernels again (unless ``saved``: the forward's
+    gamma, w, T, h and v_new, ``chunk.chunk_fwd(save=True)``'s residuals, at the padded head dims), then
+    kernels 0-4.
 
     do [B, T, HV, V] in v's dtype; dht [N, HV, K, V] fp32 or None. Returns (dq, dk, dv, dg, dbeta,
     dh0) in their inputs' dtypes (dh0 fp32; None without an initial state); with ``stages`` an
@@ -634,15 +637,18 @@ def chunk_bwd(do, dht, q, k, v, g, beta, scale, initial_state=None, *, l2norm=Fa
     if (Kp, Vp) != (K, V):  # see chunk.PAD_MIN: exact, the padded coordinates get zero gradients
         res = chunk_bwd(pad_last(do, Vp), pad_state(dht, Kp, Vp), pad_last(q, Kp), pad_last(k, Kp), pad_last(v, Vp),
                         g, beta, scale, pad_state(initial_state, Kp, Vp), l2norm=l2norm, cu_seqlens=cu_seqlens,
-                        stages=stages)
+                        stages=stages, saved=saved)
         if stages:
             return OrderedDict((n, unpad(n, t, K, V)) for n, t in res.items())
         return tuple(unpad(n, t, K, V) for n, t in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), res))
     varlen = prepare_varlen(cu_seqlens)
-    intra = chunk_fwd_intra(k, v, g, beta, l2norm=l2norm, varlen=varlen, store_t=True)
-    gamma, w, t = intra["gamma"], intra["w"], intra["T"]
-    h, v_new, _ = chunk_fwd_h(k, w, intra["u"], gamma, initial_state, l2norm=l2norm, varlen=varlen,
-                              output_final_state=False)
+    if saved is not None:
+        gamma, w, t, h, v_new = (saved[n] for n in ("gamma", "w", "T", "h", "v_new"))
+    else:
+        intra = chunk_fwd_intra(k, v, g, beta, l2norm=l2norm, varlen=varlen, store_t=True)
+        gamma, w, t = intra["gamma"], intra["w"], intra["T"]
+        h, v_new, _ = chunk_fwd_h(k, w, intra["u"], gamma, initial_state, l2norm=l2norm, varlen=varlen,
+                                  output_final_state=False)
     qn, kn = chunk_bwd_l2norm(q, k) if l2norm else (q, k)
     dh, dv_new, dh0 = chunk_bwd_dh(qn, kn, w, gamma, do, dht, scale, varlen=varlen,
                                    store_dh0=initial_state is not None)
