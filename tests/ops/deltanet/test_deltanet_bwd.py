@@ -546,11 +546,12 @@ def test_triton_backward_matches_torch_backward(gen):
                                               (32, 32, torch.float16, True)], ids=["fp32", "bf16-K64", "fp16-padded"])
 def test_saved_residuals_are_the_recompute(K, V, dtype, padded, monkeypatch, gen):
     """The training forward's residuals (gamma, w, T, h, v_new) are what the backward's recompute makes (the
-    same kernels on the same inputs; h and v_new from the fused recurrence, the recompute's from the unfused
-    one), the saved and the recomputed backward give the same gradients, and a forward that is not
+    same kernels on the same inputs), the saved and the recomputed backward give the same gradients (also with the
+    final state alone differentiated: o's gradient arrives as None), and a forward that is not
     differentiated (no_grad, or inputs without requires_grad) keeps nothing. T = 100: a partial last chunk; padded:
     the head dims padded to 64 as compiled kernels run 32 (the residuals stay padded)."""
-    monkeypatch.setattr(chunk_fwd_module, "PAD_SMALL_DIMS", padded)
+    if padded:  # (compiled kernels pad dims below 64 anyway)
+        monkeypatch.setattr(chunk_fwd_module, "PAD_SMALL_DIMS", True)
     x = _bwd_inputs(1, 100, 1, 2, K, V, dtype, gen)
     args = (x["q"], x["k"], x["v"], x["g"], x["beta"], 0.3, x["initial_state"])
     o_s, fin_s, *res = torch.ops.triforge.chunk_gated_delta_rule_fwd_save(*args, True, True)
@@ -568,7 +569,7 @@ def test_saved_residuals_are_the_recompute(K, V, dtype, padded, monkeypatch, gen
         assert got.shape == want[name].shape and got.dtype == want[name].dtype, name
         if name in ("gamma", "w", "T"):
             assert torch.equal(got, want[name]), name
-        else:  # the fused and the unfused recurrence: the same products, maybe another block order
+        else:  # (a saving forward runs the unfused recurrence, as the recompute does: equal up to block order)
             torch.testing.assert_close(got.float(), want[name].float(), rtol=1e-5, atol=1e-5, msg=name)
     grads_of = {}
     for save in ("1", "0"):
@@ -577,8 +578,13 @@ def test_saved_residuals_are_the_recompute(K, V, dtype, padded, monkeypatch, gen
         o, fin = chunk_gated_delta_rule(**leaves, scale=0.3, output_final_state=True, use_qk_l2norm_in_kernel=True)
         with poisoned():
             grads_of[save] = torch.autograd.grad([o, fin], list(leaves.values()), [x["do"], x["dht"]])
-    for n, a, b in zip(GRAD_NAMES, grads_of["1"], grads_of["0"]):
+        # the final state alone differentiated (o's gradient is None in the backward)
+        leaves = {n: x[n].clone().requires_grad_(True) for n in GRAD_NAMES}
+        _, fin = chunk_gated_delta_rule(**leaves, scale=0.3, output_final_state=True, use_qk_l2norm_in_kernel=True)
+        grads_of["final" + save] = torch.autograd.grad(fin, list(leaves.values()), x["dht"])
+    for n, a, b, c, d in zip(GRAD_NAMES, grads_of["1"], grads_of["0"], grads_of["final1"], grads_of["final0"]):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=f"d{n}")
+        torch.testing.assert_close(c, d, rtol=1e-4, atol=1e-4, msg=f"d{n} (final state only)")
     monkeypatch.setenv("TRIFORGE_DELTANET_SAVE", "1")
     calls = []
     real = chunk_fwd_module.chunk_fwd
