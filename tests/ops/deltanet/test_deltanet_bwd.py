@@ -590,7 +590,8 @@ def test_saved_residuals_are_the_recompute(K, V, dtype, padded, monkeypatch, gen
     real = chunk_fwd_module.chunk_fwd
     # (the save flag of each public call: the padded forward calls itself again at the padded dims)
     monkeypatch.setattr(chunk_fwd_module, "chunk_fwd",
-                        lambda *a, **kw: (a[0].shape[-1] == K and calls.append(kw.get("save", False))) or real(*a, **kw))
+                        lambda *a, **kw: (a[0].shape[-1] == K and a[2].shape[-1] == V
+                                          and calls.append(kw.get("save", False))) or real(*a, **kw))
     with torch.no_grad():
         chunk_gated_delta_rule(*args[:5], initial_state=x["initial_state"].requires_grad_(True))
     chunk_gated_delta_rule(*args[:5], initial_state=x["initial_state"].detach())
