@@ -47,6 +47,13 @@ def kernel_times(fn, iters):
     return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
+def show(*labelled):
+    """One line per kernel of each (label, {kernel: us}) pass."""
+    for label, times in labelled:
+        for name, us in times.items():
+            print(f"   {label} {us:8.1f} us  {name[:90]}")
+
+
 def mhc_rows(cs, iters):
     from triforge.ops import mhc as M
 
@@ -70,10 +77,7 @@ def mhc_rows(cs, iters):
         stream = T * 4 * C * 2
         print(f"mHC K1 T={T} C={C}: forward {sum(f.values()):.1f} us (x once: {stream / 3.0e6:.1f} us at 3.0 TB/s), "
               f"backward {sum(b.values()):.1f} us (x and dx: {2 * stream / 3.0e6:.1f} us)", flush=True)
-        for name, us in f.items():
-            print(f"   fwd {us:8.1f} us  {name[:90]}")
-        for name, us in b.items():
-            print(f"   bwd {us:8.1f} us  {name[:90]}")
+        show(("fwd", f), ("bwd", b))
         rows.append({"mhc_C": C, "fwd_us": f, "bwd_us": b})
     return rows
 
@@ -113,12 +117,7 @@ def main():
         ft, ftrt, bt = sum(f.values()), sum(ftr.values()), sum(b.values())
         print(f"B={B} T={T} H={H} HV={HV}: forward {ft:.0f} us (differentiable: {ftrt:.0f}), backward {bt:.0f} us "
               f"({bt / ft:.2f}x the forward, {bt / ftrt:.2f}x the differentiable one)", flush=True)
-        for name, us in f.items():
-            print(f"   fwd {us:8.1f} us  {name[:90]}")
-        for name, us in ftr.items():
-            print(f"   fwd(grad) {us:8.1f} us  {name[:90]}")
-        for name, us in b.items():
-            print(f"   bwd {us:8.1f} us  {name[:90]}")
+        show(("fwd", f), ("fwd(grad)", ftr), ("bwd", b))
         rows.append({"shape": s, "fwd_us": f, "fwd_grad_us": ftr, "bwd_us": b, "fwd_total_us": ft, "fwd_grad_total_us": ftrt,
                      "bwd_total_us": bt})
         del ins, call, o, final, do, dfinal, leaves
