@@ -663,8 +663,9 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state=None, *, output_final_state
     Returns (o, final_state); with ``stages`` a dict of every stage instead (gamma, decay, A, T, w,
     u, h, v_new, o, final_state), all from the kernels' own buffers. With ``save``: (o, final_state,
     saved), saved = {gamma, w, T, h, v_new} (``SAVED_NAMES``), what the backward would otherwise
-    recompute with the intra and state kernels (T is stored by the intra kernel, h and v_new by the
-    fused recurrence too); at padded head dims (``padded_dims``) in the padded dims.
+    recompute with the intra and state kernels (T stored by the intra kernel; the recurrence runs unfused
+    unless ``fuse_o`` is True, and the fused one then stores h and v_new too); at padded head dims
+    (``padded_dims``) in the padded dims.
     """
     K, V = q.shape[3], v.shape[3]
     Kp, Vp = padded_dims(K, V)
