@@ -416,7 +416,8 @@ _GRAD_CASES = [
 def test_triton_backward_gradients_through_autograd(T, dtype, h0, use_final, l2, cu, save, monkeypatch, gen):
     """The public function's gradients with TRIFORGE_DELTANET_BWD=triton against float64 autograd
     through the recurrent reference (an independent formulation of the forward), with the forward's
-    intermediates kept for the backward (TRIFORGE_DELTANET_SAVE=1, not with varlen) or recomputed there."""
+    intermediates kept for the backward (TRIFORGE_DELTANET_SAVE=1; with varlen h holds the chunks of every sequence)
+    or recomputed there."""
     monkeypatch.setenv("TRIFORGE_DELTANET_BWD", "triton")
     monkeypatch.setenv("TRIFORGE_DELTANET_SAVE", save)
     cu = torch.tensor(cu, device=DEV) if cu is not None else None
@@ -548,13 +549,13 @@ def test_saved_residuals_are_the_recompute(K, V, dtype, padded, monkeypatch, gen
     """The training forward's residuals (gamma, w, T, h, v_new) are what the backward's recompute makes (the
     same kernels on the same inputs), the saved and the recomputed backward give the same gradients (also with the
     final state alone differentiated: o's gradient arrives as None), and a forward that is not
-    differentiated (no_grad, or inputs without requires_grad) keeps nothing. T = 100: a partial last chunk; padded:
+    differentiated (no_grad, or inputs without requires_grad) keeps nothing; a varlen one keeps them too. T = 100: a partial last chunk; padded:
     the head dims padded to 64 as compiled kernels run 32 (the residuals stay padded)."""
     if padded:  # (compiled kernels pad dims below 64 anyway)
         monkeypatch.setattr(chunk_fwd_module, "PAD_SMALL_DIMS", True)
     x = _bwd_inputs(1, 100, 1, 2, K, V, dtype, gen)
     args = (x["q"], x["k"], x["v"], x["g"], x["beta"], 0.3, x["initial_state"])
-    o_s, fin_s, *res = torch.ops.triforge.chunk_gated_delta_rule_fwd_save(*args, True, True)
+    o_s, fin_s, *res = torch.ops.triforge.chunk_gated_delta_rule_fwd_save(*args, True, True, None)
     o, fin = torch.ops.triforge.chunk_gated_delta_rule_fwd(*args, True, True, None)
     assert torch.equal(o_s, o) and torch.equal(fin_s, fin)
     Kp, Vp = chunk_fwd_module.padded_dims(K, V)
@@ -598,7 +599,7 @@ def test_saved_residuals_are_the_recompute(K, V, dtype, padded, monkeypatch, gen
     leaf = x["q"].clone().requires_grad_(True)
     chunk_gated_delta_rule(leaf, *args[1:5], cu_seqlens=torch.tensor([0, 40, 100], device=DEV))
     chunk_gated_delta_rule(leaf, *args[1:5])
-    assert calls == [False, False, False, True], calls
+    assert calls == [False, False, True, True], calls
 
 
 def test_save_switch_rejects_other_values(monkeypatch, gen):
@@ -618,12 +619,14 @@ def test_bwd_op_opcheck(gen):
                  (do, None, *base, None, False, torch.tensor([0, 7, 20], device=DEV))):
         torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
     fwd_save = torch.ops.triforge.chunk_gated_delta_rule_fwd_save.default
-    for h0, final, l2 in ((x["initial_state"], True, True), (None, False, False)):
-        torch.library.opcheck(fwd_save, (*base, h0, final, l2), test_utils=("test_schema", "test_faketensor"))
-        res = fwd_save(*base, h0, final, l2)[2:]
+    cu = torch.tensor([0, 7, 20], device=DEV)
+    for h0, final, l2, cs in ((x["initial_state"], True, True, None), (None, False, False, None),
+                              (None, True, True, cu)):
+        torch.library.opcheck(fwd_save, (*base, h0, final, l2, cs), test_utils=("test_schema", "test_faketensor"))
+        res = fwd_save(*base, h0, final, l2, cs)[2:]
+        d_final = (dht if cs is None else dht.expand(2, *dht.shape[1:]).contiguous()) if final else None
         torch.library.opcheck(torch.ops.triforge.chunk_gated_delta_rule_bwd_saved.default,
-                              (do, dht if final else None, *base, h0, l2, *res),
-                              test_utils=("test_schema", "test_faketensor"))
+                              (do, d_final, *base, h0, l2, cs, *res), test_utils=("test_schema", "test_faketensor"))
 
 
 def test_torch_compile_traces_the_triton_backward(monkeypatch, gen):
@@ -646,6 +649,26 @@ def test_torch_compile_traces_the_triton_backward(monkeypatch, gen):
     got = grads(torch.compile(loss, fullgraph=True))
     assert calls, "the compiled backward did not run the Triton kernels"
     for a, b in zip(got, grads(loss)):
+        torch.testing.assert_close(a, b)
+
+
+def test_torch_compile_varlen_saving_forward(monkeypatch, gen):
+    """torch.compile(fullgraph=True) through the saving forward with cu_seqlens, where h's chunk count is a size that
+    depends on the values of cu_seqlens (an unbacked size in the fake): the same gradients as eager."""
+    monkeypatch.setenv("TRIFORGE_DELTANET_SAVE", "1")
+    x = _inputs(1, 40, 1, 2, 32, 32, torch.float32, gen, h0=False)
+    cu = torch.tensor([0, 13, 40], device=DEV)
+    do = torch.randn(x["v"].shape, generator=gen).to(DEV)
+
+    def loss(q, k, v, g, beta):
+        o, _ = chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu, use_qk_l2norm_in_kernel=True)
+        return (o * do).sum()
+
+    def grads(fn):
+        leaves = [x[n].clone().requires_grad_(True) for n in GRAD_NAMES[:5]]
+        return torch.autograd.grad(fn(*leaves), leaves)
+
+    for a, b in zip(grads(torch.compile(loss, fullgraph=True)), grads(loss)):
         torch.testing.assert_close(a, b)
 
 

@@ -39,15 +39,15 @@ the backward runs (under torch.compile: when its backward graph is traced):
 
 Any other value of ``TRIFORGE_DELTANET_BWD`` raises ValueError when a backward runs.
 
-Residuals. A forward that will be differentiated (grad enabled, an input requiring grad, no cu_seqlens) runs as
+Residuals. A forward that will be differentiated (grad enabled, an input requiring grad) runs as
 
     torch.ops.triforge.chunk_gated_delta_rule_fwd_save(q, k, v, g, beta, scale, initial_state,
-        output_final_state, use_qk_l2norm_in_kernel) -> (o, final_state, gamma, w, T, h, v_new)
+        output_final_state, use_qk_l2norm_in_kernel, cu_seqlens) -> (o, final_state, gamma, w, T, h, v_new)
 
 keeping what the Triton backward would otherwise recompute with the intra and state kernels (about a fifth of
 the backward's time at the bench shapes), and its backward is
 ``torch.ops.triforge.chunk_gated_delta_rule_bwd_saved(do, dht, q, k, v, g, beta, scale, initial_state,
-use_qk_l2norm_in_kernel, gamma, w, T, h, v_new)``. The residuals are 1.7-2.5x the bytes of q, k and v at the
+use_qk_l2norm_in_kernel, cu_seqlens, gamma, w, T, h, v_new)``. The residuals are 1.7-2.5x the bytes of q, k and v at the
 bench shapes (h: one [K, V] state per chunk and value head in k's dtype; T: [64] fp32 per token and value head).
 ``TRIFORGE_DELTANET_SAVE=0`` (read at the forward) keeps only the inputs and recomputes, as fla does.
 """
@@ -283,20 +283,24 @@ def save_residuals() -> bool:
 def _chunk_fwd_save_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,
     initial_state: torch.Tensor | None, output_final_state: bool, use_qk_l2norm_in_kernel: bool,
+    cu_seqlens: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    _validate(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, None)
+    _validate(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens)
+    _check_cu_seqlens(cu_seqlens, q.shape[1])
     q, k, v, g, beta, initial_state = _contiguous(q, k, v, g, beta, initial_state)
     o, final, saved = chunk.chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state=output_final_state,
-                                      l2norm=use_qk_l2norm_in_kernel, save=True)
+                                      l2norm=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens, save=True)
     return (o, final, *(saved[n] for n in chunk.SAVED_NAMES))
 
 
 @_chunk_fwd_save_op.register_fake
-def _(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel):
-    o, final = _fwd_fake(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, None)
+def _(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens):
+    o, final = _fwd_fake(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+                         cu_seqlens)
     B, T, HV = v.shape[0], v.shape[1], v.shape[2]
     Kp, Vp = chunk.padded_dims(q.shape[3], v.shape[3])
-    nt = (T + chunk.BT - 1) // chunk.BT
+    # h holds a state per chunk: with cu_seqlens the chunks of every sequence, a count that depends on its values
+    nt = (T + chunk.BT - 1) // chunk.BT if cu_seqlens is None else torch.library.get_ctx().new_dynamic_size()
     return (o, final, g.new_empty((B, T, HV), dtype=torch.float32), k.new_empty((B, T, HV, Kp)),
             g.new_empty((B, T, HV, chunk.BT), dtype=torch.float32), k.new_empty((B, nt, HV, Kp, Vp)),
             v.new_empty((B, T, HV, Vp)))
@@ -306,28 +310,29 @@ def _(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_
 def _chunk_bwd_saved_op(
     do: torch.Tensor, dht: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
     beta: torch.Tensor, scale: float, initial_state: torch.Tensor | None, use_qk_l2norm_in_kernel: bool,
-    gamma: torch.Tensor, w: torch.Tensor, t: torch.Tensor, h: torch.Tensor, v_new: torch.Tensor,
+    cu_seqlens: torch.Tensor | None, gamma: torch.Tensor, w: torch.Tensor, t: torch.Tensor, h: torch.Tensor,
+    v_new: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The Triton backward on the training forward's residuals (no intra / state recompute)."""
-    _validate(q, k, v, g, beta, scale, initial_state, False, use_qk_l2norm_in_kernel, None)
-    _check_bwd_grads(do, dht, q, v, None)
+    _validate(q, k, v, g, beta, scale, initial_state, False, use_qk_l2norm_in_kernel, cu_seqlens)
+    _check_bwd_grads(do, dht, q, v, cu_seqlens)
     q, k, v, g, beta, initial_state = _contiguous(q, k, v, g, beta, initial_state)
     saved = dict(zip(chunk.SAVED_NAMES, _contiguous(gamma, w, t, h, v_new)))
     do = do.to(v.dtype).contiguous()
     dht = dht.float().contiguous() if dht is not None else None
     dq, dk, dv, dg, dbeta, dh0 = chunk_bwd.chunk_bwd(do, dht, q, k, v, g, beta, scale, initial_state,
-                                                     l2norm=use_qk_l2norm_in_kernel, saved=saved)
+                                                     l2norm=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens, saved=saved)
     return dq, dk, dv, dg, dbeta, dh0 if dh0 is not None else q.new_empty((0,), dtype=torch.float32)
 
 
 @_chunk_bwd_saved_op.register_fake
-def _(do, dht, q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, gamma, w, t, h, v_new):
-    return _chunk_bwd_fake(do, dht, q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, None)
+def _(do, dht, q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens, gamma, w, t, h, v_new):
+    return _chunk_bwd_fake(do, dht, q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens)
 
 
 def _chunk_save_setup(ctx, inputs, output):
-    q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel = inputs
-    ctx.save_for_backward(q, k, v, g, beta, initial_state, *output[2:])
+    q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens = inputs
+    ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens, *output[2:])
     ctx.scale, ctx.output_final_state, ctx.l2norm = scale, output_final_state, use_qk_l2norm_in_kernel
     # the residuals get no gradient, and none is materialised for them (zero tensors of their size: 0.2 ms at
     # (4, 8192, 16, 16)); so an unused o or final state comes back as None too
@@ -336,26 +341,25 @@ def _chunk_save_setup(ctx, inputs, output):
 
 
 def _chunk_save_backward(ctx, do, dht, *_residual_grads):
-    q, k, v, g, beta, initial_state, *saved = ctx.saved_tensors
+    q, k, v, g, beta, initial_state, cu_seqlens, *saved = ctx.saved_tensors
     if do is None:  # only the final state is differentiated
         do = torch.zeros_like(v)
     dht = dht if ctx.output_final_state and dht is not None else None
     if backward_impl() == "triton":
         dq, dk, dv, dg, dbeta, dh0 = torch.ops.triforge.chunk_gated_delta_rule_bwd_saved(
-            do, dht, q, k, v, g, beta, ctx.scale, initial_state, ctx.l2norm, *saved)
+            do, dht, q, k, v, g, beta, ctx.scale, initial_state, ctx.l2norm, cu_seqlens, *saved)
     else:
         dq, dk, dv, dg, dbeta, dh0 = chunk_bwd_torch(do, dht, q, k, v, g, beta, ctx.scale, initial_state,
-                                                     ctx.l2norm, None)
-    return dq, dk, dv, dg, dbeta, None, dh0 if initial_state is not None else None, None, None
+                                                     ctx.l2norm, cu_seqlens)
+    return dq, dk, dv, dg, dbeta, None, dh0 if initial_state is not None else None, None, None, None
 
 
 _chunk_fwd_save_op.register_autograd(_chunk_save_backward, setup_context=_chunk_save_setup)
 
 
-def _wants_residuals(q, k, v, g, beta, initial_state, cu_seqlens):
-    """A forward whose result will be differentiated, not varlen (its chunk count depends on cu_seqlens' values), with
-    saving on."""
-    return (cu_seqlens is None and torch.is_grad_enabled() and save_residuals()
+def _wants_residuals(q, k, v, g, beta, initial_state):
+    """A forward whose result will be differentiated, with saving on."""
+    return (torch.is_grad_enabled() and save_residuals()
             and any(t is not None and t.requires_grad for t in (q, k, v, g, beta, initial_state)))
 
 
@@ -396,13 +400,13 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     B = 1. Returns (o [B, T, HV, V] in v's dtype, final state [N, HV, K, V] fp32 or None).
     Gradients (q, k, v, g, beta, initial_state) come from the Triton backward kernels
     (``TRIFORGE_DELTANET_BWD=torch`` picks an fp32 PyTorch recompute instead). A forward that will be
-    differentiated keeps the intra and state kernels' outputs for the backward (not with cu_seqlens;
-    ``TRIFORGE_DELTANET_SAVE=0``: recomputed there instead, less memory).
+    differentiated keeps the intra and state kernels' outputs for the backward
+    (``TRIFORGE_DELTANET_SAVE=0``: recomputed there instead, less memory).
     """
     _validate(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens)
-    if _wants_residuals(q, k, v, g, beta, initial_state, cu_seqlens):
+    if _wants_residuals(q, k, v, g, beta, initial_state):
         o, final, *_ = torch.ops.triforge.chunk_gated_delta_rule_fwd_save(
-            q, k, v, g, beta, _scale(q, scale), initial_state, output_final_state, use_qk_l2norm_in_kernel)
+            q, k, v, g, beta, _scale(q, scale), initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens)
     else:
         o, final = torch.ops.triforge.chunk_gated_delta_rule_fwd(
             q, k, v, g, beta, _scale(q, scale), initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens)
