@@ -548,9 +548,9 @@ def test_triton_backward_matches_torch_backward(gen):
 def test_saved_residuals_are_the_recompute(K, V, dtype, padded, monkeypatch, gen):
     """The training forward's residuals (gamma, w, T, h, v_new) are what the backward's recompute makes (the
     same kernels on the same inputs), the saved and the recomputed backward give the same gradients (also with the
-    final state alone differentiated: o's gradient arrives as None), and a forward that is not
-    differentiated (no_grad, or inputs without requires_grad) keeps nothing; a varlen one keeps them too. T = 100: a partial last chunk; padded:
-    the head dims padded to 64 as compiled kernels run 32 (the residuals stay padded)."""
+    final state alone differentiated: o's gradient arrives as None), and a forward that is not differentiated
+    (no_grad, or inputs without requires_grad) keeps nothing; a varlen one keeps them too. T = 100: a partial last
+    chunk; padded: the head dims padded to 64 as compiled kernels run 32 (the residuals stay padded)."""
     if padded:  # (compiled kernels pad dims below 64 anyway)
         monkeypatch.setattr(chunk_fwd_module, "PAD_SMALL_DIMS", True)
     x = _bwd_inputs(1, 100, 1, 2, K, V, dtype, gen)

@@ -212,13 +212,19 @@ def _chunk_bwd_op(
     beta: torch.Tensor, scale: float, initial_state: torch.Tensor | None, use_qk_l2norm_in_kernel: bool,
     cu_seqlens: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _triton_bwd(do, dht, q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens)
+
+
+def _triton_bwd(do, dht, q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens, saved=None):
+    """Both backward ops' body: checks, contiguous inputs, ``chunk_bwd`` (on the saving forward's residuals when
+    ``saved``), dh0 as an empty tensor without an initial state."""
     _validate(q, k, v, g, beta, scale, initial_state, False, use_qk_l2norm_in_kernel, cu_seqlens)
     _check_bwd_grads(do, dht, q, v, cu_seqlens)
     q, k, v, g, beta, initial_state = _contiguous(q, k, v, g, beta, initial_state)
     do = do.to(v.dtype).contiguous()
     dht = dht.float().contiguous() if dht is not None else None
     dq, dk, dv, dg, dbeta, dh0 = chunk_bwd.chunk_bwd(do, dht, q, k, v, g, beta, scale, initial_state,
-                                                     l2norm=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens)
+                                                     l2norm=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens, saved=saved)
     return dq, dk, dv, dg, dbeta, dh0 if dh0 is not None else q.new_empty((0,), dtype=torch.float32)
 
 
@@ -242,15 +248,26 @@ def _chunk_bwd_fake(do, dht, q, k, v, g, beta, scale, initial_state, use_qk_l2no
 
 
 def _chunk_setup(ctx, inputs, output):
+    """Both chunked forward ops: output[2:] are the saving forward's residuals (none for the plain one)."""
     q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens = inputs
-    ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens)
+    ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens, *output[2:])
     ctx.scale, ctx.output_final_state, ctx.l2norm = scale, output_final_state, use_qk_l2norm_in_kernel
+    if len(output) > 2:
+        # the residuals get no gradient, and none is materialised for them (zero tensors of their size: 0.2 ms at
+        # (4, 8192, 16, 16)); so an unused o or final state comes back as None too
+        ctx.mark_non_differentiable(*output[2:])
+        ctx.set_materialize_grads(False)
 
 
-def _chunk_backward(ctx, do, dht):
-    q, k, v, g, beta, initial_state, cu_seqlens = ctx.saved_tensors
+def _chunk_backward(ctx, do, dht, *_residual_grads):
+    q, k, v, g, beta, initial_state, cu_seqlens, *saved = ctx.saved_tensors
+    if do is None:  # (saving forward) only the final state is differentiated
+        do = torch.zeros_like(v)
     dht = dht if ctx.output_final_state and dht is not None else None
-    if backward_impl() == "triton":
+    if backward_impl() == "triton" and saved:
+        dq, dk, dv, dg, dbeta, dh0 = torch.ops.triforge.chunk_gated_delta_rule_bwd_saved(
+            do, dht, q, k, v, g, beta, ctx.scale, initial_state, ctx.l2norm, cu_seqlens, *saved)
+    elif backward_impl() == "triton":
         dq, dk, dv, dg, dbeta, dh0 = torch.ops.triforge.chunk_gated_delta_rule_bwd(
             do, dht, q, k, v, g, beta, ctx.scale, initial_state, ctx.l2norm, cu_seqlens)
     else:
@@ -314,15 +331,8 @@ def _chunk_bwd_saved_op(
     v_new: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The Triton backward on the training forward's residuals (no intra / state recompute)."""
-    _validate(q, k, v, g, beta, scale, initial_state, False, use_qk_l2norm_in_kernel, cu_seqlens)
-    _check_bwd_grads(do, dht, q, v, cu_seqlens)
-    q, k, v, g, beta, initial_state = _contiguous(q, k, v, g, beta, initial_state)
     saved = dict(zip(chunk.SAVED_NAMES, _contiguous(gamma, w, t, h, v_new)))
-    do = do.to(v.dtype).contiguous()
-    dht = dht.float().contiguous() if dht is not None else None
-    dq, dk, dv, dg, dbeta, dh0 = chunk_bwd.chunk_bwd(do, dht, q, k, v, g, beta, scale, initial_state,
-                                                     l2norm=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens, saved=saved)
-    return dq, dk, dv, dg, dbeta, dh0 if dh0 is not None else q.new_empty((0,), dtype=torch.float32)
+    return _triton_bwd(do, dht, q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens, saved)
 
 
 @_chunk_bwd_saved_op.register_fake
@@ -330,31 +340,7 @@ def _(do, dht, q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, 
     return _chunk_bwd_fake(do, dht, q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens)
 
 
-def _chunk_save_setup(ctx, inputs, output):
-    q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens = inputs
-    ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens, *output[2:])
-    ctx.scale, ctx.output_final_state, ctx.l2norm = scale, output_final_state, use_qk_l2norm_in_kernel
-    # the residuals get no gradient, and none is materialised for them (zero tensors of their size: 0.2 ms at
-    # (4, 8192, 16, 16)); so an unused o or final state comes back as None too
-    ctx.mark_non_differentiable(*output[2:])
-    ctx.set_materialize_grads(False)
-
-
-def _chunk_save_backward(ctx, do, dht, *_residual_grads):
-    q, k, v, g, beta, initial_state, cu_seqlens, *saved = ctx.saved_tensors
-    if do is None:  # only the final state is differentiated
-        do = torch.zeros_like(v)
-    dht = dht if ctx.output_final_state and dht is not None else None
-    if backward_impl() == "triton":
-        dq, dk, dv, dg, dbeta, dh0 = torch.ops.triforge.chunk_gated_delta_rule_bwd_saved(
-            do, dht, q, k, v, g, beta, ctx.scale, initial_state, ctx.l2norm, cu_seqlens, *saved)
-    else:
-        dq, dk, dv, dg, dbeta, dh0 = chunk_bwd_torch(do, dht, q, k, v, g, beta, ctx.scale, initial_state,
-                                                     ctx.l2norm, cu_seqlens)
-    return dq, dk, dv, dg, dbeta, None, dh0 if initial_state is not None else None, None, None, None
-
-
-_chunk_fwd_save_op.register_autograd(_chunk_save_backward, setup_context=_chunk_save_setup)
+_chunk_fwd_save_op.register_autograd(_chunk_backward, setup_context=_chunk_setup)
 
 
 def _wants_residuals(q, k, v, g, beta, initial_state):

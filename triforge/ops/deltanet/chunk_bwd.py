@@ -55,6 +55,7 @@ from triforge.ops._tl import cast as _cast
 from triforge.ops.deltanet.chunk import (
     BT,
     L2NORM_EPS,
+    SAVED_NAMES,
     _chunk_coords,
     _decay,
     _dot,
@@ -643,7 +644,7 @@ def chunk_bwd(do, dht, q, k, v, g, beta, scale, initial_state=None, *, l2norm=Fa
         return tuple(unpad(n, t, K, V) for n, t in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), res))
     varlen = prepare_varlen(cu_seqlens)
     if saved is not None:
-        gamma, w, t, h, v_new = (saved[n] for n in ("gamma", "w", "T", "h", "v_new"))
+        gamma, w, t, h, v_new = (saved[n] for n in SAVED_NAMES)
     else:
         intra = chunk_fwd_intra(k, v, g, beta, l2norm=l2norm, varlen=varlen, store_t=True)
         gamma, w, t = intra["gamma"], intra["w"], intra["T"]

@@ -466,8 +466,9 @@ TC_TUNE_SPACE = {"ROW_REPS": [1, 2], "BLOCKS_K": [1, 2, 4], "num_warps": [4, 8],
 @launch.config_cache
 def _tc_plan(M: int, N: int, K: int, kc: int, cfg_items=None):
     """(BLOCK_M, BLOCKS_K, ROW_REPS, warps, stages, PREFETCH, XPRE, FIXUP, FIX4, PDL (allowed; the launcher also asks
-    ``_settled``), TMA, grid (weight tiles, x tiles, splits), steps per split, compile options (maxnreg)) of a launch: the tuned (or given) config and the split-K arithmetic, worked out once per shape
-    (host time: the decode path is a few microseconds of GPU time per call)."""
+    ``_settled``), TMA, grid (weight tiles, x tiles, splits), steps per split, compile options (maxnreg)) of a launch:
+    the tuned (or given) config and the split-K arithmetic, worked out once per shape (host time: the decode path is
+    a few microseconds of GPU time per call)."""
     cfg = dict(tc_config(M, N, K), **dict(cfg_items or ()))
     bm, reps, nbk, warps = cfg["BLOCK_M"], cfg["ROW_REPS"], cfg["BLOCKS_K"], cfg["num_warps"]
     bn = 16 * warps * reps
