@@ -1,10 +1,12 @@
-"""The attention backward's two kernels, each over a grid of launch configs, against SDPA's backward.
+"""The attention kernels (forward; the backward's dK/dV and dQ), each over a grid of launch configs, against SDPA.
 
     PYTHONPATH=. PYTHONUNBUFFERED=1 python3 benchmarks/attention_bwd_sweep.py OUT.json [--d 64,128] [--warm 12]
+        [--kinds fwd,dkdv,dq]
 
 For each of the issue's bf16 (B, H, S, D) shapes whose D is selected, non-causal and causal:
   - SDPA's FLASH_ATTENTION (FA2) and CUDNN_ATTENTION backward (autograd.grad through their forward) are timed;
   - the preprocess, the dK/dV kernel and the dQ kernel of the default configs are timed one by one;
+  - SDPA's forward too, and every forward config of FWD[D] (o without the rounding residual: inference);
   - every dK/dV config of DKDV[D] and every dQ config of DQ[D] is run, its outputs compared with the default
     config's (relative RMS over the whole tensor: a config above 5e-3, or non-finite, is reported, not timed),
     and timed alone (triton.testing.do_bench median), with its registers, spills and shared memory.
@@ -12,7 +14,7 @@ The compile cost is paid first by --warm worker processes (each launches a slice
 shape with the same specialisation; Triton's disk cache then serves the timing process).
 The table printed last gives, per shape: FA2 and cuDNN backward, the default total (preprocess + dK/dV + dQ),
 the best dK/dV and dQ configs (by the sum over the selected shapes of a D and causal flag, as a config key covers
-them all) and the total they give, and its ratio to FA2.
+them all) and the total they give, and its ratio to FA2; then the forward's default and best against cuDNN.
 """
 
 import argparse
@@ -38,6 +40,13 @@ def c(bm, bn, w, s, tma=0):
     return cfg
 
 
+# forward: BLOCK_M queries per program, BLOCK_N keys per step
+FWD = {
+    64: [c(128, 64, 4, 3), c(128, 64, 4, 4), c(128, 64, 4, 3, 1), c(128, 128, 8, 3), c(128, 128, 8, 3, 1),
+         c(128, 64, 8, 3), c(64, 64, 4, 3), c(64, 128, 4, 3), c(128, 128, 4, 2), c(128, 64, 4, 5)],
+    128: [c(128, 64, 8, 3), c(128, 128, 8, 2, 1), c(128, 64, 8, 3, 1), c(128, 64, 8, 4, 1), c(128, 128, 8, 2),
+          c(64, 64, 4, 3), c(64, 128, 4, 2, 1), c(128, 32, 8, 4, 1), c(64, 64, 4, 4, 1), c(128, 64, 4, 3, 1)],
+}
 # dK/dV: BLOCK_M queries per step, BLOCK_N keys per program. dQ: BLOCK_M queries per program, BLOCK_N keys per step.
 DKDV = {
     64: [c(32, 128, 8, 2), c(32, 128, 8, 3), c(32, 128, 8, 2, 1), c(32, 128, 8, 3, 1), c(64, 128, 8, 2),
@@ -66,9 +75,12 @@ def inputs(B, H, S, D, seed):
     return q, k, v, do, A
 
 
-def jobs(ds):
-    return [(D, causal, kind, cfg) for D in ds for causal in (False, True)
-            for kind, grid in (("dkdv", DKDV), ("dq", DQ)) for cfg in grid[D]]
+GRIDS = {"fwd": FWD, "dkdv": DKDV, "dq": DQ}
+KERNELS = {"fwd": "flash_attn_fwd", "dkdv": "flash_attn_bwd_dkdv", "dq": "flash_attn_bwd_dq"}
+
+
+def jobs(ds, kinds):
+    return [(D, causal, kind, cfg) for D in ds for causal in (False, True) for kind in kinds for cfg in GRIDS[kind][D]]
 
 
 def warm(job_slice):
@@ -78,6 +90,10 @@ def warm(job_slice):
         try:
             q, k, v, do, A = inputs(1, 16, 256, D, 0)
             scale = D**-0.5
+            if kind == "fwd":
+                A.attn_fwd(q, k, v, causal, scale, cfg)
+                torch.cuda.synchronize()
+                continue
             o, lse, o_res = A.attn_fwd(q, k, v, causal, scale, residual=True)
             delta = A.attn_bwd_preprocess(o, do, o_res)
             if kind == "dkdv":
@@ -107,6 +123,19 @@ def resources(kernel):
     return {"registers": r.get("registers"), "spills": r.get("spills"), "shared": r.get("shared_bytes")}
 
 
+def sdpa_fwd(backend, q, k, v, causal):
+    import torch.nn.functional as F
+    from torch.nn.attention import sdpa_kernel
+
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+
+    def run():
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+
+    return run
+
+
 def sdpa_bwd(backend, q, k, v, do, causal):
     import torch.nn.functional as F
     from torch.nn.attention import sdpa_kernel
@@ -118,7 +147,7 @@ def sdpa_bwd(backend, q, k, v, do, causal):
     return lambda: torch.autograd.grad(o, (qt, kt, vt), dot, retain_graph=True)
 
 
-def sweep_shape(shape, causal, rows, log):
+def sweep_shape(shape, causal, rows, log, kinds):
     from torch.nn.attention import SDPBackend
 
     B, H, S, D = shape
@@ -133,39 +162,59 @@ def sweep_shape(shape, causal, rows, log):
         log(row)
 
     for peer, backend in (("sdpa_fa2", SDPBackend.FLASH_ATTENTION), ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION)):
-        try:
-            add(kind="peer", variant=peer, ms=bench_ms(sdpa_bwd(backend, q, k, v, do, causal)))
-        except Exception as e:
-            add(kind="peer", variant=peer, error=f"{type(e).__name__}: {str(e)[:160]}")
+        for kind, make in (("peer_fwd", lambda b: sdpa_fwd(b, q, k, v, causal)),
+                           ("peer", lambda b: sdpa_bwd(b, q, k, v, do, causal))):
+            wanted = "fwd" in kinds if kind == "peer_fwd" else ("dkdv" in kinds or "dq" in kinds)
+            if not wanted:
+                continue
+            try:
+                add(kind=kind, variant=peer, ms=bench_ms(make(backend)))
+            except Exception as e:
+                add(kind=kind, variant=peer, error=f"{type(e).__name__}: {str(e)[:160]}")
+    if "fwd" in kinds:
+        ref_o = A.attn_fwd(q, k, v, causal, scale)[0]
+        d_fwd = A._cfg("flash_attn_fwd", D, causal, q.dtype)
+        for cfg in FWD[D]:
+            run_cfg(add, "fwd", cfg, cfg == d_fwd, lambda cfg=cfg: (A.attn_fwd(q, k, v, causal, scale, cfg)[0],), (ref_o,))
+        del ref_o
+    if "dkdv" not in kinds and "dq" not in kinds:
+        return
     o, lse, o_res = A.attn_fwd(q, k, v, causal, scale, residual=True)
     delta = A.attn_bwd_preprocess(o, do, o_res)
     add(kind="pre", variant="default", ms=bench_ms(lambda: A.attn_bwd_preprocess(o, do, o_res)))
     ref_kv = A.attn_bwd_dkdv(q, k, v, do, lse, delta, causal, scale)
     ref_q = A.attn_bwd_dq(q, k, v, do, lse, delta, causal, scale)
     default = {"dkdv": A._cfg("flash_attn_bwd_dkdv", D, causal, q.dtype), "dq": A._cfg("flash_attn_bwd_dq", D, causal, q.dtype)}
-    for kind, grid, kernel in (("dkdv", DKDV, "flash_attn_bwd_dkdv"), ("dq", DQ, "flash_attn_bwd_dq")):
-        for cfg in grid[D]:
+    for kind in ("dkdv", "dq"):
+        if kind not in kinds:
+            continue
+        for cfg in GRIDS[kind][D]:
             if kind == "dkdv":
                 fn = lambda cfg=cfg: A.attn_bwd_dkdv(q, k, v, do, lse, delta, causal, scale, cfg)  # noqa: E731
                 ref = ref_kv
             else:
                 fn = lambda cfg=cfg: (A.attn_bwd_dq(q, k, v, do, lse, delta, causal, scale, cfg),)  # noqa: E731
                 ref = (ref_q,)
-            row = {"kind": kind, "variant": name(cfg), "cfg": cfg, "default": cfg == default[kind]}
-            try:
-                out = fn()
-                errs = [rel_rms(a, b) for a, b in zip(out, ref)]
-                row["rel_rms"] = [round(e, 6) for e in errs]
-                row.update(resources(kernel))
-                if all(math.isfinite(e) and e < TOL for e in errs):
-                    row["ms"] = bench_ms(fn)
-                else:
-                    row["wrong"] = True
-            except Exception as e:
-                row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
-            add(**row)
+            run_cfg(add, kind, cfg, cfg == default[kind], fn, ref)
     del q, k, v, do, o, lse, o_res, delta, ref_kv, ref_q
     torch.cuda.empty_cache()
+
+
+def run_cfg(add, kind, cfg, is_default, fn, ref):
+    """Run one config: outputs against the default config's, then (when they agree) its time."""
+    row = {"kind": kind, "variant": name(cfg), "cfg": cfg, "default": is_default}
+    try:
+        out = fn()
+        errs = [rel_rms(a, b) for a, b in zip(out, ref)]
+        row["rel_rms"] = [round(e, 6) for e in errs]
+        row.update(resources(KERNELS[kind]))
+        if all(math.isfinite(e) and e < TOL for e in errs):
+            row["ms"] = bench_ms(fn)
+        else:
+            row["wrong"] = True
+    except Exception as e:
+        row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+    add(**row)
 
 
 def table(rows):
@@ -176,16 +225,35 @@ def table(rows):
     best = {}
     for D in sorted({r["D"] for r in rows}):
         for causal in (False, True):
-            for kind in ("dkdv", "dq"):
+            for kind in ("fwd", "dkdv", "dq"):
                 cands = {}
                 for (d, cz, kd, var), rs in keyed.items():
                     if (d, cz, kd) == (D, causal, kind) and all("ms" in r for r in rs):
                         cands[var] = sum(r["ms"] for r in rs)
                 if cands:
                     best[(D, causal, kind)] = min(cands, key=cands.get)
+    f = lambda x: f"{x:.3f}" if x else "-"  # noqa: E731
+    r_ = lambda a, b: f"{a / b:.2f}x" if a and b else "-"  # noqa: E731
+    tags = list(dict.fromkeys(r["shape"] for r in rows))
+    if any(r["kind"] == "fwd" for r in rows):
+        out.append("| shape | FA2 fwd | cuDNN fwd | default | vs cuDNN | best | vs cuDNN |")
+        out.append("|---|---|---|---|---|---|---|")
+        for tag in tags:
+            rs = [r for r in rows if r["shape"] == tag]
+            D, causal = rs[0]["D"], rs[0]["causal"]
+            get = {(r["kind"], r["variant"]): r for r in rs}
+            fa2 = get.get(("peer_fwd", "sdpa_fa2"), {}).get("ms")
+            cud = get.get(("peer_fwd", "sdpa_cudnn"), {}).get("ms")
+            dflt = next((r.get("ms") for r in rs if r["kind"] == "fwd" and r.get("default")), None)
+            bf = best.get((D, causal, "fwd"))
+            bms = get.get(("fwd", bf), {}).get("ms")
+            out.append(f"| {tag} | {f(fa2)} | {f(cud)} | {f(dflt)} | {r_(cud, dflt)} | {bf} ({f(bms)}) | {r_(cud, bms)} |")
+        out.append("")
+    if not any(r["kind"] in ("dkdv", "dq") for r in rows):
+        return "\n".join(out), {f"d={k[0]},causal={int(k[1])},{k[2]}": v for k, v in best.items()}
     out.append("| shape | FA2 bwd | cuDNN bwd | default total | vs FA2 | best dK/dV | best dQ | best total | vs FA2 |")
     out.append("|---|---|---|---|---|---|---|---|---|")
-    for tag in dict.fromkeys(r["shape"] for r in rows):
+    for tag in tags:
         rs = [r for r in rows if r["shape"] == tag]
         D, causal = rs[0]["D"], rs[0]["causal"]
         get = {(r["kind"], r["variant"]): r for r in rs}
@@ -198,8 +266,6 @@ def table(rows):
         btot = None
         if bk and bq:
             btot = pre + get[("dkdv", bk)]["ms"] + get[("dq", bq)]["ms"]
-        f = lambda x: f"{x:.3f}" if x else "-"  # noqa: E731
-        r_ = lambda a, b: f"{a / b:.2f}x" if a and b else "-"  # noqa: E731
         out.append(f"| {tag} | {f(fa2)} | {f(cud)} | {f(tot)} | {r_(fa2, tot)} | {bk} ({f(get.get(('dkdv', bk), {}).get('ms'))}) | "
                    f"{bq} ({f(get.get(('dq', bq), {}).get('ms'))}) | {f(btot)} | {r_(fa2, btot)} |")
     return "\n".join(out), {f"d={k[0]},causal={int(k[1])},{k[2]}": v for k, v in best.items()}
@@ -210,11 +276,13 @@ def main():
     ap.add_argument("out")
     ap.add_argument("--d", default="64,128", help="head dims to sweep")
     ap.add_argument("--warm", type=int, default=12, help="compile worker processes (0: compile while timing)")
+    ap.add_argument("--kinds", default="fwd,dkdv,dq", help="kernels to sweep: fwd, dkdv, dq")
     args = ap.parse_args()
     ds = [int(x) for x in args.d.split(",")]
+    kinds = [k for k in args.kinds.split(",") if k]
     t0 = time.time()
     if args.warm:
-        js = jobs(ds)
+        js = jobs(ds, kinds)
         slices = [js[i::args.warm] for i in range(args.warm)]
         with mp.get_context("spawn").Pool(args.warm) as pool:
             pool.map(warm, slices)
@@ -224,7 +292,7 @@ def main():
     rows = []
 
     def log(r):
-        msg = f"[{time.time() - t0:6.1f}s] {r['shape']:<22} {r['kind']:<4} {r['variant']:<18}"
+        msg = f"[{time.time() - t0:6.1f}s] {r['shape']:<22} {r['kind']:<8} {r['variant']:<18}"
         if "error" in r:
             msg += " ERROR " + r["error"]
         elif r.get("wrong"):
@@ -244,7 +312,7 @@ def main():
         if shape[3] not in ds:
             continue
         for causal in (False, True):
-            sweep_shape(shape, causal, rows, log)
+            sweep_shape(shape, causal, rows, log, kinds)
             save()
     text, best = table(rows)
     save(best)
