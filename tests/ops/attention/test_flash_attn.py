@@ -419,6 +419,56 @@ def test_kv_split_heuristic():
     assert attn.kv_split_for(1, 1, 1, 1) == 1
 
 
+def test_varlen_launches_take_their_own_config_entry(tmp_path, monkeypatch):
+    """A packed launch compiles a different kernel: an entry under the varlen=1 key wins for it, the dense
+    entry (then the fallback) otherwise; dense launches never read the varlen entry. The sm90 file has both
+    for the dK/dV kernel at D = 128 (the dense tile spills in the varlen kernel)."""
+    import json
+
+    from triforge import launch
+
+    monkeypatch.setattr(launch, "CONFIG_DIR", tmp_path)
+    monkeypatch.setattr(_runtime, "arch", lambda: "sm_test_varlen")
+    monkeypatch.setattr(_runtime, "INTERPRET", False)
+    dense = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2, "TMA": 1}
+    packed = {"BLOCK_M": 32, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "TMA": 1}
+    key = attn.config_key(128, True, torch.bfloat16)
+    vkey = attn.config_key(128, True, torch.bfloat16, varlen=True)
+    assert vkey != key and "varlen=1" in vkey and "varlen" not in key
+    table = {"flash_attn_bwd_dkdv": {key: dense, vkey: packed}, "flash_attn_bwd_dq": {key: dense}}
+    (tmp_path / "sm_test_varlen.json").write_text(json.dumps({"kernels": table}))
+    launch.reload()
+    try:
+        assert attn._cfg("flash_attn_bwd_dkdv", 128, True, torch.bfloat16) == dense
+        assert attn._cfg("flash_attn_bwd_dkdv", 128, True, torch.bfloat16, varlen=True) == packed
+        assert attn._cfg("flash_attn_bwd_dq", 128, True, torch.bfloat16, varlen=True) == dense  # no varlen entry
+        fb = attn.fallback_config("flash_attn_fwd", 128, torch.bfloat16, True)
+        assert attn._cfg("flash_attn_fwd", 128, True, torch.bfloat16, varlen=True) == fb  # no entry at all
+    finally:
+        launch.reload()
+
+
+def test_sm90_attention_entries():
+    """The H100 entries of benchmarks/attention_bwd_sweep.py: every (D, causal, dtype) key of the three kernels
+    at D = 64 and 128 has one, with every tile key (TMA explicit: a missing key would come from the fallback)."""
+    import json
+
+    from triforge import launch
+
+    table = json.loads((launch.CONFIG_DIR / "sm90.json").read_text())
+    for kernel in ("flash_attn_fwd", "flash_attn_bwd_dkdv", "flash_attn_bwd_dq"):
+        for D in (64, 128):
+            for causal in (False, True):
+                for dtype in (torch.bfloat16, torch.float16):
+                    cfg = table["kernels"][kernel][attn.config_key(D, causal, dtype)]
+                    assert set(cfg) == {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "TMA"}, (kernel, D, causal)
+                    assert table["provenance"][f"{kernel}[{attn.config_key(D, causal, dtype)}]"]["device"].startswith(
+                        "NVIDIA H100")
+    for causal in (False, True):
+        assert table["kernels"]["flash_attn_bwd_dkdv"][attn.config_key(128, causal, torch.bfloat16, varlen=True)][
+            "BLOCK_M"] == 32
+
+
 def test_interpreter_and_fallback_configs():
     for kernel in ("flash_attn_fwd", "flash_attn_bwd_dkdv", "flash_attn_bwd_dq"):
         for D in attn.HEAD_DIMS:

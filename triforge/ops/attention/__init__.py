@@ -123,13 +123,20 @@ def fallback_config(kernel, D, dtype, causal=True) -> dict:
 _INTERPRET_CFG = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
 
 
-def config_key(D, causal, dtype) -> str:
-    return launch.config_key(d=D, causal=int(bool(causal)), dtype=launch.dtype_tag(dtype))
+def config_key(D, causal, dtype, varlen=False) -> str:
+    extra = {"varlen": 1} if varlen else {}
+    return launch.config_key(d=D, causal=int(bool(causal)), dtype=launch.dtype_tag(dtype), **extra)
 
 
-def _cfg(kernel, D, causal, dtype):
+def _cfg(kernel, D, causal, dtype, varlen=False):
+    """The tuned config at (D, causal, dtype), else the fallback. A packed (varlen) launch compiles a
+    different kernel (sequence bounds read from cu_seqlens): an entry under the key with varlen=1 wins
+    for it (sm90's dK/dV at D = 128: the dense tile spills 2 registers in the varlen kernel)."""
     fallback = dict(_INTERPRET_CFG) if _runtime.INTERPRET else fallback_config(kernel, D, dtype, causal)
-    return launch.config(kernel, config_key(D, causal, dtype), fallback)
+    cfg = launch.config(kernel, config_key(D, causal, dtype), fallback)
+    if varlen and not _runtime.INTERPRET:
+        cfg = launch.config(kernel, config_key(D, causal, dtype, varlen=True), cfg)
+    return cfg
 
 
 def _flags(dtype):
@@ -212,7 +219,7 @@ def attn_fwd(q, k, v, causal, softmax_scale, cfg=None, residual=False, varlen=No
     Sk, Hkv = k.shape[1], k.shape[2]
     nb, grid_q, _ = _grid_dims(B, Sq, Sk, varlen)
     cu_ptrs, vl_flag = _varlen_args(varlen)
-    cfg = cfg or _cfg("flash_attn_fwd", D, causal, q.dtype)
+    cfg = cfg or _cfg("flash_attn_fwd", D, causal, q.dtype, varlen is not None)
     residual = residual and q.dtype != torch.float32
     o = new_output((B, Sq, H, D), q.dtype, q.device)
     o_res = new_output((B, Sq, H, D), q.dtype, q.device) if residual else q.new_empty(0)
@@ -273,7 +280,7 @@ def attn_bwd_dkdv(q, k, v, do, lse, delta, causal, softmax_scale, cfg=None, kv_s
     nb, _, grid_k = _grid_dims(B, Sq, Sk, varlen)
     cu_ptrs, vl_flag = _varlen_args(varlen)
     group = H // Hkv
-    cfg = cfg or _cfg("flash_attn_bwd_dkdv", D, causal, q.dtype)
+    cfg = cfg or _cfg("flash_attn_bwd_dkdv", D, causal, q.dtype, varlen is not None)
     tma = bool(cfg.get("TMA", 0)) and _tma_ok(q, do)
     atomic = 0
     if dq_acc is not None:  # TMA reductions only compiled (Triton 3.6's interpreter lacks them)
@@ -313,7 +320,7 @@ def attn_bwd_dq(q, k, v, do, lse, delta, causal, softmax_scale, cfg=None, varlen
     Sk, Hkv = k.shape[1], k.shape[2]
     nb, grid_q, _ = _grid_dims(B, Sq, Sk, varlen)
     cu_ptrs, vl_flag = _varlen_args(varlen)
-    cfg = cfg or _cfg("flash_attn_bwd_dq", D, causal, q.dtype)
+    cfg = cfg or _cfg("flash_attn_bwd_dq", D, causal, q.dtype, varlen is not None)
     dq = new_output((B, Sq, H, D), q.dtype, q.device)
     e = q.element_size()
     tma = bool(cfg.get("TMA", 0)) and _tma_ok(q, k, v, do)
@@ -352,7 +359,7 @@ def attn_bwd(do, q, k, v, o, o_res, lse, dlse, causal, softmax_scale, varlen=Non
     accumulates dQ too (fp32 additions in a varying order) and a conversion replaces the dQ kernel."""
     D = q.shape[-1]
     delta = attn_bwd_preprocess(o, do, o_res, dlse)  # per row: packed or not is all one to it
-    cfg_dkdv = cfg_dkdv or _cfg("flash_attn_bwd_dkdv", D, causal, q.dtype)
+    cfg_dkdv = cfg_dkdv or _cfg("flash_attn_bwd_dkdv", D, causal, q.dtype, varlen is not None)
     if cfg_dkdv.get("ATOMIC_DQ", 0) and not deterministic and varlen is None:
         dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         dk, dv = attn_bwd_dkdv(q, k, v, do, lse, delta, causal, softmax_scale, cfg_dkdv, dq_acc=dq_acc)
