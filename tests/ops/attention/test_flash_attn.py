@@ -392,8 +392,8 @@ def test_deterministic_flag_selects_the_dq_kernel(gen, monkeypatch):
     do = _rand(q.shape, dtype, gen)
     cfg = attn._cfg
 
-    def atomic_cfg(kernel, D, causal, dt):
-        return {**cfg(kernel, D, causal, dt), **({"ATOMIC_DQ": 1} if kernel == "flash_attn_bwd_dkdv" else {})}
+    def atomic_cfg(kernel, D, causal, dt, varlen=False):
+        return {**cfg(kernel, D, causal, dt, varlen), **({"ATOMIC_DQ": 1} if kernel == "flash_attn_bwd_dkdv" else {})}
 
     calls = []
     convert = attn.attn_bwd_dq_convert
