@@ -47,6 +47,13 @@ FWD = {
     128: [c(128, 64, 8, 3), c(128, 128, 8, 2, 1), c(128, 64, 8, 3, 1), c(128, 64, 8, 4, 1), c(128, 128, 8, 2),
           c(64, 64, 4, 3), c(64, 128, 4, 2, 1), c(128, 32, 8, 4, 1), c(64, 64, 4, 4, 1), c(128, 64, 4, 3, 1)],
 }
+# a second round around the first one's picks (--fwd-round 2)
+FWD2 = {
+    64: [c(128, 64, 8, 3), c(64, 64, 4, 3), c(128, 64, 8, 4), c(128, 64, 8, 5), c(128, 64, 8, 3, 1),
+         c(128, 64, 8, 4, 1), c(128, 32, 8, 4), c(64, 64, 4, 4), c(64, 64, 4, 5), c(64, 32, 4, 4), c(64, 64, 4, 4, 1)],
+    128: [c(128, 64, 8, 4, 1), c(128, 64, 8, 3), c(128, 64, 8, 5, 1), c(128, 64, 8, 4), c(128, 32, 8, 5, 1),
+          c(128, 32, 8, 6, 1), c(64, 64, 4, 5, 1), c(128, 64, 8, 2, 1)],
+}
 # dK/dV: BLOCK_M queries per step, BLOCK_N keys per program. dQ: BLOCK_M queries per program, BLOCK_N keys per step.
 DKDV = {
     64: [c(32, 128, 8, 2), c(32, 128, 8, 3), c(32, 128, 8, 2, 1), c(32, 128, 8, 3, 1), c(64, 128, 8, 2),
@@ -277,7 +284,11 @@ def main():
     ap.add_argument("--d", default="64,128", help="head dims to sweep")
     ap.add_argument("--warm", type=int, default=12, help="compile worker processes (0: compile while timing)")
     ap.add_argument("--kinds", default="fwd,dkdv,dq", help="kernels to sweep: fwd, dkdv, dq")
+    ap.add_argument("--fwd-round", type=int, default=1, help="2: the forward's second grid (FWD2)")
     args = ap.parse_args()
+    if args.fwd_round == 2:
+        FWD.clear()
+        FWD.update(FWD2)
     ds = [int(x) for x in args.d.split(",")]
     kinds = [k for k in args.kinds.split(",") if k]
     t0 = time.time()
