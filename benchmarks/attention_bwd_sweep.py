@@ -182,7 +182,8 @@ def sweep_shape(shape, causal, rows, log, kinds):
         ref_o = A.attn_fwd(q, k, v, causal, scale)[0]
         d_fwd = A._cfg("flash_attn_fwd", D, causal, q.dtype)
         for cfg in FWD[D]:
-            run_cfg(add, "fwd", cfg, cfg == d_fwd, lambda cfg=cfg: (A.attn_fwd(q, k, v, causal, scale, cfg)[0],), (ref_o,))
+            fn = lambda cfg=cfg: (A.attn_fwd(q, k, v, causal, scale, cfg)[0],)  # noqa: E731
+            run_cfg(add, "fwd", cfg, same_config(cfg, d_fwd), fn, (ref_o,))
         del ref_o
     if "dkdv" not in kinds and "dq" not in kinds:
         return
@@ -191,7 +192,7 @@ def sweep_shape(shape, causal, rows, log, kinds):
     add(kind="pre", variant="default", ms=bench_ms(lambda: A.attn_bwd_preprocess(o, do, o_res)))
     ref_kv = A.attn_bwd_dkdv(q, k, v, do, lse, delta, causal, scale)
     ref_q = A.attn_bwd_dq(q, k, v, do, lse, delta, causal, scale)
-    default = {"dkdv": A._cfg("flash_attn_bwd_dkdv", D, causal, q.dtype), "dq": A._cfg("flash_attn_bwd_dq", D, causal, q.dtype)}
+    default = {kind: A._cfg(KERNELS[kind], D, causal, q.dtype) for kind in ("dkdv", "dq")}
     for kind in ("dkdv", "dq"):
         if kind not in kinds:
             continue
@@ -202,7 +203,7 @@ def sweep_shape(shape, causal, rows, log, kinds):
             else:
                 fn = lambda cfg=cfg: (A.attn_bwd_dq(q, k, v, do, lse, delta, causal, scale, cfg),)  # noqa: E731
                 ref = (ref_q,)
-            run_cfg(add, kind, cfg, cfg == default[kind], fn, ref)
+            run_cfg(add, kind, cfg, same_config(cfg, default[kind]), fn, ref)
     del q, k, v, do, o, lse, o_res, delta, ref_kv, ref_q
     torch.cuda.empty_cache()
 
@@ -222,6 +223,20 @@ def run_cfg(add, kind, cfg, is_default, fn, ref):
     except Exception as e:
         row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
     add(**row)
+
+
+def _at_shape(rows, tag, peer_kind):
+    """(D, causal, rows of the shape by (kind, variant), FA2 ms, cuDNN ms) of one shape's rows."""
+    rs = [r for r in rows if r["shape"] == tag]
+    get = {(r["kind"], r["variant"]): r for r in rs}
+    fa2 = get.get((peer_kind, "sdpa_fa2"), {}).get("ms")
+    cud = get.get((peer_kind, "sdpa_cudnn"), {}).get("ms")
+    return rs[0]["D"], rs[0]["causal"], rs, get, fa2, cud
+
+
+def same_config(a, b):
+    """Launch configs equal up to TMA's default (0 when absent)."""
+    return {**a, "TMA": a.get("TMA", 0)} == {**b, "TMA": b.get("TMA", 0)}
 
 
 def table(rows):
@@ -246,11 +261,7 @@ def table(rows):
         out.append("| shape | FA2 fwd | cuDNN fwd | default | vs cuDNN | best | vs cuDNN |")
         out.append("|---|---|---|---|---|---|---|")
         for tag in tags:
-            rs = [r for r in rows if r["shape"] == tag]
-            D, causal = rs[0]["D"], rs[0]["causal"]
-            get = {(r["kind"], r["variant"]): r for r in rs}
-            fa2 = get.get(("peer_fwd", "sdpa_fa2"), {}).get("ms")
-            cud = get.get(("peer_fwd", "sdpa_cudnn"), {}).get("ms")
+            D, causal, rs, get, fa2, cud = _at_shape(rows, tag, "peer_fwd")
             dflt = next((r.get("ms") for r in rs if r["kind"] == "fwd" and r.get("default")), None)
             bf = best.get((D, causal, "fwd"))
             bms = get.get(("fwd", bf), {}).get("ms")
@@ -261,11 +272,7 @@ def table(rows):
     out.append("| shape | FA2 bwd | cuDNN bwd | default total | vs FA2 | best dK/dV | best dQ | best total | vs FA2 |")
     out.append("|---|---|---|---|---|---|---|---|---|")
     for tag in tags:
-        rs = [r for r in rows if r["shape"] == tag]
-        D, causal = rs[0]["D"], rs[0]["causal"]
-        get = {(r["kind"], r["variant"]): r for r in rs}
-        fa2 = get.get(("peer", "sdpa_fa2"), {}).get("ms")
-        cud = get.get(("peer", "sdpa_cudnn"), {}).get("ms")
+        D, causal, rs, get, fa2, cud = _at_shape(rows, tag, "peer")
         pre = get.get(("pre", "default"), {}).get("ms", 0.0)
         dflt = {r["kind"]: r.get("ms") for r in rs if r.get("default")}
         tot = pre + dflt["dkdv"] + dflt["dq"] if dflt.get("dkdv") and dflt.get("dq") else None
@@ -273,8 +280,9 @@ def table(rows):
         btot = None
         if bk and bq:
             btot = pre + get[("dkdv", bk)]["ms"] + get[("dq", bq)]["ms"]
-        out.append(f"| {tag} | {f(fa2)} | {f(cud)} | {f(tot)} | {r_(fa2, tot)} | {bk} ({f(get.get(('dkdv', bk), {}).get('ms'))}) | "
-                   f"{bq} ({f(get.get(('dq', bq), {}).get('ms'))}) | {f(btot)} | {r_(fa2, btot)} |")
+        ms_k, ms_q = get.get(("dkdv", bk), {}).get("ms"), get.get(("dq", bq), {}).get("ms")
+        out.append(f"| {tag} | {f(fa2)} | {f(cud)} | {f(tot)} | {r_(fa2, tot)} | {bk} ({f(ms_k)}) | "
+                   f"{bq} ({f(ms_q)}) | {f(btot)} | {r_(fa2, btot)} |")
     return "\n".join(out), {f"d={k[0]},causal={int(k[1])},{k[2]}": v for k, v in best.items()}
 
 
