@@ -78,6 +78,8 @@ def _c(bm, bn, w, s, **variant):
 #   (1: atomic adds, 2: TMA bulk reductions), then scaled into q's dtype; no dQ kernel. dq is then
 #   not bitwise reproducible: flash_attn_func(deterministic=True) and varlen use the dQ kernel.
 #
+# On sm90 these are overridden at D = 64 and 128 by triforge/configs/sm90.json (benchmarks/attention_bwd_sweep.py,
+# session 23: the backward 1.15-1.36x FA2 with them, 0.60-0.92x with these fallbacks).
 # H100 fallbacks, as measured on the H100 (results/h100-2026-11-22-4bc4ed3-*, and the Hopper variants
 # by benchmarks/attention_variants.py: results/*-attention-variants-{fwd,bwd}-d128.script.json). Every
 # one was compiled for sm90a with Triton 3.6 and checked with ptxas: no register spills
@@ -846,6 +848,10 @@ _SHAPE_NAMES = ("B", "H", "S", "D", "causal")
 # and its 128 x 128 tiles with 3 stages need more shared memory than an H100 has (both are skipped by
 # the tuner as failures; the latter fits at D = 64). dK/dV: at D = 128 only 32-query tiles by TMA
 # with 1 stage stay spill-free; its timing includes the dQ pass its ATOMIC_DQ implies.
+# The sm90 entries of D = 64 / 128 come from benchmarks/attention_bwd_sweep.py (wider grids, each kernel timed
+# alone): its dK/dV winner at D = 128 (64 x 64, 4 warps, 2 stages) is not in these grids, because the local ptxas
+# of the compile test reports spills for it that the H100's compiled kernel does not have. `triforge tune
+# flash_attn_bwd_dkdv --write` would replace it with this grid's best (slower): re-run the sweep instead.
 TUNE_SPACES = {
     "flash_attn_fwd": {"BLOCK_M": [128], "BLOCK_N": [64, 128], "num_warps": [8], "num_stages": [2, 3], "TMA": [0, 1]},
     "flash_attn_bwd_dkdv": {"BLOCK_M": [32], "BLOCK_N": [64, 128], "num_warps": [8], "num_stages": [1], "TMA": [1],
