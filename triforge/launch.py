@@ -268,6 +268,12 @@ def pdl_wanted() -> bool:
     return os.environ.get(PDL_ENV, "1") != "0"
 
 
+def maxnreg_option(cfg: dict) -> dict:
+    """Launch kwargs for a config's register cap (key ``maxnreg``; compiled kernels only, the interpreter has no
+    registers): fewer registers per thread, more programs resident per SM, at some spill risk."""
+    return {"maxnreg": int(cfg["maxnreg"])} if cfg.get("maxnreg") and not _runtime.INTERPRET else {}
+
+
 def pdl_options(pdl: bool) -> dict:
     """Launch kwargs for a kernel with a ``PDL`` constexpr: ``PDL`` (the kernel waits with
     griddepcontrol.wait before reading what earlier kernels wrote) and ``launch_pdl`` (the launch may

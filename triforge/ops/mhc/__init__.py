@@ -66,12 +66,6 @@ def _cfg(kernel, C, dtype):
 _PROLOGUE_T = 64  # tokens per program of K1 backward's prologue ([64, 32] fp32 tiles)
 
 
-def _maxnreg(cfg):
-    """The launch's register cap (cfg key "maxnreg", compiled kernels only): fewer registers per thread,
-    more programs resident per SM."""
-    return {"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") and not _runtime.INTERPRET else {}
-
-
 def _split16(t, dtype):
     """t (fp32) as hi + lo in a 16-bit dtype, keeping ~16 mantissa bits for a tensor-core dot."""
     hi = t.to(dtype)
@@ -169,7 +163,7 @@ def project_bwd_main(x_flat, a_hi, a_lo, coef, w, cfg):
         R=R, BLOCK_T=cfg["BLOCK_T"], BLOCK_K=cfg["BLOCK_K"], SPLIT=x_flat.dtype != torch.float32,
         UPCAST=_runtime.INTERPRET and x_flat.dtype == torch.bfloat16, RNE=_runtime.INTERPRET, TMA=tma,
         PREFETCH=int(cfg.get("PREFETCH", 0)),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **_maxnreg(cfg),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch.maxnreg_option(cfg),
     )
     return dx, dw_part
 

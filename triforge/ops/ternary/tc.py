@@ -480,8 +480,7 @@ def _tc_plan(M: int, N: int, K: int, kc: int, cfg_items=None):
     # cfg["TMA"] forces it either way (the interpreter runs the descriptor path too, for the tests)
     use_tma = not xpre and bool(cfg.get("TMA", not _runtime.INTERPRET)) and K % 8 == 0
     grid = (triton.cdiv(N, bn), triton.cdiv(M, bm), splits)
-    # maxnreg: a register cap for ptxas (more programs per SM, hence more code words in flight, at some spill risk)
-    opts = {"maxnreg": int(cfg["maxnreg"])} if cfg.get("maxnreg") else {}
+    opts = launch.maxnreg_option(cfg)  # more programs per SM, hence more code words in flight
     return (bm, nbk, reps, warps, cfg["num_stages"], cfg.get("PREFETCH", 1), xpre, bool(cfg.get("FIXUP", 1)),
             bool(cfg.get("FIX4", reps * bm <= 32)), bool(cfg.get("PDL", bm <= 64)), use_tma, grid, per_split, opts)
 
