@@ -104,6 +104,13 @@ for step in $STEPS; do
         timeout "${NCU_S:-120}" ncu --clock-control none -k "regex:$k" -s 2 -c 1 --section SpeedOfLight \
           --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats --section WarpStateStats \
           --section SchedulerStats python3 benchmarks/ncu_targets.py "$t" > "$OUT/ncu-$t.log" 2>&1 || status=1
+        if [ -n "${NCU_FULL:-}" ]; then  # also the full set, and per-SASS-instruction counters (stall samples) as CSV
+          timeout "${NCU_S:-120}" ncu --clock-control none -k "regex:$k" -s 2 -c 1 --set full --import-source no \
+            -o "$OUT/ncu-$t" python3 benchmarks/ncu_targets.py "$t" > "$OUT/ncu-$t-full.log" 2>&1 || status=1
+          ncu -i "$OUT/ncu-$t.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu-$t-sass.csv" 2>&1 \
+            || ncu -i "$OUT/ncu-$t.ncu-rep" --page source --csv > "$OUT/ncu-$t-sass.csv" 2>&1 || status=1
+          ncu -i "$OUT/ncu-$t.ncu-rep" --page details > "$OUT/ncu-$t-details.txt" 2>&1 || status=1
+        fi
         echo "ncu $t: ${SECONDS}s"; grep -E "Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Stall|Issued Ipc|No Eligible|Waves Per SM|Block Limit" "$OUT/ncu-$t.log" | head -24
       done ;;
     qwen2)

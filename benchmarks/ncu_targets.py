@@ -4,7 +4,8 @@
 
 Targets: mhc_k1_bwd (T=65536, C=2560), gate_up (Qwen2.5-0.5B gate/up GEMV + RMSNorm, M=1),
 down (down_proj GEMV + residual, M=1), ternary_m1 (ternary.matmul, M=1, 8192 x 8192: the tc kernel),
-ternary_m1_ffn (the same at 28672 x 8192).
+ternary_m1_ffn (the same at 28672 x 8192), gdn_intra / gdn_h / gdn_o (the Gated DeltaNet forward's intra kernel,
+unfused recurrence and output kernel at (B, T, H, HV) = (1, 32768, 16, 32), K = V = 128).
 """
 
 import sys
@@ -43,6 +44,18 @@ def main():
         tt = TernaryTensor.from_float(torch.randn(n, 8192, device="cuda"), method="absmean").compact()
         x = torch.randn(1, 8192, device="cuda", dtype=dt)
         fn = lambda: matmul(x, tt)  # noqa: E731
+    elif target in ("gdn_intra", "gdn_h", "gdn_o"):
+        from triforge.ops import deltanet as D
+        from triforge.ops.deltanet import chunk
+        i = D._make_inputs("real", dt, "cuda", torch.Generator().manual_seed(0),
+                           ((1, 32768, 16, 32, 128, 128), (1, 32768, 16, 32, 128, 128)))
+        q, k, v, g, beta, h0 = (i[n] for n in ("q", "k", "v", "g", "beta", "initial_state"))
+        intra = chunk.chunk_fwd_intra(k, v, g, beta, l2norm=True)
+        w, u, gamma = intra["w"], intra["u"], intra["gamma"]
+        h, v_new, _ = chunk.chunk_fwd_h(k, w, u, gamma, h0, l2norm=True)
+        fn = {"gdn_intra": lambda: chunk.chunk_fwd_intra(k, v, g, beta, l2norm=True),
+              "gdn_h": lambda: chunk.chunk_fwd_h(k, w, u, gamma, h0, l2norm=True),
+              "gdn_o": lambda: chunk.chunk_fwd_o(q, k, v_new, h, gamma, 128**-0.5, l2norm=True)}[target]
     else:
         raise SystemExit(f"unknown target {target}")
     for _ in range(4):
