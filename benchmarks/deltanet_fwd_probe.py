@@ -1,13 +1,15 @@
 """The Gated DeltaNet forward's kernels one by one at the bench shapes (issue 4): configs, variants, ablations.
 
     PYTHONPATH=. PYTHONUNBUFFERED=1 python3 benchmarks/deltanet_fwd_probe.py OUT.json [--shapes 1x32768x16x32 ...]
-        [--intra V_LATE:warps:stages ...] [--ablate solve,l2norm]
+            [--intra V_LATE:warps:stages[:kn] ...] [--ablate solve,l2norm] [--grids h,o,h_o]
 
 At each (B, T, H, HV) shape (bf16, K = V = 128, q/k l2-normalised in the kernels, the bench's inputs):
-  - the intra kernel at each --intra config: time (triton do_bench median; every input is larger than the L2),
-    registers / spills / shared memory, and its w, u, gamma against the first config's (relative RMS);
-  - the recurrence as the forward runs it at that shape (fused with the output, or not), the unfused recurrence
-    with and without its h store, the output kernel, and the fused recurrence at each of its V-blocks;
+  - the intra kernel at each --intra config (":kn": storing the normalised k too, as the forward does): time
+    (triton do_bench median; every input is larger than the L2), registers / spills / shared memory, and its w,
+    u, gamma against the first config's (relative RMS);
+  - the unfused recurrence (h and v_new stored), the output kernel and the fused recurrence (o), each with its
+    default config on raw k (normalised in the kernel, as before) and on the intra kernel's kn, then over a grid
+    of V-blocks / warps / stages / TMA on kn (--grids selects which), outputs against the first run's;
   - with --ablate, the intra kernel again in a child process where one stage is replaced by a stand-in of the
     same shapes (solve: T = I + A; l2norm: rows left as they are): the time it saves bounds what that stage
     costs. Ablated outputs are wrong by construction and never compared.
@@ -25,7 +27,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 SHAPES = ["1x32768x16x32", "8x4096x16x32", "4x8192x16x16", "1x8192x32x32"]
-INTRA = ["1:4:2", "2:4:2", "2:8:2", "1:8:2"]
+INTRA = ["1:4:2", "1:4:2:kn"]
 
 
 def bench_us(fn):
@@ -55,18 +57,27 @@ def make(shape):
 
 
 def intra_cfg(spec):
-    v_late, warps, stages = (int(x) for x in spec.split(":"))
+    """V_LATE:warps:stages[:kn] (kn: the normalised k stored too, as the forward runs it now)."""
+    v_late, warps, stages = (int(x) for x in spec.split(":")[:3])
     return {"V_LATE": v_late, "num_warps": warps, "num_stages": stages}
 
 
-def intra_rows(shape, specs):
+def intra_call(i, spec):
+    return lambda: chunk_intra()(i["k"], i["v"], i["g"], i["beta"], l2norm=True, cfg=intra_cfg(spec),
+                                 store_kn=spec.endswith(":kn"))
+
+
+def chunk_intra():
     from triforge.ops.deltanet import chunk
 
+    return chunk.chunk_fwd_intra
+
+
+def intra_rows(shape, specs):
     i = make(shape)
     rows, ref = [], None
     for spec in specs:
-        cfg = intra_cfg(spec)
-        run = lambda: chunk.chunk_fwd_intra(i["k"], i["v"], i["g"], i["beta"], l2norm=True, cfg=cfg)  # noqa: E731
+        run = intra_call(i, spec)
         out = run()
         torch.cuda.synchronize()
         row = {"shape": shape, "kernel": "intra", "config": spec, **resources("gated_delta_rule_fwd_intra")}
@@ -80,7 +91,24 @@ def intra_rows(shape, specs):
     return rows
 
 
-def recurrence_rows(shape):
+def _grid(bvs, warps, stages, tmas):
+    return [{"BV": bv, "num_warps": w, "num_stages": st, "TMA": t} for bv in bvs for w in warps for st in stages
+            for t in tmas]
+
+
+H_GRID = _grid((32, 64), (4, 8), (2, 3), (0, 1))
+H_O_GRID = _grid((64,), (4, 8), (1, 2), (0, 1))
+O_GRID = _grid((64, 128), (4, 8), (2, 3), (0,))
+
+
+def cfg_name(cfg):
+    return f"BV{cfg['BV']}w{cfg['num_warps']}s{cfg['num_stages']}" + ("tma" if cfg.get("TMA") else "")
+
+
+def recurrence_rows(shape, grids):
+    """The recurrence (unfused: h and v_new stored; fused: o) and the output kernel at each config of their
+    grids, k as the forward now passes it (the intra kernel's normalised kn) and, for the default config,
+    as before (raw k, normalised in every program); outputs against the default config's."""
     from triforge.ops.deltanet import chunk
 
     i = make(shape)
@@ -88,33 +116,39 @@ def recurrence_rows(shape):
     B, T, H, K = q.shape
     HV = i["v"].shape[2]
     scale = K**-0.5
-    intra = chunk.chunk_fwd_intra(k, i["v"], g, beta, l2norm=True)
-    w, u, gamma = intra["w"], intra["u"], intra["gamma"]
+    intra = chunk.chunk_fwd_intra(k, i["v"], g, beta, l2norm=True, store_kn=True)
+    w, u, gamma, kn = intra["w"], intra["u"], intra["gamma"], intra["kn"]
     fused = chunk.use_fused(K, 128, B * HV)
-    runs = {
-        "h(+h,+v_new)": lambda: chunk.chunk_fwd_h(k, w, u, gamma, h0, l2norm=True),
-        "h(+v_new only)": lambda: chunk._fwd_h_launch(None, k, w, u, gamma, h0, 1.0, l2norm=True, varlen=None,
-                                                      fuse_o=False, store_h=False, store_v_new=True,
-                                                      output_final_state=True, cfg=None),
-    }
-    h, v_new, _ = chunk.chunk_fwd_h(k, w, u, gamma, h0, l2norm=True)
-    runs["o"] = lambda: chunk.chunk_fwd_o(q, k, v_new, h, gamma, scale, l2norm=True)
-    for bv in chunk.FUSED_BV:
-        for warps in (4, 8):
-            cfg = {"BV": bv, "num_warps": warps, "num_stages": 1}
-            runs[f"h_o BV{bv} w{warps}"] = (lambda cfg=cfg: chunk.chunk_fwd_h_o(q, k, w, u, gamma, h0, scale,
-                                                                                 l2norm=True, cfg=cfg))
-    runs["h_o default"] = lambda: chunk.chunk_fwd_h_o(q, k, w, u, gamma, h0, scale, l2norm=True)
-    rows = []
-    for name, run in runs.items():
+    h, v_new, _ = chunk.chunk_fwd_h(kn, w, u, gamma, h0, l2norm=True, k_normed=True)
+    runs = [("h", "raw k", None, lambda cfg: chunk.chunk_fwd_h(k, w, u, gamma, h0, l2norm=True, cfg=cfg)),
+            ("o", "raw k", None, lambda cfg: chunk.chunk_fwd_o(q, k, v_new, h, gamma, scale, l2norm=True, cfg=cfg)),
+            ("h_o", "raw k", None, lambda cfg: chunk.chunk_fwd_h_o(q, k, w, u, gamma, h0, scale, l2norm=True,
+                                                                    cfg=cfg)["o"])]
+    fns = {"h": lambda cfg: chunk.chunk_fwd_h(kn, w, u, gamma, h0, l2norm=True, cfg=cfg, k_normed=True),
+           "o": lambda cfg: chunk.chunk_fwd_o(q, kn, v_new, h, gamma, scale, l2norm=True, cfg=cfg, k_normed=True),
+           "h_o": lambda cfg: chunk.chunk_fwd_h_o(q, kn, w, u, gamma, h0, scale, l2norm=True, cfg=cfg,
+                                                  k_normed=True)["o"]}
+    for kind in ("h", "o", "h_o"):
+        runs.append((kind, "kn", None, fns[kind]))
+        runs += [(kind, "kn", cfg, fns[kind]) for cfg in grids[kind]]
+    kernel = {"h": "gated_delta_rule_fwd_h", "o": "gated_delta_rule_fwd_o", "h_o": "gated_delta_rule_fwd_h_o"}
+    rows, ref = [], {}
+    for kind, kvar, cfg, fn in runs:
+        run = lambda: fn(cfg)  # noqa: E731
+        row = {"shape": shape, "kernel": kind, "k": kvar, "config": cfg_name(cfg) if cfg else "default",
+               "forward_uses_fused": fused}
         try:
-            run()
+            out = run()
             torch.cuda.synchronize()
-            kern = "gated_delta_rule_fwd_h_o" if name.startswith("h_o") else (
-                "gated_delta_rule_fwd_o" if name == "o" else "gated_delta_rule_fwd_h")
-            row = {"shape": shape, "kernel": name, "forward_uses_fused": fused, **resources(kern), "us": bench_us(run)}
+            out = out if isinstance(out, tuple) else (out,)
+            out = [t for t in out if t is not None and t.numel()]
+            if kind not in ref:
+                ref[kind] = out
+            row["err"] = max(rel_rms(a, b) for a, b in zip(out, ref[kind]))
+            row.update(resources(kernel[kind]))
+            row["us"] = bench_us(run)
         except Exception as e:  # noqa: BLE001  (recorded: a config that does not compile or launch)
-            row = {"shape": shape, "kernel": name, "error": f"{type(e).__name__}: {str(e)[:160]}"}
+            row["error"] = f"{type(e).__name__}: {str(e)[:160]}"
         print(json.dumps(row), flush=True)
         rows.append(row)
     return rows
@@ -153,8 +187,7 @@ def ablated_child(stage, shapes, spec):
     rows = []
     for shape in shapes:
         i = make(shape)
-        cfg = intra_cfg(spec)
-        run = lambda: chunk.chunk_fwd_intra(i["k"], i["v"], i["g"], i["beta"], l2norm=True, cfg=cfg)  # noqa: E731
+        run = intra_call(i, spec)
         run()
         torch.cuda.synchronize()
         row = {"shape": shape, "kernel": f"intra without {stage}", "config": spec,
@@ -170,6 +203,7 @@ def main():
     ap.add_argument("--shapes", nargs="*", default=SHAPES)
     ap.add_argument("--intra", nargs="*", default=INTRA, help="V_LATE:warps:stages, the first is the reference")
     ap.add_argument("--ablate", default="", help="comma-separated stages of the intra kernel: solve, l2norm")
+    ap.add_argument("--grids", default="h,o,h_o", help="which recurrence / output grids to run (none: defaults only)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     torch.cuda.init()
@@ -179,7 +213,9 @@ def main():
     rows = []
     for shape in args.shapes:
         rows += intra_rows(shape, args.intra)
-        rows += recurrence_rows(shape)
+        sel = set(args.grids.split(","))
+        rows += recurrence_rows(shape, {"h": H_GRID if "h" in sel else [], "o": O_GRID if "o" in sel else [],
+                                        "h_o": H_O_GRID if "h_o" in sel else []})
         torch.cuda.empty_cache()
     for stage in filter(None, args.ablate.split(",")):
         out = subprocess.run([sys.executable, __file__, args.out, "--child", stage, "--shapes", *args.shapes,
@@ -190,12 +226,12 @@ def main():
         rows += got
     with open(args.out, "w") as fh:
         json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, fh, indent=1)
-    print(f"\n{'shape':>15} {'kernel':>22} {'config':>7} {'us':>9} {'regs':>5} {'spill':>5} {'err':>8}")
+    print(f"\n{'shape':>15} {'kernel':>22} {'k':>5} {'config':>13} {'us':>9} {'regs':>5} {'spill':>5} {'err':>8}")
     for r in rows:
         us = f"{r['us']:9.1f}" if "us" in r else r.get("error", "")[:40]
         err = f"{r['err']:8.1e}" if "err" in r else ""
-        print(f"{r['shape']:>15} {r['kernel']:>22} {r.get('config', ''):>7} {us} {r.get('registers') or '':>5} "
-              f"{r.get('spills') if r.get('spills') is not None else '':>5} {err}")
+        print(f"{r['shape']:>15} {r['kernel']:>22} {r.get('k', ''):>5} {r.get('config', ''):>13} {us} "
+              f"{r.get('registers') or '':>5} {r.get('spills') if r.get('spills') is not None else '':>5} {err}")
 
 
 if __name__ == "__main__":

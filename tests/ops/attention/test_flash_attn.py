@@ -739,6 +739,8 @@ PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bi
 
 def compile_(fn, ptrs, floats, consts, opts):
     names = fn.arg_names
+    # constexpr parameters left out take their defaults (not a runtime i32, which would compile every branch)
+    consts = dict({p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}, **consts)
     sig = {n: ("constexpr" if n in consts else ptrs.get(n, "fp32" if n in floats else "i32")) for n in names}
     # as a launch specialises them: pointers and strides divisible by 16
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if n in ptrs or n.startswith("stride")}

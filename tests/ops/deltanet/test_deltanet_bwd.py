@@ -704,7 +704,7 @@ for case in json.loads(sys.argv[1]):  # kernel, dtype, K, V, varlen, l2norm[, co
     cfg = dict(cfg, **(case[6] if len(case) > 6 else {}))
     if kernel == "fwd_intra":  # as the backward recomputes it: T stored
         fn = fwd.chunk_gated_delta_rule_fwd_kernel_intra
-        ptrs = {n: "*" + t for n in ("k_ptr", "v_ptr", "w_ptr", "u_ptr", "beta_ptr")}
+        ptrs = {n: "*" + t for n in ("k_ptr", "v_ptr", "w_ptr", "u_ptr", "beta_ptr", "kn_ptr")}
         ptrs.update({n: "*fp32" for n in ("g_ptr", "gamma_ptr", "t_ptr", "decay_ptr", "a_ptr")})
         consts = dict(shape, BC=fwd.BC, STORE_T=True, STAGES=False, V_LATE=bool(cfg.get("V_LATE", 0)))
     elif kernel == "fwd_h":  # unfused, h and v_new stored

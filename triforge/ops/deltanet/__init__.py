@@ -679,16 +679,17 @@ def _tune_setup(kernel):
         if kernel == "gated_delta_rule_fwd_intra":
             return (lambda cfg: chunk.chunk_fwd_intra(k, v, g, beta, l2norm=True, cfg=cfg),
                     chunk.config_key(K, V, dtype))
-        intra = chunk.chunk_fwd_intra(k, v, g, beta, l2norm=True)
-        w, u, gamma = intra["w"], intra["u"], intra["gamma"]
+        # as chunk_fwd runs them: k normalised once by the intra kernel (kn)
+        intra = chunk.chunk_fwd_intra(k, v, g, beta, l2norm=True, store_kn=True)
+        w, u, gamma, kn = intra["w"], intra["u"], intra["gamma"], intra["kn"]
         if kernel == "gated_delta_rule_fwd_h_o":
-            return (lambda cfg: chunk.chunk_fwd_h_o(q, k, w, u, gamma, h0, scale, l2norm=True, cfg=cfg),
+            return (lambda cfg: chunk.chunk_fwd_h_o(q, kn, w, u, gamma, h0, scale, l2norm=True, cfg=cfg, k_normed=True),
                     chunk.config_key(K, V, dtype, B * HV))
         if kernel == "gated_delta_rule_fwd_h":
-            return (lambda cfg: chunk.chunk_fwd_h(k, w, u, gamma, h0, l2norm=True, cfg=cfg),
+            return (lambda cfg: chunk.chunk_fwd_h(kn, w, u, gamma, h0, l2norm=True, cfg=cfg, k_normed=True),
                     chunk.config_key(K, V, dtype, B * HV))
-        h, v_new, _ = chunk.chunk_fwd_h(k, w, u, gamma, h0, l2norm=True)
-        return (lambda cfg: chunk.chunk_fwd_o(q, k, v_new, h, gamma, scale, l2norm=True, cfg=cfg),
+        h, v_new, _ = chunk.chunk_fwd_h(kn, w, u, gamma, h0, l2norm=True, k_normed=True)
+        return (lambda cfg: chunk.chunk_fwd_o(q, kn, v_new, h, gamma, scale, l2norm=True, cfg=cfg, k_normed=True),
                 chunk.config_key(K, V, dtype))
 
     return setup
@@ -734,10 +735,11 @@ _TUNE_SHAPE = {"B": 8, "T": 4096, "H": 16, "HV": 32, "K": 128, "V": 128}
 _SHAPE_NAMES = ("B", "T", "H", "HV", "K", "V")
 for _kernel, _space, _shape in (
     ("gated_delta_rule_fwd_intra", {"num_warps": [2, 4, 8], "num_stages": [1, 2, 3], "V_LATE": [0, 1]}, _TUNE_SHAPE),
-    ("gated_delta_rule_fwd_h", {"BV": [16, 32, 64], "num_warps": [2, 4, 8], "num_stages": [1, 2, 3]},
+    ("gated_delta_rule_fwd_h", {"BV": [16, 32, 64], "num_warps": [2, 4, 8], "num_stages": [1, 2, 3], "TMA": [0, 1]},
      {"B": 1, "T": 32768, "H": 16, "HV": 32, "K": 128, "V": 128}),
     # only the V-blocks the fused kernel compiles correctly (chunk.FUSED_BV)
-    ("gated_delta_rule_fwd_h_o", {"BV": list(chunk.FUSED_BV), "num_warps": [4, 8], "num_stages": [1, 2, 3]}, _TUNE_SHAPE),
+    ("gated_delta_rule_fwd_h_o", {"BV": list(chunk.FUSED_BV), "num_warps": [4, 8], "num_stages": [1, 2, 3],
+                                  "TMA": [0, 1]}, _TUNE_SHAPE),
     ("gated_delta_rule_fwd_o", {"BV": [32, 64, 128], "num_warps": [4, 8], "num_stages": [1, 2, 3]}, _TUNE_SHAPE),
     ("gated_delta_rule_fwd_recurrent", {"BV": [8, 16, 32, 64], "num_warps": [1, 2, 4, 8]},
      {"B": 64, "T": 1, "H": 16, "HV": 32, "K": 128, "V": 128}),

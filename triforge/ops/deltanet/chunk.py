@@ -167,6 +167,7 @@ def chunk_gated_delta_rule_fwd_kernel_intra(
     t_ptr,  # [B, T, HV, BT] fp32 out (STORE_T): (I + A)^-1, row t holds its chunk's row
     decay_ptr,  # [B, T, HV, BT] fp32 out (STAGES)
     a_ptr,  # [B, T, HV, BT] fp32 out (STAGES): A before the solve
+    kn_ptr,  # [B, T, H, K] out (STORE_KN), k's dtype: the l2-normalised k the later kernels read
     cu_seqlens_ptr,  # [N + 1] int32 (IS_VARLEN)
     chunk_indices_ptr,  # [chunks, 2] int32: (sequence, chunk in sequence) (IS_VARLEN)
     T,
@@ -184,8 +185,11 @@ def chunk_gated_delta_rule_fwd_kernel_intra(
     UPCAST: tl.constexpr,
     RNE: tl.constexpr,
     V_LATE: tl.constexpr,
+    STORE_KN: tl.constexpr = False,
 ):
-    """V_LATE: v is loaded after the solve and k diag(beta e^gamma) formed before it, so neither v nor the
+    """STORE_KN (with L2NORM): the normalised k, rounded to k's dtype as w uses it, is stored for the recurrence
+    and the output kernel, which then skip their own normalisation of k (K_NORMED).
+    V_LATE: v is loaded after the solve and k diag(beta e^gamma) formed before it, so neither v nor the
     fp32 k is live through the solve (sm90, bf16, K = V = 128: 176 registers at 8 warps against 246, no
     spill at 4 warps against 140 bytes); the v load's latency is no longer hidden behind the solve. V_LATE 2:
     as 1, and w is stored before v is loaded, so w's and u's [BT, 128] fp32 accumulators are never live together
@@ -213,6 +217,9 @@ def chunk_gated_delta_rule_fwd_kernel_intra(
         b_kn = _l2norm_rows(b_k)
         b_kk = _dot(b_kn, tl.trans(b_kn), None, PREC, UPCAST)
         b_k = _cast(b_kn, k_ptr.dtype.element_ty, RNE)
+        if STORE_KN:  # one writer per k head: the first of its value heads
+            tl.store(kn_ptr + (o_row * H + i_h)[:, None] * K + o_k[None, :], b_k,
+                     mask=m_t[:, None] & (i_hv % (HV // H) == 0))
     else:
         b_kk = _dot(b_k, tl.trans(b_k), None, PREC, UPCAST)
     p_v = v_ptr + (o_row * HV + i_hv)[:, None] * V + o_v[None, :]
@@ -298,7 +305,13 @@ def chunk_gated_delta_rule_fwd_kernel_h(
     PREC: tl.constexpr,
     UPCAST: tl.constexpr,
     RNE: tl.constexpr,
+    TMA: tl.constexpr = False,
+    K_NORMED: tl.constexpr = False,
 ):
+    """TMA (Hopper): the chunk tiles of w, k, u (and q) arrive, and v_new and o leave, through tensor
+    descriptors of this (sequence, head)'s rows, built on the device: no per-element addresses or row
+    masks in the serial chunk loop (rows past the sequence's end read as 0 and are not written).
+    K_NORMED (with L2NORM): k arrives l2-normalised (the intra kernel's STORE_KN); only q is normalised here."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_hv, i_h, bos, seq_len, boh, NT = _state_program(i_nh, T, cu_seqlens_ptr, chunk_offsets_ptr, H, HV, BT,
                                                       IS_VARLEN)
@@ -313,36 +326,62 @@ def chunk_gated_delta_rule_fwd_kernel_h(
     b_S = tl.zeros([K, BV], dtype=tl.float32)
     if USE_H0:
         b_S += tl.load(h0_ptr + o_state + o_kv, mask=m_v[None, :], other=0.0)
+    if TMA:  # this (sequence, head)'s rows: [seq_len, K or V] at a row stride of all heads
+        n_rows = tl.maximum(seq_len, 1)  # an empty sequence's descriptor is never read
+        w_desc = tl.make_tensor_descriptor(w_ptr + (bos * HV + i_hv) * K, [n_rows, K], [HV * K, 1], [BT, K])
+        k_desc = tl.make_tensor_descriptor(k_ptr + (bos * H + i_h) * K, [n_rows, K], [H * K, 1], [BT, K])
+        u_desc = tl.make_tensor_descriptor(u_ptr + (bos * HV + i_hv) * V, [n_rows, V], [HV * V, 1], [BT, BV])
+        if STORE_V_NEW:
+            vn_desc = tl.make_tensor_descriptor(v_new_ptr + (bos * HV + i_hv) * V, [n_rows, V], [HV * V, 1], [BT, BV])
+        if FUSE_O:
+            q_desc = tl.make_tensor_descriptor(q_ptr + (bos * H + i_h) * K, [n_rows, K], [H * K, 1], [BT, K])
+            o_desc = tl.make_tensor_descriptor(o_ptr + (bos * HV + i_hv) * V, [n_rows, V], [HV * V, 1], [BT, BV])
 
     for i_t in range(NT):
         o_t = i_t * BT + o_i
         m_t = o_t < seq_len
         o_row = bos + o_t.to(tl.int64)
         m_tv = m_t[:, None] & m_v[None, :]
+        o_vrow = (o_row * HV + i_hv)[:, None] * V + o_v[None, :]
         if STORE_H:
             o_h = ((boh + i_t) * HV + i_hv) * K * V
             tl.store(h_ptr + o_h + o_kv, _cast(b_S, h_ptr.dtype.element_ty, RNE), mask=m_v[None, :])
 
-        b_w = tl.load(w_ptr + (o_row * HV + i_hv)[:, None] * K + o_k[None, :], mask=m_t[:, None], other=0.0)
-        o_vrow = (o_row * HV + i_hv)[:, None] * V + o_v[None, :]
-        b_u = tl.load(u_ptr + o_vrow, mask=m_tv, other=0.0).to(tl.float32)
+        if TMA:
+            b_w = w_desc.load([i_t * BT, 0])
+            b_u = u_desc.load([i_t * BT, i_v * BV]).to(tl.float32)
+        else:
+            b_w = tl.load(w_ptr + (o_row * HV + i_hv)[:, None] * K + o_k[None, :], mask=m_t[:, None], other=0.0)
+            b_u = tl.load(u_ptr + o_vrow, mask=m_tv, other=0.0).to(tl.float32)
         b_vn = b_u - _dot(b_w, _cast(b_S, b_w.dtype, RNE), None, PREC, UPCAST)  # [BT, BV] fp32
         if STORE_V_NEW:
-            tl.store(v_new_ptr + o_vrow, _cast(b_vn, v_new_ptr.dtype.element_ty, RNE), mask=m_tv)
+            if TMA:
+                vn_desc.store([i_t * BT, i_v * BV], _cast(b_vn, v_new_ptr.dtype.element_ty, RNE))
+            else:
+                tl.store(v_new_ptr + o_vrow, _cast(b_vn, v_new_ptr.dtype.element_ty, RNE), mask=m_tv)
 
         b_gamma = tl.load(gamma_ptr + o_row * HV + i_hv, mask=m_t, other=0.0)
         last = tl.minimum(i_t * BT + BT, seq_len) - 1
         b_glast = tl.load(gamma_ptr + (bos + last) * HV + i_hv)
-        b_k = tl.load(k_ptr + (o_row * H + i_h)[:, None] * K + o_k[None, :], mask=m_t[:, None], other=0.0)
-        if L2NORM:
+        if TMA:
+            b_k = k_desc.load([i_t * BT, 0])
+        else:
+            b_k = tl.load(k_ptr + (o_row * H + i_h)[:, None] * K + o_k[None, :], mask=m_t[:, None], other=0.0)
+        if L2NORM and not K_NORMED:
             b_k = _cast(_l2norm_rows(b_k), k_ptr.dtype.element_ty, RNE)
 
         if FUSE_O:
-            b_q = tl.load(q_ptr + (o_row * H + i_h)[:, None] * K + o_k[None, :], mask=m_t[:, None], other=0.0)
+            if TMA:
+                b_q = q_desc.load([i_t * BT, 0])
+            else:
+                b_q = tl.load(q_ptr + (o_row * H + i_h)[:, None] * K + o_k[None, :], mask=m_t[:, None], other=0.0)
             if L2NORM:
                 b_q = _cast(_l2norm_rows(b_q), q_ptr.dtype.element_ty, RNE)
             b_o = _chunk_output(b_q, b_k, b_S, b_vn, b_gamma, m_t, scale, BT, PREC, UPCAST, RNE)
-            tl.store(o_ptr + o_vrow, _cast(b_o, o_ptr.dtype.element_ty, RNE), mask=m_tv)
+            if TMA:
+                o_desc.store([i_t * BT, i_v * BV], _cast(b_o, o_ptr.dtype.element_ty, RNE))
+            else:
+                tl.store(o_ptr + o_vrow, _cast(b_o, o_ptr.dtype.element_ty, RNE), mask=m_tv)
 
         # S <- e^gamma_last S + K^T diag(e^(gamma_last - gamma)) v_new
         b_vs = b_vn * tl.exp(tl.where(m_t, b_glast - b_gamma, float("-inf")))[:, None]
@@ -376,6 +415,7 @@ def chunk_gated_delta_rule_fwd_kernel_o(
     PREC: tl.constexpr,
     UPCAST: tl.constexpr,
     RNE: tl.constexpr,
+    K_NORMED: tl.constexpr = False,
 ):
     i_v, i_c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_hv = i_bh // HV, i_bh % HV
@@ -396,7 +436,8 @@ def chunk_gated_delta_rule_fwd_kernel_o(
     b_k = tl.load(k_ptr + (o_row * H + i_h)[:, None] * K + o_k[None, :], mask=m_t[:, None], other=0.0)
     if L2NORM:
         b_q = _cast(_l2norm_rows(b_q), q_ptr.dtype.element_ty, RNE)
-        b_k = _cast(_l2norm_rows(b_k), k_ptr.dtype.element_ty, RNE)
+        if not K_NORMED:
+            b_k = _cast(_l2norm_rows(b_k), k_ptr.dtype.element_ty, RNE)
     b_S = tl.load(h_ptr + (i_hc * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :], mask=m_v[None, :], other=0.0)
     o_vrow = (o_row * HV + i_hv)[:, None] * V + o_v[None, :]
     b_vn = tl.load(v_new_ptr + o_vrow, mask=m_tv, other=0.0)
@@ -555,10 +596,10 @@ def _varlen_ptrs(varlen, device):
 # ----------------------------------------------------------------------------- launchers
 
 
-def chunk_fwd_intra(k, v, g, beta, *, l2norm=False, varlen=None, store_t=False, stages=False, cfg=None):
+def chunk_fwd_intra(k, v, g, beta, *, l2norm=False, varlen=None, store_t=False, stages=False, store_kn=False, cfg=None):
     """Kernel 1. k [B, T, H, K], v [B, T, HV, V], g, beta [B, T, HV] -> dict with gamma [B, T, HV] fp32,
-    w [B, T, HV, K], u [B, T, HV, V] (input dtype), and T (store_t or stages), decay, A (stages):
-    [B, T, HV, 64] fp32."""
+    w [B, T, HV, K], u [B, T, HV, V] (input dtype), T (store_t or stages), decay, A (stages):
+    [B, T, HV, 64] fp32, and kn [B, T, H, K] (store_kn with l2norm): k l2-normalised, in k's dtype."""
     B, T, H, K = k.shape
     HV, V = v.shape[2], v.shape[3]
     check_kernel_dims(K, V)
@@ -573,17 +614,22 @@ def chunk_fwd_intra(k, v, g, beta, *, l2norm=False, varlen=None, store_t=False, 
     t_buf = new_output(sq, torch.float32, dev) if (store_t or stages) else out["gamma"]
     decay = new_output(sq, torch.float32, dev) if stages else out["gamma"]
     a_buf = new_output(sq, torch.float32, dev) if stages else out["gamma"]
+    store_kn = store_kn and l2norm
+    kn = new_output(k.shape, k.dtype, dev) if store_kn else out["w"]
     cu, indices, _ = _varlen_ptrs(varlen, dev)
     n_b, n_c = _n_chunks(T, varlen, B)
     e = k.element_size()
-    nbytes = B * T * (H * K * e + HV * V * e + 2 * HV * 4) + B * T * HV * (K + V) * e + B * T * HV * 4
+    nbytes = (B * T * (H * K * e * (1 + int(store_kn)) + HV * V * e + 2 * HV * 4) + B * T * HV * (K + V) * e
+              + B * T * HV * 4)
     launch.launch(
         "gated_delta_rule_fwd_intra", chunk_gated_delta_rule_fwd_kernel_intra, (n_c, n_b * HV),
-        k, v, g, beta, out["gamma"], out["w"], out["u"], t_buf, decay, a_buf, cu, indices, T,
+        k, v, g, beta, out["gamma"], out["w"], out["u"], t_buf, decay, a_buf, kn, cu, indices, T,
         nbytes=nbytes, H=H, HV=HV, K=K, V=V, BT=BT, BC=BC, L2NORM=l2norm, STORE_T=store_t or stages, STAGES=stages,
-        IS_VARLEN=varlen is not None, **_flags(k.dtype), V_LATE=int(cfg.get("V_LATE", 0)),
+        IS_VARLEN=varlen is not None, **_flags(k.dtype), V_LATE=int(cfg.get("V_LATE", 0)), STORE_KN=store_kn,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
+    if store_kn:
+        out["kn"] = kn
     if store_t or stages:
         out["T"] = t_buf
     if stages:
@@ -592,7 +638,7 @@ def chunk_fwd_intra(k, v, g, beta, *, l2norm=False, varlen=None, store_t=False, 
 
 
 def _fwd_h_launch(q, k, w, u, gamma, initial_state, scale, *, l2norm, varlen, fuse_o, store_h, store_v_new,
-                  output_final_state, cfg):
+                  output_final_state, cfg, k_normed=False):
     B, T, H, K = k.shape
     HV, V = u.shape[2], u.shape[3]
     check_kernel_dims(K, V)
@@ -610,6 +656,12 @@ def _fwd_h_launch(q, k, w, u, gamma, initial_state, scale, *, l2norm, varlen, fu
     cu, _, offsets = _varlen_ptrs(varlen, dev)
     e = k.element_size()
     n_v = triton.cdiv(V, cfg["BV"])
+    # tensor descriptors: compiled kernels only; every streamed tensor's base 16-byte aligned (row strides of
+    # K or V elements are multiples of 16 bytes for the head dims the kernels take)
+    tma = bool(cfg.get("TMA", 0)) and not _runtime.INTERPRET and all(
+        t.data_ptr() % 16 == 0 for t in (q if q is not None else k, k, w, u, v_new, o) if t.numel())
+    if tma:
+        launch.use_tensor_descriptors()
     nbytes = (B * T * (HV * K * e * n_v + HV * V * e + H * K * e * n_v * (2 if fuse_o else 1) + HV * 4)
               + N * HV * K * V * 4 * (int(initial_state is not None) + int(output_final_state))
               + (n_b * n_c * HV * K * V * e if store_h else 0) + B * T * HV * V * e * (int(store_v_new) + int(fuse_o)))
@@ -619,30 +671,34 @@ def _fwd_h_launch(q, k, w, u, gamma, initial_state, scale, *, l2norm, varlen, fu
         final, h, v_new, o, cu, offsets, T, scale,
         nbytes=nbytes, H=H, HV=HV, K=K, V=V, BT=BT, BV=cfg["BV"], L2NORM=l2norm, USE_H0=initial_state is not None,
         STORE_FINAL=output_final_state, FUSE_O=fuse_o, STORE_H=store_h, STORE_V_NEW=store_v_new, IS_VARLEN=varlen is not None, **_flags(k.dtype),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        TMA=tma, K_NORMED=bool(k_normed and l2norm), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return {"final_state": final, "h": h if store_h else None, "v_new": v_new if store_v_new else None,
             "o": o if fuse_o else None}
 
 
-def chunk_fwd_h(k, w, u, gamma, initial_state=None, *, l2norm=False, varlen=None, output_final_state=True, cfg=None):
+def chunk_fwd_h(k, w, u, gamma, initial_state=None, *, l2norm=False, varlen=None, output_final_state=True, cfg=None,
+                k_normed=False):
     """Kernel 2 alone: (h [B, NT, HV, K, V], v_new [B, T, HV, V], final_state [N, HV, K, V] fp32 or an
-    empty tensor). With varlen, B = 1 and NT counts the chunks of every sequence."""
+    empty tensor). With varlen, B = 1 and NT counts the chunks of every sequence. k_normed: k is already
+    l2-normalised (the intra kernel's kn)."""
     r = _fwd_h_launch(None, k, w, u, gamma, initial_state, 1.0, l2norm=l2norm, varlen=varlen, fuse_o=False,
-                      store_h=True, store_v_new=True, output_final_state=output_final_state, cfg=cfg)
+                      store_h=True, store_v_new=True, output_final_state=output_final_state, cfg=cfg,
+                      k_normed=k_normed)
     return r["h"], r["v_new"], r["final_state"]
 
 
 def chunk_fwd_h_o(q, k, w, u, gamma, initial_state, scale, *, l2norm=False, varlen=None, stages=False,
-                  output_final_state=True, cfg=None):
+                  output_final_state=True, cfg=None, k_normed=False):
     """Kernel 2 with the output fused: dict o [B, T, HV, V], final_state (fp32, or an empty tensor
     when not asked); h and v_new in stages mode."""
     return _fwd_h_launch(q, k, w, u, gamma, initial_state, scale, l2norm=l2norm, varlen=varlen, fuse_o=True,
-                         store_h=stages, store_v_new=stages, output_final_state=output_final_state, cfg=cfg)
+                         store_h=stages, store_v_new=stages, output_final_state=output_final_state, cfg=cfg,
+                         k_normed=k_normed)
 
 
-def chunk_fwd_o(q, k, v_new, h, gamma, scale, *, l2norm=False, varlen=None, cfg=None):
-    """Kernel 3: o [B, T, HV, V] from the stored states h and v_new."""
+def chunk_fwd_o(q, k, v_new, h, gamma, scale, *, l2norm=False, varlen=None, cfg=None, k_normed=False):
+    """Kernel 3: o [B, T, HV, V] from the stored states h and v_new (k_normed: k already l2-normalised)."""
     B, T, H, K = q.shape
     HV, V = v_new.shape[2], v_new.shape[3]
     check_kernel_dims(K, V)
@@ -657,7 +713,7 @@ def chunk_fwd_o(q, k, v_new, h, gamma, scale, *, l2norm=False, varlen=None, cfg=
         "gated_delta_rule_fwd_o", chunk_gated_delta_rule_fwd_kernel_o, (n_v, n_c, n_b * HV),
         q, k, v_new, h, gamma, o, cu, indices, T, scale,
         nbytes=nbytes, H=H, HV=HV, K=K, V=V, BT=BT, BV=cfg["BV"], L2NORM=l2norm, IS_VARLEN=varlen is not None,
-        **_flags(q.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        K_NORMED=bool(k_normed and l2norm), **_flags(q.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return o
 
@@ -695,16 +751,20 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state=None, *, output_final_state
         # against 0.97 without the stores; the unfused state kernel, which stores them anyway, 0.55)
         fuse_o = use_fused(K, V, N * HV) and not save
     want_final = output_final_state or stages
-    intra = chunk_fwd_intra(k, v, g, beta, l2norm=l2norm, varlen=varlen, stages=stages, store_t=save)
+    # with l2norm the intra kernel also stores the normalised k: the later kernels read it instead of
+    # normalising k again (the recurrence did so in every V-block program at every chunk step)
+    intra = chunk_fwd_intra(k, v, g, beta, l2norm=l2norm, varlen=varlen, stages=stages, store_t=save,
+                            store_kn=l2norm)
     w, u, gamma = intra["w"], intra["u"], intra["gamma"]
+    kk = intra.get("kn", k)
     if fuse_o:
-        rec = chunk_fwd_h_o(q, k, w, u, gamma, initial_state, scale, l2norm=l2norm, varlen=varlen,
-                            stages=stages or save, output_final_state=want_final)  # (stages: h and v_new stored)
-        o, final, h, v_new = rec["o"], rec["final_state"], rec["h"], rec["v_new"]
+        rec = chunk_fwd_h_o(q, kk, w, u, gamma, initial_state, scale, l2norm=l2norm, varlen=varlen,
+                            stages=stages or save, output_final_state=want_final, k_normed=l2norm)
+        o, final, h, v_new = rec["o"], rec["final_state"], rec["h"], rec["v_new"]  # (stages: h and v_new stored)
     else:
-        h, v_new, final = chunk_fwd_h(k, w, u, gamma, initial_state, l2norm=l2norm, varlen=varlen,
-                                      output_final_state=want_final)
-        o = chunk_fwd_o(q, k, v_new, h, gamma, scale, l2norm=l2norm, varlen=varlen)
+        h, v_new, final = chunk_fwd_h(kk, w, u, gamma, initial_state, l2norm=l2norm, varlen=varlen,
+                                      output_final_state=want_final, k_normed=l2norm)
+        o = chunk_fwd_o(q, kk, v_new, h, gamma, scale, l2norm=l2norm, varlen=varlen, k_normed=l2norm)
     if save and not stages:
         return o, final, {"gamma": gamma, "w": w, "T": intra["T"], "h": h, "v_new": v_new}
     if not stages:
