@@ -9,7 +9,7 @@ At each (B, T, H, HV) shape (bf16, K = V = 128, q/k l2-normalised in the kernels
     u, gamma against the first config's (relative RMS);
   - the unfused recurrence (h and v_new stored), the output kernel and the fused recurrence (o), each with its
     default config on raw k (normalised in the kernel, as before) and on the intra kernel's kn, then over a grid
-    of V-blocks / warps / stages / TMA on kn (--grids selects which), outputs against the first run's;
+    of V-blocks / warps / stages on kn (--grids selects which), outputs against the first run's;
   - with --ablate, the intra kernel again in a child process where one stage is replaced by a stand-in of the
     same shapes (solve: T = I + A; l2norm: rows left as they are): the time it saves bounds what that stage
     costs. Ablated outputs are wrong by construction and never compared.
@@ -91,18 +91,17 @@ def intra_rows(shape, specs):
     return rows
 
 
-def _grid(bvs, warps, stages, tmas):
-    return [{"BV": bv, "num_warps": w, "num_stages": st, "TMA": t} for bv in bvs for w in warps for st in stages
-            for t in tmas]
+def _grid(bvs, warps, stages):
+    return [{"BV": bv, "num_warps": w, "num_stages": st} for bv in bvs for w in warps for st in stages]
 
 
-H_GRID = _grid((32, 64), (4, 8), (2, 3), (0, 1))
-H_O_GRID = _grid((64,), (4, 8), (1, 2), (0, 1))
-O_GRID = _grid((64, 128), (4, 8), (2, 3), (0,))
+H_GRID = _grid((32, 64), (4, 8), (2, 3))
+H_O_GRID = _grid((64,), (4, 8), (1, 2))
+O_GRID = _grid((64, 128), (4, 8), (2, 3))
 
 
 def cfg_name(cfg):
-    return f"BV{cfg['BV']}w{cfg['num_warps']}s{cfg['num_stages']}" + ("tma" if cfg.get("TMA") else "")
+    return f"BV{cfg['BV']}w{cfg['num_warps']}s{cfg['num_stages']}"
 
 
 def recurrence_rows(shape, grids):

@@ -735,11 +735,10 @@ _TUNE_SHAPE = {"B": 8, "T": 4096, "H": 16, "HV": 32, "K": 128, "V": 128}
 _SHAPE_NAMES = ("B", "T", "H", "HV", "K", "V")
 for _kernel, _space, _shape in (
     ("gated_delta_rule_fwd_intra", {"num_warps": [2, 4, 8], "num_stages": [1, 2, 3], "V_LATE": [0, 1]}, _TUNE_SHAPE),
-    ("gated_delta_rule_fwd_h", {"BV": [16, 32, 64], "num_warps": [2, 4, 8], "num_stages": [1, 2, 3], "TMA": [0, 1]},
+    ("gated_delta_rule_fwd_h", {"BV": [16, 32, 64], "num_warps": [2, 4, 8], "num_stages": [1, 2, 3]},
      {"B": 1, "T": 32768, "H": 16, "HV": 32, "K": 128, "V": 128}),
     # only the V-blocks the fused kernel compiles correctly (chunk.FUSED_BV)
-    ("gated_delta_rule_fwd_h_o", {"BV": list(chunk.FUSED_BV), "num_warps": [4, 8], "num_stages": [1, 2, 3],
-                                  "TMA": [0, 1]}, _TUNE_SHAPE),
+    ("gated_delta_rule_fwd_h_o", {"BV": list(chunk.FUSED_BV), "num_warps": [4, 8], "num_stages": [1, 2, 3]}, _TUNE_SHAPE),
     ("gated_delta_rule_fwd_o", {"BV": [32, 64, 128], "num_warps": [4, 8], "num_stages": [1, 2, 3]}, _TUNE_SHAPE),
     ("gated_delta_rule_fwd_recurrent", {"BV": [8, 16, 32, 64], "num_warps": [1, 2, 4, 8]},
      {"B": 64, "T": 1, "H": 16, "HV": 32, "K": 128, "V": 128}),

@@ -191,9 +191,7 @@ def chunk_gated_delta_rule_fwd_kernel_intra(
     and the output kernel, which then skip their own normalisation of k (K_NORMED).
     V_LATE: v is loaded after the solve and k diag(beta e^gamma) formed before it, so neither v nor the
     fp32 k is live through the solve (sm90, bf16, K = V = 128: 176 registers at 8 warps against 246, no
-    spill at 4 warps against 140 bytes); the v load's latency is no longer hidden behind the solve. V_LATE 2:
-    as 1, and w is stored before v is loaded, so w's and u's [BT, 128] fp32 accumulators are never live together
-    (233 registers against 251 at 4 warps, local sm90 compile)."""
+    spill at 4 warps against 140 bytes); the v load's latency is no longer hidden behind the solve."""
     i_c, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
@@ -233,23 +231,15 @@ def chunk_gated_delta_rule_fwd_kernel_intra(
     b_T = _solve_unit_lower(b_A, BT, BC, PREC)
 
     # w = T diag(beta e^gamma) K, u = T diag(beta) V; e^gamma <= 1 (masked rows: beta = 0)
-    if V_LATE == 2:  # w is stored before v is loaded: its accumulator is dead before u's is live
-        b_w = _dot(_cast(b_T, b_k.dtype, RNE), b_kb, None, PREC, UPCAST)
-        tl.store(w_ptr + (o_row * HV + i_hv)[:, None] * K + o_k[None, :], _cast(b_w, w_ptr.dtype.element_ty, RNE),
-                 mask=m_t[:, None])
+    if V_LATE:
         b_v = tl.load(p_v, mask=m_t[:, None], other=0.0)
-        b_vb = _cast(b_v.to(tl.float32) * b_beta[:, None], b_v.dtype, RNE)
-        b_u = _dot(_cast(b_T, b_v.dtype, RNE), b_vb, None, PREC, UPCAST)
     else:
-        if V_LATE:
-            b_v = tl.load(p_v, mask=m_t[:, None], other=0.0)
-        else:
-            b_kb = _cast(b_k.to(tl.float32) * (b_beta * tl.exp(tl.where(m_t, b_gamma, 0.0)))[:, None], b_k.dtype, RNE)
-        b_vb = _cast(b_v.to(tl.float32) * b_beta[:, None], b_v.dtype, RNE)
-        b_w = _dot(_cast(b_T, b_k.dtype, RNE), b_kb, None, PREC, UPCAST)
-        b_u = _dot(_cast(b_T, b_v.dtype, RNE), b_vb, None, PREC, UPCAST)
-        tl.store(w_ptr + (o_row * HV + i_hv)[:, None] * K + o_k[None, :], _cast(b_w, w_ptr.dtype.element_ty, RNE),
-                 mask=m_t[:, None])
+        b_kb = _cast(b_k.to(tl.float32) * (b_beta * tl.exp(tl.where(m_t, b_gamma, 0.0)))[:, None], b_k.dtype, RNE)
+    b_vb = _cast(b_v.to(tl.float32) * b_beta[:, None], b_v.dtype, RNE)
+    b_w = _dot(_cast(b_T, b_k.dtype, RNE), b_kb, None, PREC, UPCAST)
+    b_u = _dot(_cast(b_T, b_v.dtype, RNE), b_vb, None, PREC, UPCAST)
+    tl.store(w_ptr + (o_row * HV + i_hv)[:, None] * K + o_k[None, :], _cast(b_w, w_ptr.dtype.element_ty, RNE),
+             mask=m_t[:, None])
     tl.store(u_ptr + (o_row * HV + i_hv)[:, None] * V + o_v[None, :], _cast(b_u, u_ptr.dtype.element_ty, RNE),
              mask=m_t[:, None])
 
@@ -305,13 +295,9 @@ def chunk_gated_delta_rule_fwd_kernel_h(
     PREC: tl.constexpr,
     UPCAST: tl.constexpr,
     RNE: tl.constexpr,
-    TMA: tl.constexpr = False,
     K_NORMED: tl.constexpr = False,
 ):
-    """TMA (Hopper): the chunk tiles of w, k, u (and q) arrive, and v_new and o leave, through tensor
-    descriptors of this (sequence, head)'s rows, built on the device: no per-element addresses or row
-    masks in the serial chunk loop (rows past the sequence's end read as 0 and are not written).
-    K_NORMED (with L2NORM): k arrives l2-normalised (the intra kernel's STORE_KN); only q is normalised here."""
+    """K_NORMED (with L2NORM): k arrives l2-normalised (the intra kernel's STORE_KN); only q is normalised here."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_hv, i_h, bos, seq_len, boh, NT = _state_program(i_nh, T, cu_seqlens_ptr, chunk_offsets_ptr, H, HV, BT,
                                                       IS_VARLEN)
@@ -326,62 +312,36 @@ def chunk_gated_delta_rule_fwd_kernel_h(
     b_S = tl.zeros([K, BV], dtype=tl.float32)
     if USE_H0:
         b_S += tl.load(h0_ptr + o_state + o_kv, mask=m_v[None, :], other=0.0)
-    if TMA:  # this (sequence, head)'s rows: [seq_len, K or V] at a row stride of all heads
-        n_rows = tl.maximum(seq_len, 1)  # an empty sequence's descriptor is never read
-        w_desc = tl.make_tensor_descriptor(w_ptr + (bos * HV + i_hv) * K, [n_rows, K], [HV * K, 1], [BT, K])
-        k_desc = tl.make_tensor_descriptor(k_ptr + (bos * H + i_h) * K, [n_rows, K], [H * K, 1], [BT, K])
-        u_desc = tl.make_tensor_descriptor(u_ptr + (bos * HV + i_hv) * V, [n_rows, V], [HV * V, 1], [BT, BV])
-        if STORE_V_NEW:
-            vn_desc = tl.make_tensor_descriptor(v_new_ptr + (bos * HV + i_hv) * V, [n_rows, V], [HV * V, 1], [BT, BV])
-        if FUSE_O:
-            q_desc = tl.make_tensor_descriptor(q_ptr + (bos * H + i_h) * K, [n_rows, K], [H * K, 1], [BT, K])
-            o_desc = tl.make_tensor_descriptor(o_ptr + (bos * HV + i_hv) * V, [n_rows, V], [HV * V, 1], [BT, BV])
 
     for i_t in range(NT):
         o_t = i_t * BT + o_i
         m_t = o_t < seq_len
         o_row = bos + o_t.to(tl.int64)
         m_tv = m_t[:, None] & m_v[None, :]
-        o_vrow = (o_row * HV + i_hv)[:, None] * V + o_v[None, :]
         if STORE_H:
             o_h = ((boh + i_t) * HV + i_hv) * K * V
             tl.store(h_ptr + o_h + o_kv, _cast(b_S, h_ptr.dtype.element_ty, RNE), mask=m_v[None, :])
 
-        if TMA:
-            b_w = w_desc.load([i_t * BT, 0])
-            b_u = u_desc.load([i_t * BT, i_v * BV]).to(tl.float32)
-        else:
-            b_w = tl.load(w_ptr + (o_row * HV + i_hv)[:, None] * K + o_k[None, :], mask=m_t[:, None], other=0.0)
-            b_u = tl.load(u_ptr + o_vrow, mask=m_tv, other=0.0).to(tl.float32)
+        b_w = tl.load(w_ptr + (o_row * HV + i_hv)[:, None] * K + o_k[None, :], mask=m_t[:, None], other=0.0)
+        o_vrow = (o_row * HV + i_hv)[:, None] * V + o_v[None, :]
+        b_u = tl.load(u_ptr + o_vrow, mask=m_tv, other=0.0).to(tl.float32)
         b_vn = b_u - _dot(b_w, _cast(b_S, b_w.dtype, RNE), None, PREC, UPCAST)  # [BT, BV] fp32
         if STORE_V_NEW:
-            if TMA:
-                vn_desc.store([i_t * BT, i_v * BV], _cast(b_vn, v_new_ptr.dtype.element_ty, RNE))
-            else:
-                tl.store(v_new_ptr + o_vrow, _cast(b_vn, v_new_ptr.dtype.element_ty, RNE), mask=m_tv)
+            tl.store(v_new_ptr + o_vrow, _cast(b_vn, v_new_ptr.dtype.element_ty, RNE), mask=m_tv)
 
         b_gamma = tl.load(gamma_ptr + o_row * HV + i_hv, mask=m_t, other=0.0)
         last = tl.minimum(i_t * BT + BT, seq_len) - 1
         b_glast = tl.load(gamma_ptr + (bos + last) * HV + i_hv)
-        if TMA:
-            b_k = k_desc.load([i_t * BT, 0])
-        else:
-            b_k = tl.load(k_ptr + (o_row * H + i_h)[:, None] * K + o_k[None, :], mask=m_t[:, None], other=0.0)
+        b_k = tl.load(k_ptr + (o_row * H + i_h)[:, None] * K + o_k[None, :], mask=m_t[:, None], other=0.0)
         if L2NORM and not K_NORMED:
             b_k = _cast(_l2norm_rows(b_k), k_ptr.dtype.element_ty, RNE)
 
         if FUSE_O:
-            if TMA:
-                b_q = q_desc.load([i_t * BT, 0])
-            else:
-                b_q = tl.load(q_ptr + (o_row * H + i_h)[:, None] * K + o_k[None, :], mask=m_t[:, None], other=0.0)
+            b_q = tl.load(q_ptr + (o_row * H + i_h)[:, None] * K + o_k[None, :], mask=m_t[:, None], other=0.0)
             if L2NORM:
                 b_q = _cast(_l2norm_rows(b_q), q_ptr.dtype.element_ty, RNE)
             b_o = _chunk_output(b_q, b_k, b_S, b_vn, b_gamma, m_t, scale, BT, PREC, UPCAST, RNE)
-            if TMA:
-                o_desc.store([i_t * BT, i_v * BV], _cast(b_o, o_ptr.dtype.element_ty, RNE))
-            else:
-                tl.store(o_ptr + o_vrow, _cast(b_o, o_ptr.dtype.element_ty, RNE), mask=m_tv)
+            tl.store(o_ptr + o_vrow, _cast(b_o, o_ptr.dtype.element_ty, RNE), mask=m_tv)
 
         # S <- e^gamma_last S + K^T diag(e^(gamma_last - gamma)) v_new
         b_vs = b_vn * tl.exp(tl.where(m_t, b_glast - b_gamma, float("-inf")))[:, None]
@@ -625,7 +585,7 @@ def chunk_fwd_intra(k, v, g, beta, *, l2norm=False, varlen=None, store_t=False, 
         "gated_delta_rule_fwd_intra", chunk_gated_delta_rule_fwd_kernel_intra, (n_c, n_b * HV),
         k, v, g, beta, out["gamma"], out["w"], out["u"], t_buf, decay, a_buf, kn, cu, indices, T,
         nbytes=nbytes, H=H, HV=HV, K=K, V=V, BT=BT, BC=BC, L2NORM=l2norm, STORE_T=store_t or stages, STAGES=stages,
-        IS_VARLEN=varlen is not None, **_flags(k.dtype), V_LATE=int(cfg.get("V_LATE", 0)), STORE_KN=store_kn,
+        IS_VARLEN=varlen is not None, **_flags(k.dtype), V_LATE=bool(cfg.get("V_LATE", 0)), STORE_KN=store_kn,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if store_kn:
@@ -656,12 +616,6 @@ def _fwd_h_launch(q, k, w, u, gamma, initial_state, scale, *, l2norm, varlen, fu
     cu, _, offsets = _varlen_ptrs(varlen, dev)
     e = k.element_size()
     n_v = triton.cdiv(V, cfg["BV"])
-    # tensor descriptors: compiled kernels only; every streamed tensor's base 16-byte aligned (row strides of
-    # K or V elements are multiples of 16 bytes for the head dims the kernels take)
-    tma = bool(cfg.get("TMA", 0)) and not _runtime.INTERPRET and all(
-        t.data_ptr() % 16 == 0 for t in (q if q is not None else k, k, w, u, v_new, o) if t.numel())
-    if tma:
-        launch.use_tensor_descriptors()
     nbytes = (B * T * (HV * K * e * n_v + HV * V * e + H * K * e * n_v * (2 if fuse_o else 1) + HV * 4)
               + N * HV * K * V * 4 * (int(initial_state is not None) + int(output_final_state))
               + (n_b * n_c * HV * K * V * e if store_h else 0) + B * T * HV * V * e * (int(store_v_new) + int(fuse_o)))
@@ -671,7 +625,7 @@ def _fwd_h_launch(q, k, w, u, gamma, initial_state, scale, *, l2norm, varlen, fu
         final, h, v_new, o, cu, offsets, T, scale,
         nbytes=nbytes, H=H, HV=HV, K=K, V=V, BT=BT, BV=cfg["BV"], L2NORM=l2norm, USE_H0=initial_state is not None,
         STORE_FINAL=output_final_state, FUSE_O=fuse_o, STORE_H=store_h, STORE_V_NEW=store_v_new, IS_VARLEN=varlen is not None, **_flags(k.dtype),
-        TMA=tma, K_NORMED=bool(k_normed and l2norm), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        K_NORMED=bool(k_normed and l2norm), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return {"final_state": final, "h": h if store_h else None, "v_new": v_new if store_v_new else None,
             "o": o if fuse_o else None}
