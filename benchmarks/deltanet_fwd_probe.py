@@ -25,27 +25,15 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from attention_bwd_sweep import bench_ms, rel_rms, resources  # noqa: E402  (the same timing and checks)
 
 SHAPES = ["1x32768x16x32", "8x4096x16x32", "4x8192x16x16", "1x8192x32x32"]
 INTRA = ["1:4:2", "1:4:2:kn"]
 
 
 def bench_us(fn):
-    import triton
-
-    return 1e3 * triton.testing.do_bench(fn, warmup=10, rep=100, return_mode="median")
-
-
-def rel_rms(got, ref):
-    got, ref = got.double(), ref.double()
-    return float((got - ref).norm() / ref.norm().clamp_min(1e-30))
-
-
-def resources(kernel):
-    from triforge import launch
-
-    r = launch.kernel_resources(kernel) or {}
-    return {"registers": r.get("registers"), "spills": r.get("spills"), "shared": r.get("shared_bytes")}
+    return 1e3 * bench_ms(fn)
 
 
 def make(shape):
