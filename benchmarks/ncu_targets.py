@@ -50,12 +50,13 @@ def main():
         i = D._make_inputs("real", dt, "cuda", torch.Generator().manual_seed(0),
                            ((1, 32768, 16, 32, 128, 128), (1, 32768, 16, 32, 128, 128)))
         q, k, v, g, beta, h0 = (i[n] for n in ("q", "k", "v", "g", "beta", "initial_state"))
-        intra = chunk.chunk_fwd_intra(k, v, g, beta, l2norm=True)
-        w, u, gamma = intra["w"], intra["u"], intra["gamma"]
-        h, v_new, _ = chunk.chunk_fwd_h(k, w, u, gamma, h0, l2norm=True)
-        fn = {"gdn_intra": lambda: chunk.chunk_fwd_intra(k, v, g, beta, l2norm=True),
-              "gdn_h": lambda: chunk.chunk_fwd_h(k, w, u, gamma, h0, l2norm=True),
-              "gdn_o": lambda: chunk.chunk_fwd_o(q, k, v_new, h, gamma, 128**-0.5, l2norm=True)}[target]
+        # as chunk_fwd runs them: the intra kernel stores the normalised k (kn), the later kernels read it
+        intra = chunk.chunk_fwd_intra(k, v, g, beta, l2norm=True, store_kn=True)
+        w, u, gamma, kn = intra["w"], intra["u"], intra["gamma"], intra["kn"]
+        h, v_new, _ = chunk.chunk_fwd_h(kn, w, u, gamma, h0, l2norm=True, k_normed=True)
+        fn = {"gdn_intra": lambda: chunk.chunk_fwd_intra(k, v, g, beta, l2norm=True, store_kn=True),
+              "gdn_h": lambda: chunk.chunk_fwd_h(kn, w, u, gamma, h0, l2norm=True, k_normed=True),
+              "gdn_o": lambda: chunk.chunk_fwd_o(q, kn, v_new, h, gamma, 128**-0.5, l2norm=True, k_normed=True)}[target]
     else:
         raise SystemExit(f"unknown target {target}")
     for _ in range(4):

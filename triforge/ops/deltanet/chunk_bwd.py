@@ -646,10 +646,11 @@ def chunk_bwd(do, dht, q, k, v, g, beta, scale, initial_state=None, *, l2norm=Fa
     if saved is not None:
         gamma, w, t, h, v_new = (saved[n] for n in SAVED_NAMES)
     else:
-        intra = chunk_fwd_intra(k, v, g, beta, l2norm=l2norm, varlen=varlen, store_t=True)
+        # as chunk_fwd runs them: the recurrence reads the intra kernel's normalised k
+        intra = chunk_fwd_intra(k, v, g, beta, l2norm=l2norm, varlen=varlen, store_t=True, store_kn=l2norm)
         gamma, w, t = intra["gamma"], intra["w"], intra["T"]
-        h, v_new, _ = chunk_fwd_h(k, w, intra["u"], gamma, initial_state, l2norm=l2norm, varlen=varlen,
-                                  output_final_state=False)
+        h, v_new, _ = chunk_fwd_h(intra.get("kn", k), w, intra["u"], gamma, initial_state, l2norm=l2norm,
+                                  varlen=varlen, output_final_state=False, k_normed=l2norm)
     qn, kn = chunk_bwd_l2norm(q, k) if l2norm else (q, k)
     dh, dv_new, dh0 = chunk_bwd_dh(qn, kn, w, gamma, do, dht, scale, varlen=varlen,
                                    store_dh0=initial_state is not None)
