@@ -565,10 +565,12 @@ def test_saved_residuals_are_the_recompute(K, V, dtype, padded, monkeypatch, gen
     h0 = torch.nn.functional.pad(x["initial_state"], (0, Vp - V, 0, Kp - K))
     h, v_new, _ = chunk_fwd_module.chunk_fwd_h(pad(x["k"], Kp), intra["w"], intra["u"], intra["gamma"], h0, l2norm=True,
                                                output_final_state=False)
-    want = {"gamma": intra["gamma"], "w": intra["w"], "T": intra["T"], "h": h, "v_new": v_new}
+    qn, kn = chunk_bwd.chunk_bwd_l2norm(pad(x["q"], Kp), pad(x["k"], Kp))
+    want = {"gamma": intra["gamma"], "w": intra["w"], "T": intra["T"], "h": h, "v_new": v_new, "qn": qn, "kn": kn}
+    assert len(res) == len(chunk_fwd_module.SAVED_NAMES) == len(want)
     for name, got in zip(chunk_fwd_module.SAVED_NAMES, res):
         assert got.shape == want[name].shape and got.dtype == want[name].dtype, name
-        if name in ("gamma", "w", "T"):
+        if name in ("gamma", "w", "T", "qn", "kn"):  # (qn, kn: the output and intra kernels' rounding is kernel 0's)
             assert torch.equal(got, want[name]), name
         else:  # (a saving forward runs the unfused recurrence, as the recompute does: equal up to block order)
             torch.testing.assert_close(got.float(), want[name].float(), rtol=1e-5, atol=1e-5, msg=name)
@@ -600,6 +602,44 @@ def test_saved_residuals_are_the_recompute(K, V, dtype, padded, monkeypatch, gen
     chunk_gated_delta_rule(leaf, *args[1:5], cu_seqlens=torch.tensor([0, 40, 100], device=DEV))
     chunk_gated_delta_rule(leaf, *args[1:5])
     assert calls == [False, False, True, True], calls
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["K64", "K32-padded"])
+def test_saved_normalised_qk_replace_the_backwards_l2norm(padded, monkeypatch, gen):
+    """With the l2norm the training forward keeps qn (stored by the output kernel, one writer per q head: HV = 2 H
+    here) and kn (the intra kernel's), equal to kernel 0's; the saved backward then runs no kernel 0, and the
+    recompute runs it on q alone (kn from its intra kernel) and gives the same gradients as the saved one.
+    Without the l2norm qn and kn are empty. Kernel 0 on q alone equals its q half on both."""
+    if padded:
+        monkeypatch.setattr(chunk_fwd_module, "PAD_SMALL_DIMS", True)
+    K = 32 if padded else 64
+    x = _bwd_inputs(1, 90, 2, 4, K, 32, torch.bfloat16, gen)
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"], 0.25, x["initial_state"], True)
+    res = dict(zip(chunk_fwd_module.SAVED_NAMES, torch.ops.triforge.chunk_gated_delta_rule_fwd_save(*args, True, None)[2:]))
+    Kp = chunk_fwd_module.padded_dims(K, 32)[0]
+    pad = lambda t: torch.nn.functional.pad(t, (0, Kp - K))  # noqa: E731
+    qn, kn = chunk_bwd.chunk_bwd_l2norm(pad(x["q"]), pad(x["k"]))
+    assert torch.equal(res["qn"], qn) and torch.equal(res["kn"], kn)
+    assert not res["qn"].isnan().any()
+    q_alone, none = chunk_bwd.chunk_bwd_l2norm(pad(x["q"]))
+    assert none is None and torch.equal(q_alone, qn)
+    plain = torch.ops.triforge.chunk_gated_delta_rule_fwd_save(*args, False, None)[2:]
+    assert [t.numel() for t in plain[-2:]] == [0, 0]
+
+    calls = []
+    real = chunk_bwd.chunk_bwd_l2norm
+    monkeypatch.setattr(chunk_bwd, "chunk_bwd_l2norm", lambda q, k=None, **kw: calls.append(k is None) or real(q, k, **kw))
+    grads = {}
+    for save in ("1", "0"):
+        monkeypatch.setenv("TRIFORGE_DELTANET_SAVE", save)
+        leaves = {n: x[n].clone().requires_grad_(True) for n in GRAD_NAMES}
+        o, fin = chunk_gated_delta_rule(**leaves, scale=0.25, output_final_state=True, use_qk_l2norm_in_kernel=True)
+        with poisoned():
+            grads[save] = torch.autograd.grad([o, fin], list(leaves.values()), [x["do"], x["dht"]])
+        assert calls == ([] if save == "1" else [True]), (save, calls)
+    for n, a, b in zip(GRAD_NAMES, grads["1"], grads["0"]):
+        assert not a.isnan().any(), n
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=f"d{n}")
 
 
 def test_save_switch_rejects_other_values(monkeypatch, gen):

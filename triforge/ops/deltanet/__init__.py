@@ -42,13 +42,15 @@ Any other value of ``TRIFORGE_DELTANET_BWD`` raises ValueError when a backward r
 Residuals. A forward that will be differentiated (grad enabled, an input requiring grad) runs as
 
     torch.ops.triforge.chunk_gated_delta_rule_fwd_save(q, k, v, g, beta, scale, initial_state,
-        output_final_state, use_qk_l2norm_in_kernel, cu_seqlens) -> (o, final_state, gamma, w, T, h, v_new)
+        output_final_state, use_qk_l2norm_in_kernel, cu_seqlens) -> (o, final_state, gamma, w, T, h, v_new, qn, kn)
 
 keeping what the Triton backward would otherwise recompute with the intra and state kernels (about a fifth of
-the backward's time at the bench shapes), and its backward is
+the backward's time at the bench shapes) and, with the l2norm, the normalised q and k (qn stored by the output
+kernel, kn by the intra kernel; empty tensors without the l2norm), and its backward is
 ``torch.ops.triforge.chunk_gated_delta_rule_bwd_saved(do, dht, q, k, v, g, beta, scale, initial_state,
-use_qk_l2norm_in_kernel, cu_seqlens, gamma, w, T, h, v_new)``. The residuals are 1.7-2.5x the bytes of q, k and v at the
-bench shapes (h: one [K, V] state per chunk and value head in k's dtype; T: [64] fp32 per token and value head).
+use_qk_l2norm_in_kernel, cu_seqlens, gamma, w, T, h, v_new, qn, kn)``. The residuals are 1.7-2.5x the bytes of q, k and
+v at the bench shapes, plus q and k's bytes again with the l2norm (h: one [K, V] state per chunk and value head in k's
+dtype; T: [64] fp32 per token and value head).
 ``TRIFORGE_DELTANET_SAVE=0`` (read at the forward) keeps only the inputs and recomputes, as fla does.
 """
 
@@ -280,7 +282,8 @@ _chunk_fwd_op.register_autograd(_chunk_backward, setup_context=_chunk_setup)
 
 
 # The training forward: the same forward, and the intra and state kernels' outputs that the Triton backward
-# would otherwise recompute (chunk.SAVED_NAMES: gamma, w, T, h, v_new), kept for it. At (1, 32768, 16, 32) the
+# would otherwise recompute (chunk.SAVED_NAMES: gamma, w, T, h, v_new; with l2norm also the normalised q and k,
+# so the backward's l2norm kernel does not run: 179 us at (1, 32768, 16, 32)), kept for it. At (1, 32768, 16, 32) the
 # recompute is 1.9 of the backward's 8.7 ms (benchmarks/deltanet_kernel_times.py); the residuals hold
 # 1.7-2.5x the bytes of q, k and v at the bench shapes (h alone NT x HV x K x V in k's dtype).
 # ``TRIFORGE_DELTANET_SAVE=0`` recomputes.
@@ -301,7 +304,8 @@ def _chunk_fwd_save_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,
     initial_state: torch.Tensor | None, output_final_state: bool, use_qk_l2norm_in_kernel: bool,
     cu_seqlens: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+           torch.Tensor, torch.Tensor]:
     _validate(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens)
     _check_cu_seqlens(cu_seqlens, q.shape[1])
     q, k, v, g, beta, initial_state = _contiguous(q, k, v, g, beta, initial_state)
@@ -318,9 +322,11 @@ def _(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_
     Kp, Vp = chunk.padded_dims(q.shape[3], v.shape[3])
     # h holds a state per chunk: with cu_seqlens the chunks of every sequence, a count that depends on its values
     nt = (T + chunk.BT - 1) // chunk.BT if cu_seqlens is None else torch.library.get_ctx().new_dynamic_size()
+    # qn, kn: the normalised q and k with l2norm, else empty
+    qk_shape = (B, T, q.shape[2], Kp) if use_qk_l2norm_in_kernel else (0,)
     return (o, final, g.new_empty((B, T, HV), dtype=torch.float32), k.new_empty((B, T, HV, Kp)),
             g.new_empty((B, T, HV, chunk.BT), dtype=torch.float32), k.new_empty((B, nt, HV, Kp, Vp)),
-            v.new_empty((B, T, HV, Vp)))
+            v.new_empty((B, T, HV, Vp)), q.new_empty(qk_shape), k.new_empty(qk_shape))
 
 
 @torch.library.custom_op("triforge::chunk_gated_delta_rule_bwd_saved", mutates_args=())
@@ -328,15 +334,17 @@ def _chunk_bwd_saved_op(
     do: torch.Tensor, dht: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
     beta: torch.Tensor, scale: float, initial_state: torch.Tensor | None, use_qk_l2norm_in_kernel: bool,
     cu_seqlens: torch.Tensor | None, gamma: torch.Tensor, w: torch.Tensor, t: torch.Tensor, h: torch.Tensor,
-    v_new: torch.Tensor,
+    v_new: torch.Tensor, qn: torch.Tensor, kn: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The Triton backward on the training forward's residuals (no intra / state recompute)."""
-    saved = dict(zip(chunk.SAVED_NAMES, _contiguous(gamma, w, t, h, v_new)))
+    """The Triton backward on the training forward's residuals (no intra / state recompute, and with l2norm no
+    normalisation of q and k)."""
+    saved = dict(zip(chunk.SAVED_NAMES, _contiguous(gamma, w, t, h, v_new, qn, kn)))
     return _triton_bwd(do, dht, q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens, saved)
 
 
 @_chunk_bwd_saved_op.register_fake
-def _(do, dht, q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens, gamma, w, t, h, v_new):
+def _(do, dht, q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens, gamma, w, t, h, v_new,
+      qn, kn):
     return _chunk_bwd_fake(do, dht, q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens)
 
 

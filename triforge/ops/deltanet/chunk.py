@@ -360,6 +360,7 @@ def chunk_gated_delta_rule_fwd_kernel_o(
     h_ptr,  # [B, NT, HV, K, V] state entering each chunk
     gamma_ptr,  # [B, T, HV] fp32
     o_ptr,  # [B, T, HV, V] out, v's dtype
+    qn_ptr,  # [B, T, H, K] out (STORE_QN), q's dtype: the l2-normalised q, kept for the backward
     cu_seqlens_ptr,  # [N + 1] int32 (IS_VARLEN)
     chunk_indices_ptr,  # [chunks, 2] int32 (IS_VARLEN)
     T,
@@ -376,7 +377,11 @@ def chunk_gated_delta_rule_fwd_kernel_o(
     UPCAST: tl.constexpr,
     RNE: tl.constexpr,
     K_NORMED: tl.constexpr = False,
+    STORE_QN: tl.constexpr = False,
 ):
+    """STORE_QN (with L2NORM; the training forward): the normalised q, rounded as the output uses it, is also
+    stored, by one program per q head and chunk (the first V-block of the head's first value head), so the
+    backward does not normalise q again."""
     i_v, i_c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
@@ -398,6 +403,9 @@ def chunk_gated_delta_rule_fwd_kernel_o(
         b_q = _cast(_l2norm_rows(b_q), q_ptr.dtype.element_ty, RNE)
         if not K_NORMED:
             b_k = _cast(_l2norm_rows(b_k), k_ptr.dtype.element_ty, RNE)
+        if STORE_QN:
+            tl.store(qn_ptr + (o_row * H + i_h)[:, None] * K + o_k[None, :], b_q,
+                     mask=m_t[:, None] & (i_v == 0) & (i_hv % (HV // H) == 0))
     b_S = tl.load(h_ptr + (i_hc * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :], mask=m_v[None, :], other=0.0)
     o_vrow = (o_row * HV + i_hv)[:, None] * V + o_v[None, :]
     b_vn = tl.load(v_new_ptr + o_vrow, mask=m_tv, other=0.0)
@@ -651,8 +659,9 @@ def chunk_fwd_h_o(q, k, w, u, gamma, initial_state, scale, *, l2norm=False, varl
                          k_normed=k_normed)
 
 
-def chunk_fwd_o(q, k, v_new, h, gamma, scale, *, l2norm=False, varlen=None, cfg=None, k_normed=False):
-    """Kernel 3: o [B, T, HV, V] from the stored states h and v_new (k_normed: k already l2-normalised)."""
+def chunk_fwd_o(q, k, v_new, h, gamma, scale, *, l2norm=False, varlen=None, cfg=None, k_normed=False, qn=None):
+    """Kernel 3: o [B, T, HV, V] from the stored states h and v_new (k_normed: k already l2-normalised).
+    qn (with l2norm): a [B, T, H, K] buffer in q's dtype that receives the normalised q (the training forward)."""
     B, T, H, K = q.shape
     HV, V = v_new.shape[2], v_new.shape[3]
     check_kernel_dims(K, V)
@@ -662,17 +671,22 @@ def chunk_fwd_o(q, k, v_new, h, gamma, scale, *, l2norm=False, varlen=None, cfg=
     cu, indices, _ = _varlen_ptrs(varlen, q.device)
     e = q.element_size()
     n_v = triton.cdiv(V, cfg["BV"])
-    nbytes = B * T * (2 * H * K * e * n_v + 2 * HV * V * e + HV * 4) + h.numel() * e
+    store_qn = qn is not None and l2norm
+    if store_qn and (qn.shape != q.shape or qn.dtype != q.dtype or not qn.is_contiguous()):
+        raise ValueError(f"qn must be a contiguous {tuple(q.shape)} {q.dtype} buffer, got {tuple(qn.shape)} {qn.dtype}")
+    nbytes = B * T * (2 * H * K * e * n_v + 2 * HV * V * e + HV * 4 + H * K * e * int(store_qn)) + h.numel() * e
     launch.launch(
         "gated_delta_rule_fwd_o", chunk_gated_delta_rule_fwd_kernel_o, (n_v, n_c, n_b * HV),
-        q, k, v_new, h, gamma, o, cu, indices, T, scale,
+        q, k, v_new, h, gamma, o, qn if store_qn else o, cu, indices, T, scale,
         nbytes=nbytes, H=H, HV=HV, K=K, V=V, BT=BT, BV=cfg["BV"], L2NORM=l2norm, IS_VARLEN=varlen is not None,
-        K_NORMED=bool(k_normed and l2norm), **_flags(q.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        K_NORMED=bool(k_normed and l2norm), STORE_QN=store_qn, **_flags(q.dtype), num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
     )
     return o
 
 
-SAVED_NAMES = ("gamma", "w", "T", "h", "v_new")  # chunk_fwd(save=True)'s residuals, in this order
+# chunk_fwd(save=True)'s residuals, in this order; qn and kn (the normalised q and k) are empty without l2norm
+SAVED_NAMES = ("gamma", "w", "T", "h", "v_new", "qn", "kn")
 
 
 def chunk_fwd(q, k, v, g, beta, scale, initial_state=None, *, output_final_state=True, l2norm=False, cu_seqlens=None,
@@ -682,10 +696,11 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state=None, *, output_final_state
 
     Returns (o, final_state); with ``stages`` a dict of every stage instead (gamma, decay, A, T, w,
     u, h, v_new, o, final_state), all from the kernels' own buffers. With ``save``: (o, final_state,
-    saved), saved = {gamma, w, T, h, v_new} (``SAVED_NAMES``), what the backward would otherwise
-    recompute with the intra and state kernels (T stored by the intra kernel; the recurrence runs unfused
-    unless ``fuse_o`` is True, and the fused one then stores h and v_new too); at padded head dims
-    (``padded_dims``) in the padded dims.
+    saved), saved = {gamma, w, T, h, v_new, qn, kn} (``SAVED_NAMES``), what the backward would otherwise
+    recompute with the intra and state kernels and its l2norm kernel (T stored by the intra kernel; with
+    l2norm kn by the intra kernel and qn by the output kernel, empty tensors without; the recurrence runs
+    unfused unless ``fuse_o`` is True, and the fused one then stores h and v_new too, and q is normalised by
+    the backward's kernel 0); at padded head dims (``padded_dims``) in the padded dims.
     """
     K, V = q.shape[3], v.shape[3]
     Kp, Vp = padded_dims(K, V)
@@ -711,6 +726,9 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state=None, *, output_final_state
                             store_kn=l2norm)
     w, u, gamma = intra["w"], intra["u"], intra["gamma"]
     kk = intra.get("kn", k)
+    # the training forward keeps the normalised q (stored by the output kernel) for the backward
+    # (the fused kernel does not store it: after a fused saving forward the backward's kernel 0 normalises q)
+    qn = new_output(q.shape, q.dtype, q.device) if save and l2norm and not stages and not fuse_o else None
     if fuse_o:
         rec = chunk_fwd_h_o(q, kk, w, u, gamma, initial_state, scale, l2norm=l2norm, varlen=varlen,
                             stages=stages or save, output_final_state=want_final, k_normed=l2norm)
@@ -718,9 +736,11 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state=None, *, output_final_state
     else:
         h, v_new, final = chunk_fwd_h(kk, w, u, gamma, initial_state, l2norm=l2norm, varlen=varlen,
                                       output_final_state=want_final, k_normed=l2norm)
-        o = chunk_fwd_o(q, kk, v_new, h, gamma, scale, l2norm=l2norm, varlen=varlen, k_normed=l2norm)
+        o = chunk_fwd_o(q, kk, v_new, h, gamma, scale, l2norm=l2norm, varlen=varlen, k_normed=l2norm, qn=qn)
     if save and not stages:
-        return o, final, {"gamma": gamma, "w": w, "T": intra["T"], "h": h, "v_new": v_new}
+        # (two distinct empty tensors: a custom op's outputs may not alias each other)
+        return o, final, {"gamma": gamma, "w": w, "T": intra["T"], "h": h, "v_new": v_new,
+                          "qn": qn if qn is not None else q.new_empty((0,)), "kn": kk if l2norm else k.new_empty((0,))}
     if not stages:
         return o, final
     out = {n: intra[n] for n in ("gamma", "decay", "A", "T", "w", "u")}

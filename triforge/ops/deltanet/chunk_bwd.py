@@ -3,12 +3,13 @@
 The math, stage by stage, is in ``reference.py``'s docstring and ``reference.chunk_bwd_ref_stages``;
 the buffers below carry the same names. ``chunk_bwd`` runs:
 
-- The forward's launchers again: ``chunk.chunk_fwd_intra`` (gamma, w, u and T = (I + A)^-1) and
-  ``chunk.chunk_fwd_h`` (h, the state entering each chunk, and v_new). The forward saves only its
-  inputs.
-0. ``chunk_gated_delta_rule_bwd_kernel_l2norm``, grid (B*T*H / BR): with the in-kernel l2norm, q
-   and k normalised once (rounded to the input dtype as the forward kernels round them), so the
-   kernels below read unit rows in K-blocks.
+- Unless the training forward kept them (``saved``: ``chunk.chunk_fwd(save=True)``), the forward's
+  launchers again: ``chunk.chunk_fwd_intra`` (gamma, w, u, T = (I + A)^-1 and, with l2norm, the
+  normalised k) and ``chunk.chunk_fwd_h`` (h, the state entering each chunk, and v_new).
+0. ``chunk_gated_delta_rule_bwd_kernel_l2norm``, grid (B*T*H / BR): with the in-kernel l2norm and no
+   saved qn, q normalised once (and k, where no kn came from the forward), rounded to the input dtype
+   as the forward kernels round them, so the kernels below read unit rows in K-blocks. The training
+   forward keeps both (its output kernel stores qn, its intra kernel kn), so this kernel does not run.
 1. ``chunk_gated_delta_rule_bwd_kernel_dh``, grid (V / BV, N*HV): the reverse recurrence over the
    chunks of one (sequence, value head, V-block), the state gradient dS [K, BV] in fp32 registers:
    dv_new = P^T dO + diag(l) K dS; dS <- e^gamma_last dS + Q^T diag(scale e) dO - w^T dv_new.
@@ -55,7 +56,6 @@ from triforge.ops._tl import cast as _cast
 from triforge.ops.deltanet.chunk import (
     BT,
     L2NORM_EPS,
-    SAVED_NAMES,
     _chunk_coords,
     _decay,
     _dot,
@@ -90,19 +90,21 @@ def chunk_gated_delta_rule_bwd_kernel_l2norm(
     q_ptr,  # [R, K] (R = B*T*H rows)
     k_ptr,  # [R, K]
     qn_ptr,  # [R, K] out, q's dtype: q * rsqrt(|q|^2 + 1e-6), rounded as the forward rounds it
-    kn_ptr,  # [R, K] out, k's dtype
+    kn_ptr,  # [R, K] out, k's dtype (HAS_K)
     R,
     K: tl.constexpr,
     BR: tl.constexpr,
     RNE: tl.constexpr,
+    HAS_K: tl.constexpr = True,  # False: q alone (k arrives normalised from the forward's intra kernel)
 ):
     o_r = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
     m_r = o_r < R
     o_x = o_r[:, None] * K + tl.arange(0, K)[None, :]
     b_q = tl.load(q_ptr + o_x, mask=m_r[:, None], other=0.0)
-    b_k = tl.load(k_ptr + o_x, mask=m_r[:, None], other=0.0)
     tl.store(qn_ptr + o_x, _cast(_l2norm_rows(b_q), qn_ptr.dtype.element_ty, RNE), mask=m_r[:, None])
-    tl.store(kn_ptr + o_x, _cast(_l2norm_rows(b_k), kn_ptr.dtype.element_ty, RNE), mask=m_r[:, None])
+    if HAS_K:
+        b_k = tl.load(k_ptr + o_x, mask=m_r[:, None], other=0.0)
+        tl.store(kn_ptr + o_x, _cast(_l2norm_rows(b_k), kn_ptr.dtype.element_ty, RNE), mask=m_r[:, None])
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -492,17 +494,19 @@ def bwd_config(kernel, K, V, dtype, nh=None):
 # ----------------------------------------------------------------------------- launchers
 
 
-def chunk_bwd_l2norm(q, k, *, cfg=None):
+def chunk_bwd_l2norm(q, k=None, *, cfg=None):
     """Kernel 0: (qn, kn) [B, T, H, K] in q's dtype, each row x * rsqrt(|x|^2 + 1e-6) as the forward
-    kernels compute and round it."""
+    kernels compute and round it; with k None, q alone (kn None)."""
     B, T, H, K = q.shape
     cfg = cfg or bwd_config("gated_delta_rule_bwd_l2norm", K, K, q.dtype)
-    qn, kn = new_output(q.shape, q.dtype, q.device), new_output(k.shape, k.dtype, k.device)
+    qn = new_output(q.shape, q.dtype, q.device)
+    kn = new_output(k.shape, k.dtype, k.device) if k is not None else None
     R = B * T * H
     launch.launch(
         "gated_delta_rule_bwd_l2norm", chunk_gated_delta_rule_bwd_kernel_l2norm, (triton.cdiv(R, cfg["BR"]),),
-        q, k, qn, kn, R, nbytes=4 * q.numel() * q.element_size(), K=K, BR=cfg["BR"],
-        RNE=_flags(q.dtype)["RNE"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        q, k if k is not None else q, qn, kn if k is not None else qn, R,
+        nbytes=(2 if k is None else 4) * q.numel() * q.element_size(), K=K, BR=cfg["BR"],
+        RNE=_flags(q.dtype)["RNE"], HAS_K=k is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return qn, kn
 
@@ -625,8 +629,9 @@ BWD_STAGE_NAMES = ("dh", "dv_new", "dq_hv", "dk_local", "dw", "dgamma_local", "d
 def chunk_bwd(do, dht, q, k, v, g, beta, scale, initial_state=None, *, l2norm=False, cu_seqlens=None, stages=False,
               saved=None):
     """The chunked backward: the forward's intra and state kernels again (unless ``saved``: the forward's
-    gamma, w, T, h and v_new, ``chunk.chunk_fwd(save=True)``'s residuals, at the padded head dims), then
-    kernels 0-4.
+    gamma, w, T, h, v_new and, with l2norm, qn and kn, ``chunk.chunk_fwd(save=True)``'s residuals, at the
+    padded head dims), then kernels 0-4 (kernel 0 only where the normalised q and k were not kept; the
+    recompute's intra kernel stores kn, so there it normalises q alone).
 
     do [B, T, HV, V] in v's dtype; dht [N, HV, K, V] fp32 or None. Returns (dq, dk, dv, dg, dbeta,
     dh0) in their inputs' dtypes (dh0 fp32; None without an initial state); with ``stages`` an
@@ -643,15 +648,21 @@ def chunk_bwd(do, dht, q, k, v, g, beta, scale, initial_state=None, *, l2norm=Fa
             return OrderedDict((n, unpad(n, t, K, V)) for n, t in res.items())
         return tuple(unpad(n, t, K, V) for n, t in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), res))
     varlen = prepare_varlen(cu_seqlens)
+    qn, kn = q, k
     if saved is not None:
-        gamma, w, t, h, v_new = (saved[n] for n in SAVED_NAMES)
+        gamma, w, t, h, v_new = (saved[n] for n in ("gamma", "w", "T", "h", "v_new"))
+        if l2norm:  # the forward's normalised q and k (output and intra kernels), or kernel 0 where not kept
+            qn, kn = saved.get("qn"), saved.get("kn")
+            if qn is None or kn is None or qn.numel() == 0 or kn.numel() == 0:
+                qn, kn = chunk_bwd_l2norm(q, k)
     else:
         # as chunk_fwd runs them: the recurrence reads the intra kernel's normalised k
         intra = chunk_fwd_intra(k, v, g, beta, l2norm=l2norm, varlen=varlen, store_t=True, store_kn=l2norm)
         gamma, w, t = intra["gamma"], intra["w"], intra["T"]
         h, v_new, _ = chunk_fwd_h(intra.get("kn", k), w, intra["u"], gamma, initial_state, l2norm=l2norm,
                                   varlen=varlen, output_final_state=False, k_normed=l2norm)
-    qn, kn = chunk_bwd_l2norm(q, k) if l2norm else (q, k)
+        if l2norm:
+            qn, kn = chunk_bwd_l2norm(q)[0], intra["kn"]
     dh, dv_new, dh0 = chunk_bwd_dh(qn, kn, w, gamma, do, dht, scale, varlen=varlen,
                                    store_dh0=initial_state is not None)
     local = chunk_bwd_dqkw(qn, kn, v_new, h, dh, do, dv_new, gamma, scale, varlen=varlen)
