@@ -299,14 +299,9 @@ def main():
         fbytes = x.numel() * 2 + T * (R + 1) * 4
         flib = M._cfg("mhc_project_fwd", C, dt)
         ref_p, ref_i = M.project_fwd(x, W, M.EPS, flib)
-        # (programs_per_sm > 0: the persistent grid, each program an equal share of the tokens in BLOCK_T tiles)
-        fsweep = [flib] + [dict(BLOCK_T=bt, BLOCK_K=bk, num_warps=w, num_stages=st, TMA=tma, programs_per_sm=pps)
-                           for bt, bk, w, st, tma, pps in [
-                               (128, 128, 8, 3, 0, 0), (128, 128, 8, 4, 0, 0), (64, 128, 4, 3, 0, 0),
-                               (256, 128, 8, 3, 0, 1), (256, 128, 8, 3, 1, 1), (256, 128, 8, 2, 0, 1),
-                               (128, 128, 8, 3, 0, 1), (128, 128, 8, 3, 1, 1), (128, 128, 8, 3, 0, 2),
-                               (128, 128, 4, 3, 0, 2), (64, 128, 4, 3, 0, 3), (64, 128, 4, 3, 1, 3),
-                               (64, 128, 4, 4, 0, 2)]]
+        fsweep = [flib] + [dict(BLOCK_T=bt, BLOCK_K=bk, num_warps=w, num_stages=st)
+                           for bt, bk, w, st in [
+                               (128, 128, 8, 3), (128, 128, 8, 4), (64, 128, 4, 3), (128, 128, 4, 3)]]
         for cfg in fsweep:
             try:
                 p_, i_ = M.project_fwd(x, W, M.EPS, cfg)

@@ -86,16 +86,13 @@ def project_fwd(x_flat, W, eps, cfg=None):
         and K % 4 == 0 and x_flat.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0
     if tma:
         launch.use_tensor_descriptors()
-    # PERSIST (programs_per_sm): one wave of programs, each owning an equal share of the tokens
-    persist = int(cfg.get("programs_per_sm", 0))
-    grid = (max(1, min(T, _runtime.num_sms() * persist)),) if persist else (triton.cdiv(T, cfg["BLOCK_T"]),)
     launch.launch(
-        "mhc_project_fwd", mhc_project_fwd_kernel, grid,
+        "mhc_project_fwd", mhc_project_fwd_kernel, (triton.cdiv(T, cfg["BLOCK_T"]),),
         x_flat, w, proj, inv_rms, T, K, eps,
         nbytes=x_flat.numel() * x_flat.element_size() + T * (W.shape[0] + 1) * 4,
         R=W.shape[0], BLOCK_T=cfg["BLOCK_T"], BLOCK_K=cfg["BLOCK_K"], SPLIT_W=x_flat.dtype != torch.float32,
         UPCAST=_runtime.INTERPRET and x_flat.dtype == torch.bfloat16, RNE=_runtime.INTERPRET, TMA=tma,
-        PERSIST=bool(persist), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return proj, inv_rms
 
@@ -567,9 +564,10 @@ def _run_post_res(kind):
 
 _ROW_SPACE = {"BLOCK_T": [1, 2, 4], "BLOCK_C": [256, 512, 1024], "num_warps": [4, 8]}
 # K1 forward: BLOCK_K 256 never placed in the top 3 of the 54-point sweep at C=1024 (8f802a2); TMA: x and W
-# through tensor descriptors
+# through tensor descriptors. A persistent grid (equal token shares per program, nested tile/K loops) measured
+# 0.2055 vs 0.2036 ms at C=1024 and 0.4741 vs 0.4781 at C=2560 (session 25): not kept
 _tunable("mhc_project_fwd", {"BLOCK_T": [64, 128, 256], "BLOCK_K": [64, 128], "num_warps": [4, 8],
-                             "num_stages": [2, 3, 4], "TMA": [0, 1], "programs_per_sm": [0, 1, 2]},
+                             "num_stages": [2, 3, 4], "TMA": [0, 1]},
          _run_project_fwd)
 # K1 backward: programs_per_sm sets the persistent grid (one wave); TMA: x and dx through tensor descriptors
 # (won at both benchmark shapes at fc53703; BLOCK_K 64 and the pointer path lost every earlier sweep)

@@ -16,19 +16,41 @@ def dot16(a, b, acc, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _project_rows(x_ptr, w_ptr, proj_ptr, inv_rms_ptr, x_desc, w_desc, t0, t_end, K, eps, R: tl.constexpr,
-                  BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_W: tl.constexpr, UPCAST: tl.constexpr,
-                  RNE: tl.constexpr, TMA: tl.constexpr):
-    """proj and inv_rms of the token tile [t0, t0 + BLOCK_T) (rows from t_end on are left alone)."""
-    o_t = t0 + tl.arange(0, BLOCK_T)
-    m_t = o_t < t_end
+def mhc_project_fwd_kernel(
+    x_ptr,  # [T, K] streams flattened (K = n*C), bf16/fp16/fp32
+    w_ptr,  # [R, K] fp32 W
+    proj_ptr,  # [T, R] fp32
+    inv_rms_ptr,  # [T] fp32
+    T,
+    K,
+    eps,
+    R: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_W: tl.constexpr,
+    UPCAST: tl.constexpr,
+    RNE: tl.constexpr,
+    TMA: tl.constexpr,
+):
+    """proj = (x W^T) * inv_rms, inv_rms = rsqrt(mean(x^2) + eps). 16-bit x: each W^T tile is split here
+    into two parts in x's dtype (hi = W rounded, lo = W - hi: ~16 mantissa bits of W kept) and takes
+    two tensor-core dots; the split of a [BLOCK_K, R] tile is a few ALU operations per element, cheaper
+    than the four PyTorch launches that split W once per call (~10 us: 5% of the kernel at C = 1024).
+    TMA: x and W tiles arrive through tensor descriptors (no per-element addresses; rows past T and
+    columns past K are zero-filled)."""
+    i_t = tl.program_id(0)
+    o_t = i_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    m_t = o_t < T
     o_r = tl.arange(0, R)
     p_x = x_ptr + o_t.to(tl.int64)[:, None] * K
     b_acc = tl.zeros([BLOCK_T, R], dtype=tl.float32)
     b_ss = tl.zeros([BLOCK_T], dtype=tl.float32)
+    if TMA:
+        x_desc = tl.make_tensor_descriptor(x_ptr, [T, K], [K, 1], [BLOCK_T, BLOCK_K])
+        w_desc = tl.make_tensor_descriptor(w_ptr, [R, K], [K, 1], [R, BLOCK_K])
     for k0 in range(0, K, BLOCK_K):
         if TMA:
-            b_x = x_desc.load([t0, k0])
+            b_x = x_desc.load([i_t * BLOCK_T, k0])
             b_w = tl.trans(w_desc.load([0, k0]))  # [BLOCK_K, R]: W^T
         else:
             o_k = k0 + tl.arange(0, BLOCK_K)
@@ -48,56 +70,6 @@ def _project_rows(x_ptr, w_ptr, proj_ptr, inv_rms_ptr, x_desc, w_desc, t0, t_end
     tl.store(inv_rms_ptr + o_t, b_inv, mask=m_t)
     o_p = o_t.to(tl.int64)[:, None] * R + o_r[None, :]
     tl.store(proj_ptr + o_p, b_acc * b_inv[:, None], mask=m_t[:, None])
-
-
-@triton.jit
-def mhc_project_fwd_kernel(
-    x_ptr,  # [T, K] streams flattened (K = n*C), bf16/fp16/fp32
-    w_ptr,  # [R, K] fp32 W
-    proj_ptr,  # [T, R] fp32
-    inv_rms_ptr,  # [T] fp32
-    T,
-    K,
-    eps,
-    R: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    SPLIT_W: tl.constexpr,
-    UPCAST: tl.constexpr,
-    RNE: tl.constexpr,
-    TMA: tl.constexpr,
-    PERSIST: tl.constexpr = False,
-):
-    """proj = (x W^T) * inv_rms, inv_rms = rsqrt(mean(x^2) + eps). 16-bit x: each W^T tile is split here
-    into two parts in x's dtype (hi = W rounded, lo = W - hi: ~16 mantissa bits of W kept) and takes
-    two tensor-core dots; the split of a [BLOCK_K, R] tile is a few ALU operations per element, cheaper
-    than the four PyTorch launches that split W once per call (~10 us: 5% of the kernel at C = 1024).
-    TMA: x and W tiles arrive through tensor descriptors (no per-element addresses; rows past T and
-    columns past K are zero-filled).
-    PERSIST: the grid is a few programs per SM, and program p owns the tokens [p T / P, (p + 1) T / P) (its
-    last tile masked, or zero-filled by the descriptor, past them): every SM streams the same number of bytes.
-    With a tile per program, 65536 tokens in 256 tiles of 256 make 1.94 waves of 132 SMs, and the kernel
-    takes two tiles' time: 3% over the balanced split."""
-    i_t = tl.program_id(0)
-    if PERSIST:
-        n_p = tl.num_programs(0)
-        t_begin = (i_t.to(tl.int64) * T // n_p).to(tl.int32)
-        t_end = ((i_t.to(tl.int64) + 1) * T // n_p).to(tl.int32)
-    else:
-        t_begin = i_t * BLOCK_T
-        t_end = T
-    x_desc = None
-    w_desc = None
-    if TMA:
-        x_desc = tl.make_tensor_descriptor(x_ptr, [t_end, K], [K, 1], [BLOCK_T, BLOCK_K])
-        w_desc = tl.make_tensor_descriptor(w_ptr, [R, K], [K, 1], [R, BLOCK_K])
-    if PERSIST:
-        for t0 in range(t_begin, t_end, BLOCK_T):
-            _project_rows(x_ptr, w_ptr, proj_ptr, inv_rms_ptr, x_desc, w_desc, t0, t_end, K, eps, R, BLOCK_T, BLOCK_K,
-                          SPLIT_W, UPCAST, RNE, TMA)
-    else:
-        _project_rows(x_ptr, w_ptr, proj_ptr, inv_rms_ptr, x_desc, w_desc, t_begin, t_end, K, eps, R, BLOCK_T, BLOCK_K,
-                      SPLIT_W, UPCAST, RNE, TMA)
 
 
 @triton.jit
