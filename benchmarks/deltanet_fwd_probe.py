@@ -1,7 +1,7 @@
 """The Gated DeltaNet forward's kernels one by one at the bench shapes (issue 4): configs, variants, ablations.
 
     PYTHONPATH=. PYTHONUNBUFFERED=1 python3 benchmarks/deltanet_fwd_probe.py OUT.json [--shapes 1x32768x16x32 ...]
-            [--intra V_LATE:warps:stages[:kn][:rN] ...] [--ablate solve,l2norm] [--grids h,o,h_o]
+            [--intra V_LATE:warps:stages[:kn][:t][:rN] ...] [--ablate solve,l2norm] [--grids h,o,h_o]
 
 At each (B, T, H, HV) shape (bf16, K = V = 128, q/k l2-normalised in the kernels, the bench's inputs):
   - the intra kernel at each --intra config (":kn": storing the normalised k too, as the forward does): time
@@ -45,8 +45,8 @@ def make(shape):
 
 
 def intra_cfg(spec):
-    """V_LATE:warps:stages[:kn][:rN] (kn: the normalised k stored too, as the forward runs it now; rN: a register
-    cap of N per thread, maxnreg)."""
+    """V_LATE:warps:stages[:kn][:t][:rN] (kn: the normalised k stored too, as the forward runs it now; t: T stored
+    too, as the training forward runs it; rN: a register cap of N per thread, maxnreg)."""
     parts = spec.split(":")
     v_late, warps, stages = (int(x) for x in parts[:3])
     cfg = {"V_LATE": v_late, "num_warps": warps, "num_stages": stages}
@@ -56,7 +56,7 @@ def intra_cfg(spec):
 
 def intra_call(i, spec):
     return lambda: chunk_intra()(i["k"], i["v"], i["g"], i["beta"], l2norm=True, cfg=intra_cfg(spec),
-                                 store_kn=":kn" in spec)
+                                 store_kn=":kn" in spec, store_t=":t" in spec.replace(":kn", ""))
 
 
 def chunk_intra():
