@@ -46,7 +46,8 @@ def make(shape):
 
 def intra_cfg(spec):
     """V_LATE:warps:stages[:kn][:t][:rN] (kn: the normalised k stored too, as the forward runs it now; t: T stored
-    too, as the training forward runs it; rN: a register cap of N per thread, maxnreg)."""
+    too, as the training forward runs it; rN: a register cap of N per thread, maxnreg; since session 25 the launcher
+    applies the cap only without T stored, so ":t:rN" times the uncapped kernel)."""
     parts = spec.split(":")
     v_late, warps, stages = (int(x) for x in parts[:3])
     cfg = {"V_LATE": v_late, "num_warps": warps, "num_stages": stages}

@@ -37,7 +37,10 @@ def test_real_tier_parity(op, dtype):
 # h and v_new for the backward, at (8, 4096, 16, 32)) spills 2 registers at the config tuned for the backward's
 # recompute (no final state): 590 us there, against 964 us for the inference forward's fused kernel (session 22).
 KNOWN_SPILLS = {"gated_delta_rule_fwd_h_o": 64, "gated_delta_rule_bwd_dh": 2, "gated_delta_rule_fwd_h": 2,
-                "mhc_project_bwd": 16}
+                "mhc_project_bwd": 16,
+                # the inference forward's intra kernel under its register cap (maxnreg 168: 42-50 spilled, 3 programs
+                # per SM, 3-6% faster at HV = 32; sm90.json's provenance)
+                "gated_delta_rule_fwd_intra": 56}
 
 
 @pytest.mark.parametrize("op", OPS)
