@@ -550,6 +550,16 @@ def test_triton_backward_matches_torch_backward(gen):
     _both_backwards_match_reference(_bwd_inputs(1, 90, 2, 4, 32, 32, torch.float32, gen, l2norm=False), 0.25, False)
 
 
+def _grads_with_save(monkeypatch, x, save, scale):
+    """The input gradients of o and the final state (l2norm in the kernel, upstream do and dht) with
+    TRIFORGE_DELTANET_SAVE set to ``save``: the saved ("1") or the recomputing ("0") backward."""
+    monkeypatch.setenv("TRIFORGE_DELTANET_SAVE", save)
+    leaves = {n: x[n].clone().requires_grad_(True) for n in GRAD_NAMES}
+    o, fin = chunk_gated_delta_rule(**leaves, scale=scale, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    with poisoned():
+        return torch.autograd.grad([o, fin], list(leaves.values()), [x["do"], x["dht"]])
+
+
 @pytest.mark.parametrize("K,V,dtype,padded", [(32, 32, torch.float32, False), (64, 32, torch.bfloat16, False),
                                               (32, 32, torch.float16, True)], ids=["fp32", "bf16-K64", "fp16-padded"])
 def test_saved_residuals_are_the_recompute(K, V, dtype, padded, monkeypatch, gen):
@@ -583,11 +593,7 @@ def test_saved_residuals_are_the_recompute(K, V, dtype, padded, monkeypatch, gen
             torch.testing.assert_close(got.float(), want[name].float(), rtol=1e-5, atol=1e-5, msg=name)
     grads_of = {}
     for save in ("1", "0"):
-        monkeypatch.setenv("TRIFORGE_DELTANET_SAVE", save)
-        leaves = {n: x[n].clone().requires_grad_(True) for n in GRAD_NAMES}
-        o, fin = chunk_gated_delta_rule(**leaves, scale=0.3, output_final_state=True, use_qk_l2norm_in_kernel=True)
-        with poisoned():
-            grads_of[save] = torch.autograd.grad([o, fin], list(leaves.values()), [x["do"], x["dht"]])
+        grads_of[save] = _grads_with_save(monkeypatch, x, save, 0.3)
         # the final state alone differentiated (o's gradient is None in the backward)
         leaves = {n: x[n].clone().requires_grad_(True) for n in GRAD_NAMES}
         _, fin = chunk_gated_delta_rule(**leaves, scale=0.3, output_final_state=True, use_qk_l2norm_in_kernel=True)
@@ -638,11 +644,7 @@ def test_saved_normalised_qk_replace_the_backwards_l2norm(padded, monkeypatch, g
     monkeypatch.setattr(chunk_bwd, "chunk_bwd_l2norm", lambda q, k=None, **kw: calls.append(k is None) or real(q, k, **kw))
     grads = {}
     for save in ("1", "0"):
-        monkeypatch.setenv("TRIFORGE_DELTANET_SAVE", save)
-        leaves = {n: x[n].clone().requires_grad_(True) for n in GRAD_NAMES}
-        o, fin = chunk_gated_delta_rule(**leaves, scale=0.25, output_final_state=True, use_qk_l2norm_in_kernel=True)
-        with poisoned():
-            grads[save] = torch.autograd.grad([o, fin], list(leaves.values()), [x["do"], x["dht"]])
+        grads[save] = _grads_with_save(monkeypatch, x, save, 0.25)
         assert calls == ([] if save == "1" else [True]), (save, calls)
     for n, a, b in zip(GRAD_NAMES, grads["1"], grads["0"]):
         assert not a.isnan().any(), n
