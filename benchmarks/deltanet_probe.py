@@ -238,7 +238,7 @@ def kernels(shape):
     h, v_new, _ = chunk.chunk_fwd_h(k, w, intra["u"], gamma, x["initial_state"], l2norm=True, output_final_state=False)
     qn, kn = chunk_bwd.chunk_bwd_l2norm(q, k)
     dh, dv_new, _ = chunk_bwd.chunk_bwd_dh(qn, kn, w, gamma, do, dht, scale)
-    local = chunk_bwd.chunk_bwd_dqkw(qn, kn, v_new, h, dh, do, dv_new, gamma, scale, store_hv=True)
+    local = chunk_bwd.chunk_bwd_dqkw(qn, kn, v_new, h, dh, do, dv_new, gamma, scale)
     def run_wy(**kw):  # on a copy of dk_local: the WY kernel writes dk_hv over it unless stages
         return chunk_bwd.chunk_bwd_wy(kn, v, beta, g.dtype, gamma, tt, local["dw"], dv_new, local["dk_local"].clone(),
                                       local["dgamma_local"], **kw)

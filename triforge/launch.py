@@ -359,25 +359,6 @@ def use_tensor_descriptors() -> None:
         triton.set_allocator(_descriptor_scratch)
 
 
-_COUNTERS: dict = {}
-
-
-def arrival_counters(device: torch.device, n: int) -> torch.Tensor:
-    """int32 [>= n] zeros: arrival counters for kernels whose programs meet at a shared tile (the ternary split-K
-    fix-up, the DeltaNet backward's dq group sum), one set per device and stream. Launches on one stream run in
-    order and each leaves the counters it used zero again, so kernels share the set. Grown, never shrunk; under
-    CUDA-graph capture the capture stream gets its own set."""
-    if device.type == "cuda" and device.index is None:  # torch.device("cuda"): the current device (its tensors' index)
-        device = torch.device("cuda", torch.cuda.current_device())
-    stream = torch._C._cuda_getCurrentRawStream(device.index) if device.type == "cuda" else 0
-    key = (device.type, device.index, stream)
-    cnt = _COUNTERS.get(key)
-    if cnt is None or cnt.numel() < n:
-        cnt = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
-        _COUNTERS[key] = cnt
-    return cnt
-
-
 def new_output(shape, dtype, device) -> torch.Tensor:
     """Allocate a kernel output: uninitialised normally, NaN-filled under ``poisoned()``."""
     if _POISON["on"]:

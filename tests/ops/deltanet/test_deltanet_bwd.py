@@ -337,15 +337,11 @@ def test_each_kernel_from_reference_inputs(gen):
         qn2, kn2 = chunk_bwd.chunk_bwd_l2norm(x["q"], x["k"])
         dh, dv_new, dh0 = chunk_bwd.chunk_bwd_dh(qn, kn, f32["w"], f32["gamma"], x["do"], x["dht"], scale)
         local = chunk_bwd.chunk_bwd_dqkw(qn, kn, f32["v_new"], f32["h"], f32["dh"], x["do"], f32["dv_new"],
-                                         f32["gamma"], scale, store_hv=True)
+                                         f32["gamma"], scale)
         dgl = f32["dgamma_local"][None]
         wy = chunk_bwd.chunk_bwd_wy(kn, x["v"], x["beta"], torch.float32, f32["gamma"], f32["T"], f32["dw"],
                                     f32["dv_new"], f32["dk_local"].clone(), dgl, stages=True)
         dq, dk = chunk_bwd.chunk_bwd_qk(x["q"], x["k"], f32["dq_hv"], f32["dk_hv"], scale, l2norm=True)
-    # kernel 2's own group sum of dq_hv (HV = 2 H: the second program of a tile adds the first's), bit for bit
-    B, T, H, K = x["q"].shape
-    hv = local["dq_hv"].view(B, T, H, 2, K)
-    assert torch.equal(local["dq"], hv[..., 0, :] + hv[..., 1, :])
     got = OrderedDict(qn=qn2, kn=kn2, dh=dh, dv_new=dv_new, dh0=dh0, dq_hv=local["dq_hv"], dk_local=local["dk_local"],
                       dw=local["dw"], dgamma_local=local["dgamma_local"].sum(0), dT=wy["dT"], dA=wy["dA"], dv=wy["dv"],
                       dbeta=wy["dbeta"], dk_hv=wy["dk_hv"], dgamma=wy["dgamma"], dg=wy["dg"], dq=dq, dk=dk)
@@ -655,39 +651,6 @@ def test_saved_normalised_qk_replace_the_backwards_l2norm(padded, monkeypatch, g
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=f"d{n}")
 
 
-@pytest.mark.parametrize("H,HV", [(2, 2), (2, 4), (1, 3)], ids=["G1", "G2", "G3"])
-def test_dqkw_group_sum_of_dq(H, HV, gen):
-    """Kernel 2's dq: the sum over each q head's value heads of dq_hv (G = 1: dq_hv itself; G = 2: the pair protocol,
-    where the program that finishes second adds the first's stored tile; G = 3: dq_hv, summed by kernel 4), equal bit
-    for bit to dq_hv summed in order, in two runs (the counters are left zero for the next launch), and kernel 4 gives
-    the same dq from either form."""
-    x = _bwd_inputs(1, 100, H, HV, DIRECT_D, DIRECT_D, torch.float32, gen)
-    scale = DIRECT_D**-0.5
-    qn, kn = chunk_bwd.chunk_bwd_l2norm(x["q"], x["k"])
-    intra = chunk_fwd_module.chunk_fwd_intra(x["k"], x["v"], x["g"], x["beta"], l2norm=True, store_t=True)
-    h, v_new, _ = chunk_fwd_module.chunk_fwd_h(x["k"], intra["w"], intra["u"], intra["gamma"], x["initial_state"],
-                                               l2norm=True, output_final_state=False)
-    dh, dv_new, _ = chunk_bwd.chunk_bwd_dh(qn, kn, intra["w"], intra["gamma"], x["do"], x["dht"], scale)
-    runs = []
-    for _ in range(2):
-        with poisoned():
-            runs.append(chunk_bwd.chunk_bwd_dqkw(qn, kn, v_new, h, dh, x["do"], dv_new, intra["gamma"], scale,
-                                                 store_hv=True))
-    B, T, _, K = x["q"].shape
-    hv = runs[0]["dq_hv"].view(B, T, H, HV // H, K)
-    want = hv[..., 0, :]
-    for j in range(1, HV // H):
-        want = want + hv[..., j, :]
-    got = runs[0]["dq"] if HV <= 2 * H else runs[0]["dq"].view(B, T, H, HV // H, K).sum(3)
-    assert not got.isnan().any()
-    assert torch.equal(got, want)
-    assert torch.equal(runs[0]["dq"], runs[1]["dq"])
-    dk_hv = runs[0]["dk_local"]
-    a = chunk_bwd.chunk_bwd_qk(x["q"], x["k"], runs[0]["dq"], dk_hv, scale, l2norm=True)
-    b = chunk_bwd.chunk_bwd_qk(x["q"], x["k"], runs[0]["dq_hv"], dk_hv, scale, l2norm=True)
-    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
-
-
 def test_save_switch_rejects_other_values(monkeypatch, gen):
     monkeypatch.setenv("TRIFORGE_DELTANET_SAVE", "yes")
     x = _inputs(1, 20, 1, 2, 32, 32, torch.float32, gen)
@@ -818,8 +781,7 @@ for case in json.loads(sys.argv[1]):  # kernel, dtype, K, V, varlen, l2norm[, co
         fn = bwd.chunk_gated_delta_rule_bwd_kernel_dqkw
         ptrs = {n: "*" + t for n in ("q_ptr", "k_ptr", "v_new_ptr", "h_ptr", "dh_ptr", "do_ptr", "dv_new_ptr",
                                      "dw_ptr")}
-        ptrs.update({n: "*fp32" for n in ("gamma_ptr", "dq_ptr", "dqs_ptr", "dk_ptr", "dgamma_ptr")})
-        ptrs["cnt_ptr"] = "*i32"
+        ptrs.update({n: "*fp32" for n in ("gamma_ptr", "dq_ptr", "dk_ptr", "dgamma_ptr")})
         consts = dict(shape, BK=cfg["BK"], BV=cfg["BV"])
     elif kernel == "wy":
         fn = bwd.chunk_gated_delta_rule_bwd_kernel_wy

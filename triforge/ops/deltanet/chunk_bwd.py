@@ -197,9 +197,7 @@ def chunk_gated_delta_rule_bwd_kernel_dqkw(
     do_ptr,  # [B, T, HV, V]
     dv_new_ptr,  # [B, T, HV, V]
     gamma_ptr,  # [B, T, HV] fp32
-    dq_ptr,  # [B, T, HV, K] fp32 out (STORE_HV or HV > 2 H): dq_hv (gradient of the scaled, normalised q of each value head)
-    dqs_ptr,  # [B, T, H, K] fp32 out (HV <= 2 H): the sum of dq_hv over the value heads reading each q head
-    cnt_ptr,  # int32 [2 x tiles] zeros (HV = 2 H): arrival and ready flags per (K-block, chunk, q head) tile
+    dq_ptr,  # [B, T, HV, K] fp32 out: dq_hv (gradient of the scaled, normalised q of each value head)
     dk_ptr,  # [B, T, HV, K] fp32 out: dk_local (through o and the state, not w or A)
     dw_ptr,  # [B, T, HV, K] out, input dtype
     dgamma_ptr,  # [K / BK, B, T, HV] fp32 out: dgamma_local, one partial sum per K-block
@@ -218,18 +216,10 @@ def chunk_gated_delta_rule_bwd_kernel_dqkw(
     PREC: tl.constexpr,
     UPCAST: tl.constexpr,
     RNE: tl.constexpr,
-    STORE_HV: tl.constexpr = True,
 ):
-    """dq: with HV <= 2 H the value heads' dq_hv are summed here, so kernel 4 reads [B, T, H, K] instead of
-    [B, T, HV, K] fp32 and dq_hv is not stored (unless STORE_HV; at HV = 2 H that is 2 x 268 MB less traffic at
-    (8, 4096, 16, 32)). HV = H: dq_hv is the sum. HV = 2 H: of the two programs of a tile the first to finish
-    stores its dq_hv and raises the tile's ready flag; the second waits for it and stores the sum. fp32 a + b
-    equals b + a, so the result does not depend on which finishes first (and equals kernel 4's former 0 + a + b);
-    the second re-arms both flags for the next launch. HV > 2 H: dq_hv is stored, kernel 4 sums it."""
     i_k, i_c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_hv = i_bh // HV, i_bh % HV
-    G: tl.constexpr = HV // H
-    i_h = i_hv // G
+    i_h = i_hv // (HV // H)
     bos, seq_len, i_t, _ = _chunk_coords(i_c, i_b, T, cu_seqlens_ptr, chunk_indices_ptr, IS_VARLEN)
     i_hc = i_c.to(tl.int64) if IS_VARLEN else i_b.to(tl.int64) * tl.cdiv(T, BT) + i_c
     o_h = (i_hc * HV + i_hv) * K * V
@@ -284,26 +274,7 @@ def chunk_gated_delta_rule_bwd_kernel_dqkw(
     b_dg += tl.where(o_i == n_valid - 1, tl.sum(b_a, axis=0) + tl.exp(b_glast) * tl.sum(b_sds, axis=0), 0.0)
 
     o_krow = (o_row * HV + i_hv)[:, None] * K + o_k[None, :]
-    if STORE_HV or G > 2:
-        tl.store(dq_ptr + o_krow, b_dq, mask=m_t[:, None])
-    if G == 1:
-        tl.store(dqs_ptr + o_qk, b_dq, mask=m_t[:, None])
-    elif G == 2:
-        n_tiles = tl.num_programs(0) * tl.num_programs(1) * (tl.num_programs(2) // 2)
-        tile = (i_k * tl.num_programs(1) + i_c) * (tl.num_programs(2) // 2) + i_bh // 2
-        arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
-        if arrived == 0:
-            tl.store(dqs_ptr + o_qk, b_dq, mask=m_t[:, None])
-            tl.debug_barrier()  # every thread's store precedes the release
-            tl.atomic_xchg(cnt_ptr + n_tiles + tile, 1, sem="release", scope="gpu")
-        else:
-            while tl.atomic_add(cnt_ptr + n_tiles + tile, 0, sem="acquire", scope="gpu") == 0:
-                pass
-            tl.debug_barrier()  # the other threads' reads follow the acquire
-            b_first = tl.load(dqs_ptr + o_qk, mask=m_t[:, None], other=0.0, cache_modifier=".cg")
-            tl.store(dqs_ptr + o_qk, b_first + b_dq, mask=m_t[:, None])
-            tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
-            tl.atomic_xchg(cnt_ptr + n_tiles + tile, 0, sem="relaxed", scope="gpu")
+    tl.store(dq_ptr + o_krow, b_dq, mask=m_t[:, None])
     tl.store(dk_ptr + o_krow, b_dk, mask=m_t[:, None])
     tl.store(dw_ptr + o_krow, _cast(-b_dw, dw_ptr.dtype.element_ty, RNE), mask=m_t[:, None])
     n_all = (tl.num_programs(2) // HV).to(tl.int64) * T  # B*T rows (varlen: B = 1)
@@ -433,7 +404,7 @@ def chunk_gated_delta_rule_bwd_kernel_wy(
 def chunk_gated_delta_rule_bwd_kernel_qk(
     q_ptr,  # [R, H, K] raw q (R = B*T rows)
     k_ptr,  # [R, H, K] raw k
-    dq_hv_ptr,  # [R, HV, K] fp32 dq_hv, or [R, H, K] its group sums (DQ_SUMMED)
+    dq_hv_ptr,  # [R, HV, K] fp32
     dk_hv_ptr,  # [R, HV, K] fp32
     dq_ptr,  # [R, H, K] out, q's dtype
     dk_ptr,  # [R, H, K] out, k's dtype
@@ -444,24 +415,20 @@ def chunk_gated_delta_rule_bwd_kernel_qk(
     K: tl.constexpr,
     BR: tl.constexpr,
     L2NORM: tl.constexpr,
-    DQ_SUMMED: tl.constexpr = False,  # kernel 2 summed dq over the value heads (HV <= 2 H)
 ):
     i_r, i_h = tl.program_id(0), tl.program_id(1)
     G: tl.constexpr = HV // H
     o_r = i_r.to(tl.int64) * BR + tl.arange(0, BR)
     m_r = o_r < R
     o_k = tl.arange(0, K)
-    o_x = (o_r * H + i_h)[:, None] * K + o_k[None, :]
     b_dq = tl.zeros([BR, K], dtype=tl.float32)
     b_dk = tl.zeros([BR, K], dtype=tl.float32)
-    if DQ_SUMMED:
-        b_dq += tl.load(dq_hv_ptr + o_x, mask=m_r[:, None], other=0.0)
     for j in tl.static_range(G):  # the value heads reading this query/key head
         o_hv = (o_r * HV + i_h * G + j)[:, None] * K + o_k[None, :]
-        if not DQ_SUMMED:
-            b_dq += tl.load(dq_hv_ptr + o_hv, mask=m_r[:, None], other=0.0)
+        b_dq += tl.load(dq_hv_ptr + o_hv, mask=m_r[:, None], other=0.0)
         b_dk += tl.load(dk_hv_ptr + o_hv, mask=m_r[:, None], other=0.0)
     b_dq = b_dq * scale
+    o_x = (o_r * H + i_h)[:, None] * K + o_k[None, :]
     if L2NORM:
         # y = x r, r = rsqrt(|x|^2 + eps): dx = r (dy - y (y . dy))
         b_q = tl.load(q_ptr + o_x, mask=m_r[:, None], other=0.0).to(tl.float32)
@@ -572,11 +539,9 @@ def chunk_bwd_dh(qn, kn, w, gamma, do, dht, scale, *, varlen=None, store_dh0=Tru
     return dh, dv_new, dh0
 
 
-def chunk_bwd_dqkw(qn, kn, v_new, h, dh, do, dv_new, gamma, scale, *, varlen=None, store_hv=False, cfg=None):
-    """Kernel 2: dict dq, dk_local [B, T, HV, K] fp32, dw [B, T, HV, K] (input dtype) and dgamma_local
-    [K / BK, B, T, HV] fp32 (one partial sum per K-block). dq: with HV <= 2 H the sum of dq_hv over each q head's
-    value heads [B, T, H, K] (and dq_hv [B, T, HV, K] too with ``store_hv``); with HV > 2 H dq_hv itself, also
-    under the name dq (kernel 4 sums it)."""
+def chunk_bwd_dqkw(qn, kn, v_new, h, dh, do, dv_new, gamma, scale, *, varlen=None, cfg=None):
+    """Kernel 2: dict dq_hv, dk_local [B, T, HV, K] fp32, dw [B, T, HV, K] (input dtype) and
+    dgamma_local [K / BK, B, T, HV] fp32 (one partial sum per K-block)."""
     B, T, H, K = qn.shape
     HV, V = do.shape[2], do.shape[3]
     check_kernel_dims(K, V)
@@ -585,25 +550,19 @@ def chunk_bwd_dqkw(qn, kn, v_new, h, dh, do, dv_new, gamma, scale, *, varlen=Non
     n_b, n_c = _n_chunks(T, varlen, B)
     bk = min(cfg["BK"], K)
     n_k = K // bk
-    summed = HV <= 2 * H  # kernel 2 sums dq over the value heads (see the kernel)
-    store_hv = store_hv or not summed
-    out = {"dk_local": new_output((B, T, HV, K), torch.float32, dev)}
-    if store_hv:
-        out["dq_hv"] = new_output((B, T, HV, K), torch.float32, dev)
-    out["dq"] = new_output((B, T, H, K), torch.float32, dev) if summed else out["dq_hv"]
+    out = {n: new_output((B, T, HV, K), torch.float32, dev) for n in ("dq_hv", "dk_local")}
     out["dw"] = new_output((B, T, HV, K), qn.dtype, dev)
     out["dgamma_local"] = new_output((n_k, B, T, HV), torch.float32, dev)
     cu, indices, _ = _varlen_ptrs(varlen, dev)
-    cnt = launch.arrival_counters(dev, 2 * n_k * n_c * n_b * H) if HV == 2 * H else out["dgamma_local"]
     e = qn.element_size()
     nbytes = (B * T * (2 * H * K * e + n_k * 3 * HV * V * e + HV * 4) + n_k * 2 * h.numel() * e
-              + B * T * HV * (K * (4 + 4 * int(store_hv) + e) + n_k * 4) + B * T * H * K * 4 * int(summed))
+              + B * T * HV * (K * (8 + e) + n_k * 4))
     launch.launch(
         "gated_delta_rule_bwd_dqkw", chunk_gated_delta_rule_bwd_kernel_dqkw, (n_k, n_c, n_b * HV),
-        qn, kn, v_new, h, dh, do, dv_new, gamma, out.get("dq_hv", out["dq"]), out["dq"], cnt, out["dk_local"],
-        out["dw"], out["dgamma_local"], cu, indices, T, scale,
+        qn, kn, v_new, h, dh, do, dv_new, gamma, out["dq_hv"], out["dk_local"], out["dw"], out["dgamma_local"],
+        cu, indices, T, scale,
         nbytes=nbytes, H=H, HV=HV, K=K, V=V, BT=BT, BK=bk, BV=cfg["BV"], IS_VARLEN=varlen is not None,
-        STORE_HV=store_hv, **_flags(qn.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        **_flags(qn.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out
 
@@ -645,21 +604,19 @@ def chunk_bwd_wy(kn, v, beta, g_dtype, gamma, t, dw, dv_new, dk_local, dgamma_lo
 
 def chunk_bwd_qk(q, k, dq_hv, dk_hv, scale, *, l2norm=False, cfg=None):
     """Kernel 4: (dq, dk) [B, T, H, K] in q's dtype: the group sums of dq_hv (times scale) and dk_hv,
-    through the l2norm's backward (on the raw q, k) when ``l2norm``. dq_hv [B, T, HV, K], or [B, T, H, K] when
-    kernel 2 summed it already."""
+    through the l2norm's backward (on the raw q, k) when ``l2norm``."""
     B, T, H, K = q.shape
-    HV = dk_hv.shape[2]
-    summed = dq_hv.shape[2] == H and HV != H
+    HV = dq_hv.shape[2]
     cfg = cfg or bwd_config("gated_delta_rule_bwd_qk", K, K, q.dtype)
     R = B * T
     dq = new_output(q.shape, q.dtype, q.device)
     dk = new_output(k.shape, k.dtype, k.device)
     e = q.element_size()
-    nbytes = R * ((dq_hv.shape[2] + HV) * K * 4 + 2 * H * K * e * (1 + int(l2norm)))
+    nbytes = R * (2 * HV * K * 4 + 2 * H * K * e * (1 + int(l2norm)))
     launch.launch(
         "gated_delta_rule_bwd_qk", chunk_gated_delta_rule_bwd_kernel_qk, (triton.cdiv(R, cfg["BR"]), H),
         q, k, dq_hv, dk_hv, dq, dk, R, scale,
-        nbytes=nbytes, H=H, HV=HV, K=K, BR=cfg["BR"], L2NORM=l2norm, DQ_SUMMED=summed,
+        nbytes=nbytes, H=H, HV=HV, K=K, BR=cfg["BR"], L2NORM=l2norm,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return dq, dk
@@ -708,10 +665,10 @@ def chunk_bwd(do, dht, q, k, v, g, beta, scale, initial_state=None, *, l2norm=Fa
             qn, kn = chunk_bwd_l2norm(q)[0], intra["kn"]
     dh, dv_new, dh0 = chunk_bwd_dh(qn, kn, w, gamma, do, dht, scale, varlen=varlen,
                                    store_dh0=initial_state is not None)
-    local = chunk_bwd_dqkw(qn, kn, v_new, h, dh, do, dv_new, gamma, scale, varlen=varlen, store_hv=stages)
+    local = chunk_bwd_dqkw(qn, kn, v_new, h, dh, do, dv_new, gamma, scale, varlen=varlen)
     wy = chunk_bwd_wy(kn, v, beta, g.dtype, gamma, t, local["dw"], dv_new, local["dk_local"], local["dgamma_local"],
                       varlen=varlen, stages=stages)
-    dq, dk = chunk_bwd_qk(q, k, local.pop("dq"), wy["dk_hv"], scale, l2norm=l2norm)
+    dq, dk = chunk_bwd_qk(q, k, local["dq_hv"], wy["dk_hv"], scale, l2norm=l2norm)
     dh0 = dh0 if initial_state is not None else None
     if not stages:
         return dq, dk, wy["dv"], wy["dg"], wy["dbeta"], dh0

@@ -419,8 +419,22 @@ def tc_fallback_config(M: int, N: int, K: int, interpreter: bool | None = None) 
             "programs_per_sm": 1}
 
 
-# the split-K arrival counters of ``ternary_tc_kernel``'s FIXUP: ``launch.arrival_counters`` (zero between launches)
-split_counters = launch.arrival_counters
+_COUNTERS: dict = {}
+
+
+def split_counters(device: torch.device, n: int) -> torch.Tensor:
+    """int32 [>= n] zeros: the split-K arrival counters of ``ternary_tc_kernel``'s FIXUP, one set per device
+    and stream (launches on one stream run in order; each launch leaves them zero again). Grown, never
+    shrunk; under CUDA-graph capture the capture stream gets its own set."""
+    if device.type == "cuda" and device.index is None:  # torch.device("cuda"): the current device (its tensors' index)
+        device = torch.device("cuda", torch.cuda.current_device())
+    stream = torch._C._cuda_getCurrentRawStream(device.index) if device.type == "cuda" else 0
+    key = (device.type, device.index, stream)
+    cnt = _COUNTERS.get(key)
+    if cnt is None or cnt.numel() < n:
+        cnt = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+        _COUNTERS[key] = cnt
+    return cnt
 
 
 def tc_m_bucket(M: int) -> int:
