@@ -649,6 +649,11 @@ def test_saved_normalised_qk_replace_the_backwards_l2norm(padded, monkeypatch, g
     for n, a, b in zip(GRAD_NAMES, grads["1"], grads["0"]):
         assert not a.isnan().any(), n
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=f"d{n}")
+    # saved q / k of the wrong shape are refused by name
+    bad = dict(res, qn=res["qn"][:, :-1].contiguous())
+    with pytest.raises(ValueError, match="saved qn / kn"):
+        chunk_bwd.chunk_bwd(x["do"], x["dht"], pad(x["q"]), pad(x["k"]), x["v"], x["g"], x["beta"], 0.25,
+                            torch.nn.functional.pad(x["initial_state"], (0, 0, 0, Kp - K)), l2norm=True, saved=bad)
 
 
 def test_save_switch_rejects_other_values(monkeypatch, gen):

@@ -655,6 +655,9 @@ def chunk_bwd(do, dht, q, k, v, g, beta, scale, initial_state=None, *, l2norm=Fa
             qn, kn = saved.get("qn"), saved.get("kn")
             if qn is None or kn is None or qn.numel() == 0 or kn.numel() == 0:
                 qn, kn = chunk_bwd_l2norm(q, k)
+            elif qn.shape != q.shape or kn.shape != k.shape or qn.dtype != q.dtype or kn.dtype != k.dtype:
+                raise ValueError(f"saved qn / kn must match q / k ({tuple(q.shape)} {q.dtype}), got "
+                                 f"{tuple(qn.shape)} {qn.dtype} / {tuple(kn.shape)} {kn.dtype}")
     else:
         # as chunk_fwd runs them: the recurrence reads the intra kernel's normalised k
         intra = chunk_fwd_intra(k, v, g, beta, l2norm=l2norm, varlen=varlen, store_t=True, store_kn=l2norm)
