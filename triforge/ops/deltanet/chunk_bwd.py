@@ -7,7 +7,7 @@ the buffers below carry the same names. ``chunk_bwd`` runs:
   launchers again: ``chunk.chunk_fwd_intra`` (gamma, w, u, T = (I + A)^-1 and, with l2norm, the
   normalised k) and ``chunk.chunk_fwd_h`` (h, the state entering each chunk, and v_new).
 0. ``chunk_gated_delta_rule_bwd_kernel_l2norm``, grid (B*T*H / BR): with the in-kernel l2norm and no
-   saved qn, q normalised once (and k, where no kn came from the forward), rounded to the input dtype
+   saved qn, q normalised once (k comes normalised from an intra kernel), rounded to the input dtype
    as the forward kernels round them, so the kernels below read unit rows in K-blocks. The training
    forward keeps both (its output kernel stores qn, its intra kernel kn), so this kernel does not run.
 1. ``chunk_gated_delta_rule_bwd_kernel_dh``, grid (V / BV, N*HV): the reverse recurrence over the
@@ -651,11 +651,11 @@ def chunk_bwd(do, dht, q, k, v, g, beta, scale, initial_state=None, *, l2norm=Fa
     qn, kn = q, k
     if saved is not None:
         gamma, w, t, h, v_new = (saved[n] for n in ("gamma", "w", "T", "h", "v_new"))
-        if l2norm:  # the forward's normalised q and k (output and intra kernels), or kernel 0 where not kept
-            qn, kn = saved.get("qn"), saved.get("kn")
-            if qn is None or kn is None or qn.numel() == 0 or kn.numel() == 0:
-                qn, kn = chunk_bwd_l2norm(q, k)
-            elif qn.shape != q.shape or kn.shape != k.shape or qn.dtype != q.dtype or kn.dtype != k.dtype:
+        if l2norm:  # the forward's normalised q and k (output and intra kernels)
+            qn, kn = saved["qn"], saved["kn"]
+            if qn.numel() == 0:  # a fused saving forward keeps no qn: kernel 0 on q alone
+                qn = chunk_bwd_l2norm(q)[0]
+            if qn.shape != q.shape or kn.shape != k.shape or qn.dtype != q.dtype or kn.dtype != k.dtype:
                 raise ValueError(f"saved qn / kn must match q / k ({tuple(q.shape)} {q.dtype}), got "
                                  f"{tuple(qn.shape)} {qn.dtype} / {tuple(kn.shape)} {kn.dtype}")
     else:
