@@ -6,6 +6,7 @@ A variant sets engine attributes and launch configs:
 - pre:        the multi-K-step GEMV (down_proj, K = 4864) loads its first weight step before griddepcontrol.wait
 - splits:     forced KV splits (0: the heuristic; 1: the split kernel writes o and lse itself, no merge launch)
 - cfg:        launch configs patched in: {(kernel, key): config}
+- fused_attn: attention + o_proj + residual as one launch (decode_oproj; default True) or flash-decoding + GEMV
 
 Each variant: steps/s of the plain step graph (median of 5 x 50 replays, CUDA events, same cache length) and
 tokens/s of generate() itself (median of 3 timed calls, as benchmarks/qwen2_decode.py times it); tokens are
@@ -16,6 +17,7 @@ Then launch-config sweeps under the best variant by generate tokens/s.
 """
 
 import argparse
+import itertools
 import json
 import statistics
 import time
@@ -27,6 +29,7 @@ from decode_tune import replay_engine, setup_engine  # noqa: E402  (this script 
 from triforge import _runtime, launch  # noqa: E402
 from triforge.ops import gemv as G  # noqa: E402
 from triforge.ops.attention import decode as dec  # noqa: E402
+from triforge.ops.attention import decode_oproj  # noqa: E402
 
 C, I = 896, 4864
 
@@ -37,7 +40,7 @@ def main():
     p.add_argument("--new", type=int, default=256)
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--no-sweep", action="store_true")
-    p.add_argument("--write", action="store_true", help="store the best flash_decode_split config (by generate "
+    p.add_argument("--write", action="store_true", help="store the best flash_decode_oproj config (by generate "
                    "tokens/s, if it beats the current by more than 0.5%%) in triforge/configs/<arch>.json")
     args = p.parse_args()
     _runtime.require_gpu("benchmarks/decode_ab.py")
@@ -62,11 +65,13 @@ def main():
     o_key = G._config_key(1, C, C, torch.bfloat16)
     mlp_key = launch.config_key(m=1, c=C, i=I, dtype=launch.dtype_tag(torch.bfloat16))
     sp_key = dec._split_key(64, torch.bfloat16, 16)
+    op_key = launch.config_key(h=14, hkv=2, d=64, n=C, dtype="bf16")
     base_cfg = {
         ("gemv", key): dict(G._config("plain", 1, C, I, torch.bfloat16)),
         ("gemv", o_key): dict(G._config("plain", 1, C, C, torch.bfloat16)),
         ("gemv_gate_up", gu_key): dict(G._config("gate_up", 1, 2 * I, C, torch.bfloat16)),
         ("flash_decode_split", sp_key): dict(dec._split_config(64, torch.bfloat16, 16)),
+        ("flash_decode_oproj", op_key): dict(decode_oproj.config(14, 2, 64, C, torch.bfloat16)),
     }
 
     def setup(v, patch=None):
@@ -78,25 +83,14 @@ def main():
         for (kernel, k), cfg in list(v.get("cfg", {}).items()) + list((patch or {}).items()):
             table.setdefault(kernel, {})[k] = dict(cfg)
         engine._num_splits = v.get("splits", 0)
+        engine.fused_attn = v.get("fused_attn", True)
 
-    # session 12's one-shot configs (the table's) against the persistent streaming kernel's, and the fused MLP
-    # (one launch, grid barrier)
-    one_shot = {("gemv", key): {"BLOCK_N": 2, "BLOCK_K": 2048, "num_warps": 8, "num_stages": 2},
-                ("gemv", o_key): {"BLOCK_N": 1, "BLOCK_K": 2048, "num_warps": 4, "num_stages": 2},
-                ("gemv_gate_up", gu_key): {"BLOCK_N": 2, "BLOCK_K": 1024, "num_warps": 4, "num_stages": 1}}
-    # the session-13 decode_tune winners (chosen with the overrunning replay timer)
-    stream = {("gemv", key): {"BLOCK_N": 2, "BLOCK_K": 2048, "num_warps": 4, "num_stages": 1, "PPS": 8},
-              ("gemv", o_key): {"BLOCK_N": 2, "BLOCK_K": 1024, "num_warps": 4, "num_stages": 1, "PPS": 4},
-              ("gemv_gate_up", gu_key): {"BLOCK_N": 2, "BLOCK_K": 1024, "num_warps": 2, "num_stages": 1, "PPS": 8}}
-    stream_no_gu = {**stream, **{k: c for k, c in one_shot.items() if k[0] == "gemv_gate_up"}}
-    fused = {("gemv_mlp", mlp_key): {"BN_GU": 2, "BK_GU": 1024, "BN_D": 2, "BK_D": 2048, "PPS": 4, "num_warps": 4}}
+    # session 26: attention + o_proj + residual as one launch (decode_oproj) against flash-decoding + the o_proj GEMV
     variants = [
-        ("one-shot (session 12)", {"cfg": one_shot}),
-        ("stream", {"cfg": stream}),
-        ("stream down/o_proj, one-shot gate_up", {"cfg": stream_no_gu}),
-        ("fused MLP", {"cfg": fused}),
-        ("one-shot again", {"cfg": one_shot}),
-        ("stream again", {"cfg": stream}),
+        ("flash-decoding + o_proj", {"fused_attn": False}),
+        ("fused attention + o_proj", {"fused_attn": True}),
+        ("flash-decoding + o_proj again", {"fused_attn": False}),
+        ("fused attention + o_proj again", {"fused_attn": True}),
     ]
     rows, ref, best = [], None, (0.0, None)
     for name, v in variants:
@@ -112,10 +106,9 @@ def main():
             best = (tps, v)
     print(f"best variant: {best[1]} {best[0]:.1f} tokens/s")
     if not args.no_sweep:
-        sweeps = [(("flash_decode_split", sp_key), {"BLOCK_N": n, "num_warps": 4, "num_stages": st,
-                                                    "programs_per_sm": 3, "min_blocks_per_split": mb})
-                   for n, st, mb in ((128, 3, 1), (64, 3, 1), (64, 2, 2), (32, 2, 1), (32, 3, 2), (32, 2, 2),
-                                     (16, 2, 1), (16, 2, 2))]
+        sweeps = [(("flash_decode_oproj", op_key), {"BLOCK_R": r, "BLOCK_N": n, "num_warps": w, "num_stages": st})
+                  for r, n, w, st in list(itertools.product((2, 4, 8, 16), (32, 64), (4,), (2, 3)))
+                  + [(4, 64, 8, 2), (8, 64, 8, 2), (16, 64, 8, 2), (4, 128, 4, 2), (8, 128, 4, 2)]]
         for (kernel, k), cfg in sweeps:
             setup(best[1], {(kernel, k): cfg})
             try:
@@ -127,19 +120,19 @@ def main():
                          "generate_tokens_per_s": tps})
             print(f"{kernel:<18} {json.dumps(cfg):<100} replay {sps:7.1f}  generate {tps:7.1f} tok/s")
     setup({})
-    split_rows = [r for r in rows if r["variant"] == "flash_decode_split sweep" and "generate_tokens_per_s" in r]
+    split_rows = [r for r in rows if r["variant"] == "flash_decode_oproj sweep" and "generate_tokens_per_s" in r]
     if args.write and split_rows:
         top = max(split_rows, key=lambda r: r["generate_tokens_per_s"])
         if top["generate_tokens_per_s"] > 1.005 * best[0]:
             path = launch.CONFIG_DIR / f"{_runtime.arch()}.json"
             data = json.loads(path.read_text())
-            data["kernels"].setdefault("flash_decode_split", {})[sp_key] = top["config"]
-            data.setdefault("provenance", {})[f"flash_decode_split[{sp_key}]"] = {
-                "device": _runtime.device_name(), "shape": {"role": "Qwen2 decode attention", "B": 1, "Hkv": 2},
+            data["kernels"].setdefault("flash_decode_oproj", {})[op_key] = top["config"]
+            data.setdefault("provenance", {})[f"flash_decode_oproj[{op_key}]"] = {
+                "device": _runtime.device_name(), "shape": {"role": "Qwen2 decode attention + o_proj", "B": 1},
                 "generate_tokens_per_s": top["generate_tokens_per_s"],
                 "method": "benchmarks/decode_ab.py (generate, 16 + 256 tokens, graph-replayed decode)"}
             path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-            print(f"wrote flash_decode_split[{sp_key}] = {top['config']} ({top['generate_tokens_per_s']:.1f} tok/s)")
+            print(f"wrote flash_decode_oproj[{op_key}] = {top['config']} ({top['generate_tokens_per_s']:.1f} tok/s)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"rows": rows, "device": _runtime.device_name(), "new": args.new,

@@ -261,11 +261,12 @@ def test_gpu_cuda_graph_step_equals_eager(dtype):
 @pytest.mark.parametrize("splits", [1, 3], ids=["one_split", "3splits"])
 def test_attention_forms_generate_hf_tokens(model, splits):
     """The decode step's two attention forms: one KV split (the split kernel writes o itself, no
-    merge launch) and several splits + the merge kernel. fp32 greedy generation equals Hugging Face's
-    with each, at batch 1 and 3."""
+    merge launch) and several splits + the merge kernel (the fused attention + o_proj launch switched off).
+    fp32 greedy generation equals Hugging Face's with each, at batch 1 and 3."""
     for B in (1, 3):
         e = Qwen2Engine.from_hf(model, max_seq_len=64)
         e._num_splits = splits
+        e.fused_attn = False
         ids = _ids(B, 5, seed=20 + B)
         assert torch.equal(e.generate(ids, 6), _hf_generate(model, ids, 6))
 
@@ -286,6 +287,23 @@ def test_fused_mlp_generates_hf_tokens(model, monkeypatch):
         ids = _ids(B, 5, seed=40 + B)
         assert torch.equal(e.generate(ids, 6), _hf_generate(model, ids, 6))
     assert calls
+
+
+def test_fused_attention_oproj_generates_hf_tokens(model, monkeypatch):
+    """The decode step's attention + o_proj + residual as one launch (decode_oproj), the default at batch <= 2
+    with a short cache: fp32 greedy generation equals Hugging Face's at batch 1 and 2, the fused kernel is the
+    one that ran there, and batch 3 (beyond decode_oproj.fits) takes flash-decoding + the o_proj GEMV."""
+    import triforge.models.qwen2 as Q
+
+    calls = []
+    fused = Q.decode_oproj.flash_decode_oproj
+    monkeypatch.setattr(Q.decode_oproj, "flash_decode_oproj", lambda *a, **k: calls.append(a[0].shape[0]) or fused(*a, **k))
+    for B in (1, 2, 3):
+        e = Qwen2Engine.from_hf(model, max_seq_len=64)
+        assert e.fused_attn
+        ids = _ids(B, 5, seed=60 + B)
+        assert torch.equal(e.generate(ids, 6), _hf_generate(model, ids, 6))
+    assert set(calls) == {1, 2}
 
 
 @pytest.mark.gpu

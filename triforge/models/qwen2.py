@@ -7,15 +7,16 @@ window or RoPE scaling).
 
 Prefill (the prompt, T tokens per row) runs GEMMs through torch.matmul (cuBLAS) and triforge's
 RMSNorm (residual add fused), RoPE, SwiGLU and FlashAttention kernels. Each decode step (one token
-per row) is six launches per layer (five with one KV split), all memory-bound, with every elementwise
-op fused into a GEMV (``triforge.ops.gemv``):
+per row) is four launches per layer at batch <= 2 with a short cache (six otherwise), all
+memory-bound, with every elementwise op fused into a GEMV (``triforge.ops.gemv``):
 
     1. gemv_qkv_rope   input RMSNorm + QKV projection + bias + RoPE; k, v written into the cache
-    2-3. flash-decoding over the cache (split kernel + merge kernel; where the split heuristic gives
-         one split, the split kernel writes the output itself)
-    4. gemv            o_proj + residual add
-    5. gemv_gate_up    post-attention RMSNorm + gate/up projections + SwiGLU
-    6. gemv            down_proj + residual add
+    2. flash_decode_oproj  attention over the cache + o_proj + residual add, one launch
+       (triforge.ops.attention.decode_oproj; where it does not fit (decode_oproj.fits: batch > 2 or a
+       cache over 2048 rows) or TRIFORGE_FUSED_ATTN=0, three launches instead: flash-decoding's split
+       and merge kernels (one split: the split kernel writes the output itself), then the o_proj GEMV)
+    3. gemv_gate_up    post-attention RMSNorm + gate/up projections + SwiGLU
+    4. gemv            down_proj + residual add
 
 then the final RMSNorm + lm_head (one gemv) and the argmax. On CUDA the step is captured once per
 decode state in a CUDA graph over static buffers (token ids, positions, caches), so a step costs one
@@ -38,6 +39,7 @@ import torch.nn.functional as F
 
 from triforge import _runtime, launch
 from triforge.ops.attention import flash_attn_func
+from triforge.ops.attention import decode_oproj
 from triforge.ops.attention.decode import HEAD_DIMS, flash_decode_fwd
 from triforge.ops.gemv import (check_mlp_sync, gemv_gate_up_launch, gemv_launch, gemv_mlp_launch, gemv_qkv_rope_launch,
                                mlp_config, rope_tables)
@@ -288,6 +290,9 @@ class Qwen2Engine:
         # the MLP (gate/up + SwiGLU, down + residual) as one persistent launch with a grid barrier where a
         # tuned config exists for the shape (gemv.mlp_config); False (or TRIFORGE_FUSED_MLP=0): two launches
         self.fused_mlp = os.environ.get("TRIFORGE_FUSED_MLP", "1") != "0"
+        # attention over the cache, o_proj and the residual add as one launch (decode_oproj) where the batch and
+        # the cache are small (decode_oproj.fits); False (or TRIFORGE_FUSED_ATTN=0): flash-decoding + o_proj GEMV
+        self.fused_attn = os.environ.get("TRIFORGE_FUSED_ATTN", "1") != "0"
         self._states: dict = {}
 
     # ------------------------------------------------------------------ construction
@@ -498,14 +503,19 @@ class Qwen2Engine:
         lengths = pos + 1  # keys each row attends to, the new one included
         h = F.embedding(state.ids, self.embed)  # [B, C]
         mlp_cfg = mlp_config(B, s.hidden_size, s.intermediate_size, self.dtype) if self.fused_mlp else None
+        fused_attn = self.fused_attn and decode_oproj.fits(B, state.max_seq_len, Hq, D)
         for i, L in enumerate(self.layers):
             kc, vc = state.k_cache[i], state.v_cache[i]
             q, qkv, xn = gemv_qkv_rope_launch(h, L.w_qkv, L.b_qkv, self.cos, self.sin, pos, kc, vc, Hq, Hkv,
                                               L.input_norm, eps, store_pre=tr, store_xn=tr, pdl=pdl)
-            o, _ = flash_decode_fwd(q.view(B, 1, Hq, D), kc, vc, lengths, None, None, True, self.scale,
-                                    num_splits=self._num_splits, pdl=pdl)
-            o = o.view(B, Hq * D)
-            h_attn, _ = gemv_launch(o, L.w_o, residual=h, pdl=pdl)
+            if fused_attn:
+                h_attn, o = decode_oproj.flash_decode_oproj(q, kc, vc, lengths, L.w_o, h, self.scale, store_o=tr,
+                                                            pdl=pdl)
+            else:
+                o, _ = flash_decode_fwd(q.view(B, 1, Hq, D), kc, vc, lengths, None, None, True, self.scale,
+                                        num_splits=self._num_splits, pdl=pdl)
+                o = o.view(B, Hq * D)
+                h_attn, _ = gemv_launch(o, L.w_o, residual=h, pdl=pdl)
             if mlp_cfg is not None:
                 state.mlp_fused = True
                 h, act, xn2 = gemv_mlp_launch(h_attn, L.w_gate_up, L.post_norm, L.w_down, state.mlp_sync, eps,
