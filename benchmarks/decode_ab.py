@@ -17,7 +17,6 @@ Then a sweep of flash_decode_oproj's launch configs (with the fused path on).
 """
 
 import argparse
-import itertools
 import json
 import statistics
 import time
@@ -105,8 +104,9 @@ def main():
     print(f"best variant: {best[1]} {best[0]:.1f} tokens/s")
     if not args.no_sweep:
         sweeps = [(("flash_decode_oproj", op_key), {"BLOCK_R": r, "BLOCK_N": n, "num_warps": w, "num_stages": st})
-                  for r, n, w, st in list(itertools.product((4, 8, 16), (64, 128), (4, 8), (2, 3)))
-                  + [(32, 64, 8, 2), (32, 128, 8, 2), (32, 128, 8, 3), (2, 128, 4, 3)]]
+                  for r, n, w, st in [(32, 128, 8, 3), (32, 128, 8, 4), (32, 128, 16, 3), (64, 128, 16, 3), (64, 128, 8, 3),
+                                      (32, 256, 8, 2), (32, 256, 8, 1), (16, 128, 8, 4), (32, 64, 8, 4), (64, 64, 16, 3),
+                                      (32, 128, 8, 3)]]
         for (kernel, k), cfg in sweeps:
             setup({"fused_attn": True}, {(kernel, k): cfg})  # the kernel these configs are for
             try:
