@@ -225,8 +225,14 @@ def _gemv_tiles(
     ONE: tl.constexpr,  # K <= BLOCK_K: one K step
     PDL: tl.constexpr,  # launched as a programmatic dependent: wait for the previous kernel before reading x
     PRE: tl.constexpr,  # PDL, several K steps: the first step's weight tiles are loaded before the wait
+    r_ptr=None,  # [M, N] residual (read when HAS_RESIDUAL)
+    N=0,
+    HAS_RESIDUAL: tl.constexpr = False,
 ):
-    """(acc_a, acc_b) [BLOCK_M, BLOCK_N] fp32: x (RMSNorm-ed when NORM) times rows o_na (and o_nb) of W.
+    """(acc_a, acc_b, b_r) [BLOCK_M, BLOCK_N] fp32: x (RMSNorm-ed when NORM) times rows o_na (and o_nb) of W,
+    and the residual's tile at rows o_na (HAS_RESIDUAL; else zeros). The residual is loaded right after the
+    wait (it is the previous kernel's output), before the products: its L2 round trip overlaps them instead
+    of following them in the epilogue.
     ONE: the weight tiles are loaded first, then x once (its sum of squares, norm and product from the
     same registers), so the weights' DRAM latency overlaps the norm's L2 round trip and reduction
     instead of following them (a decode GEMV's program is one or two such latencies long).
@@ -256,6 +262,7 @@ def _gemv_tiles(
         if PDL:  # weights are constants: their loads are in flight while the previous kernel finishes
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()  # the next kernel may start: it waits the same way
+        b_r = _load_residual(r_ptr, o_m, m_m, o_na, N, HAS_RESIDUAL)
         b_x = tl.load(x_ptr + o_xm + o_k0[None, :], mask=m_x, other=0.0).to(tl.float32)
         if NORM:
             b_rstd = tl.rsqrt(tl.sum(b_x * b_x, axis=1) / K + eps)
@@ -277,6 +284,7 @@ def _gemv_tiles(
                 k_first = BLOCK_K
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()  # the next kernel may start: it waits the same way
+        b_r = _load_residual(r_ptr, o_m, m_m, o_na, N, HAS_RESIDUAL)
         b_rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
         if NORM:
             b_rstd = _x_rstd(x_ptr, o_xm, o_k0, m_m, K, eps, BLOCK_K, False)
@@ -296,9 +304,20 @@ def _gemv_tiles(
                 acc_b = _product(b_x, tl.load(w_ptr + o_wb + o_k[None, :], mask=m_w, other=0.0), acc_b, DT, USE_DOT,
                                  IEEE)
     if USE_DOT:
-        return acc_a, acc_b
+        return acc_a, acc_b, b_r
     else:
-        return tl.sum(acc_a, axis=2), tl.sum(acc_b, axis=2)
+        return tl.sum(acc_a, axis=2), tl.sum(acc_b, axis=2), b_r
+
+
+@triton.jit
+def _load_residual(r_ptr, o_m, m_m, o_n, N, HAS_RESIDUAL: tl.constexpr):
+    """The residual tile [BLOCK_M, BLOCK_N] in fp32 at rows o_m, columns o_n (zeros without a residual)."""
+    if HAS_RESIDUAL:
+        o_mn = o_m.to(tl.int64)[:, None] * N + o_n[None, :]
+        b_r = tl.load(r_ptr + o_mn, mask=m_m[:, None] & (o_n < N)[None, :], other=0.0).to(tl.float32)
+    else:
+        b_r = tl.zeros([o_m.shape[0], o_n.shape[0]], dtype=tl.float32)
+    return b_r
 
 
 @triton.jit
@@ -335,11 +354,11 @@ def gemv_kernel(
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_m = o_m < M
     m_n = o_n < N
-    acc, _ = _gemv_tiles(
+    acc, _, b_r = _gemv_tiles(
         x_ptr, w_ptr, nw_ptr, xn_ptr, i_n == 0, M, K, eps, o_m, o_n, o_n, m_n,
-        BLOCK_M, BLOCK_N, BLOCK_K, NORM, False, STORE_XN, USE_DOT, IEEE, RNE, ONE, PDL, PRE,
+        BLOCK_M, BLOCK_N, BLOCK_K, NORM, False, STORE_XN, USE_DOT, IEEE, RNE, ONE, PDL, PRE, r_ptr, N, HAS_RESIDUAL,
     )
-    _epilogue(acc, acc, o_n, o_m, m_m, y_ptr, b_ptr, r_ptr, N, DT, False, HAS_BIAS, HAS_RESIDUAL, RNE)
+    _epilogue(acc, acc, b_r, o_n, o_m, m_m, y_ptr, b_ptr, N, DT, False, HAS_BIAS, HAS_RESIDUAL, RNE)
 
 
 @triton.jit
@@ -391,7 +410,7 @@ def gemv_qkv_rope_kernel(
     o_nb = o_na + HALF
     o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_m = o_m < M
-    acc_a, acc_b = _gemv_tiles(
+    acc_a, acc_b, _ = _gemv_tiles(
         x_ptr, w_ptr, nw_ptr, xn_ptr, i_n == 0, M, C, eps, o_m, o_na, o_nb, m_r,
         BLOCK_M, BLOCK_N, BLOCK_K, NORM, True, STORE_XN, USE_DOT, IEEE, RNE, ONE, PDL, PRE,
     )
@@ -465,11 +484,11 @@ def gemv_gate_up_kernel(
     m_n = o_n < I
     o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_m = o_m < M
-    acc_g, acc_u = _gemv_tiles(
+    acc_g, acc_u, _ = _gemv_tiles(
         x_ptr, w_ptr, nw_ptr, xn_ptr, i_n == 0, M, C, eps, o_m, o_n, o_n + I, m_n,
         BLOCK_M, BLOCK_N, BLOCK_K, NORM, True, STORE_XN, USE_DOT, IEEE, RNE, ONE, PDL, PRE,
     )
-    _epilogue(acc_g, acc_u, o_n, o_m, m_m, y_ptr, y_ptr, y_ptr, I, DT, True, False, False, RNE)
+    _epilogue(acc_g, acc_u, acc_g, o_n, o_m, m_m, y_ptr, y_ptr, I, DT, True, False, False, RNE)
 
 
 @triton.jit
@@ -501,11 +520,11 @@ def _stream_tile(w_ptr, j, j1, n_steps, N, K, o_b, o_k0, BLOCK_N: tl.constexpr, 
 
 
 @triton.jit
-def _epilogue(b_a, b_b, o_n, o_m, m_m, y_ptr, b_ptr, r_ptr, N, DT: tl.constexpr, GATE_UP: tl.constexpr,
+def _epilogue(b_a, b_b, b_r, o_n, o_m, m_m, y_ptr, b_ptr, N, DT: tl.constexpr, GATE_UP: tl.constexpr,
               HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, RNE: tl.constexpr):
     """Outputs [BLOCK_M, BLOCK_N] at columns o_n from the fp32 projections, rounded where the eager model
-    rounds: plain, round(round(b_a + bias) + residual); GATE_UP (b_b: up), round(round(silu(round(b_a))) *
-    round(b_b))."""
+    rounds: plain, round(round(b_a + bias) + residual) (b_r: the residual tile, fp32, loaded by the caller);
+    GATE_UP (b_b: up), round(round(silu(round(b_a))) * round(b_b))."""
     m_n = o_n < N
     o_mn = o_m.to(tl.int64)[:, None] * N + o_n[None, :]
     m_mn = m_m[:, None] & m_n[None, :]
@@ -521,7 +540,7 @@ def _epilogue(b_a, b_b, o_n, o_m, m_m, y_ptr, b_ptr, r_ptr, N, DT: tl.constexpr,
     else:
         b_y = b_a
         if HAS_RESIDUAL:
-            b_y += tl.load(r_ptr + o_mn, mask=m_mn, other=0.0).to(tl.float32)
+            b_y += b_r
             b_y = _rne_bf16(b_y) if RNE else b_y.to(DT).to(tl.float32)
     tl.store(y_ptr + o_mn, b_y.to(y_ptr.dtype.element_ty), mask=m_mn)
 
@@ -534,7 +553,9 @@ def _stream_store(acc_a, acc_b, u, o_b, o_m, m_m, y_ptr, b_ptr, r_ptr, N, BLOCK_
     b_b = b_a
     if GATE_UP:
         b_b = tl.sum(acc_b, axis=2)
-    _epilogue(b_a, b_b, u * BLOCK_N + o_b, o_m, m_m, y_ptr, b_ptr, r_ptr, N, DT, GATE_UP, HAS_BIAS, HAS_RESIDUAL, RNE)
+    o_n = u * BLOCK_N + o_b
+    b_r = _load_residual(r_ptr, o_m, m_m, o_n, N, HAS_RESIDUAL)
+    _epilogue(b_a, b_b, b_r, o_n, o_m, m_m, y_ptr, b_ptr, N, DT, GATE_UP, HAS_BIAS, HAS_RESIDUAL, RNE)
 
 
 @triton.jit

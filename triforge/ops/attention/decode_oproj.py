@@ -114,6 +114,8 @@ def flash_decode_oproj_kernel(
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()  # the next kernel may start: it waits the same way
 
+    # the residual (the previous kernel's output) now: its L2 round trip overlaps the attention
+    b_r = tl.load(r_ptr + i_b * N + o_rr, mask=m_rr, other=0.0).to(tl.float32)
     # clamped into the cache, so a bad length never addresses outside it
     n = tl.minimum(tl.maximum(tl.load(len_ptr + i_b), 0), S_max)
     b_q = tl.load(q_ptr + (i_b * H + o_h)[:, None] * HEAD_DIM + o_d[None, :], mask=m_h[:, None], other=0.0)
@@ -153,7 +155,7 @@ def flash_decode_oproj_kernel(
                  mask=m_h[:, None] & (i_r == 0))
     b_y = tl.sum(tl.sum(b_w.to(tl.float32) * b_o[None, :, :], axis=2), axis=1)  # [BLOCK_R]
     b_y = _round(b_y, DT, RNE)
-    b_y += tl.load(r_ptr + i_b * N + o_rr, mask=m_rr, other=0.0).to(tl.float32)
+    b_y += b_r
     tl.store(y_ptr + i_b * N + o_rr, _round(b_y, DT, RNE).to(y_ptr.dtype.element_ty), mask=m_rr)
 
 
