@@ -85,9 +85,13 @@ def main():
         engine.fused_attn = v.get("fused_attn", True)
 
     # session 26: attention + o_proj + residual as one launch (decode_oproj) against flash-decoding + the o_proj GEMV
+    no_pf = {("flash_decode_oproj", op_key): {**base_cfg[("flash_decode_oproj", op_key)], "PF": 0}}
     variants = [
         ("flash-decoding + o_proj", {"fused_attn": False}),
         ("fused attention + o_proj", {"fused_attn": True}),
+        ("fused, no K/V L2 prefetch", {"fused_attn": True, "cfg": no_pf}),
+        ("fused attention + o_proj again", {"fused_attn": True}),
+        ("fused, no K/V L2 prefetch again", {"fused_attn": True, "cfg": no_pf}),
     ]
     rows, ref, best = [], None, (0.0, None)
     for name, v in variants:

@@ -51,6 +51,12 @@ KERNEL_ROLES = (  # one decode step, per layer, in launch order
     (("gemv_kernel", "gemv_stream_kernel"), "down_proj + residual"),
 )  # (a kernel name prefix, or a tuple of them: a GEMV's config may pick the persistent streaming kernel)
 LM_HEAD = (("gemv_kernel", "gemv_stream_kernel"), "lm_head (final norm prologue)")
+FUSED_ATTN_ROLES = (  # the step where attention + o_proj + residual is one launch (decode_oproj, batch <= 2)
+    KERNEL_ROLES[0],
+    ("flash_decode_oproj_kernel", "attention + o_proj + residual (one launch)"),
+    KERNEL_ROLES[4],
+    KERNEL_ROLES[5],
+)
 
 
 def build_model(layers: int, seed: int):
@@ -126,6 +132,7 @@ def byte_model(spec, batch, keys, dtype) -> dict:
         "qkv_rope": e * (spec.qkv_size * C + spec.qkv_size + batch * (C + C + spec.qkv_size)) + 4 * batch * 2 * D,
         "attention split": kv + e * batch * qd,
         "attention merge": e * batch * qd,
+        "attention + o_proj": kv + e * (batch * qd + C * qd + 2 * batch * C),
         "o_proj": e * (C * qd + batch * (qd + 2 * C)),
         "gate_up": e * (2 * I * C + C + batch * (C + I)),
         "down_proj": e * (C * I + batch * (I + 2 * C)),
@@ -137,10 +144,12 @@ def kernel_rows(kernels, spec, batch, keys, dtype, copy_tbps):
     """Profiler kernel events of one decode step (time order) -> rows per role of the step: our
     kernels matched in launch order to KERNEL_ROLES (per layer) and LM_HEAD, any other kernel by name."""
     model_bytes = byte_model(spec, batch, keys, dtype)
-    ours = [ev for ev in kernels if any(ev["name"].startswith(k) for k, _ in KERNEL_ROLES)]
+    fused = any(ev["name"].startswith("flash_decode_oproj_kernel") for ev in kernels)
+    role_set = FUSED_ATTN_ROLES if fused else KERNEL_ROLES
+    ours = [ev for ev in kernels if any(ev["name"].startswith(k) for k, _ in role_set)]
     # one KV split: the split kernel writes the output itself and there is no merge launch
     merge = any(ev["name"].startswith("flash_decode_merge_kernel") for ev in ours)
-    roles = [r for r in KERNEL_ROLES if merge or r[0] != "flash_decode_merge_kernel"]
+    roles = [r for r in role_set if merge or r[0] != "flash_decode_merge_kernel"]
     expected = [k for _ in range(spec.num_layers) for k in roles] + [LM_HEAD]
     matched = len(ours) == len(expected) and all(ev["name"].startswith(k) for ev, (k, _) in zip(ours, expected))
     rows = {}

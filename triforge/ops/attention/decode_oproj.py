@@ -96,6 +96,8 @@ def flash_decode_oproj_kernel(
     IEEE: tl.constexpr,
     RNE: tl.constexpr,
     PDL: tl.constexpr,
+    PF_ROWS: tl.constexpr = 0,  # > 0: cache rows asked into L2 before the wait (PF_ROWS per program, strided)
+    PF_LINES: tl.constexpr = 1,  # 128-byte lines per cached row of one head
 ):
     GROUP: tl.constexpr = H // HKV
     C: tl.constexpr = H * HEAD_DIM
@@ -110,6 +112,18 @@ def flash_decode_oproj_kernel(
     # the weight tile [BLOCK_R, HM, D]: w_o[r, h D + d] (constant: loaded before the wait)
     o_w = (o_rr.to(tl.int64) * C)[:, None, None] + (o_h * HEAD_DIM)[None, :, None] + o_d[None, None, :]
     b_w = tl.load(w_ptr + o_w, mask=m_rr[:, None, None] & m_h[None, :, None], other=0.0)
+    if PF_ROWS > 0:
+        # the cached K/V rows this program will read, asked into L2 while the previous kernel drains: the
+        # programs split the rows (program p: rows p, p + P, ...). A hint only: whatever the length read here
+        # (read again after the wait), no value the kernel computes depends on it
+        n_pf = tl.minimum(tl.maximum(tl.load(len_ptr + i_b), 0), S_max)
+        o_pr = i_r + tl.arange(0, PF_ROWS) * tl.num_programs(0)
+        o_ln = tl.arange(0, PF_LINES) * (1024 // q_ptr.dtype.element_ty.primitive_bitwidth)  # elements per line
+        for g in tl.static_range(HKV):
+            _prefetch_l2(kc_ptr + i_b * stride_kb + g * stride_kh + o_pr.to(tl.int64)[:, None] * stride_ks
+                         + o_ln[None, :], (o_pr < n_pf)[:, None])
+            _prefetch_l2(vc_ptr + i_b * stride_vb + g * stride_vh + o_pr.to(tl.int64)[:, None] * stride_vs
+                         + o_ln[None, :], (o_pr < n_pf)[:, None])
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()  # the next kernel may start: it waits the same way
@@ -157,6 +171,14 @@ def flash_decode_oproj_kernel(
     b_y = _round(b_y, DT, RNE)
     b_y += b_r
     tl.store(y_ptr + i_b * N + o_rr, _round(b_y, DT, RNE).to(y_ptr.dtype.element_ty), mask=m_rr)
+
+
+@triton.jit
+def _prefetch_l2(ptrs, mask):
+    """prefetch.global.L2 of each address where mask holds (no register result is used)."""
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
+        "=r,l,r", [ptrs, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
 
 
 def _hm(H: int) -> int:
@@ -209,11 +231,19 @@ def flash_decode_oproj(q, k_cache, v_cache, lengths, w_o, residual, softmax_scal
         # byte model: the weight once, the cache rows up to S_max once (L2 serves the other programs)
         nbytes=e * (w_o.numel() + 2 * B * S_max * Hkv * D + q.numel() + 2 * B * N + (o.numel() if o is not None else 0)),
         H=H, HKV=Hkv, HEAD_DIM=D, HM=_hm(H), BLOCK_N=cfg["BLOCK_N"], BLOCK_R=cfg["BLOCK_R"], STORE_O=store_o,
+        PF_ROWS=_pf_rows(cfg, pdl, S_max, triton.cdiv(N, cfg["BLOCK_R"])), PF_LINES=max(1, D * e // 128),
         UPCAST=_runtime.INTERPRET and q.dtype == torch.bfloat16, IEEE=q.dtype == torch.float32,
         RNE=_runtime.INTERPRET and q.dtype == torch.bfloat16,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch.pdl_options(pdl),
     )
     return y, o
+
+
+def _pf_rows(cfg, pdl, S_max, programs) -> int:
+    """Rows per program of the L2 prefetch before the wait (cfg "PF", default on): compiled, under PDL only."""
+    if _runtime.INTERPRET or not launch.pdl_options(pdl)["PDL"] or not int(cfg.get("PF", 1)):
+        return 0
+    return triton.next_power_of_2(triton.cdiv(S_max, programs))
 
 
 def _check(q, k_cache, v_cache, lengths, w_o, residual):
