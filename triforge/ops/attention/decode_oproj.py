@@ -11,7 +11,9 @@ the cache of a few hundred keys 100-200 KB. ``flash_decode_oproj_kernel``, grid 
 every program computes the whole attention of its batch row (all H heads, every key: the K/V blocks
 come from L2 after the first program's miss) and then BLOCK_R rows of y. Its weight tile
 [BLOCK_R, HM, D] (HM = H rounded up to a power of two, masked) is loaded before griddepcontrol.wait, so
-under programmatic dependent launch the weights stream in while the QKV kernel drains.
+under programmatic dependent launch the weights stream in while the QKV kernel drains; the cached K/V rows
+are asked into L2 then too (prefetch.global.L2, a hint: cfg "PF"), and the residual is loaded right after
+the wait, so neither round trip sits at the end of the program.
 
 Attention rows are the H query heads of the row as one [HM, D] tile. Each key block is loaded once per
 kv head, and every kv head's dot runs over all rows; a row keeps the scores of its own kv head (and P
@@ -213,7 +215,8 @@ def flash_decode_oproj(q, k_cache, v_cache, lengths, w_o, residual, softmax_scal
                        pdl=False):
     """q [B, H, D], w_o [N, H * D], residual [B, N]: contiguous, one dtype; caches [B, S_max, Hkv, D] with unit
     last stride; lengths int32 [B] (clamped into [0, S_max] by the kernel). Returns (y [B, N], o [B, H * D] or
-    None). pdl: a programmatic dependent launch (sm90+)."""
+    None). pdl: a programmatic dependent launch (sm90+): w_o is read before the previous kernel in the stream has
+finished (it must not be that kernel's output, as for the GEMVs); everything else is read after the wait."""
     _check(q, k_cache, v_cache, lengths, w_o, residual)
     B, H, D = q.shape
     S_max, Hkv = k_cache.shape[1], k_cache.shape[2]
