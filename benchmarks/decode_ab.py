@@ -68,6 +68,7 @@ def main():
     base_cfg = {
         ("gemv", key): dict(G._config("plain", 1, C, I, torch.bfloat16)),
         ("gemv", o_key): dict(G._config("plain", 1, C, C, torch.bfloat16)),
+        ("gemv_qkv_rope", G._config_key(1, 1152, C, torch.bfloat16)): dict(G._config("qkv", 1, 1152, C, torch.bfloat16)),
         ("gemv_gate_up", gu_key): dict(G._config("gate_up", 1, 2 * I, C, torch.bfloat16)),
         ("flash_decode_split", sp_key): dict(dec._split_config(64, torch.bfloat16, 16)),
         ("flash_decode_oproj", op_key): dict(decode_oproj.config(14, 2, 64, C, torch.bfloat16)),
@@ -86,12 +87,18 @@ def main():
 
     # session 26: attention + o_proj + residual as one launch (decode_oproj) against flash-decoding + the o_proj GEMV
     no_pf = {("flash_decode_oproj", op_key): {**base_cfg[("flash_decode_oproj", op_key)], "PF": 0}}
+    qkv_key = G._config_key(1, 1152, C, torch.bfloat16)
+    old = {("gemv", key): {"BLOCK_N": 2, "BLOCK_K": 2048, "num_warps": 8, "num_stages": 2},  # sm90.json before the
+           ("gemv_gate_up", gu_key): {"BLOCK_N": 2, "BLOCK_K": 1024, "num_warps": 4, "num_stages": 1},  # session-26
+           ("gemv_qkv_rope", qkv_key): {"BLOCK_N": 1, "BLOCK_K": 1024, "num_warps": 4, "num_stages": 2}}  # decode_tune
     variants = [
+        ("GEMV configs before session 26", {"fused_attn": True, "cfg": old}),
+        ("GEMV configs of the table", {"fused_attn": True}),
+        ("GEMV configs before session 26 again", {"fused_attn": True, "cfg": old}),
+        ("GEMV configs of the table again", {"fused_attn": True}),
         ("flash-decoding + o_proj", {"fused_attn": False}),
         ("fused attention + o_proj", {"fused_attn": True}),
         ("fused, no K/V L2 prefetch", {"fused_attn": True, "cfg": no_pf}),
-        ("fused attention + o_proj again", {"fused_attn": True}),
-        ("fused, no K/V L2 prefetch again", {"fused_attn": True, "cfg": no_pf}),
     ]
     rows, ref, best = [], None, (0.0, None)
     for name, v in variants:
