@@ -38,8 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from triforge import _runtime, launch
-from triforge.ops.attention import flash_attn_func
-from triforge.ops.attention import decode_oproj
+from triforge.ops.attention import decode_oproj, flash_attn_func
 from triforge.ops.attention.decode import HEAD_DIMS, flash_decode_fwd
 from triforge.ops.gemv import (check_mlp_sync, gemv_gate_up_launch, gemv_launch, gemv_mlp_launch, gemv_qkv_rope_launch,
                                mlp_config, rope_tables)

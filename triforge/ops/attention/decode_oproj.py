@@ -34,42 +34,13 @@ import triton.language as tl
 
 from triforge import _runtime, launch
 from triforge.launch import new_output
-from triforge.ops._tl import rne_bf16 as _rne_bf16
-from triforge.ops.attention.decode import LOG2E
+from triforge.ops._tl import cast as _cast
+from triforge.ops.attention.decode import LOG2E, _mma
 
 # the engine's limits for this path (beyond them each program's K/V stream or weight tile grows too large)
 MAX_BATCH = 2
 MAX_KEYS = 2048
 MAX_TILE = 8192  # weight-tile elements per program (BLOCK_R * HM * D) the fallback keeps to
-
-
-@triton.jit
-def _round(x, DT: tl.constexpr, RNE: tl.constexpr):
-    """x (fp32) rounded to DT and kept in fp32 (RNE: bf16 by bit arithmetic, for the interpreter)."""
-    return _rne_bf16(x) if RNE else x.to(DT).to(tl.float32)
-
-
-@triton.jit
-def _qk(b_q, b_k, UPCAST: tl.constexpr, IEEE: tl.constexpr):
-    """b_q [HM, D] @ b_k^T -> [HM, BLOCK_N] fp32 (UPCAST: the interpreter's bf16 dots; IEEE: fp32 inputs)."""
-    if UPCAST:
-        out = tl.dot(b_q.to(tl.float32), tl.trans(b_k.to(tl.float32)), input_precision="ieee")
-    elif IEEE:
-        out = tl.dot(b_q, tl.trans(b_k), input_precision="ieee")
-    else:
-        out = tl.dot(b_q, tl.trans(b_k))
-    return out
-
-
-@triton.jit
-def _pv(b_p, b_v, acc, UPCAST: tl.constexpr, IEEE: tl.constexpr):
-    if UPCAST:
-        out = tl.dot(b_p.to(tl.float32), b_v.to(tl.float32), acc, input_precision="ieee")
-    elif IEEE:
-        out = tl.dot(b_p, b_v, acc, input_precision="ieee")
-    else:
-        out = tl.dot(b_p.to(b_v.dtype), b_v, acc)
-    return out
 
 
 @triton.jit
@@ -150,7 +121,7 @@ def flash_decode_oproj_kernel(
         for g in tl.static_range(HKV):
             b_k = tl.load(p_k + g * stride_kh + o_pos64[:, None] * stride_ks + o_d[None, :], mask=m_n[:, None],
                           other=0.0)
-            b_s = tl.where((grp == g)[:, None], _qk(b_q, b_k, UPCAST, IEEE), b_s)
+            b_s = tl.where((grp == g)[:, None], _mma(b_q, tl.trans(b_k), tl.zeros_like(b_s), UPCAST, IEEE), b_s)
         b_s = tl.where(m_n[None, :], b_s * qk_scale, float("-inf"))
         m_new = tl.maximum(b_m, tl.max(b_s, 1))  # finite: every block holds at least one key
         alpha = tl.exp2(b_m - m_new)
@@ -160,19 +131,19 @@ def flash_decode_oproj_kernel(
         for g in tl.static_range(HKV):
             b_v = tl.load(p_v + g * stride_vh + o_pos64[:, None] * stride_vs + o_d[None, :], mask=m_n[:, None],
                           other=0.0)
-            b_acc = _pv(tl.where((grp == g)[:, None], b_p, 0.0), b_v, b_acc, UPCAST, IEEE)
+            b_acc = _mma(tl.where((grp == g)[:, None], b_p, 0.0).to(b_v.dtype), b_v, b_acc, UPCAST, IEEE)
         b_m = m_new
 
     has = b_l > 0
     b_o = tl.where(has[:, None], b_acc / tl.where(has, b_l, 1.0)[:, None], 0.0)
-    b_o = _round(b_o, DT, RNE)  # o as the unfused path stores it
+    b_o = _cast(b_o, DT, RNE).to(tl.float32)  # o as the unfused path stores it
     if STORE_O:
         tl.store(o_ptr + (i_b * H + o_h)[:, None] * HEAD_DIM + o_d[None, :], b_o.to(o_ptr.dtype.element_ty),
                  mask=m_h[:, None] & (i_r == 0))
     b_y = tl.sum(tl.sum(b_w.to(tl.float32) * b_o[None, :, :], axis=2), axis=1)  # [BLOCK_R]
-    b_y = _round(b_y, DT, RNE)
+    b_y = _cast(b_y, DT, RNE).to(tl.float32)
     b_y += b_r
-    tl.store(y_ptr + i_b * N + o_rr, _round(b_y, DT, RNE).to(y_ptr.dtype.element_ty), mask=m_rr)
+    tl.store(y_ptr + i_b * N + o_rr, _cast(b_y, y_ptr.dtype.element_ty, RNE), mask=m_rr)
 
 
 @triton.jit
@@ -188,15 +159,16 @@ def _hm(H: int) -> int:
 
 
 def fallback_config(H: int, D: int, N: int) -> dict:
-    """BLOCK_R rows per program: the weight tile held to MAX_TILE elements (16 KB in 16-bit), at least two
-    programs per SM where N allows. The interpreter: one program for many rows, small key blocks (short test
+    """BLOCK_R rows per program: the weight tile held to MAX_TILE elements (16 KB in 16-bit), halved while there
+    are fewer programs than SMs (the tuned Qwen2 entry went the other way: 28 programs of 32 rows, since every
+    program streams all of its row's K/V). The interpreter: one program for many rows, small key blocks (short test
     caches still loop)."""
     hm = _hm(H)
     if _runtime.INTERPRET:
         return {"BLOCK_R": max(1, min(triton.next_power_of_2(N), 16384 // (hm * D))), "BLOCK_N": 16, "num_warps": 4,
                 "num_stages": 1}
     block_r = max(1, MAX_TILE // (hm * D))
-    while block_r > 1 and triton.cdiv(N, block_r) < 2 * _runtime.num_sms() // 2:
+    while block_r > 1 and triton.cdiv(N, block_r) < _runtime.num_sms():
         block_r //= 2
     return {"BLOCK_R": block_r, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
 
@@ -225,6 +197,7 @@ finished (it must not be that kernel's output, as for the GEMVs); everything els
     y = new_output((B, N), q.dtype, q.device)
     o = new_output((B, H * D), q.dtype, q.device) if store_o else None
     e = q.element_size()
+    pdl_opts = launch.pdl_options(pdl)
     launch.launch(
         "flash_decode_oproj", flash_decode_oproj_kernel, (triton.cdiv(N, cfg["BLOCK_R"]), B),
         q, k_cache, v_cache, lengths, w_o, residual, y, o if o is not None else y,
@@ -234,17 +207,17 @@ finished (it must not be that kernel's output, as for the GEMVs); everything els
         # byte model: the weight once, the cache rows up to S_max once (L2 serves the other programs)
         nbytes=e * (w_o.numel() + 2 * B * S_max * Hkv * D + q.numel() + 2 * B * N + (o.numel() if o is not None else 0)),
         H=H, HKV=Hkv, HEAD_DIM=D, HM=_hm(H), BLOCK_N=cfg["BLOCK_N"], BLOCK_R=cfg["BLOCK_R"], STORE_O=store_o,
-        PF_ROWS=_pf_rows(cfg, pdl, S_max, triton.cdiv(N, cfg["BLOCK_R"])), PF_LINES=max(1, D * e // 128),
+        PF_ROWS=_pf_rows(cfg, pdl_opts["PDL"], S_max, triton.cdiv(N, cfg["BLOCK_R"])), PF_LINES=max(1, D * e // 128),
         UPCAST=_runtime.INTERPRET and q.dtype == torch.bfloat16, IEEE=q.dtype == torch.float32,
         RNE=_runtime.INTERPRET and q.dtype == torch.bfloat16,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch.pdl_options(pdl),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_opts,
     )
     return y, o
 
 
-def _pf_rows(cfg, pdl, S_max, programs) -> int:
+def _pf_rows(cfg, pdl_on, S_max, programs) -> int:
     """Rows per program of the L2 prefetch before the wait (cfg "PF", default on): compiled, under PDL only."""
-    if _runtime.INTERPRET or not launch.pdl_options(pdl)["PDL"] or not int(cfg.get("PF", 1)):
+    if _runtime.INTERPRET or not pdl_on or not int(cfg.get("PF", 1)):
         return 0
     return triton.next_power_of_2(triton.cdiv(S_max, programs))
 
