@@ -45,13 +45,15 @@ def make(shape):
 
 
 def intra_cfg(spec):
-    """V_LATE:warps:stages[:kn][:t][:rN] (kn: the normalised k stored too, as the forward runs it now; t: T stored
+    """V_LATE:warps:stages[:kn][:t][:rN][:p] (p: DIAG_PRODUCT; kn: the normalised k stored too, as the forward runs it now; t: T stored
     too, as the training forward runs it; rN: a register cap of N per thread, maxnreg; since session 25 the launcher
     applies the cap only without T stored, so ":t:rN" times the uncapped kernel)."""
     parts = spec.split(":")
     v_late, warps, stages = (int(x) for x in parts[:3])
     cfg = {"V_LATE": v_late, "num_warps": warps, "num_stages": stages}
     cfg.update({"maxnreg": int(p[1:]) for p in parts[3:] if p.startswith("r")})
+    if "p" in parts[3:]:  # the solve's diagonal blocks by tensor-core products (chunk._solve_unit_lower)
+        cfg["DIAG_PRODUCT"] = 1
     return cfg
 
 
@@ -206,8 +208,9 @@ def main():
     for shape in args.shapes:
         rows += intra_rows(shape, args.intra)
         sel = set(args.grids.split(","))
-        rows += recurrence_rows(shape, {"h": H_GRID if "h" in sel else [], "o": O_GRID if "o" in sel else [],
-                                        "h_o": H_O_GRID if "h_o" in sel else []})
+        if "skip" not in sel:  # (skip: the intra kernel alone)
+            rows += recurrence_rows(shape, {"h": H_GRID if "h" in sel else [], "o": O_GRID if "o" in sel else [],
+                                            "h_o": H_O_GRID if "h_o" in sel else []})
         torch.cuda.empty_cache()
     for stage in filter(None, args.ablate.split(",")):
         out = subprocess.run([sys.executable, __file__, args.out, "--child", stage, "--shapes", *args.shapes,

@@ -118,30 +118,44 @@ def _decay(b_gamma, m_t, BT: tl.constexpr):
 
 
 @triton.jit
-def _solve_unit_lower(b_A, BT: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr):
+def _solve_unit_lower(b_A, BT: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr, DIAG_PRODUCT: tl.constexpr = False):
     """(I + A)^-1 for a strictly lower [BT, BT] A (fp32).
 
-    The NB = BT / BC diagonal blocks D are inverted by forward substitution, all NB at once as
-    [NB, BC, BC] tiles (row r of every block per step). With Td = (I + D)^-1 and E = A - D
-    (strictly block-lower), I + A = (I + D)(I + N) with N = Td E, N^NB = 0, so
-    (I + A)^-1 = sum_p (-N)^p Td: NB tensor-core dots, each of block-lower matrices.
+    The NB = BT / BC diagonal blocks D are inverted first: Td = (I + D)^-1. By forward substitution
+    (default), all NB at once as [NB, BC, BC] tiles, row r of every block per step (BC - 1 serial steps,
+    each two cross-thread sums); or (DIAG_PRODUCT, BC = 16) as the product (I - D)(I + D^2)(I + D^4)(I + D^8)
+    (D^16 = 0) of the block-diagonal [BT, BT] D: six tensor-core dots, four deep (products of
+    block-diagonal matrices stay block-diagonal, exactly). With E = A - D (strictly block-lower),
+    I + A = (I + D)(I + N) with N = Td E, N^NB = 0, so (I + A)^-1 = sum_p (-N)^p Td: NB tensor-core dots,
+    each of block-lower matrices.
     """
     NB: tl.constexpr = BT // BC
-    o_b = tl.arange(0, NB)
-    m_same = o_b[:, None] == o_b[None, :]  # [NB, NB]
-    b_A4 = tl.reshape(b_A, [NB, BC, NB, BC])
-    b_D = tl.sum(tl.where(m_same[:, None, :, None], b_A4, 0.0), axis=2)  # [NB, BC, BC]
-    o_r = tl.arange(0, BC)
-    b_Ti = tl.zeros([NB, BC, BC], dtype=tl.float32)  # (I + D)^-1 - I, strictly lower
-    for r in range(1, BC):
-        m_row = (o_r == r)[None, :, None]
-        b_a = -tl.sum(tl.where(m_row, b_D, 0.0), axis=1)  # [NB, BC]: -D[r, :] of every block
-        b_a = b_a + tl.sum(b_a[:, :, None] * b_Ti, axis=1)
-        b_Ti = tl.where(m_row, b_a[:, None, :], b_Ti)
     o_i = tl.arange(0, BT)
     m_eye = o_i[:, None] == o_i[None, :]
-    b_Td = tl.reshape(tl.where(m_same[:, None, :, None], b_Ti[:, :, None, :], 0.0), [BT, BT])
-    b_Td = tl.where(m_eye, 1.0, b_Td)
+    if DIAG_PRODUCT:
+        tl.static_assert(BC == 16, "the product form of the diagonal blocks is written for BC = 16")
+        b_D = tl.where((o_i // BC)[:, None] == (o_i // BC)[None, :], b_A, 0.0)
+        b_D2 = tl.dot(b_D, b_D, input_precision=PREC)
+        b_D4 = tl.dot(b_D2, b_D2, input_precision=PREC)
+        b_D3 = tl.dot(b_D, b_D2, input_precision=PREC)
+        b_X = tl.where(m_eye, 1.0, 0.0) - b_D + b_D2 - b_D3  # (I - D)(I + D^2)
+        b_D8 = tl.dot(b_D4, b_D4, input_precision=PREC)
+        b_X = b_X + tl.dot(b_X, b_D4, input_precision=PREC)  # (I - D)(I + D^2)(I + D^4)
+        b_Td = b_X + tl.dot(b_X, b_D8, input_precision=PREC)
+    else:
+        o_b = tl.arange(0, NB)
+        m_same = o_b[:, None] == o_b[None, :]  # [NB, NB]
+        b_A4 = tl.reshape(b_A, [NB, BC, NB, BC])
+        b_D = tl.sum(tl.where(m_same[:, None, :, None], b_A4, 0.0), axis=2)  # [NB, BC, BC]
+        o_r = tl.arange(0, BC)
+        b_Ti = tl.zeros([NB, BC, BC], dtype=tl.float32)  # (I + D)^-1 - I, strictly lower
+        for r in range(1, BC):
+            m_row = (o_r == r)[None, :, None]
+            b_a = -tl.sum(tl.where(m_row, b_D, 0.0), axis=1)  # [NB, BC]: -D[r, :] of every block
+            b_a = b_a + tl.sum(b_a[:, :, None] * b_Ti, axis=1)
+            b_Ti = tl.where(m_row, b_a[:, None, :], b_Ti)
+        b_Td = tl.reshape(tl.where(m_same[:, None, :, None], b_Ti[:, :, None, :], 0.0), [BT, BT])
+        b_Td = tl.where(m_eye, 1.0, b_Td)
     b_E = tl.where((o_i // BC)[:, None] > (o_i // BC)[None, :], b_A, 0.0)
     b_N = tl.dot(b_Td, b_E, input_precision=PREC)
     b_P = b_Td
@@ -186,8 +200,10 @@ def chunk_gated_delta_rule_fwd_kernel_intra(
     RNE: tl.constexpr,
     V_LATE: tl.constexpr,
     STORE_KN: tl.constexpr = False,
+    DIAG_PRODUCT: tl.constexpr = False,
 ):
-    """STORE_KN (with L2NORM): the normalised k, rounded to k's dtype as w uses it, is stored for the recurrence
+    """DIAG_PRODUCT: the solve's diagonal blocks inverted by tensor-core products (``_solve_unit_lower``).
+    STORE_KN (with L2NORM): the normalised k, rounded to k's dtype as w uses it, is stored for the recurrence
     and the output kernel, which then skip their own normalisation of k (K_NORMED).
     V_LATE: v is loaded after the solve and k diag(beta e^gamma) formed before it, so neither v nor the
     fp32 k is live through the solve (sm90, bf16, K = V = 128: 176 registers at 8 warps against 246, no
@@ -228,7 +244,7 @@ def chunk_gated_delta_rule_fwd_kernel_intra(
 
     b_decay = _decay(b_gamma, m_t, BT)
     b_A = tl.where(o_i[:, None] > o_i[None, :], b_kk * b_beta[:, None] * b_decay, 0.0)
-    b_T = _solve_unit_lower(b_A, BT, BC, PREC)
+    b_T = _solve_unit_lower(b_A, BT, BC, PREC, DIAG_PRODUCT)
 
     # w = T diag(beta e^gamma) K, u = T diag(beta) V; e^gamma <= 1 (masked rows: beta = 0)
     if V_LATE:
@@ -594,6 +610,7 @@ def chunk_fwd_intra(k, v, g, beta, *, l2norm=False, varlen=None, store_t=False, 
         k, v, g, beta, out["gamma"], out["w"], out["u"], t_buf, decay, a_buf, kn, cu, indices, T,
         nbytes=nbytes, H=H, HV=HV, K=K, V=V, BT=BT, BC=BC, L2NORM=l2norm, STORE_T=store_t or stages, STAGES=stages,
         IS_VARLEN=varlen is not None, **_flags(k.dtype), V_LATE=bool(cfg.get("V_LATE", 0)), STORE_KN=store_kn,
+        DIAG_PRODUCT=bool(cfg.get("DIAG_PRODUCT", 0)),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         # a register cap (maxnreg 168 on sm90: 3 programs per SM instead of 2, -3% / -6% at HV = 32) only for the
         # launch that stores neither T nor the stages: with T stored the spills cost more than the occupancy buys
