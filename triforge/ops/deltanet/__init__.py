@@ -744,7 +744,7 @@ _SHAPE_NAMES = ("B", "T", "H", "HV", "K", "V")
 for _kernel, _space, _shape in (
     # maxnreg: the register cap of sm90.json's entry (session 25), so a re-tune measures it instead of dropping it
     ("gated_delta_rule_fwd_intra", {"num_warps": [2, 4, 8], "num_stages": [1, 2, 3], "V_LATE": [0, 1],
-                                    "maxnreg": [0, 168]}, _TUNE_SHAPE),
+                                    "maxnreg": [0, 168], "DIAG_PRODUCT": [0, 1]}, _TUNE_SHAPE),
     ("gated_delta_rule_fwd_h", {"BV": [16, 32, 64], "num_warps": [2, 4, 8], "num_stages": [1, 2, 3]},
      {"B": 1, "T": 32768, "H": 16, "HV": 32, "K": 128, "V": 128}),
     # only the V-blocks the fused kernel compiles correctly (chunk.FUSED_BV)

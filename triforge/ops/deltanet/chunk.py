@@ -118,14 +118,14 @@ def _decay(b_gamma, m_t, BT: tl.constexpr):
 
 
 @triton.jit
-def _solve_unit_lower(b_A, BT: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr, DIAG_PRODUCT: tl.constexpr = False):
+def _solve_unit_lower(b_A, BT: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr, DIAG_PRODUCT: tl.constexpr = True):
     """(I + A)^-1 for a strictly lower [BT, BT] A (fp32).
 
-    The NB = BT / BC diagonal blocks D are inverted first: Td = (I + D)^-1. By forward substitution
-    (default), all NB at once as [NB, BC, BC] tiles, row r of every block per step (BC - 1 serial steps,
-    each two cross-thread sums); or (DIAG_PRODUCT, BC = 16) as the product (I - D)(I + D^2)(I + D^4)(I + D^8)
-    (D^16 = 0) of the block-diagonal [BT, BT] D: six tensor-core dots, four deep (products of
-    block-diagonal matrices stay block-diagonal, exactly). With E = A - D (strictly block-lower),
+    The NB = BT / BC diagonal blocks D are inverted first: Td = (I + D)^-1. DIAG_PRODUCT (BC = 16): as the
+    product (I - D)(I + D^2)(I + D^4)(I + D^8) (D^16 = 0) of the block-diagonal [BT, BT] D, six tensor-core dots
+    four deep (products of block-diagonal matrices stay block-diagonal, exactly; reference.solve_unit_lower_blocks
+    models its tf32 operands); else by forward substitution in fp32, all NB at once as [NB, BC, BC] tiles, row r
+    of every block per step (BC - 1 serial steps, each two cross-thread sums). With E = A - D (strictly block-lower),
     I + A = (I + D)(I + N) with N = Td E, N^NB = 0, so (I + A)^-1 = sum_p (-N)^p Td: NB tensor-core dots,
     each of block-lower matrices.
     """
@@ -200,9 +200,12 @@ def chunk_gated_delta_rule_fwd_kernel_intra(
     RNE: tl.constexpr,
     V_LATE: tl.constexpr,
     STORE_KN: tl.constexpr = False,
-    DIAG_PRODUCT: tl.constexpr = False,
+    DIAG_PRODUCT: tl.constexpr = True,
 ):
-    """DIAG_PRODUCT: the solve's diagonal blocks inverted by tensor-core products (``_solve_unit_lower``).
+    """DIAG_PRODUCT (default; the launcher's config key, 0 for the substitution): the solve's diagonal blocks
+    inverted by tensor-core products (``_solve_unit_lower``; sm90, bf16, K = V = 128: 835.6 against 881.6 us for
+    the substitution under its register cap at (1, 32768, 16, 32), 786.8 / 796.6 at (8, 4096, 16, 32), 417.2 /
+    430.4 at (4, 8192, 16, 16), 219.7 / 229.5 at (1, 8192, 32, 32); benchmarks/NOTES.md, session 27).
     STORE_KN (with L2NORM): the normalised k, rounded to k's dtype as w uses it, is stored for the recurrence
     and the output kernel, which then skip their own normalisation of k (K_NORMED).
     V_LATE: v is loaded after the solve and k diag(beta e^gamma) formed before it, so neither v nor the
@@ -610,7 +613,7 @@ def chunk_fwd_intra(k, v, g, beta, *, l2norm=False, varlen=None, store_t=False, 
         k, v, g, beta, out["gamma"], out["w"], out["u"], t_buf, decay, a_buf, kn, cu, indices, T,
         nbytes=nbytes, H=H, HV=HV, K=K, V=V, BT=BT, BC=BC, L2NORM=l2norm, STORE_T=store_t or stages, STAGES=stages,
         IS_VARLEN=varlen is not None, **_flags(k.dtype), V_LATE=bool(cfg.get("V_LATE", 0)), STORE_KN=store_kn,
-        DIAG_PRODUCT=bool(cfg.get("DIAG_PRODUCT", 0)),
+        DIAG_PRODUCT=bool(cfg.get("DIAG_PRODUCT", 1)),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         # a register cap (maxnreg 168 on sm90: 3 programs per SM instead of 2, -3% / -6% at HV = 32) only for the
         # launch that stores neither T nor the stages: with T stored the spills cost more than the occupancy buys

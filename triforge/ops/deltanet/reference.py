@@ -164,11 +164,15 @@ def tf32_round(x: torch.Tensor, mode: str | None) -> torch.Tensor:
     return bits.to(torch.int32).view(torch.float32).to(x.dtype)
 
 
-def solve_unit_lower_blocks(A: torch.Tensor, block: int, mode: str | None) -> torch.Tensor:
+def solve_unit_lower_blocks(A: torch.Tensor, block: int, mode: str | None, diag: str = "product") -> torch.Tensor:
     """(I + A)^-1 for strictly lower [..., n, n] A as the forward kernel forms it (chunk.py,
-    ``_solve_unit_lower``), its products' operands rounded to tf32 (``mode``): the diagonal blocks D
-    inverted exactly (the kernel substitutes on CUDA cores in fp32), Td = (I + D)^-1, E = A - D,
-    N = Td E and (I + A)^-1 = sum_p (-N)^p Td. n is padded to a multiple of ``block``."""
+    ``_solve_unit_lower``), its products' operands rounded to tf32 (``mode``). The diagonal blocks D (the
+    block-diagonal part of A) are inverted first, Td = (I + D)^-1: ``diag="product"`` (the kernel's
+    default, DIAG_PRODUCT, block 16) as (I - D)(I + D^2)(I + D^4)(I + D^8) in the kernel's order of
+    tensor-core products; ``diag="substitute"`` exactly (the kernel's other path substitutes on CUDA cores in
+    fp32). Then E = A - D, N = Td E and (I + A)^-1 = sum_p (-N)^p Td. n is padded to a multiple of ``block``."""
+    if diag not in ("product", "substitute"):
+        raise ValueError(f"diag must be 'product' or 'substitute', got {diag!r}")
     n = A.shape[-1]
     nb = -(-n // block)
     m = nb * block
@@ -176,12 +180,27 @@ def solve_unit_lower_blocks(A: torch.Tensor, block: int, mode: str | None) -> to
     idx = torch.arange(m, device=A.device) // block
     same = idx[:, None] == idx[None, :]
     eye = torch.eye(m, dtype=A.dtype, device=A.device)
-    Td = torch.linalg.solve_triangular(eye + Ap * same, eye.expand_as(Ap), upper=False, unitriangular=True)
+
+    def dot(a, b):
+        return tf32_round(a, mode) @ tf32_round(b, mode)
+
+    if diag == "product":
+        if block != 16:
+            raise ValueError(f"the product form inverts blocks of 16, got block={block}")
+        D = Ap * same
+        D2 = dot(D, D)
+        D4 = dot(D2, D2)
+        X = eye - D + D2 - dot(D, D2)  # (I - D)(I + D^2)
+        D8 = dot(D4, D4)
+        X = X + dot(X, D4)
+        Td = X + dot(X, D8)
+    else:
+        Td = torch.linalg.solve_triangular(eye + Ap * same, eye.expand_as(Ap), upper=False, unitriangular=True)
     E = Ap * (idx[:, None] > idx[None, :])
-    N = tf32_round(Td, mode) @ tf32_round(E, mode)
+    N = dot(Td, E)
     P, T = Td, Td
     for _ in range(1, nb):
-        P = -(tf32_round(N, mode) @ tf32_round(P, mode))
+        P = -dot(N, P)
         T = T + P
     return T[..., :n, :n]
 
