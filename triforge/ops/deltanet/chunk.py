@@ -230,10 +230,14 @@ def chunk_gated_delta_rule_fwd_kernel_intra(
 
     b_k = tl.load(k_ptr + (o_row * H + i_h)[:, None] * K + o_k[None, :], mask=m_t[:, None], other=0.0)
     if L2NORM:
-        # k k^T from the fp32 unit rows (tf32 products): A keeps ~3 more bits than from rounded k
-        b_kn = _l2norm_rows(b_k)
-        b_kk = _dot(b_kn, tl.trans(b_kn), None, PREC, UPCAST)
-        b_k = _cast(b_kn, k_ptr.dtype.element_ty, RNE)
+        # k k^T of the unit rows as (k k^T) * r_i r_j, r = rsqrt(|k|^2 + eps): the products of the stored 16-bit
+        # values are exact in the fp32 accumulation (tf32 products of the fp32 unit rows kept 10 bits), and the
+        # dot's operands are k's 16-bit tile (16 KB of shared memory each, against 32 KB for fp32 rows)
+        b_kf = b_k.to(tl.float32)
+        b_r = tl.rsqrt(tl.sum(b_kf * b_kf, axis=1) + L2NORM_EPS)
+        b_kk = _dot(b_k, tl.trans(b_k), None, PREC, UPCAST)
+        b_kk = b_kk * b_r[:, None] * b_r[None, :]
+        b_k = _cast(b_kf * b_r[:, None], k_ptr.dtype.element_ty, RNE)  # = _l2norm_rows(k), rounded
         if STORE_KN:  # one writer per k head: the first of its value heads
             tl.store(kn_ptr + (o_row * H + i_h)[:, None] * K + o_k[None, :], b_k,
                      mask=m_t[:, None] & (i_hv % (HV // H) == 0))

@@ -119,9 +119,9 @@ class Rounding:
     Triton backward failed 8 of 67M dk elements on the H100 under fp32-sized draws).
 
     16-bit inputs, compiled: ``tf32`` ("rna" or "rz") also rounds the operands of the forward's fp32
-    products - k k^T of the fp32 unit rows and the triangular solve's block products - to tf32 (10
-    explicit mantissa bits), as input_precision "tf32" does on tensor cores; the CPU interpreter
-    multiplies them in full fp32 (None).
+    products - the triangular solve's block products - to tf32 (10 explicit mantissa bits), as
+    input_precision "tf32" does on tensor cores; the CPU interpreter multiplies them in full fp32 (None).
+    (k k^T is formed from k's 16-bit values, exact products, since session 27.)
     """
 
     MANTISSA = {torch.bfloat16: 7, torch.float16: 10, torch.float32: 23}
@@ -328,8 +328,9 @@ def chunk_ref_stages(
             gam = gc.cumsum(-1)
             incl = torch.ones(c, c, dtype=torch.bool, device=v.device).tril()
             dec = (gam[..., :, None] - gam[..., None, :]).masked_fill(~incl, float("-inf")).exp()
-            kat = tf32_round(kac, tf32)  # the kernels' fp32-operand products on tensor cores (Rounding.tf32)
-            Ac = (bc[..., None] * (kat @ kat.transpose(-1, -2)) * dec).tril(-1)
+            # the intra kernel forms k k^T of the unit rows from k's stored values, whose products its dot makes
+            # exactly, scaled by the rows' 1 / |k| (session 27; before, tf32 products of the fp32 unit rows)
+            Ac = (bc[..., None] * (kac @ kac.transpose(-1, -2)) * dec).tril(-1)
             if tf32:
                 Tc = solve_unit_lower_blocks(Ac, SOLVE_BLOCK, tf32)
             else:
