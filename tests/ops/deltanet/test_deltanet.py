@@ -155,12 +155,14 @@ def test_unfused_state_and_output_kernels_match_reference(gen):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("v_late", [0, 1], ids=["v-early", "v-late"])
-def test_intra_kernel_load_orders_match_reference(v_late, dtype, gen):
-    """Kernel 1 with v loaded before the solve (V_LATE 0) or after it (V_LATE 1, fewer live registers):
-    gamma, T, w and u against the float64 reference stages (T = 100: a partial second chunk, grouped heads)."""
+@pytest.mark.parametrize("diag_product", [0, 1], ids=["substitute", "product"])
+def test_intra_kernel_load_orders_match_reference(v_late, diag_product, dtype, gen):
+    """Kernel 1 with v loaded before the solve (V_LATE 0) or after it (V_LATE 1, fewer live registers), the
+    solve's diagonal blocks by substitution or by products (DIAG_PRODUCT): gamma, T, w and u against the float64
+    reference stages (T = 100: a partial second chunk, grouped heads)."""
     x = _inputs(2, 100, 1, 2, DIRECT_D, DIRECT_D, dtype, gen, normalized_k=False)
     ref = chunk_ref_stages(**_f64(x), output_final_state=True, use_qk_l2norm_in_kernel=True)
-    cfg = {"num_warps": 4, "num_stages": 2, "V_LATE": v_late}
+    cfg = {"num_warps": 4, "num_stages": 2, "V_LATE": v_late, "DIAG_PRODUCT": diag_product}
     with poisoned():
         intra = chunk.chunk_fwd_intra(x["k"], x["v"], x["g"], x["beta"], l2norm=True, store_t=True, cfg=cfg)
     names = ("gamma", "T", "w", "u")

@@ -307,19 +307,25 @@ def test_tf32_round_keeps_ten_mantissa_bits():
         Rounding(torch.bfloat16, tf32="rne")
 
 
-@pytest.mark.parametrize("n", [64, 22, 1])
-def test_block_solve_model_without_rounding_is_the_inverse(n, gen):
-    """solve_unit_lower_blocks (the forward kernel's block-Neumann solve, chunk.BC blocks) without
-    operand rounding equals the triangular inverse; with tf32 operands it moves T by tf32-sized
-    amounts (relative ~1e-4, not 0)."""
+@pytest.mark.parametrize("n", [64, 22, 9, 1])
+@pytest.mark.parametrize("diag", ["product", "substitute"])
+def test_block_solve_model_without_rounding_is_the_inverse(n, diag, gen):
+    """solve_unit_lower_blocks (the forward kernel's block-Neumann solve, chunk.BC blocks; the diagonal blocks by
+    products, the kernel's default, or by substitution) without operand rounding equals the triangular inverse;
+    with tf32 operands it moves T by tf32-sized amounts (relative ~1e-4, not 0): across blocks in both forms, and
+    inside one block (n <= 16) in the product form only."""
     assert SOLVE_BLOCK == chunk_fwd_module.BC
     A = (0.1 * torch.randn(2, n, n, generator=gen, dtype=torch.float64)).tril(-1)
     eye = torch.eye(n, dtype=torch.float64)
     exact = torch.linalg.solve_triangular(eye + A, eye.expand_as(A), upper=False, unitriangular=True)
-    torch.testing.assert_close(solve_unit_lower_blocks(A, SOLVE_BLOCK, None), exact, rtol=1e-12, atol=1e-12)
-    if n > SOLVE_BLOCK:
-        rel = float((solve_unit_lower_blocks(A, SOLVE_BLOCK, "rz") - exact).norm() / exact.norm())
+    torch.testing.assert_close(solve_unit_lower_blocks(A, SOLVE_BLOCK, None, diag), exact, rtol=1e-12, atol=1e-12)
+    rel = float((solve_unit_lower_blocks(A, SOLVE_BLOCK, "rz", diag) - exact).norm() / exact.norm())
+    if n > SOLVE_BLOCK or (diag == "product" and n > 2):
         assert 1e-6 < rel < 2e-3, rel
+    else:  # one block solved exactly (substitution) or a 1 x 1 / 2 x 2 block (no tf32-rounded product is nonzero)
+        assert rel < 1e-12, rel
+    with pytest.raises(ValueError, match="diag"):
+        solve_unit_lower_blocks(A, SOLVE_BLOCK, None, "lu")
 
 
 def test_each_kernel_from_reference_inputs(gen):

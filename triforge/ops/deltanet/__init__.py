@@ -742,7 +742,8 @@ def _tune_bwd_setup(kernel):
 _TUNE_SHAPE = {"B": 8, "T": 4096, "H": 16, "HV": 32, "K": 128, "V": 128}
 _SHAPE_NAMES = ("B", "T", "H", "HV", "K", "V")
 for _kernel, _space, _shape in (
-    # maxnreg: the register cap of sm90.json's entry (session 25), so a re-tune measures it instead of dropping it
+    # maxnreg: the register cap (sm90.json's entry in sessions 25-26); DIAG_PRODUCT: the solve's diagonal blocks by
+    # products (session 27's entry) or by substitution
     ("gated_delta_rule_fwd_intra", {"num_warps": [2, 4, 8], "num_stages": [1, 2, 3], "V_LATE": [0, 1],
                                     "maxnreg": [0, 168], "DIAG_PRODUCT": [0, 1]}, _TUNE_SHAPE),
     ("gated_delta_rule_fwd_h", {"BV": [16, 32, 64], "num_warps": [2, 4, 8], "num_stages": [1, 2, 3]},

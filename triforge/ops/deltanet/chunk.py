@@ -619,8 +619,9 @@ def chunk_fwd_intra(k, v, g, beta, *, l2norm=False, varlen=None, store_t=False, 
         IS_VARLEN=varlen is not None, **_flags(k.dtype), V_LATE=bool(cfg.get("V_LATE", 0)), STORE_KN=store_kn,
         DIAG_PRODUCT=bool(cfg.get("DIAG_PRODUCT", 1)),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        # a register cap (maxnreg 168 on sm90: 3 programs per SM instead of 2, -3% / -6% at HV = 32) only for the
-        # launch that stores neither T nor the stages: with T stored the spills cost more than the occupancy buys
+        # a register cap (config key maxnreg; sm90's entry had 168 until session 27, when the product-form solve
+        # without a cap measured faster) only for the launch that stores neither T nor the stages: with T stored
+        # the spills cost more than the occupancy buys
         **(launch.maxnreg_option(cfg) if not (store_t or stages) else {}),
     )
     if store_kn:
