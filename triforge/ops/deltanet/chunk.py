@@ -60,10 +60,16 @@ def _dot(a, b, acc, PREC: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def _inv_norm_rows(b_x):
+    """[R, K] fp32 -> [R]: rsqrt(sum(x^2) + 1e-6), each row's l2norm scale."""
+    return tl.rsqrt(tl.sum(b_x * b_x, axis=1) + L2NORM_EPS)
+
+
+@triton.jit
 def _l2norm_rows(b_x):
     """[R, K] -> fp32 rows scaled to unit length: x * rsqrt(sum(x^2) + 1e-6) (HF's / fla's l2norm)."""
     b_x = b_x.to(tl.float32)
-    return b_x * tl.rsqrt(tl.sum(b_x * b_x, axis=1) + L2NORM_EPS)[:, None]
+    return b_x * _inv_norm_rows(b_x)[:, None]
 
 
 @triton.jit
@@ -118,7 +124,7 @@ def _decay(b_gamma, m_t, BT: tl.constexpr):
 
 
 @triton.jit
-def _solve_unit_lower(b_A, BT: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr, DIAG_PRODUCT: tl.constexpr = True):
+def _solve_unit_lower(b_A, BT: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr, DIAG_PRODUCT: tl.constexpr):
     """(I + A)^-1 for a strictly lower [BT, BT] A (fp32).
 
     The NB = BT / BC diagonal blocks D are inverted first: Td = (I + D)^-1. DIAG_PRODUCT (BC = 16): as the
@@ -234,7 +240,7 @@ def chunk_gated_delta_rule_fwd_kernel_intra(
         # values are exact in the fp32 accumulation (tf32 products of the fp32 unit rows kept 10 bits), and the
         # dot's operands are k's 16-bit tile (16 KB of shared memory each, against 32 KB for fp32 rows)
         b_kf = b_k.to(tl.float32)
-        b_r = tl.rsqrt(tl.sum(b_kf * b_kf, axis=1) + L2NORM_EPS)
+        b_r = _inv_norm_rows(b_kf)
         b_kk = _dot(b_k, tl.trans(b_k), None, PREC, UPCAST)
         b_kk = b_kk * b_r[:, None] * b_r[None, :]
         b_k = _cast(b_kf * b_r[:, None], k_ptr.dtype.element_ty, RNE)  # = _l2norm_rows(k), rounded
