@@ -33,10 +33,12 @@ SHAPES = [(16, 16, 2048, 64), (8, 16, 4096, 64), (4, 16, 8192, 128), (2, 16, 163
 TOL = 5e-3
 
 
-def c(bm, bn, w, s, tma=0):
+def c(bm, bn, w, s, tma=0, guard=1):
     cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": s}
     if tma:
         cfg["TMA"] = 1
+    if not guard:  # the key loops without their ``if lo < hi`` (before 2026-11-24: ptxas serialized some kernels' wgmma)
+        cfg["GUARD"] = 0
     return cfg
 
 
@@ -54,6 +56,14 @@ FWD2 = {
     128: [c(128, 64, 8, 4, 1), c(128, 64, 8, 3), c(128, 64, 8, 5, 1), c(128, 64, 8, 4), c(128, 32, 8, 5, 1),
           c(128, 32, 8, 6, 1), c(64, 64, 4, 5, 1), c(128, 64, 8, 2, 1)],
 }
+# a third round (--round 3) after the key loops' guard: the tuned configs with and without it, and the tiles the
+# serialized D = 64 kernel may have hidden
+FWD3 = {
+    64: [c(128, 64, 8, 3), c(128, 64, 8, 3, 0, 0), c(64, 64, 4, 3), c(64, 64, 4, 3, 0, 0), c(128, 64, 8, 4),
+         c(128, 128, 8, 2), c(128, 128, 8, 3), c(64, 64, 4, 4), c(128, 64, 4, 3), c(64, 128, 4, 3)],
+    128: [c(128, 64, 8, 4, 1), c(128, 64, 8, 4, 1, 0), c(128, 64, 8, 3), c(128, 64, 8, 3, 0, 0), c(128, 64, 8, 3, 1),
+          c(128, 128, 8, 2, 1), c(64, 64, 4, 3, 1), c(128, 64, 8, 5, 1)],
+}
 # dK/dV: BLOCK_M queries per step, BLOCK_N keys per program. dQ: BLOCK_M queries per program, BLOCK_N keys per step.
 DKDV = {
     64: [c(32, 128, 8, 2), c(32, 128, 8, 3), c(32, 128, 8, 2, 1), c(32, 128, 8, 3, 1), c(64, 128, 8, 2),
@@ -68,10 +78,16 @@ DQ = {
     128: [c(128, 64, 8, 2, 1), c(128, 64, 8, 3, 1), c(128, 128, 8, 2, 1), c(64, 64, 4, 3, 1), c(64, 128, 4, 2, 1),
           c(128, 64, 8, 2), c(64, 64, 4, 2), c(128, 32, 8, 3, 1)],
 }
+DQ3 = {
+    64: [c(128, 64, 8, 3, 1), c(128, 64, 8, 3, 1, 0), c(64, 64, 4, 3), c(64, 64, 4, 3, 0, 0), c(128, 64, 8, 2),
+         c(128, 64, 8, 2, 0, 0), c(128, 64, 8, 3)],
+    128: [c(128, 64, 8, 3, 1), c(128, 64, 8, 3, 1, 0), c(128, 64, 8, 3), c(128, 64, 8, 2)],
+}
 
 
 def name(cfg):
-    return f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']}w{cfg['num_warps']}s{cfg['num_stages']}" + ("tma" if cfg.get("TMA") else "")
+    return (f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']}w{cfg['num_warps']}s{cfg['num_stages']}" + ("tma" if cfg.get("TMA") else "")
+            + ("g0" if not cfg.get("GUARD", 1) else ""))
 
 
 def inputs(B, H, S, D, seed):
@@ -236,7 +252,8 @@ def _at_shape(rows, tag, peer_kind):
 
 def same_config(a, b):
     """Launch configs equal up to TMA's default (0 when absent)."""
-    return {**a, "TMA": a.get("TMA", 0)} == {**b, "TMA": b.get("TMA", 0)}
+    return ({**a, "TMA": a.get("TMA", 0), "GUARD": a.get("GUARD", 1)}
+            == {**b, "TMA": b.get("TMA", 0), "GUARD": b.get("GUARD", 1)})
 
 
 def table(rows):
@@ -292,11 +309,14 @@ def main():
     ap.add_argument("--d", default="64,128", help="head dims to sweep")
     ap.add_argument("--warm", type=int, default=12, help="compile worker processes (0: compile while timing)")
     ap.add_argument("--kinds", default="fwd,dkdv,dq", help="kernels to sweep: fwd, dkdv, dq")
-    ap.add_argument("--fwd-round", type=int, default=1, help="2: the forward's second grid (FWD2)")
+    ap.add_argument("--fwd-round", type=int, default=1, help="2: the forward's second grid (FWD2); 3: FWD3 and DQ3")
     args = ap.parse_args()
-    if args.fwd_round == 2:
+    if args.fwd_round in (2, 3):
         FWD.clear()
-        FWD.update(FWD2)
+        FWD.update(FWD2 if args.fwd_round == 2 else FWD3)
+    if args.fwd_round == 3:
+        DQ.clear()
+        DQ.update(DQ3)
     ds = [int(x) for x in args.d.split(",")]
     kinds = [k for k in args.kinds.split(",") if k]
     t0 = time.time()

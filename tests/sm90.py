@@ -65,7 +65,9 @@ for case in json.loads(sys.argv[1]):
     loops.sort(key=lambda c: -sum(c.values()))
     rows.append({"regs": int(re.search(r"Used (\d+) registers", txt).group(1)),
                  "spill_bytes": int(re.search(r"(\d+) bytes spill stores", txt).group(1)),
-                 "shared": k.metadata.shared, "sass": opcodes(sass), "loops": loops})
+                 "shared": k.metadata.shared, "sass": opcodes(sass), "loops": loops,
+                 # ptxas C7515: each wgmma waits for the one before (no asynchronous tensor-core pipeline)
+                 "serialized": " ".join(re.findall(r"wgmma.mma_async instructions are serialized due to (.*?) in the", txt))})
 print("RESULT" + json.dumps(rows))
 '''
 
@@ -88,4 +90,9 @@ def compile_for_sm90(cases: list, timeout: int = 600) -> list:
     out = subprocess.run([sys.executable, "-c", _SCRIPT, json.dumps(cases)], capture_output=True, text=True, env=env,
                          timeout=timeout)
     assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.split("RESULT", 1)[1])
+    rows = json.loads(out.stdout.split("RESULT", 1)[1])
+    if os.environ.get("SM90_LOG"):
+        with open(os.environ["SM90_LOG"], "a") as f:
+            for c, r in zip(cases, rows):
+                f.write(json.dumps({"case": c, "regs": r["regs"], "spills": r["spill_bytes"], "ser": r["serialized"]}) + "\n")
+    return rows

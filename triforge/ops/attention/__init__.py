@@ -192,6 +192,13 @@ def _tma_ok(*tensors) -> bool:
     return True
 
 
+def _guard(cfg, dtype):
+    """GUARD of the forward and dQ kernels: each key loop inside ``if lo < hi`` (forward._fwd_inner). On
+    for 16-bit inputs (their dots are wgmma, which ptxas otherwise may serialize); config key GUARD = 0 turns
+    it off (to time the difference). fp32's dots are not wgmma, and there the guard only costs registers."""
+    return bool(cfg.get("GUARD", 1)) and dtype != torch.float32
+
+
 def _fwd_variant(cfg, q, k, v, varlen, Sk):
     """The forward kernel's TMA / WARP_SPEC / EVEN_N flags and warp count for one launch.
 
@@ -204,7 +211,7 @@ def _fwd_variant(cfg, q, k, v, varlen, Sk):
     tma = bool(cfg.get("TMA", 0)) and _tma_ok(q, k, v)
     ws = ws and tma and varlen is None
     num_warps = cfg["num_warps"] // 2 if ws else cfg["num_warps"]
-    flags = {"TMA": tma, "WARP_SPEC": ws, "EVEN_N": ws and Sk % cfg["BLOCK_N"] == 0}
+    flags = {"TMA": tma, "WARP_SPEC": ws, "EVEN_N": ws and Sk % cfg["BLOCK_N"] == 0, "GUARD": _guard(cfg, q.dtype)}
     return flags, num_warps
 
 
@@ -335,7 +342,7 @@ def attn_bwd_dq(q, k, v, do, lse, delta, causal, softmax_scale, cfg=None, varlen
         H, H // Hkv, Sq, Sk, softmax_scale * LOG2E, softmax_scale,
         nbytes=e * (3 * q.numel() + k.numel() + v.numel()) + 8 * lse.numel(),
         HEAD_DIM=D, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], CAUSAL=bool(causal), **_flags(q.dtype),
-        **vl_flag, TMA=tma, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        **vl_flag, TMA=tma, GUARD=_guard(cfg, q.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return dq
 

@@ -311,6 +311,7 @@ def flash_attn_bwd_dq_kernel(
     IEEE: tl.constexpr,
     VARLEN: tl.constexpr,
     TMA: tl.constexpr = False,  # Q/dO/K/V tiles through device-built tensor descriptors (16-byte aligned)
+    GUARD: tl.constexpr = True,  # each key loop inside ``if lo < hi`` (keeps ptxas from serializing wgmma)
 ):
     i_m = tl.program_id(0)
     if CAUSAL:
@@ -353,10 +354,18 @@ def flash_attn_bwd_dq_kernel(
     shift = Sk - Sq
     full_end, hi = _causal_key_range(i_m, Sk, shift, BLOCK_M, BLOCK_N, CAUSAL)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_src, v_src, stride_ks, stride_vs, offs_m, offs_d,
-                       0, full_end, Sk, shift, qk_scale, BLOCK_M, BLOCK_N, False, CAUSAL, UPCAST, IEEE, TMA)
-    dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_src, v_src, stride_ks, stride_vs, offs_m, offs_d,
-                       full_end, hi, Sk, shift, qk_scale, BLOCK_M, BLOCK_N, True, CAUSAL, UPCAST, IEEE, TMA)
+    if GUARD:  # each key loop inside ``if lo < hi``: see forward._fwd_inner (ptxas's wgmma serialization)
+        if full_end > 0:
+            dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_src, v_src, stride_ks, stride_vs, offs_m, offs_d,
+                               0, full_end, Sk, shift, qk_scale, BLOCK_M, BLOCK_N, False, CAUSAL, UPCAST, IEEE, TMA)
+        if full_end < hi:
+            dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_src, v_src, stride_ks, stride_vs, offs_m, offs_d,
+                               full_end, hi, Sk, shift, qk_scale, BLOCK_M, BLOCK_N, True, CAUSAL, UPCAST, IEEE, TMA)
+    else:
+        dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_src, v_src, stride_ks, stride_vs, offs_m, offs_d,
+                           0, full_end, Sk, shift, qk_scale, BLOCK_M, BLOCK_N, False, CAUSAL, UPCAST, IEEE, TMA)
+        dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_src, v_src, stride_ks, stride_vs, offs_m, offs_d,
+                           full_end, hi, Sk, shift, qk_scale, BLOCK_M, BLOCK_N, True, CAUSAL, UPCAST, IEEE, TMA)
     dq = dq * sm_scale
     tl.store(dq_ptr + _seq_start(i_b, bos_q, stride_dqb, stride_dqs, VARLEN) + i_h * stride_dqh + m0 * stride_dqs
              + offs_m0[:, None] * stride_dqs + offs_d[None, :], _cast(dq, dq_ptr.dtype.element_ty, UPCAST), mask=m_m[:, None])

@@ -54,24 +54,12 @@ def _dot(a, b, acc, UPCAST: tl.constexpr, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _fwd_inner(
-    acc, l_i, m_i, q,
-    k_src, v_src,  # TMA: descriptors of this (batch, kv head)'s K / V [Sk, D]; else pointers to its row 0
-    stride_ks, stride_vs,
-    offs_m,  # [BLOCK_M] query rows of the program
-    offs_d,  # [HEAD_DIM]
-    lo, hi,  # key range [lo, hi), lo a multiple of BLOCK_N
-    Sk, shift,  # shift = Sk - Sq (bottom-right causal alignment)
-    qk_scale,  # softmax scale * log2(e)
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    MASKED: tl.constexpr,  # boundary blocks: key bounds (and the causal mask when CAUSAL)
-    CAUSAL: tl.constexpr,
-    UPCAST: tl.constexpr,
-    IEEE: tl.constexpr,
-    TMA: tl.constexpr,  # K/V tiles by tensor descriptor (TMA on Hopper; rows past Sk read as 0)
-    WARP_SPEC: tl.constexpr,  # Hopper: a producer warpgroup issues the TMA loads, two consumers compute
+def _fwd_loop(
+    acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, offs_m, offs_d, lo, hi, Sk, shift, qk_scale,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+    UPCAST: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr, WARP_SPEC: tl.constexpr,
 ):
+    """The key loop of ``_fwd_inner`` over tiles [lo, hi)."""
     offs_n0 = tl.arange(0, BLOCK_N)
     tile = offs_n0[:, None] * stride_ks + offs_d[None, :]
     tile_v = offs_n0[:, None] * stride_vs + offs_d[None, :]
@@ -112,6 +100,40 @@ def _fwd_inner(
         acc = _dot(_cast(p, v.dtype, UPCAST), v, acc, UPCAST, IEEE)
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _fwd_inner(
+    acc, l_i, m_i, q,
+    k_src, v_src,  # TMA: descriptors of this (batch, kv head)'s K / V [Sk, D]; else pointers to its row 0
+    stride_ks, stride_vs,
+    offs_m,  # [BLOCK_M] query rows of the program
+    offs_d,  # [HEAD_DIM]
+    lo, hi,  # key range [lo, hi), lo a multiple of BLOCK_N
+    Sk, shift,  # shift = Sk - Sq (bottom-right causal alignment)
+    qk_scale,  # softmax scale * log2(e)
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,  # boundary blocks: key bounds (and the causal mask when CAUSAL)
+    CAUSAL: tl.constexpr,
+    UPCAST: tl.constexpr,
+    IEEE: tl.constexpr,
+    TMA: tl.constexpr,  # K/V tiles by tensor descriptor (TMA on Hopper; rows past Sk read as 0)
+    WARP_SPEC: tl.constexpr,  # Hopper: a producer warpgroup issues the TMA loads, two consumers compute
+    GUARD: tl.constexpr,  # the loop inside ``if lo < hi`` (not with WARP_SPEC, whose pass takes a bare loop)
+):
+    if GUARD and not WARP_SPEC:
+        # the loop inside ``if lo < hi``: a loop that may run no trip leaves, on that path, its initial acc
+        # (register moves) flowing into the wgmma wait after the loop, and ptxas then serializes every wgmma
+        # of the kernel (C7515; found in the non-causal D = 64 kernel, whose key loop is empty when Sk is a
+        # multiple of BLOCK_N). Inside the guard the loop always runs and the initial values merge past the wait.
+        if lo < hi:
+            acc, l_i, m_i = _fwd_loop(acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, offs_m, offs_d, lo, hi, Sk,
+                                      shift, qk_scale, BLOCK_M, BLOCK_N, MASKED, CAUSAL, UPCAST, IEEE, TMA, WARP_SPEC)
+    else:
+        acc, l_i, m_i = _fwd_loop(acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, offs_m, offs_d, lo, hi, Sk,
+                                  shift, qk_scale, BLOCK_M, BLOCK_N, MASKED, CAUSAL, UPCAST, IEEE, TMA, WARP_SPEC)
     return acc, l_i, m_i
 
 
@@ -190,6 +212,7 @@ def flash_attn_fwd_kernel(
     TMA: tl.constexpr = False,  # Q/K/V tiles through device-built tensor descriptors (16-byte aligned)
     WARP_SPEC: tl.constexpr = False,  # with TMA, not VARLEN: Hopper producer/consumer warpgroups
     EVEN_N: tl.constexpr = False,  # Sk % BLOCK_N == 0 (not VARLEN): WARP_SPEC needs no key-bound mask
+    GUARD: tl.constexpr = True,  # each key loop inside ``if lo < hi`` (_fwd_inner: keeps ptxas from serializing wgmma)
 ):
     i_m = tl.program_id(0)
     if CAUSAL:  # the longest rows (most key blocks) start first
@@ -233,14 +256,14 @@ def flash_attn_fwd_kernel(
     if WARP_SPEC:  # the warp-specialising pass takes one loop: every tile masked if any tile needs it
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, offs_m, offs_d,
                                    0, hi, Sk, shift, qk_scale,
-                                   BLOCK_M, BLOCK_N, CAUSAL or not EVEN_N, CAUSAL, UPCAST, IEEE, TMA, True)
+                                   BLOCK_M, BLOCK_N, CAUSAL or not EVEN_N, CAUSAL, UPCAST, IEEE, TMA, True, GUARD)
     else:
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, offs_m, offs_d,
                                    0, full_end, Sk, shift, qk_scale,
-                                   BLOCK_M, BLOCK_N, False, CAUSAL, UPCAST, IEEE, TMA, False)
+                                   BLOCK_M, BLOCK_N, False, CAUSAL, UPCAST, IEEE, TMA, False, GUARD)
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, offs_m, offs_d,
                                    full_end, hi, Sk, shift, qk_scale,
-                                   BLOCK_M, BLOCK_N, True, CAUSAL, UPCAST, IEEE, TMA, False)
+                                   BLOCK_M, BLOCK_N, True, CAUSAL, UPCAST, IEEE, TMA, False, GUARD)
 
     empty = l_i == 0.0  # the row saw no key
     l_safe = tl.where(empty, 1.0, l_i)
