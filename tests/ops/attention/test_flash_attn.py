@@ -462,7 +462,8 @@ def test_sm90_attention_entries():
             for causal in (False, True):
                 for dtype in (torch.bfloat16, torch.float16):
                     cfg = table["kernels"][kernel][attn.config_key(D, causal, dtype)]
-                    assert set(cfg) == {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "TMA"}, (kernel, D, causal)
+                    keys = {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "TMA"}
+                    assert keys <= set(cfg) <= keys | {"GUARD"}, (kernel, D, causal)
                     assert table["provenance"][f"{kernel}[{attn.config_key(D, causal, dtype)}]"]["device"].startswith(
                         "NVIDIA H100")
     for causal in (False, True):
@@ -857,7 +858,8 @@ def _check_sm90_rows(rows):
             assert r["cp_async"] > 0, r  # K/V (or Q/dO) loads are asynchronous copies
             if r["D"] <= 128:
                 assert r["wgmma"] > 0, r  # Hopper tensor cores
-        assert r["serialized"] == "", r  # ptxas keeps the wgmma pipeline asynchronous
+        if (r.get("cfg") or {}).get("GUARD", 1):  # GUARD 0 (a tune point, to time it) may be serialized
+            assert r["serialized"] == "", r  # ptxas keeps the wgmma pipeline asynchronous
         if r.get("tma"):
             assert r["tma_loads"] > 0, r  # bulk tensor copies
         if r.get("ws"):  # producer + two consumer warpgroups, registers moved to the consumers
