@@ -78,6 +78,13 @@ DQ = {
     128: [c(128, 64, 8, 2, 1), c(128, 64, 8, 3, 1), c(128, 128, 8, 2, 1), c(64, 64, 4, 3, 1), c(64, 128, 4, 2, 1),
           c(128, 64, 8, 2), c(64, 64, 4, 2), c(128, 32, 8, 3, 1)],
 }
+# a fourth round (--fwd-round 4, D = 128): around round 3's winner, 64-row tiles on one warpgroup (two programs
+# per SM by shared memory, whose softmax and matmuls interleave)
+FWD4 = {
+    64: [c(128, 64, 8, 3), c(64, 64, 4, 3, 0, 0), c(64, 64, 4, 2), c(64, 32, 4, 4), c(64, 64, 4, 3, 1)],
+    128: [c(64, 64, 4, 3, 1), c(64, 64, 4, 2, 1), c(64, 64, 4, 4, 1), c(64, 128, 4, 2, 1), c(64, 32, 4, 4, 1),
+          c(64, 64, 4, 3, 1, 0), c(64, 64, 4, 3), c(64, 64, 4, 2), c(128, 64, 8, 3), c(64, 32, 4, 3, 1)],
+}
 DQ3 = {
     64: [c(128, 64, 8, 3, 1), c(128, 64, 8, 3, 1, 0), c(64, 64, 4, 3), c(64, 64, 4, 3, 0, 0), c(128, 64, 8, 2),
          c(128, 64, 8, 2, 0, 0), c(128, 64, 8, 3)],
@@ -309,11 +316,11 @@ def main():
     ap.add_argument("--d", default="64,128", help="head dims to sweep")
     ap.add_argument("--warm", type=int, default=12, help="compile worker processes (0: compile while timing)")
     ap.add_argument("--kinds", default="fwd,dkdv,dq", help="kernels to sweep: fwd, dkdv, dq")
-    ap.add_argument("--fwd-round", type=int, default=1, help="2: the forward's second grid (FWD2); 3: FWD3 and DQ3")
+    ap.add_argument("--fwd-round", type=int, default=1, help="2: the forward's second grid (FWD2); 3: FWD3 and DQ3; 4: FWD4")
     args = ap.parse_args()
-    if args.fwd_round in (2, 3):
+    if args.fwd_round in (2, 3, 4):
         FWD.clear()
-        FWD.update(FWD2 if args.fwd_round == 2 else FWD3)
+        FWD.update({2: FWD2, 3: FWD3, 4: FWD4}[args.fwd_round])
     if args.fwd_round == 3:
         DQ.clear()
         DQ.update(DQ3)
