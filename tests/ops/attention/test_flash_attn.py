@@ -366,6 +366,26 @@ def test_hopper_variants(fwd, dkdv, dq, causal, gen):
         assert (o[:, ~seen] == 0).all() and (dq_[:, ~seen] == 0).all()
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_guarded_key_loops_change_nothing(causal, gen):
+    """GUARD (each key loop inside ``if lo < hi``, against ptxas's wgmma serialization) only skips loops that run
+    no trip: o, lse and dq bit-equal with it off, where whole-tile, boundary-only and empty key ranges occur
+    (Sk a multiple of the tile, Sq > Sk with causal rows that see no key, Sk < one tile)."""
+    for Sq, Sk in ((32, 32), (40, 17), (5, 48)):
+        q, k, v = _qkv(1, Sq, Sk, 2, 1, 32, torch.float16, gen)
+        do = torch.randn(q.shape, generator=gen, dtype=torch.float32).to(q.device, q.dtype)
+        outs = []
+        for guard in (1, 0):
+            cfg = dict(attn._cfg("flash_attn_fwd", 32, causal, q.dtype), GUARD=guard)
+            o, lse, o_res = attn.attn_fwd(q, k, v, causal, 32**-0.5, cfg, residual=True)
+            delta = attn.attn_bwd_preprocess(o, do, o_res)
+            cfg_dq = dict(attn._cfg("flash_attn_bwd_dq", 32, causal, q.dtype), GUARD=guard)
+            outs.append((o, lse, attn.attn_bwd_dq(q, k, v, do, lse, delta, causal, 32**-0.5, cfg_dq)))
+        for name, a, b in zip(("o", "lse", "dq"), *outs):
+            assert name == "lse" or torch.isfinite(a).all(), name  # lse is -inf on rows that see no key
+            assert torch.equal(a, b), (name, Sq, Sk)
+
+
 def test_tma_falls_back_on_misaligned_inputs(gen):
     """q starting 2 bytes past a 16-byte boundary: no tensor descriptors, the plain loads, same result."""
     dtype = torch.float16
