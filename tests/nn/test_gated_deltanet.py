@@ -417,3 +417,15 @@ def test_real_size_layer_bf16_matches_hf(gen):
             out, cache = ours(x[:, t:t + 1].bfloat16(), cache=cache)
             got.append(out)
     _assert_bf16_like_hf("real size", exact, want, torch.cat(got, 1), scale)
+
+
+def test_patched_layer_refuses_caches_of_transformers_5_24(monkeypatch, device, gen):
+    """transformers 5.24 changed the linear-attention cache (cached decode diverged from HF's): a cached call says so."""
+    from triforge.nn import deltanet as dn
+
+    model = _tiny_model(gen).to(device)
+    patch_hf_gated_deltanet(model, backend="torch")
+    monkeypatch.setattr(dn, "_hf_version", lambda: (5, 24))
+    ids = torch.randint(0, 97, (1, 5), generator=gen).to(device)
+    with torch.no_grad(), pytest.raises(NotImplementedError, match="transformers < 5.24"):
+        model(ids, use_cache=True)

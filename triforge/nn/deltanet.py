@@ -311,6 +311,11 @@ class HFGatedDeltaNet(GatedDeltaNet):
         if cache_params is None:
             return super().forward(hidden_states, attention_mask=attention_mask)[0]
         idx, W = self.layer_idx, self.conv_kernel_size
+        if _hf_version() >= (5, 24):
+            # transformers 5.24 changed the linear-attention cache (update_conv_state appends its argument to the
+            # stored state); cached decode through this layer then diverges from HF's (found 2026-11-24): refused
+            raise NotImplementedError("HFGatedDeltaNet with a cache needs transformers < 5.24 (its linear-attention "
+                                      "cache changed in 5.24 and is not supported yet); call it without cache_params")
         if idx < len(cache_params.layers) and getattr(cache_params.layers[idx], "record_past", False):
             raise NotImplementedError("HFGatedDeltaNet does not support caches that record past states "
                                       "(assisted generation)")
@@ -323,6 +328,12 @@ class HFGatedDeltaNet(GatedDeltaNet):
         cache_params.update_conv_state(new.conv_state, idx, conv_kernel_size=W)
         cache_params.update_recurrent_state(new.recurrent_state, idx)
         return out
+
+
+def _hf_version() -> tuple:
+    import transformers
+
+    return tuple(int(x) for x in transformers.__version__.split(".")[:2] if x.isdigit())
 
 
 def patch_hf_gated_deltanet(model: nn.Module, *, backend: str = "triton") -> int:
