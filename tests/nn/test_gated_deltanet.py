@@ -224,19 +224,20 @@ def test_decode_matches_hf_cache_and_full_prefill(backend, device, gen):
     hf_cache = DynamicCache(config=cfg)
     with torch.no_grad(), poisoned():
         full, _ = ours(x)
-        want = [hf(x[:, :P], cache_params=hf_cache)]
+        # the cache goes positionally: Hugging Face names it cache_params before 5.24, cache from 5.24
+        want = [hf(x[:, :P], hf_cache)]
         got0, cache = ours(x[:, :P], use_cache=True)
         got = [got0]
         assert cache.conv_state.shape == (2, ours.conv_dim, 3) and cache.conv_state.dtype == torch.float32
         assert cache.recurrent_state.shape == (2, 4, 32, 32) and cache.recurrent_state.dtype == torch.float32
         for t in range(P, P + steps):
-            want.append(hf(x[:, t:t + 1], cache_params=hf_cache))
+            want.append(hf(x[:, t:t + 1], hf_cache))
             before = cache.recurrent_state.clone()
             out, new = ours(x[:, t:t + 1], cache=cache)
             assert torch.equal(cache.recurrent_state, before)  # the given cache is not modified
             cache = new
             got.append(out)
-        want.append(hf(x[:, P + steps:], cache_params=hf_cache))
+        want.append(hf(x[:, P + steps:], hf_cache))
         out, cache = ours(x[:, P + steps:], cache=cache)
         got.append(out)
     want, got = torch.cat(want, 1), torch.cat(got, 1)
@@ -403,8 +404,8 @@ def test_real_size_layer_bf16_matches_hf(gen):
 
     def prefill_and_decode(layer, dtype=torch.float32):
         cache = DynamicCache(config=cfg)
-        out = [layer(x[:, :P].to(dtype), cache_params=cache)]
-        out += [layer(x[:, t:t + 1].to(dtype), cache_params=cache) for t in range(P, P + steps)]
+        out = [layer(x[:, :P].to(dtype), cache)]
+        out += [layer(x[:, t:t + 1].to(dtype), cache) for t in range(P, P + steps)]
         return torch.cat(out, 1)
 
     with torch.no_grad():
@@ -419,13 +420,24 @@ def test_real_size_layer_bf16_matches_hf(gen):
     _assert_bf16_like_hf("real size", exact, want, torch.cat(got, 1), scale)
 
 
-def test_patched_layer_refuses_caches_of_transformers_5_24(monkeypatch, device, gen):
-    """transformers 5.24 changed the linear-attention cache (cached decode diverged from HF's): a cached call says so."""
-    from triforge.nn import deltanet as dn
-
-    model = _tiny_model(gen).to(device)
-    patch_hf_gated_deltanet(model, backend="torch")
-    monkeypatch.setattr(dn, "_hf_version", lambda: (5, 24))
-    ids = torch.randint(0, 97, (1, 5), generator=gen).to(device)
-    with torch.no_grad(), pytest.raises(NotImplementedError, match="transformers < 5.24"):
-        model(ids, use_cache=True)
+@pytest.mark.parametrize("keyword", ["cache", "cache_params"])
+def test_patched_layer_reads_hf_cache_under_either_name(keyword, device, gen):
+    """transformers 5.24 renamed the layer's ``cache_params`` to ``cache`` (its decoder layer passes ``cache=``;
+    the patched layer once took only the old name, ignored the cache and decoded from an empty state): both names
+    are read. HF's own layer, prefill then single tokens then a chunk on its cache, is the reference."""
+    cfg, hf, _ = _pair("torch", device, torch.float32, gen)
+    ours = HFGatedDeltaNet.from_hf(hf, backend="torch")
+    P, steps, chunk = 9, 3, 4
+    x = _x(2, P + steps + chunk, device, torch.float32, gen)
+    parts = [x[:, :P], *(x[:, t:t + 1] for t in range(P, P + steps)), x[:, P + steps:]]
+    hf_cache, our_cache = DynamicCache(config=cfg), DynamicCache(config=cfg)
+    with torch.no_grad(), poisoned():
+        want = torch.cat([hf(p, hf_cache) for p in parts], 1)
+        got = torch.cat([ours(p, **{keyword: our_cache}) for p in parts], 1)
+        uncached = ours(x)
+    assert compare(f"HF cache as {keyword}", want, got, tol=FP32).ok
+    assert compare("cached vs whole sequence", uncached, got, tol=FP32).ok
+    assert compare("recurrent state in HF's cache", hf_cache.layers[0].recurrent_states[0],
+                   our_cache.layers[0].recurrent_states[0], tol=FP32).ok
+    with pytest.raises(ValueError, match="`cache` or `cache_params`"):
+        ours(x[:, :1], cache=our_cache, cache_params=DynamicCache(config=cfg))

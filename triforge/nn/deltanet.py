@@ -288,8 +288,9 @@ class GatedDeltaNet(nn.Module):
 class HFGatedDeltaNet(GatedDeltaNet):
     """GatedDeltaNet with Qwen3NextGatedDeltaNet's call signature, reading and writing Hugging Face's cache.
 
-    ``forward(hidden_states, cache_params=None, attention_mask=None)`` returns only the output, as
-    Hugging Face's layer does; the states live in ``cache_params`` (a ``DynamicCache`` holding a
+    ``forward(hidden_states, cache=None, attention_mask=None)`` returns only the output, as Hugging
+    Face's layer does (the cache is also taken as ``cache_params``, its name before transformers 5.24);
+    the states live in the cache (a ``DynamicCache`` holding a
     linear-attention layer at ``layer_idx``). Hugging Face keeps W conv inputs where this layer needs
     W - 1: the oldest of the W, never read, is not kept exact.
     """
@@ -304,18 +305,18 @@ class HFGatedDeltaNet(GatedDeltaNet):
         new.layer_idx = getattr(module, "layer_idx", 0)
         return new
 
-    def forward(self, hidden_states: torch.Tensor, cache_params=None, attention_mask: torch.Tensor | None = None,
-                **kwargs):
+    def forward(self, hidden_states: torch.Tensor, cache=None, attention_mask: torch.Tensor | None = None,
+                cache_params=None, **kwargs):
         if kwargs.get("cu_seq_lens_q") is not None:
             raise NotImplementedError("packed sequences (cu_seq_lens_q) are not supported by HFGatedDeltaNet")
+        # transformers 5.24 renamed the argument ``cache_params`` to ``cache`` (its decoder layer passes ``cache=``);
+        # both are taken, as Hugging Face's own layer does
+        if cache is not None and cache_params is not None and cache is not cache_params:
+            raise ValueError("HFGatedDeltaNet: pass the cache as `cache` or `cache_params`, not two different ones")
+        cache_params = cache if cache is not None else cache_params
         if cache_params is None:
             return super().forward(hidden_states, attention_mask=attention_mask)[0]
         idx, W = self.layer_idx, self.conv_kernel_size
-        if _hf_version() >= (5, 24):
-            # transformers 5.24 changed the linear-attention cache (update_conv_state appends its argument to the
-            # stored state); cached decode through this layer then diverges from HF's (found 2026-11-24): refused
-            raise NotImplementedError("HFGatedDeltaNet with a cache needs transformers < 5.24 (its linear-attention "
-                                      "cache changed in 5.24 and is not supported yet); call it without cache_params")
         if idx < len(cache_params.layers) and getattr(cache_params.layers[idx], "record_past", False):
             raise NotImplementedError("HFGatedDeltaNet does not support caches that record past states "
                                       "(assisted generation)")
@@ -328,12 +329,6 @@ class HFGatedDeltaNet(GatedDeltaNet):
         cache_params.update_conv_state(new.conv_state, idx, conv_kernel_size=W)
         cache_params.update_recurrent_state(new.recurrent_state, idx)
         return out
-
-
-def _hf_version() -> tuple:
-    import transformers
-
-    return tuple(int(x) for x in transformers.__version__.split(".")[:2] if x.isdigit())
 
 
 def patch_hf_gated_deltanet(model: nn.Module, *, backend: str = "triton") -> int:
