@@ -12,6 +12,7 @@ Inputs are drawn on the CPU from the per-test generator (reproducible on any mac
 the kernels' device (the ``device`` fixture); the float64 references run on that same device.
 """
 
+import contextlib
 import math
 
 import pytest
@@ -371,6 +372,40 @@ def test_noncontiguous_upstream_gradients(gen, device):
     ref = torch.autograd.grad(post_res_ref(*leaves64), leaves64, _to64(g))
     for name, r, gt in zip(("dx", "df", "dH", "dh_post"), ref, got):
         _assert_ok(compare(name, r, gt, verbose=False))
+
+
+def test_eager_calls_bypass_the_custom_ops_traced_calls_use_them(gen, device):
+    """Eager calls of the three ops run their launchers under a plain autograd.Function (launch.eager: the custom
+    ops' dispatch and autograd wrappers cost host time the GPU waits for); under a dispatch mode (what AOTAutograd
+    and make_fx trace with) the custom ops run. Outputs and every gradient are bit-equal on both paths."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Passthrough(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    T, C = 19, 24
+    x = _x((T, 4, C), torch.bfloat16, gen, device=device)
+    W, h = _W(C, gen, device=device), _x((T, 4), torch.float32, gen, device=device)
+    _, f, H, hp = _post_res_inputs(T, C, torch.bfloat16, gen, device)
+    up = [_x(s, torch.float32, gen, device=device) for s in ((T, N_PROJ), (T,), (T, C), (T, 4, C))]
+    results = {}
+    for path in ("eager", "op"):
+        leaves = [_leaf(t) for t in (x, W, h, f, H, hp)]
+        xl, Wl, hl, fl, Hl, hpl = leaves
+        with contextlib.nullcontext() if path == "eager" else Passthrough(), poisoned():
+            proj, inv = fused_rmsnorm_project(xl.view(T, 4 * C), Wl)
+            y = fused_pre_map(xl, hl)
+            z = fused_post_res(xl, fl, Hl, hpl)
+        names = {type(t.grad_fn).__name__ for t in (proj, y, z)}
+        want = {"_ProjectFunctionBackward", "_PreMapFunctionBackward", "_PostResFunctionBackward"}
+        assert (names == want) == (path == "eager"), names
+        loss = (proj * up[0]).sum() + (inv * up[1]).sum() + (y.float() * up[2]).sum() + (z.float() * up[3]).sum()
+        with poisoned():
+            results[path] = [proj, inv, y, z, *torch.autograd.grad(loss, leaves)]
+    for e, o in zip(results["eager"], results["op"]):
+        assert not e.isnan().any()
+        torch.testing.assert_close(o, e, rtol=0, atol=0)
 
 
 # ----------------------------------------------------------------------------- K2: coefficients

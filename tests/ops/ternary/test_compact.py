@@ -291,3 +291,18 @@ def test_quantize_model_compact_report(gen):
     assert all(m.ternary.resident == "codes" for m in model if isinstance(m, TernaryLinear))
     planes = 2 * (512 * math.ceil(256 / 32) + 256 * math.ceil(512 / 32)) * 4 + 4 * 768
     assert r_full["bytes_after"] == planes  # the planes form, before any codes are cached
+
+
+@pytest.mark.parametrize("n,k", [(16, 4096), (7, 1003)])
+def test_bench_memory_report_counts_the_base3_checkpoint(n, k, gen, device):
+    """The bench's memory report (registry extras): base-3 = ceil(N K / 5) packed bytes + fp32 row scales, the
+    file = that + the safetensors header (round trips: test_tensor)."""
+    import triforge.ops.ternary as T
+
+    full, small, trits = _pair(n, k, gen, device)
+    rep = T._registry_extras({"tt": small})["weights"]
+    base3 = math.ceil(n * k / 5) + 4 * n
+    assert rep["base3_bytes"] == base3 and rep["fp16_bytes"] == 2 * n * k
+    assert rep["base3_x_smaller_than_fp16"] == pytest.approx(2 * n * k / base3)
+    assert base3 < rep["base3_file_bytes"] < base3 + 1024
+    assert rep["resident_bytes"] == small.nbytes("codes")

@@ -275,6 +275,10 @@ def _validate_post_res(x, f, H, h_post):
 @torch.library.custom_op("triforge::fused_rmsnorm_project", mutates_args=())
 def fused_rmsnorm_project_op(x_flat: torch.Tensor, W: torch.Tensor, eps: float = EPS) -> tuple[torch.Tensor, torch.Tensor]:
     _validate_project(x_flat, W, eps)
+    return _project_impl(x_flat, W, eps)
+
+
+def _project_impl(x_flat, W, eps):
     return project_fwd(x_flat.contiguous(), W.contiguous(), eps)
 
 
@@ -289,6 +293,10 @@ def _project_bwd_op(
     x_flat: torch.Tensor, W: torch.Tensor, proj: torch.Tensor, inv_rms: torch.Tensor,
     dproj: torch.Tensor, dinv: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    return _project_bwd_impl(x_flat, W, proj, inv_rms, dproj, dinv)
+
+
+def _project_bwd_impl(x_flat, W, proj, inv_rms, dproj, dinv):
     dinv = dinv.contiguous() if dinv is not None else None
     return project_bwd(x_flat.contiguous(), W.contiguous(), proj.contiguous(), inv_rms.contiguous(), dproj.contiguous(), dinv)
 
@@ -307,7 +315,10 @@ def _project_backward(ctx, dproj, dinv):
     x_flat, W, proj, inv_rms = ctx.saved_tensors
     if dproj is None:
         dproj = torch.zeros_like(proj)
-    dx, dW = torch.ops.triforge.fused_rmsnorm_project_bwd(x_flat, W, proj, inv_rms, dproj, dinv)
+    if launch.eager(x_flat, W, proj, inv_rms, dproj, dinv):
+        dx, dW = _project_bwd_impl(x_flat, W, proj, inv_rms, dproj, dinv)
+    else:
+        dx, dW = torch.ops.triforge.fused_rmsnorm_project_bwd(x_flat, W, proj, inv_rms, dproj, dinv)
     return dx, dW, None
 
 
@@ -317,6 +328,10 @@ fused_rmsnorm_project_op.register_autograd(_project_backward, setup_context=_pro
 @torch.library.custom_op("triforge::fused_pre_map", mutates_args=())
 def fused_pre_map_op(x_streams: torch.Tensor, h_pre: torch.Tensor) -> torch.Tensor:
     _validate_pre_map(x_streams, h_pre)
+    return _pre_map_impl(x_streams, h_pre)
+
+
+def _pre_map_impl(x_streams, h_pre):
     return pre_map_fwd(x_streams.contiguous(), h_pre.contiguous())
 
 
@@ -327,6 +342,10 @@ def _(x_streams, h_pre):
 
 @torch.library.custom_op("triforge::fused_pre_map_bwd", mutates_args=())
 def _pre_map_bwd_op(dy: torch.Tensor, x_streams: torch.Tensor, h_pre: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return _pre_map_bwd_impl(dy, x_streams, h_pre)
+
+
+def _pre_map_bwd_impl(dy, x_streams, h_pre):
     return pre_map_bwd(dy.contiguous(), x_streams.contiguous(), h_pre.contiguous())
 
 
@@ -341,6 +360,8 @@ def _pre_map_setup(ctx, inputs, output):
 
 def _pre_map_backward(ctx, dy):
     x, h_pre = ctx.saved_tensors
+    if launch.eager(dy, x, h_pre):
+        return _pre_map_bwd_impl(dy, x, h_pre)
     return torch.ops.triforge.fused_pre_map_bwd(dy, x, h_pre)
 
 
@@ -352,6 +373,10 @@ def fused_post_res_op(
     x_streams: torch.Tensor, layer_output: torch.Tensor, H_merged: torch.Tensor, h_post: torch.Tensor
 ) -> torch.Tensor:
     _validate_post_res(x_streams, layer_output, H_merged, h_post)
+    return _post_res_impl(x_streams, layer_output, H_merged, h_post)
+
+
+def _post_res_impl(x_streams, layer_output, H_merged, h_post):
     return post_res_fwd(x_streams.contiguous(), layer_output.contiguous(), H_merged.contiguous(), h_post.contiguous())
 
 
@@ -364,6 +389,10 @@ def _(x_streams, layer_output, H_merged, h_post):
 def _post_res_bwd_op(
     g: torch.Tensor, x_streams: torch.Tensor, layer_output: torch.Tensor, H_merged: torch.Tensor, h_post: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _post_res_bwd_impl(g, x_streams, layer_output, H_merged, h_post)
+
+
+def _post_res_bwd_impl(g, x_streams, layer_output, H_merged, h_post):
     return post_res_bwd(g.contiguous(), x_streams.contiguous(), layer_output.contiguous(), H_merged.contiguous(), h_post.contiguous())
 
 
@@ -378,10 +407,18 @@ def _post_res_setup(ctx, inputs, output):
 
 
 def _post_res_backward(ctx, g):
+    if launch.eager(g, *ctx.saved_tensors):
+        return _post_res_bwd_impl(g, *ctx.saved_tensors)
     return torch.ops.triforge.fused_post_res_bwd(g, *ctx.saved_tensors)
 
 
 fused_post_res_op.register_autograd(_post_res_backward, setup_context=_post_res_setup)
+
+# eager twins of the three forward ops (launch.eager: plain tensors, nothing tracing): the same bodies, setup and
+# backward under an autograd.Function, without torch.library's dispatch and autograd wrappers on the host path
+_ProjectFunction = launch.eager_function("_ProjectFunction", _project_impl, _project_setup, _project_backward)
+_PreMapFunction = launch.eager_function("_PreMapFunction", _pre_map_impl, _pre_map_setup, _pre_map_backward)
+_PostResFunction = launch.eager_function("_PostResFunction", _post_res_impl, _post_res_setup, _post_res_backward)
 
 
 # ----------------------------------------------------------------------------- public API
@@ -391,6 +428,8 @@ def fused_rmsnorm_project(x_flat, W, eps: float = EPS):
     """K1: x_flat [T, n*C] (bf16/fp16/fp32), W [32, n*C] fp32 -> (proj [T, 32] fp32, inv_rms [T] fp32)."""
     _validate_project(x_flat, W, eps)
     _check_contiguous("x_flat", x_flat)
+    if launch.eager(x_flat, W):
+        return _ProjectFunction.apply(x_flat, W, eps)
     return torch.ops.triforge.fused_rmsnorm_project(x_flat, W, eps)
 
 
@@ -398,6 +437,8 @@ def fused_pre_map(x_streams, h_pre):
     """K3: x_streams [T, 4, C], h_pre [T, 4] fp32 -> layer input [T, C] in the streams' dtype."""
     _validate_pre_map(x_streams, h_pre)
     _check_contiguous("x_streams", x_streams)
+    if launch.eager(x_streams, h_pre):
+        return _PreMapFunction.apply(x_streams, h_pre)
     return torch.ops.triforge.fused_pre_map(x_streams, h_pre)
 
 
@@ -405,6 +446,8 @@ def fused_post_res(x_streams, layer_output, H_merged, h_post):
     """K4: sum_j H[t, i, j] x[t, j, :] + h_post[t, i] layer_output[t, :] -> [T, 4, C]."""
     _validate_post_res(x_streams, layer_output, H_merged, h_post)
     _check_contiguous("x_streams", x_streams)
+    if launch.eager(x_streams, layer_output, H_merged, h_post):
+        return _PostResFunction.apply(x_streams, layer_output, H_merged, h_post)
     return torch.ops.triforge.fused_post_res(x_streams, layer_output, H_merged, h_post)
 
 

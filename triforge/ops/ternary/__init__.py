@@ -274,11 +274,25 @@ def _registry_inputs(tier, dtype, device, gen):
 
 def _registry_extras(inputs):
     """The weights' memory after the timed calls: what the TernaryTensor holds, against fp16."""
+    import os
+    import tempfile
+
     tt = inputs["tt"]
     held = tt.nbytes("resident")
-    return {"weights": {"resident": tt.resident, "resident_bytes": held, "fp16_bytes": 2 * tt.out_features * tt.in_features,
-                        "bits_per_weight": 8 * held / (tt.out_features * tt.in_features),
-                        "x_smaller_than_fp16": 2 * tt.out_features * tt.in_features / held}}
+    n_w = tt.out_features * tt.in_features
+    fp16 = 2 * n_w
+    # the base-3 checkpoint as written: 5 trits per byte + fp32 scales (packed bytes counted), and the whole
+    # safetensors file (its header, shape and format version included)
+    base3 = tt.pack_base3().numel() + tt.scales.numel() * tt.scales.element_size()
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "w.safetensors")
+        tt.save(path, storage="base3")
+        file_bytes = os.path.getsize(path)
+    return {"weights": {"resident": tt.resident, "resident_bytes": held, "fp16_bytes": fp16,
+                        "bits_per_weight": 8 * held / n_w, "x_smaller_than_fp16": fp16 / held,
+                        "base3_bytes": base3, "base3_bits_per_weight": 8 * base3 / n_w,
+                        "base3_x_smaller_than_fp16": fp16 / base3, "base3_file_bytes": file_bytes,
+                        "base3_file_x_smaller_than_fp16": fp16 / file_bytes}}
 
 
 def _registry_ref(x, tt):
