@@ -194,3 +194,17 @@ def test_graph_time_ms_replays_the_captured_calls():
     assert len(seen) == 9
     assert float(acc.item()) == 6 + 3 * 6
     assert 0 < stats["min_ms"] <= stats["median_ms"] <= stats["max_ms"] and stats["n"] == 5
+
+
+def test_host_cdiv_and_next_power_of_2_equal_tritons():
+    """The launchers' plain-Python cdiv / next_power_of_2 (Triton 3.6's are constexpr functions costing microseconds
+    per host call) give Triton's values, int64-sized arguments included."""
+    import triton
+
+    from triforge import launch
+
+    for a in list(range(0, 300)) + [2**31 - 1, 2**31, 2**40 + 7, 65536 * 10240]:
+        for b in (1, 2, 3, 7, 16, 32, 64, 128, 1000):
+            assert launch.cdiv(a, b) == triton.cdiv(a, b), (a, b)
+    for n in list(range(0, 5000)) + [2**31 - 1, 2**31, 2**31 + 1, 2**40 - 3]:
+        assert launch.next_power_of_2(n) == triton.next_power_of_2(n), n

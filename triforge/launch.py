@@ -24,6 +24,18 @@ CONFIG_DIR = Path(__file__).parent / "configs"
 _compiled: dict = {}
 
 
+def cdiv(a, b):
+    """ceil(a / b) for integers: ``triton.cdiv``'s value without its cost. Triton 3.6 wraps cdiv and
+    next_power_of_2 as constexpr functions, ~2 us per host call here and ~10 on the GPU machine's host;
+    the launchers call them on every op call (the mHC K1 backward nine times: ~90 us of its host path)."""
+    return (a + b - 1) // b
+
+
+def next_power_of_2(n):
+    """The smallest power of 2 >= n (0 for n <= 0, as ``triton.next_power_of_2``), without its cost."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
 _DTYPE_TAGS = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 

@@ -740,8 +740,8 @@ def gemv_mlp_kernel(
 
 def _block_m(M: int) -> int:
     if M <= MAX_FMA_ROWS:
-        return triton.next_power_of_2(M)
-    return max(16, min(64, triton.next_power_of_2(M)))
+        return launch.next_power_of_2(M)
+    return max(16, min(64, launch.next_power_of_2(M)))
 
 
 def _fallback(kind, M, N, K, dtype):
@@ -759,22 +759,22 @@ def _fallback(kind, M, N, K, dtype):
     two = kind in ("qkv", "gate_up")
     rows = N // 2 if two else N  # output rows (row pairs) the grid walks
     if _runtime.INTERPRET:  # ~256K-element product tiles: few programs, few K steps
-        bk = max(16, min(256, triton.next_power_of_2(K)))
-        bn = max(16 if use_dot else 1, min(triton.next_power_of_2(rows), 262144 // (bm * bk)))
+        bk = max(16, min(256, launch.next_power_of_2(K)))
+        bn = max(16 if use_dot else 1, min(launch.next_power_of_2(rows), 262144 // (bm * bk)))
         return {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": 4, "num_stages": 1}
     e = torch.finfo(dtype).bits // 8
     sms = _runtime.num_sms()
     if use_dot:
         bn = 32 if two else 64
-        while bn > 16 and triton.cdiv(rows, bn) < 2 * sms:
+        while bn > 16 and launch.cdiv(rows, bn) < 2 * sms:
             bn //= 2
         bk = 128 if e == 2 else 64
-        cfg = {"BLOCK_N": bn, "BLOCK_K": min(bk, max(16, triton.next_power_of_2(K))), "num_warps": 4, "num_stages": 3}
+        cfg = {"BLOCK_N": bn, "BLOCK_K": min(bk, max(16, launch.next_power_of_2(K))), "num_warps": 4, "num_stages": 3}
     else:
         tile = (8192 if two else 16384) // e // bm  # elements of one row-block tile per K step
-        bk = min(triton.next_power_of_2(K), 2048 if e == 2 else 1024)
+        bk = min(launch.next_power_of_2(K), 2048 if e == 2 else 1024)
         bn = max(1, tile // bk)
-        while bn > 1 and triton.cdiv(rows, bn) < 2 * sms:
+        while bn > 1 and launch.cdiv(rows, bn) < 2 * sms:
             bn //= 2
         cfg = {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": 4, "num_stages": 2}
     return cfg
@@ -822,8 +822,8 @@ def _stream(cfg, flags):
 def _stream_launch(name, x, weight, y, xn, bias, residual, norm_weight, N, eps, nbytes, cfg, flags, gate_up, pdl):
     M, K = x.shape
     bn, bk = cfg["BLOCK_N"], cfg["BLOCK_K"]
-    n_steps = triton.cdiv(K, bk)
-    grid = (min(triton.cdiv(N, bn), int(cfg["PPS"]) * _runtime.num_sms()),)
+    n_steps = launch.cdiv(K, bk)
+    grid = (min(launch.cdiv(N, bn), int(cfg["PPS"]) * _runtime.num_sms()),)
     launch.launch(
         name, gemv_stream_kernel, grid,
         x, weight, bias if bias is not None else weight, residual if residual is not None else x,
@@ -853,7 +853,7 @@ def gemv_launch(x, weight, bias=None, residual=None, norm_weight=None, eps=1e-6,
         _stream_launch("gemv_stream", x, weight, y, xn, bias, residual, norm_weight, N, eps, nbytes, cfg, flags,
                        False, pdl)
         return y, xn
-    grid = (triton.cdiv(N, cfg["BLOCK_N"]), triton.cdiv(M, flags["BLOCK_M"]))
+    grid = (launch.cdiv(N, cfg["BLOCK_N"]), launch.cdiv(M, flags["BLOCK_M"]))
     launch.launch(
         "gemv", gemv_kernel, grid,
         x, weight, bias if bias is not None else weight, residual if residual is not None else x,
@@ -882,7 +882,7 @@ def gemv_qkv_rope_launch(x, weight, bias, cos, sin, positions, k_cache, v_cache,
     xn = new_output((M, C), x.dtype, x.device) if store_xn else None
     e = x.element_size()
     nbytes = e * (NQKV * C + NQKV + M * C + M * NQKV) + 4 * M * (1 + 2 * D) + (e * C if norm_weight is not None else 0)
-    grid = (triton.cdiv((num_heads + 2 * num_kv_heads) * (D // 2), bn), triton.cdiv(M, flags["BLOCK_M"]))
+    grid = (launch.cdiv((num_heads + 2 * num_kv_heads) * (D // 2), bn), launch.cdiv(M, flags["BLOCK_M"]))
     launch.launch(
         "gemv_qkv_rope", gemv_qkv_rope_kernel, grid,
         x, weight, bias, norm_weight if norm_weight is not None else bias, cos, sin, positions, q,
@@ -912,7 +912,7 @@ def gemv_gate_up_launch(x, weight, norm_weight=None, eps=1e-6, store_xn=False, c
         _stream_launch("gemv_gate_up_stream", x, weight, y, xn, None, None, norm_weight, inter, eps, nbytes, cfg,
                        flags, True, pdl)
         return y, xn
-    grid = (triton.cdiv(inter, cfg["BLOCK_N"]), triton.cdiv(M, flags["BLOCK_M"]))
+    grid = (launch.cdiv(inter, cfg["BLOCK_N"]), launch.cdiv(M, flags["BLOCK_M"]))
     launch.launch(
         "gemv_gate_up", gemv_gate_up_kernel, grid,
         x, weight, norm_weight if norm_weight is not None else weight, y, xn if xn is not None else x,
@@ -960,10 +960,10 @@ def gemv_mlp_launch(x, w_gate_up, norm_weight, w_down, sync, eps=1e-6, store_xn=
     e = x.element_size()
     nbytes = e * (3 * inter * C + 3 * M * C + 2 * M * inter + C + (M * C if store_xn else 0))
     args = (x, w_gate_up, norm_weight, w_down, act, y, xn if xn is not None else x, sync, M, C, inter,
-            triton.cdiv(inter, cfg["BK_D"]), float(eps), MLP_MAX_SPIN)
+            launch.cdiv(inter, cfg["BK_D"]), float(eps), MLP_MAX_SPIN)
     kw = dict(BLOCK_M=flags["BLOCK_M"], BN_GU=cfg["BN_GU"], BK_GU=cfg["BK_GU"], BN_D=cfg["BN_D"], BK_D=cfg["BK_D"],
               STORE_XN=store_xn, RNE=flags["RNE"], num_warps=cfg["num_warps"], num_stages=1, **launch.pdl_options(pdl))
-    units = max(triton.cdiv(inter, cfg["BN_GU"]), triton.cdiv(C, cfg["BN_D"]))
+    units = max(launch.cdiv(inter, cfg["BN_GU"]), launch.cdiv(C, cfg["BN_D"]))
     if _runtime.INTERPRET or cfg.get("SPLIT"):
         grid = (min(units, int(cfg["PPS"]) * _runtime.num_sms()),)
         launch.launch("gemv_mlp", gemv_mlp_kernel, grid, *args, nbytes=nbytes, PHASE=1, **kw)

@@ -159,14 +159,14 @@ def _bwd_config(block_n, dtype, residual):
 def rms_norm_fwd(x, weight, residual, eps, cfg=None):
     """x, residual [M, N]; weight [N]. Returns (y, h or an empty tensor, rstd [M] fp32)."""
     M, N = x.shape
-    block_n = triton.next_power_of_2(N)
+    block_n = launch.next_power_of_2(N)
     cfg = cfg or _fwd_config(block_n, x.dtype, residual is not None)
     y = new_output((M, N), torch.promote_types(x.dtype, weight.dtype), x.device)
     h = new_output((M, N), x.dtype, x.device) if residual is not None else x.new_empty(0)
     rstd = new_output((M,), torch.float32, x.device)
     rows = cfg["ROWS"]
     launch.launch(
-        "rms_norm_fwd", rms_norm_fwd_kernel, (triton.cdiv(M, rows),),
+        "rms_norm_fwd", rms_norm_fwd_kernel, (launch.cdiv(M, rows),),
         x, residual if residual is not None else x, weight, y, h, rstd, M, N, eps,
         nbytes=(2 if residual is None else 4) * x.numel() * x.element_size() + 4 * M,
         BLOCK_N=block_n, ROWS=rows, HAS_RESIDUAL=residual is not None, num_warps=cfg["num_warps"],
@@ -177,11 +177,11 @@ def rms_norm_fwd(x, weight, residual, eps, cfg=None):
 def rms_norm_bwd(dy, x, weight, rstd, dh, cfg=None):
     """Returns (dx [M, N] in x.dtype, dw [N] in weight.dtype)."""
     M, N = x.shape
-    block_n = triton.next_power_of_2(N)
+    block_n = launch.next_power_of_2(N)
     cfg = cfg or _bwd_config(block_n, x.dtype, dh is not None)
     n_programs = max(1, min(M, _runtime.num_sms() * cfg["programs_per_sm"]))
-    rows_per_program = triton.cdiv(M, n_programs)
-    n_programs = triton.cdiv(M, rows_per_program)
+    rows_per_program = launch.cdiv(M, n_programs)
+    n_programs = launch.cdiv(M, rows_per_program)
     dx = new_output((M, N), x.dtype, x.device)
     dw_part = new_output((n_programs, N), torch.float32, x.device)
     launch.launch(
@@ -346,7 +346,7 @@ def _tune_setup(kind):
         M, N = shape["M"], shape["N"]
         x = torch.randn(M, N, device=device, dtype=dtype)
         w = torch.randn(N, device=device, dtype=dtype)
-        block_n = triton.next_power_of_2(N)
+        block_n = launch.next_power_of_2(N)
         # R=1: the residual form (forward: adds and stores h too; backward: also reads h's gradient)
         residual = bool(shape.get("R", 0))
         key = launch.config_key(block_n=block_n, dtype=launch.dtype_tag(dtype), residual=int(residual))

@@ -148,9 +148,9 @@ def rope_launch(q, k, cos, sin, backward=False, cfg=None):
     k_out = new_output(k.shape, k.dtype, k.device) if k is not None else None
     block = cfg["BLOCK"]
     n_q, n_k = q.numel(), (k.numel() if k is not None else 0)
-    n_q_blocks = triton.cdiv(n_q, block)
+    n_q_blocks = launch.cdiv(n_q, block)
     launch.launch(
-        "rope_bwd" if backward else "rope_fwd", rope_kernel, (n_q_blocks + triton.cdiv(n_k, block),),
+        "rope_bwd" if backward else "rope_fwd", rope_kernel, (n_q_blocks + launch.cdiv(n_k, block),),
         q, k if k is not None else q, cos, sin, q_out, k_out if k is not None else q_out,
         n_q, n_k, n_q_blocks, T,
         D=D, HQD=HQ * D, HKD=max(HK, 1) * D, BLOCK=block,

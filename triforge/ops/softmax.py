@@ -234,11 +234,11 @@ def softmax_fwd(x, store_stages=False, cfg=None, looped=None):
             BLOCK_N=cfg["BLOCK_N"], STORE_STAGES=store_stages, num_warps=cfg["num_warps"],
         )
     else:
-        block_n = triton.next_power_of_2(N)
+        block_n = launch.next_power_of_2(N)
         cfg = cfg or _row_config("softmax_fwd", block_n, x.dtype)
         rows = cfg["ROWS"]
         launch.launch(
-            "softmax_fwd", softmax_fwd_kernel, (triton.cdiv(M, rows),),
+            "softmax_fwd", softmax_fwd_kernel, (launch.cdiv(M, rows),),
             x, y, max_arg, sum_arg, M, N,
             nbytes=nbytes,
             BLOCK_N=block_n, ROWS=rows, STORE_STAGES=store_stages, num_warps=cfg["num_warps"],
@@ -263,11 +263,11 @@ def softmax_bwd(dy, x, row_max, row_sum, cfg=None, looped=None):
             BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"],
         )
     else:
-        block_n = triton.next_power_of_2(N)
+        block_n = launch.next_power_of_2(N)
         cfg = cfg or _row_config("softmax_bwd", block_n, x.dtype)
         rows = cfg["ROWS"]
         launch.launch(
-            "softmax_bwd", softmax_bwd_kernel, (triton.cdiv(M, rows),),
+            "softmax_bwd", softmax_bwd_kernel, (launch.cdiv(M, rows),),
             dy, x, row_max, row_sum, dx, M, N,
             nbytes=nbytes,
             BLOCK_N=block_n, ROWS=rows, num_warps=cfg["num_warps"],
@@ -410,7 +410,7 @@ def _tune_setup(kind, looped):
         if looped:
             key = launch.config_key(dtype=launch.dtype_tag(dtype))
         else:
-            key = launch.config_key(block_n=triton.next_power_of_2(N), dtype=launch.dtype_tag(dtype))
+            key = launch.config_key(block_n=launch.next_power_of_2(N), dtype=launch.dtype_tag(dtype))
         if kind == "fwd":
             return (lambda cfg: softmax_fwd(x, False, cfg, looped=looped)), key
         _, row_max, row_sum = softmax_fwd(x, True, looped=looped)

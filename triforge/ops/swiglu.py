@@ -95,7 +95,7 @@ def swiglu_fwd(gate, up, cfg=None):
     y = new_output(gate.shape, gate.dtype, gate.device)
     block = cfg["BLOCK"]
     launch.launch(
-        "swiglu_fwd", swiglu_fwd_kernel, (triton.cdiv(numel, block),),
+        "swiglu_fwd", swiglu_fwd_kernel, (launch.cdiv(numel, block),),
         gate, up, y, numel,
         nbytes=3 * numel * gate.element_size(),
         BLOCK=block, num_warps=cfg["num_warps"],
@@ -111,7 +111,7 @@ def swiglu_bwd(dy, gate, up, cfg=None):
     du = new_output(gate.shape, gate.dtype, gate.device)
     block = cfg["BLOCK"]
     launch.launch(
-        "swiglu_bwd", swiglu_bwd_kernel, (triton.cdiv(numel, block),),
+        "swiglu_bwd", swiglu_bwd_kernel, (launch.cdiv(numel, block),),
         dy, gate, up, dg, du, numel,
         nbytes=5 * numel * gate.element_size(),
         BLOCK=block, num_warps=cfg["num_warps"],

@@ -34,7 +34,6 @@ from typing import NamedTuple
 
 import torch
 import torch.utils.checkpoint
-import triton
 
 from triforge import _runtime, launch
 from triforge.launch import new_output
@@ -238,7 +237,7 @@ def attn_fwd(q, k, v, causal, softmax_scale, cfg=None, residual=False, varlen=No
     if variant["TMA"]:
         launch.use_tensor_descriptors()
     launch.launch(
-        "flash_attn_fwd", flash_attn_fwd_kernel, (triton.cdiv(grid_q, cfg["BLOCK_M"]), nb * H),
+        "flash_attn_fwd", flash_attn_fwd_kernel, (launch.cdiv(grid_q, cfg["BLOCK_M"]), nb * H),
         q, k, v, o, o_res if residual else o, lse, *cu_ptrs,
         *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(o),
         H, H // Hkv, Sq, Sk, softmax_scale * LOG2E,
@@ -258,7 +257,7 @@ def attn_bwd_preprocess(o, do, o_res=None, dlse=None):
     if has_res and o_res.stride() != o.stride():  # the kernel reads both with o's strides
         o, o_res = o.contiguous(), o_res.contiguous()
     launch.launch(
-        "flash_attn_bwd_preprocess", flash_attn_bwd_preprocess_kernel, (triton.cdiv(Sq, block_m), B * H),
+        "flash_attn_bwd_preprocess", flash_attn_bwd_preprocess_kernel, (launch.cdiv(Sq, block_m), B * H),
         o, do, o_res if has_res else o, dlse if dlse is not None else delta, delta,
         *_strides3(o), *_strides3(do), H, Sq,
         nbytes=o.element_size() * (3 if has_res else 2) * o.numel() + 4 * delta.numel() * (2 if dlse is not None else 1),
@@ -296,7 +295,7 @@ def attn_bwd_dkdv(q, k, v, do, lse, delta, causal, softmax_scale, cfg=None, kv_s
         atomic = 2 if cfg.get("ATOMIC_DQ", 1) == 2 and not _runtime.INTERPRET else 1
     if tma or atomic == 2:
         launch.use_tensor_descriptors()
-    n_blocks = triton.cdiv(grid_k, cfg["BLOCK_N"])
+    n_blocks = launch.cdiv(grid_k, cfg["BLOCK_N"])
     split = kv_split or kv_split_for(n_blocks, nb, Hkv, group)
     if group % split:
         raise ValueError(f"kv_split {split} must divide the group size {group}")
@@ -336,7 +335,7 @@ def attn_bwd_dq(q, k, v, do, lse, delta, causal, softmax_scale, cfg=None, varlen
     if tma:
         launch.use_tensor_descriptors()
     launch.launch(
-        "flash_attn_bwd_dq", flash_attn_bwd_dq_kernel, (triton.cdiv(grid_q, cfg["BLOCK_M"]), nb * H),
+        "flash_attn_bwd_dq", flash_attn_bwd_dq_kernel, (launch.cdiv(grid_q, cfg["BLOCK_M"]), nb * H),
         q, k, v, do, lse, delta, dq, *cu_ptrs,
         *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(do), *_strides3(dq),
         H, H // Hkv, Sq, Sk, softmax_scale * LOG2E, softmax_scale,
@@ -352,7 +351,7 @@ def attn_bwd_dq_convert(dq_acc, softmax_scale, dtype):
     dq = new_output(dq_acc.shape, dtype, dq_acc.device)
     block = 1024
     launch.launch(
-        "flash_attn_bwd_dq_convert", flash_attn_bwd_dq_convert_kernel, (triton.cdiv(dq_acc.numel(), block),),
+        "flash_attn_bwd_dq_convert", flash_attn_bwd_dq_convert_kernel, (launch.cdiv(dq_acc.numel(), block),),
         dq_acc, dq, dq_acc.numel(), softmax_scale, nbytes=(4 + dq.element_size()) * dq.numel(),
         BLOCK=block, UPCAST=_flags(dtype)["UPCAST"], num_warps=4,
     )

@@ -279,7 +279,7 @@ def flash_decode_merge_kernel(
 
 
 def _block_m(m_rows: int) -> int:
-    return max(16, min(MAX_BLOCK_M, triton.next_power_of_2(m_rows)))
+    return max(16, min(MAX_BLOCK_M, launch.next_power_of_2(m_rows)))
 
 
 def _split_key(D, dtype, block_m):
@@ -320,7 +320,7 @@ def choose_num_splits(B, Hkv, S_max, row_blocks, block_n, programs_per_sm, min_b
     num_sms = num_sms or _runtime.num_sms()
     programs = B * Hkv * row_blocks
     want = (num_sms * programs_per_sm) // programs
-    most = max(1, triton.cdiv(S_max, block_n) // max(1, min_blocks_per_split))
+    most = max(1, launch.cdiv(S_max, block_n) // max(1, min_blocks_per_split))
     return max(1, min(want, most, MAX_SPLITS))
 
 
@@ -339,7 +339,7 @@ def flash_decode_split(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax
     G = H // Hkv
     m_rows = G * Sq
     block_m = _block_m(m_rows)
-    row_blocks = triton.cdiv(m_rows, block_m)
+    row_blocks = launch.cdiv(m_rows, block_m)
     cfg = cfg or _split_config(D, q.dtype, block_m)
     append = k is not None
     S_new = k.shape[1] if append else 0
@@ -376,7 +376,7 @@ def flash_decode_split(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax
         Sq, S_new, S_max, m_rows, num_splits, float(softmax_scale) * LOG2E,
         nbytes=kv_bytes + q.numel() * e + out_bytes,
         H=H, HKV=Hkv, GROUP=G, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_NEW=max(16, min(block_n, triton.next_power_of_2(max(S_new, 1)))),
+        BLOCK_NEW=max(16, min(block_n, launch.next_power_of_2(max(S_new, 1)))),
         CAUSAL=bool(causal) and Sq > 1, APPEND=append,
         UPCAST=_runtime.INTERPRET and q.dtype == torch.bfloat16, IEEE=q.dtype == torch.float32,
         DIRECT=direct,

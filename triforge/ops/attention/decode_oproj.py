@@ -155,7 +155,7 @@ def _prefetch_l2(ptrs, mask):
 
 
 def _hm(H: int) -> int:
-    return max(16, triton.next_power_of_2(H))
+    return max(16, launch.next_power_of_2(H))
 
 
 def fallback_config(H: int, D: int, N: int) -> dict:
@@ -165,10 +165,10 @@ def fallback_config(H: int, D: int, N: int) -> dict:
     caches still loop)."""
     hm = _hm(H)
     if _runtime.INTERPRET:
-        return {"BLOCK_R": max(1, min(triton.next_power_of_2(N), 16384 // (hm * D))), "BLOCK_N": 16, "num_warps": 4,
+        return {"BLOCK_R": max(1, min(launch.next_power_of_2(N), 16384 // (hm * D))), "BLOCK_N": 16, "num_warps": 4,
                 "num_stages": 1}
     block_r = max(1, MAX_TILE // (hm * D))
-    while block_r > 1 and triton.cdiv(N, block_r) < _runtime.num_sms():
+    while block_r > 1 and launch.cdiv(N, block_r) < _runtime.num_sms():
         block_r //= 2
     return {"BLOCK_R": block_r, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
 
@@ -199,7 +199,7 @@ finished (it must not be that kernel's output, as for the GEMVs); everything els
     e = q.element_size()
     pdl_opts = launch.pdl_options(pdl)
     launch.launch(
-        "flash_decode_oproj", flash_decode_oproj_kernel, (triton.cdiv(N, cfg["BLOCK_R"]), B),
+        "flash_decode_oproj", flash_decode_oproj_kernel, (launch.cdiv(N, cfg["BLOCK_R"]), B),
         q, k_cache, v_cache, lengths, w_o, residual, y, o if o is not None else y,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -207,7 +207,7 @@ finished (it must not be that kernel's output, as for the GEMVs); everything els
         # byte model: the weight once, the cache rows up to S_max once (L2 serves the other programs)
         nbytes=e * (w_o.numel() + 2 * B * S_max * Hkv * D + q.numel() + 2 * B * N + (o.numel() if o is not None else 0)),
         H=H, HKV=Hkv, HEAD_DIM=D, HM=_hm(H), BLOCK_N=cfg["BLOCK_N"], BLOCK_R=cfg["BLOCK_R"], STORE_O=store_o,
-        PF_ROWS=_pf_rows(cfg, pdl_opts["PDL"], S_max, triton.cdiv(N, cfg["BLOCK_R"])), PF_LINES=max(1, D * e // 128),
+        PF_ROWS=_pf_rows(cfg, pdl_opts["PDL"], S_max, launch.cdiv(N, cfg["BLOCK_R"])), PF_LINES=max(1, D * e // 128),
         UPCAST=_runtime.INTERPRET and q.dtype == torch.bfloat16, IEEE=q.dtype == torch.float32,
         RNE=_runtime.INTERPRET and q.dtype == torch.bfloat16,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_opts,
@@ -219,7 +219,7 @@ def _pf_rows(cfg, pdl_on, S_max, programs) -> int:
     """Rows per program of the L2 prefetch before the wait (cfg "PF", default on): compiled, under PDL only."""
     if _runtime.INTERPRET or not pdl_on or not int(cfg.get("PF", 1)):
         return 0
-    return triton.next_power_of_2(triton.cdiv(S_max, programs))
+    return launch.next_power_of_2(launch.cdiv(S_max, programs))
 
 
 def _check(q, k_cache, v_cache, lengths, w_o, residual):

@@ -519,7 +519,7 @@ def config_key(K, V, dtype, nh=None):
     """Config key: head dims, dtype and (for the recurrence) the bucket of sequences x heads."""
     fields = {"k": K, "v": V, "dtype": launch.dtype_tag(dtype)}
     if nh is not None:
-        fields["nh"] = min(triton.next_power_of_2(nh), 4096)
+        fields["nh"] = min(launch.next_power_of_2(nh), 4096)
     return launch.config_key(**fields)
 
 
@@ -542,7 +542,7 @@ def use_fused(K, V, nh):
     longer serial chunk step costs more than the separate, fully parallel output kernel."""
     if _runtime.INTERPRET:
         return True
-    return V >= min(FUSED_BV) and nh * triton.cdiv(V, 64) >= 2 * _runtime.num_sms()
+    return V >= min(FUSED_BV) and nh * launch.cdiv(V, 64) >= 2 * _runtime.num_sms()
 
 
 def _flags(dtype):
@@ -580,7 +580,7 @@ def prepare_varlen(cu_seqlens) -> Varlen | None:
 
 
 def _n_chunks(T, varlen, B):
-    return (B, triton.cdiv(T, BT)) if varlen is None else (1, varlen.n_chunks)
+    return (B, launch.cdiv(T, BT)) if varlen is None else (1, varlen.n_chunks)
 
 
 def _varlen_ptrs(varlen, device):
@@ -657,7 +657,7 @@ def _fwd_h_launch(q, k, w, u, gamma, initial_state, scale, *, l2norm, varlen, fu
     o = new_output((B, T, HV, V), u.dtype, dev) if fuse_o else final
     cu, _, offsets = _varlen_ptrs(varlen, dev)
     e = k.element_size()
-    n_v = triton.cdiv(V, cfg["BV"])
+    n_v = launch.cdiv(V, cfg["BV"])
     nbytes = (B * T * (HV * K * e * n_v + HV * V * e + H * K * e * n_v * (2 if fuse_o else 1) + HV * 4)
               + N * HV * K * V * 4 * (int(initial_state is not None) + int(output_final_state))
               + (n_b * n_c * HV * K * V * e if store_h else 0) + B * T * HV * V * e * (int(store_v_new) + int(fuse_o)))
@@ -704,7 +704,7 @@ def chunk_fwd_o(q, k, v_new, h, gamma, scale, *, l2norm=False, varlen=None, cfg=
     o = new_output((B, T, HV, V), v_new.dtype, q.device)
     cu, indices, _ = _varlen_ptrs(varlen, q.device)
     e = q.element_size()
-    n_v = triton.cdiv(V, cfg["BV"])
+    n_v = launch.cdiv(V, cfg["BV"])
     store_qn = qn is not None and l2norm
     if store_qn and (qn.shape != q.shape or qn.dtype != q.dtype or not qn.is_contiguous()):
         raise ValueError(f"qn must be a contiguous {tuple(q.shape)} {q.dtype} buffer, got {tuple(qn.shape)} {qn.dtype}")

@@ -467,7 +467,7 @@ def config_key(K, V, dtype, nh=None):
     """Config key: head dims, dtype and (for the recurrence) the bucket of sequences x heads."""
     fields = {"k": K, "v": V, "dtype": launch.dtype_tag(dtype)}
     if nh is not None:
-        fields["nh"] = min(triton.next_power_of_2(nh), 4096)
+        fields["nh"] = min(launch.next_power_of_2(nh), 4096)
     return launch.config_key(**fields)
 
 
@@ -503,7 +503,7 @@ def chunk_bwd_l2norm(q, k=None, *, cfg=None):
     kn = new_output(k.shape, k.dtype, k.device) if k is not None else None
     R = B * T * H
     launch.launch(
-        "gated_delta_rule_bwd_l2norm", chunk_gated_delta_rule_bwd_kernel_l2norm, (triton.cdiv(R, cfg["BR"]),),
+        "gated_delta_rule_bwd_l2norm", chunk_gated_delta_rule_bwd_kernel_l2norm, (launch.cdiv(R, cfg["BR"]),),
         q, k if k is not None else q, qn, kn if k is not None else qn, R,
         nbytes=(2 if k is None else 4) * q.numel() * q.element_size(), K=K, BR=cfg["BR"],
         RNE=_flags(q.dtype)["RNE"], HAS_K=k is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
@@ -527,7 +527,7 @@ def chunk_bwd_dh(qn, kn, w, gamma, do, dht, scale, *, varlen=None, store_dh0=Tru
     dh0 = new_output((N, HV, K, V) if store_dh0 else (0,), torch.float32, dev)
     cu, _, offsets = _varlen_ptrs(varlen, dev)
     e = qn.element_size()
-    n_v = triton.cdiv(V, cfg["BV"])
+    n_v = launch.cdiv(V, cfg["BV"])
     nbytes = (B * T * n_v * (2 * H * K * e + HV * K * e + HV * 4) + 2 * B * T * HV * V * e + dh.numel() * e
               + N * HV * K * V * 4 * (int(dht is not None) + int(store_dh0)))
     launch.launch(
@@ -614,7 +614,7 @@ def chunk_bwd_qk(q, k, dq_hv, dk_hv, scale, *, l2norm=False, cfg=None):
     e = q.element_size()
     nbytes = R * (2 * HV * K * 4 + 2 * H * K * e * (1 + int(l2norm)))
     launch.launch(
-        "gated_delta_rule_bwd_qk", chunk_gated_delta_rule_bwd_kernel_qk, (triton.cdiv(R, cfg["BR"]), H),
+        "gated_delta_rule_bwd_qk", chunk_gated_delta_rule_bwd_kernel_qk, (launch.cdiv(R, cfg["BR"]), H),
         q, k, dq_hv, dk_hv, dq, dk, R, scale,
         nbytes=nbytes, H=H, HV=HV, K=K, BR=cfg["BR"], L2NORM=l2norm,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],

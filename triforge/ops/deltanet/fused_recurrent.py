@@ -89,13 +89,13 @@ def fused_recurrent_gated_delta_rule_fwd_kernel(
 
 
 def config_key(K, V, dtype, nh):
-    return launch.config_key(k=K, v=V, dtype=launch.dtype_tag(dtype), nh=min(triton.next_power_of_2(nh), 4096))
+    return launch.config_key(k=K, v=V, dtype=launch.dtype_tag(dtype), nh=min(launch.next_power_of_2(nh), 4096))
 
 
 def recurrent_config(K, V, dtype, nh):
     """Tuned config, else one warp per program and BV = 32, or 16 when that leaves fewer than two
     programs per SM (H100 at K = V = 128: 96% of copy bandwidth at B = 256, 89% at B = 64)."""
-    bv = 32 if nh * triton.cdiv(V, 32) >= 2 * _runtime.num_sms() else 16
+    bv = 32 if nh * launch.cdiv(V, 32) >= 2 * _runtime.num_sms() else 16
     fallback = {"BV": min(bv, V), "num_warps": 1}
     return launch.config("gated_delta_rule_fwd_recurrent", config_key(K, V, dtype, nh), fallback)
 
@@ -112,7 +112,7 @@ def fused_recurrent_fwd(q, k, v, g, beta, scale, initial_state=None, *, output_f
     o = new_output((B, T, HV, V), v.dtype, dev)
     final = new_output((N, HV, K, V) if output_final_state else (0,), torch.float32, dev)
     cu = cu_seqlens.to(torch.int32) if cu_seqlens is not None else final
-    n_v = triton.cdiv(V, cfg["BV"])
+    n_v = launch.cdiv(V, cfg["BV"])
     e = q.element_size()
     state = N * HV * K * V * 4
     nbytes = B * T * (2 * H * K * e * n_v + 2 * HV * V * e + 2 * HV * 4) + state * (int(initial_state is not None)

@@ -10,7 +10,6 @@ K2 (the coefficients, 32 numbers per token) is plain PyTorch: ``coefficients``.
 from collections import OrderedDict
 
 import torch
-import triton
 
 from triforge import _runtime, launch
 from triforge.launch import new_output
@@ -59,7 +58,7 @@ def _cfg(kernel, C, dtype):
         fallback.update({k: 16 for k in ("BLOCK_T", "BLOCK_K") if k in fallback and kernel.startswith("mhc_project")})
         fallback.update({"BLOCK_C": 32} if "BLOCK_C" in fallback else {})
         fallback.update({"BLOCK": 64} if "BLOCK" in fallback else {})
-    bucket = "C" + str(triton.next_power_of_2(C))
+    bucket = "C" + str(launch.next_power_of_2(C))
     return launch.config(kernel, launch.config_key(c=bucket, dtype=launch.dtype_tag(dtype)), fallback)
 
 
@@ -87,7 +86,7 @@ def project_fwd(x_flat, W, eps, cfg=None):
     if tma:
         launch.use_tensor_descriptors()
     launch.launch(
-        "mhc_project_fwd", mhc_project_fwd_kernel, (triton.cdiv(T, cfg["BLOCK_T"]),),
+        "mhc_project_fwd", mhc_project_fwd_kernel, (launch.cdiv(T, cfg["BLOCK_T"]),),
         x_flat, w, proj, inv_rms, T, K, eps,
         nbytes=x_flat.numel() * x_flat.element_size() + T * (W.shape[0] + 1) * 4,
         R=W.shape[0], BLOCK_T=cfg["BLOCK_T"], BLOCK_K=cfg["BLOCK_K"], SPLIT_W=x_flat.dtype != torch.float32,
@@ -100,10 +99,10 @@ def project_fwd(x_flat, W, eps, cfg=None):
 def project_bwd_grid(T, K, cfg):
     """K1 backward's persistent grid: (n_t token tiles, U units, P programs, J dW slots per program).
     U = column blocks x token tiles; P = SMs x programs_per_sm (at most U), each a run of ~U / P units."""
-    n_t = triton.cdiv(T, cfg["BLOCK_T"])
-    U = triton.cdiv(K, cfg["BLOCK_K"]) * n_t
+    n_t = launch.cdiv(T, cfg["BLOCK_T"])
+    U = launch.cdiv(K, cfg["BLOCK_K"]) * n_t
     P = max(1, min(U, _runtime.num_sms() * cfg["programs_per_sm"]))
-    J = triton.cdiv(U, P) // n_t + 2  # column blocks one run can touch
+    J = launch.cdiv(U, P) // n_t + 2  # column blocks one run can touch
     return n_t, U, P, J
 
 
@@ -117,7 +116,7 @@ def project_bwd(x_flat, W, proj, inv_rms, dproj, dinv, cfg=None):
     a_lo = new_output((T, R), x_flat.dtype, x_flat.device) if split else a_hi
     coef = new_output((T,), torch.float32, x_flat.device)
     launch.launch(
-        "mhc_project_bwd_prologue", mhc_project_bwd_prologue_kernel, (triton.cdiv(T, _PROLOGUE_T),),
+        "mhc_project_bwd_prologue", mhc_project_bwd_prologue_kernel, (launch.cdiv(T, _PROLOGUE_T),),
         dproj, proj, inv_rms, dinv if dinv is not None else inv_rms, a_hi, a_lo, coef, T, K,
         R=R, BLOCK_T=_PROLOGUE_T, HAS_DINV=dinv is not None, SPLIT=split, RNE=_runtime.INTERPRET, num_warps=4,
     )
@@ -131,7 +130,7 @@ def project_bwd_reduce(dw_part, T, K, cfg, dtype):
     n_t, U, P, J = project_bwd_grid(T, K, cfg)
     dW = new_output((R, K), dtype, dw_part.device)
     launch.launch(
-        "mhc_project_bwd_reduce", mhc_project_bwd_reduce_kernel, (triton.cdiv(K, cfg["BLOCK_K"]),),
+        "mhc_project_bwd_reduce", mhc_project_bwd_reduce_kernel, (launch.cdiv(K, cfg["BLOCK_K"]),),
         dw_part, dW, K, n_t, U, P, J, nbytes=dw_part.numel() * 4 + dW.numel() * dW.element_size(),
         R=R, BLOCK_K=cfg["BLOCK_K"], num_warps=4,
     )
@@ -173,7 +172,7 @@ def pre_map_fwd(x, h_pre, cfg=None):
     cfg = cfg or _cfg("mhc_pre_map_fwd", C, x.dtype)
     y = new_output((T, C), x.dtype, x.device)
     n, block = T * C, cfg["BLOCK"]
-    launch.launch("mhc_pre_map_fwd", mhc_pre_map_fwd_kernel, (triton.cdiv(n, block),), x, h_pre, y, n,
+    launch.launch("mhc_pre_map_fwd", mhc_pre_map_fwd_kernel, (launch.cdiv(n, block),), x, h_pre, y, n,
                   nbytes=5 * T * C * x.element_size() + 16 * T,
                   C=C, BLOCK=block, EVEN=n % block == 0, I64=x.numel() + block >= 2**31, num_warps=cfg["num_warps"])
     return y
@@ -184,7 +183,7 @@ def pre_map_bwd(dy, x, h_pre, cfg=None):
     cfg = cfg or _cfg("mhc_pre_map_bwd", C, x.dtype)
     dx = new_output((T, N_STREAMS, C), x.dtype, x.device)
     dh = new_output((T, N_STREAMS), torch.float32, x.device)
-    launch.launch("mhc_pre_map_bwd", mhc_pre_map_bwd_kernel, (triton.cdiv(T, cfg["BLOCK_T"]),), dy, x, h_pre, dx, dh, T, C,
+    launch.launch("mhc_pre_map_bwd", mhc_pre_map_bwd_kernel, (launch.cdiv(T, cfg["BLOCK_T"]),), dy, x, h_pre, dx, dh, T, C,
                   nbytes=9 * T * C * x.element_size() + 32 * T,
                   BLOCK_T=cfg["BLOCK_T"], BLOCK_C=cfg["BLOCK_C"], num_warps=cfg["num_warps"])
     return dx, dh
@@ -194,7 +193,7 @@ def post_res_fwd(x, f, H, h_post, cfg=None):
     T, _, C = x.shape
     cfg = cfg or _cfg("mhc_post_res_fwd", C, x.dtype)
     y = new_output((T, N_STREAMS, C), x.dtype, x.device)
-    grid = (triton.cdiv(T, cfg["BLOCK_T"]), triton.cdiv(C, cfg["BLOCK_C"]))
+    grid = (launch.cdiv(T, cfg["BLOCK_T"]), launch.cdiv(C, cfg["BLOCK_C"]))
     launch.launch("mhc_post_res_fwd", mhc_post_res_fwd_kernel, grid, x, f, H, h_post, y, T, C,
                   nbytes=9 * T * C * x.element_size() + 80 * T,
                   BLOCK_T=cfg["BLOCK_T"], BLOCK_C=cfg["BLOCK_C"], num_warps=cfg["num_warps"])
@@ -208,7 +207,7 @@ def post_res_bwd(g, x, f, H, h_post, cfg=None):
     df = new_output((T, C), f.dtype, x.device)
     dH = new_output((T, N_STREAMS, N_STREAMS), torch.float32, x.device)
     dhp = new_output((T, N_STREAMS), torch.float32, x.device)
-    launch.launch("mhc_post_res_bwd", mhc_post_res_bwd_kernel, (triton.cdiv(T, cfg["BLOCK_T"]),),
+    launch.launch("mhc_post_res_bwd", mhc_post_res_bwd_kernel, (launch.cdiv(T, cfg["BLOCK_T"]),),
                   g, x, f, H, h_post, dx, df, dH, dhp, T, C, nbytes=14 * T * C * x.element_size() + 160 * T,
                   BLOCK_T=cfg["BLOCK_T"], BLOCK_C=cfg["BLOCK_C"], num_warps=cfg["num_warps"])
     return dx, df, dH, dhp
@@ -563,7 +562,7 @@ def _tunable(kernel, space, build):
         gen = torch.Generator().manual_seed(0)
         tier = {"T": shape["T"], "C": shape["C"]}
         run = build(tier, dtype, device, gen)
-        bucket = "C" + str(triton.next_power_of_2(shape["C"]))
+        bucket = "C" + str(launch.next_power_of_2(shape["C"]))
         return run, launch.config_key(c=bucket, dtype=launch.dtype_tag(dtype))
 
     register_tunable(Tunable(kernel=kernel, space=space, setup=setup, shape_names=("T", "C"),

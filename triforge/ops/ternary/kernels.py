@@ -148,7 +148,7 @@ def _to_int32_words(bits: torch.Tensor) -> torch.Tensor:
 def activation_bit_planes(x_int8: torch.Tensor) -> torch.Tensor:
     """int8 [M, K] -> int32 [8, M, KW]: plane b holds bit b of each byte (two's complement)."""
     M, K = x_int8.shape
-    kw = triton.cdiv(K, 32)
+    kw = launch.cdiv(K, 32)
     u = x_int8.to(torch.int16) & 0xFF
     bits = torch.stack([(u >> b) & 1 for b in range(8)])  # [8, M, K]
     bits = torch.nn.functional.pad(bits, (0, kw * 32 - K))
@@ -163,7 +163,7 @@ def popcount_matmul_a8(x_int8: torch.Tensor, plus: torch.Tensor, minus: torch.Te
     out = new_output((M, N), torch.int32, x_int8.device)
     bm, bn, bw = (16, 32, 8) if not _runtime.INTERPRET else (16, 16, 4)
     launch.launch(
-        "ternary_popcount_a8", ternary_popcount_a8_kernel, (triton.cdiv(M, bm), triton.cdiv(N, bn)),
+        "ternary_popcount_a8", ternary_popcount_a8_kernel, (launch.cdiv(M, bm), launch.cdiv(N, bn)),
         planes, plus, minus, out, M, N, KW,
         nbytes=planes.numel() * 4 + 2 * plus.numel() * 4 + out.numel() * 4,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_W=bw, USE_ASM=not _runtime.INTERPRET, num_warps=4,
@@ -174,7 +174,7 @@ def popcount_matmul_a8(x_int8: torch.Tensor, plus: torch.Tensor, minus: torch.Te
 def chunk_activity(plus: torch.Tensor, minus: torch.Tensor) -> torch.Tensor:
     """int32 [N, n_chunks]: 1 where the row has any non-zero weight in the 2048-column chunk."""
     N, KW = plus.shape
-    n_chunks = triton.cdiv(KW, CHUNK_WORDS)
+    n_chunks = launch.cdiv(KW, CHUNK_WORDS)
     nz = torch.nn.functional.pad((plus | minus) != 0, (0, n_chunks * CHUNK_WORDS - KW))
     return nz.view(N, n_chunks, CHUNK_WORDS).any(-1).to(torch.int32).contiguous()
 
@@ -186,18 +186,18 @@ def ternary_matmul(x2d, plus, minus, scales, bias=None, active=None):
     """
     M, K = x2d.shape
     N, KW = plus.shape
-    n_chunks = triton.cdiv(KW, CHUNK_WORDS)
+    n_chunks = launch.cdiv(KW, CHUNK_WORDS)
     skip = active is not None
     bm = 16 if M <= 16 or _runtime.INTERPRET else 64
     bn = 16 if _runtime.INTERPRET else 64
     bw = 2 if _runtime.INTERPRET else 8
-    tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
-    splits = max(1, min(n_chunks, triton.cdiv(_runtime.num_sms() * 4, tiles)))  # split K while tiles are few
-    per_split = triton.cdiv(n_chunks, splits)
-    splits = triton.cdiv(n_chunks, per_split)
+    tiles = launch.cdiv(M, bm) * launch.cdiv(N, bn)
+    splits = max(1, min(n_chunks, launch.cdiv(_runtime.num_sms() * 4, tiles)))  # split K while tiles are few
+    per_split = launch.cdiv(n_chunks, splits)
+    splits = launch.cdiv(n_chunks, per_split)
     part = new_output((splits, M, N), torch.float32, x2d.device)
     launch.launch(
-        "ternary_matmul", ternary_matmul_kernel, (triton.cdiv(M, bm), triton.cdiv(N, bn), splits),
+        "ternary_matmul", ternary_matmul_kernel, (launch.cdiv(M, bm), launch.cdiv(N, bn), splits),
         x2d, plus, minus, active if skip else plus, part, M, N, K, KW, n_chunks, per_split,
         nbytes=x2d.numel() * x2d.element_size() + 2 * plus.numel() * 4 + M * N * x2d.element_size(),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_W=bw, SKIP=skip,
@@ -398,7 +398,7 @@ def reduce_splits(part: torch.Tensor, scales: torch.Tensor, bias, y: torch.Tenso
     S, M, N = part.shape
     block = 1024
     launch.launch(
-        "ternary_gemv_reduce", ternary_gemv_reduce_kernel, (triton.cdiv(M * N, block),),
+        "ternary_gemv_reduce", ternary_gemv_reduce_kernel, (launch.cdiv(M * N, block),),
         part, scales, bias if bias is not None else scales, y, scales.stride(0), M, N, S,
         nbytes=4 * S * M * N + N * 4 + M * N * y.element_size(),
         BLOCK=block, HAS_BIAS=bias is not None, RNE=rne, num_warps=4,
@@ -406,7 +406,7 @@ def reduce_splits(part: torch.Tensor, scales: torch.Tensor, bias, y: torch.Tenso
 
 
 def _gemv_block_m(M: int) -> int:
-    return triton.next_power_of_2(M)
+    return launch.next_power_of_2(M)
 
 
 def gemv_fallback_config(M: int, N: int, K: int, interpreter: bool | None = None) -> dict:
@@ -429,10 +429,10 @@ def gemv_fallback_config(M: int, N: int, K: int, interpreter: bool | None = None
     numpy op, so tiles as large as the shapes allow (64-word steps, up to 64 rows; it reports 4 SMs,
     so small grids still split K). ``interpreter`` (default: this process's mode) picks the branch.
     """
-    kw = triton.cdiv(K, WORD_BITS)
+    kw = launch.cdiv(K, WORD_BITS)
     if _runtime.INTERPRET if interpreter is None else interpreter:
-        bw = max(16, min(64, triton.next_power_of_2(kw)))
-        return {"BLOCK_N": max(8, min(64, triton.next_power_of_2(N))), "BLOCK_W": bw, "BIT_UNROLL": 16,
+        bw = max(16, min(64, launch.next_power_of_2(kw)))
+        return {"BLOCK_N": max(8, min(64, launch.next_power_of_2(N))), "BLOCK_W": bw, "BIT_UNROLL": 16,
                 "num_warps": 4, "programs_per_sm": 1}
     wide = M == 1 or 2 < M <= 4
     return {"BLOCK_N": 16, "BLOCK_W": 64 if wide else 32, "BIT_UNROLL": 16 if M <= 4 else 4, "num_warps": 4,
@@ -463,11 +463,11 @@ def _gemv_plan(M: int, N: int, K: int, KW: int, cfg_items=None):
         raise ValueError(f"BLOCK_W must divide {CHUNK_WORDS} (a K step stays inside one chunk), got {bw}")
     if HALF_BITS.value % cfg["BIT_UNROLL"]:
         raise ValueError(f"BIT_UNROLL must divide {HALF_BITS.value}, got {cfg['BIT_UNROLL']}")
-    n_steps = triton.cdiv(KW, bw)
-    n_blocks = triton.cdiv(N, bn)
+    n_steps = launch.cdiv(KW, bw)
+    n_blocks = launch.cdiv(N, bn)
     splits = gemv_splits(n_blocks, n_steps, cfg["programs_per_sm"])
-    per_split = triton.cdiv(n_steps, splits)
-    splits = triton.cdiv(n_steps, per_split)
+    per_split = launch.cdiv(n_steps, splits)
+    splits = launch.cdiv(n_steps, per_split)
     return bm, bn, bw, cfg["BIT_UNROLL"], cfg["num_warps"], n_steps, n_blocks, splits, per_split
 
 
@@ -503,7 +503,7 @@ def ternary_gemv(x2d, plus, minus, scales, bias=None, active=None, cfg=None):
     launch.launch(
         "ternary_gemv", ternary_gemv_kernel, (n_blocks, splits),
         xt, plus, minus, active if skip else plus, scales, bias if bias is not None else scales, out,
-        scales.stride(0), MAGIC_2_23.value, M, N, KW, triton.cdiv(KW, CHUNK_WORDS), per_split,
+        scales.stride(0), MAGIC_2_23.value, M, N, KW, launch.cdiv(KW, CHUNK_WORDS), per_split,
         nbytes=8 * N * KW + xt_bytes + M * N * (xsize if final else 4 * splits),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_W=bw, BIT_UNROLL=unroll, SKIP=skip, FINAL=final,
         HAS_BIAS=bias is not None, RNE=rne, num_warps=warps,

@@ -59,12 +59,12 @@ MAGIC_BF16 = 0x43004300  # bf16x2 bits of (2^7, 2^7)
 
 def code_rows(out_features: int, tile_rows: int = TILE_ROWS) -> int:
     """Rows of the codes tensor: out_features padded to a multiple of TILE_ROWS (padding rows hold trit 0)."""
-    return triton.cdiv(out_features, tile_rows) * tile_rows
+    return launch.cdiv(out_features, tile_rows) * tile_rows
 
 
 def code_words(in_features: int) -> int:
     """int32 code words per row: 8 per 128-column block (16 two-bit fields each)."""
-    return triton.cdiv(in_features, BLOCK_COLS) * WORDS_PER_BLOCK
+    return launch.cdiv(in_features, BLOCK_COLS) * WORDS_PER_BLOCK
 
 
 def _pack_rows(plus: torch.Tensor, minus: torch.Tensor, in_features: int, nb: int) -> torch.Tensor:
@@ -93,7 +93,7 @@ def pack_tc(plus: torch.Tensor, minus: torch.Tensor, in_features: int, tile_rows
     storage only: row r of the tensor is not weight row r (``code_index`` maps); rows TR t.. of it hold exactly
     the tile row t."""
     n, kw = plus.shape
-    nb = triton.cdiv(in_features, BLOCK_COLS)
+    nb = launch.cdiv(in_features, BLOCK_COLS)
     kc = nb * WORDS_PER_BLOCK
     tr = tile_rows
     n_pad = code_rows(n, tr)
@@ -409,7 +409,7 @@ def tc_fallback_config(M: int, N: int, K: int, interpreter: bool | None = None) 
     ~140 registers: one program per SM), no split where the tiles fill the SMs (M = 256, N = 8192: 128
     programs; the weights are decoded twice, cheaper than 2 splits' 8 M N bytes of partials).
     Interpreter: BLOCK_N 64, pointer loads."""
-    bm = max(16, triton.next_power_of_2(min(M, 256)))
+    bm = max(16, launch.next_power_of_2(min(M, 256)))
     if _runtime.INTERPRET if interpreter is None else interpreter:
         return {"BLOCK_M": bm, "ROW_REPS": 1, "BLOCKS_K": 1, "num_warps": 4, "num_stages": 1, "programs_per_sm": 1}
     if bm <= 64:
@@ -445,7 +445,7 @@ def tc_m_bucket(M: int) -> int:
         return 1
     if M <= 4:
         return 4
-    return max(16, triton.next_power_of_2(min(M, 256)))
+    return max(16, launch.next_power_of_2(min(M, 256)))
 
 
 def tc_config_key(M: int, N: int, K: int) -> str:
@@ -472,14 +472,14 @@ def _tc_plan(M: int, N: int, K: int, kc: int, cfg_items=None):
     cfg = dict(tc_config(M, N, K), **dict(cfg_items or ()))
     bm, reps, nbk, warps = cfg["BLOCK_M"], cfg["ROW_REPS"], cfg["BLOCKS_K"], cfg["num_warps"]
     bn = 16 * warps * reps
-    n_steps = triton.cdiv(kc, 8 * nbk)
-    tiles = triton.cdiv(N, bn) * triton.cdiv(M, bm)
-    per_split = triton.cdiv(n_steps, gemv_splits(tiles, n_steps, cfg["programs_per_sm"]))
-    splits = triton.cdiv(n_steps, per_split)
+    n_steps = launch.cdiv(kc, 8 * nbk)
+    tiles = launch.cdiv(N, bn) * launch.cdiv(M, bm)
+    per_split = launch.cdiv(n_steps, gemv_splits(tiles, n_steps, cfg["programs_per_sm"]))
+    splits = launch.cdiv(n_steps, per_split)
     xpre = bool(cfg.get("XPRE", 0))
     # cfg["TMA"] forces it either way (the interpreter runs the descriptor path too, for the tests)
     use_tma = not xpre and bool(cfg.get("TMA", not _runtime.INTERPRET)) and K % 8 == 0
-    grid = (triton.cdiv(N, bn), triton.cdiv(M, bm), splits)
+    grid = (launch.cdiv(N, bn), launch.cdiv(M, bm), splits)
     opts = launch.maxnreg_option(cfg)  # more programs per SM, hence more code words in flight
     return (bm, nbk, reps, warps, cfg["num_stages"], cfg.get("PREFETCH", 1), xpre, bool(cfg.get("FIXUP", 1)),
             bool(cfg.get("FIX4", reps * bm <= 32)), bool(cfg.get("PDL", bm <= 64)), use_tma, grid, per_split, opts)
