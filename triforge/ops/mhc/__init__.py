@@ -52,6 +52,7 @@ _FALLBACK = {
 }
 
 
+@launch.config_cache  # once per (kernel, C, dtype): the lookup ran on every call (read-only: callers never mutate it)
 def _cfg(kernel, C, dtype):
     fallback = dict(_FALLBACK[kernel])
     if _runtime.INTERPRET:  # keep interpreter blocks small so odd sizes exercise masks and loops
