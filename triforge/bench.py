@@ -305,9 +305,9 @@ def run_bench(specs, *, dtype=torch.bfloat16, modes=("fwd", "bwd"), peers=True, 
     for spec in specs:
         for one in ([shape] if shape or not spec.bench_shapes else spec.bench_shapes):
             rows += bench_op(spec, dtype=dtype, modes=modes, peers=peers, shape=one)
+            if on_partial is not None:  # a sweep cut off by a time limit (or a fault) keeps its finished shapes,
+                on_partial(_result(rows, shape))  # and the rows of a shape whose calls failed name the failing call
             torch.cuda.empty_cache()
-            if on_partial is not None:  # a sweep cut off by a time limit keeps its finished shapes
-                on_partial(_result(rows, shape))
         if progress is not None:
             progress(spec.name)
     rows += family_totals(specs, rows)
