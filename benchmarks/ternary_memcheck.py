@@ -58,7 +58,9 @@ def main():
                     e = rel(y, ref)
                     good = e == e and e < 2e-2
                     ok &= good
-                print(f"{name} M={M} N={N} K={K}: {'ok' if good else 'WRONG'} rel {e:.1e}", flush=True)
+                    if not good:
+                        print(f"{name} M={M} N={N} K={K} call {i} (set {i % len(sets)}): WRONG rel {e:.1e}", flush=True)
+                print(f"{name} M={M} N={N} K={K}: last call rel {e:.1e}", flush=True)
     sys.exit(0 if ok else 1)
 
 
