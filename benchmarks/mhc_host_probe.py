@@ -10,29 +10,16 @@ T=65536, C=1024 and 2560, forward and autograd backward, both paths in this proc
 
 import argparse
 import json
-import time
 
 import torch
-import triton.testing
+from host_overhead_probe import gpu_ms, host_us  # benchmarks/: the script's own folder
 
 from triforge.ops import mhc as M
 
 
-def host_us(fn, n=2000):
-    for _ in range(50):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    return (t1 - t0) / n * 1e6
-
-
 def gpu(fn):
-    times = sorted(triton.testing.do_bench(fn, warmup=25, rep=300, return_mode="all"))
-    return {"median_ms": times[len(times) // 2], "p95_ms": times[int(0.95 * len(times))], "min_ms": times[0]}
+    t = gpu_ms(fn)
+    return {"median_ms": t["median"], "p95_ms": t["p95"], "min_ms": t["min"]}
 
 
 def inputs(T, C, grad=False):
