@@ -15,7 +15,8 @@ first; the five fastest printed per shape. ``--sweep tiles``: the storage tile h
 two configs above on 128-row tiles as well). ``--sweep pdl``: the config in use with the fix-up's partials read
 four at a time (FIX4) or one at a time, launched as programmatic dependents (PDL) or not; then at M <= 16 its
 split target under PDL, at M >= 64 a small grid of tiles, stages and split targets under PDL. ``--sweep m1``:
-deeper word prefetch at M = 1 under a register cap (maxnreg), and 64-row tiles at 5-6 programs per SM.
+deeper word prefetch at M = 1 under a register cap (maxnreg), and 64-row tiles at 5-6 programs per SM. ``--sweep m8``:
+x tiles of 8 rows (mma.sync instead of wgmma, fewer registers) at M <= 8.
 """
 
 import argparse
@@ -129,6 +130,12 @@ def sweep_configs(which="main"):
         grid += [(1, 8, p, pps, None) for p in (1, 2) for pps in (2, 3)]
         return [dict({"ROW_REPS": r, "BLOCKS_K": 1, "num_warps": w, "PREFETCH": p, "programs_per_sm": pps,
                       "num_stages": 1, "XPRE": 1}, **({"maxnreg": reg} if reg else {})) for r, w, p, pps, reg in grid]
+    if which == "m8":  # x tiles of 8 rows at M <= 8: Triton builds the dot from mma.sync m16n8k16 (no wgmma; 64-168
+        # registers on the local sm90 compile against 161-168 for 16-row tiles), at more programs per SM
+        grid = [(r, b, 4, p, pps) for r, b in ((1, 1), (2, 1), (4, 1), (1, 2), (2, 2)) for p in (1, 2) for pps in (4, 6)]
+        grid += [(r, 1, 8, 1, pps) for r in (1, 2) for pps in (2, 3, 4)]
+        return [{"BLOCK_M": 8, "ROW_REPS": r, "BLOCKS_K": b, "num_warps": w, "PREFETCH": p, "programs_per_sm": pps,
+                 "num_stages": 1, "XPRE": 1} for r, b, w, p, pps in grid]
     if which == "xpre":
         tiles = [(1, 1, 4), (1, 2, 4), (2, 1, 4), (1, 2, 8)]
         return [{"ROW_REPS": r, "BLOCKS_K": b, "num_warps": w, "PREFETCH": p, "programs_per_sm": pps, "num_stages": 1,
@@ -206,7 +213,7 @@ def main():
     ap.add_argument("--json", help="write the rows here")
     ap.add_argument("--shapes", nargs="*", help="NxK, e.g. 8192x8192 (default: the issue's five)")
     ap.add_argument("--m", nargs="*", type=int, default=MS)
-    ap.add_argument("--sweep", nargs="?", const="main", choices=["main", "xpre", "tiles", "pdl", "m256", "m1"],
+    ap.add_argument("--sweep", nargs="?", const="main", choices=["main", "xpre", "tiles", "pdl", "m256", "m1", "m8"],
                     help="time the sweep's launch configs instead (CUDA graphs)")
     ap.add_argument("--base-only", action="store_true", help="with --sweep: the config in use and the fallback only")
     ap.add_argument("--rotate-x", action="store_true", help="with --sweep: an x per weight set (as triforge bench)")
