@@ -46,7 +46,10 @@ rows = []
 for case in json.loads(sys.argv[1]):
     mod, name = case["kernel"].split(":")
     fn = getattr(importlib.import_module(mod), name)
-    names, consts = fn.arg_names, case.get("constexprs", {})
+    names, consts = fn.arg_names, dict(case.get("constexprs", {}))
+    for prm in fn.params:  # a constexpr left out takes its default (else it would compile as a run-time i32)
+        if prm.is_constexpr and prm.name not in consts and prm.has_default:
+            consts[prm.name] = prm.default
     sig = {n: "constexpr" if n in consts else case.get("signature", {}).get(n, "i32") for n in names}
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in case.get("divisible", ())}
     k = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", 90, 32),
