@@ -167,7 +167,7 @@ def run_sweep(N, K, ms, gen, which="main", base_only=False, rotate_x=False):
         if which == "even":
             # the config in use with unmasked loads (EVEN, the default where the shape allows) and masked (EVEN 0);
             # at M <= 4 the xpre grid under EVEN too (the K loop got shorter: its best config may have moved)
-            base = [base[0], dict(base[0], EVEN=0), base[1]]
+            base = [base[0], dict(base[0], EVEN=0), base[1], dict(base[0], EVEN=2)]
             extra = sweep_configs("xpre") if M <= 4 and not base_only else []
         if which == "pdl":
             # the config in use with the split-K sum read one partial (FIX4 0) or four (1) at a time, launched
@@ -198,7 +198,9 @@ def run_sweep(N, K, ms, gen, which="main", base_only=False, rotate_x=False):
         elif which == "even":
             i_fb = 2
             timed[0]["label"], timed[1]["label"], timed[2]["label"] = "current", "current EVEN 0", "fallback"
-            print(f"N={N} K={K} M={M}: current {timed[0]['us']} us, masked (EVEN 0) {timed[1]['us']} us", flush=True)
+            timed[3]["label"] = "current EVEN 2"
+            print(f"N={N} K={K} M={M}: current {timed[0]['us']} us, masked (EVEN 0) {timed[1]['us']} us, clamped (EVEN 2) "
+                  f"{timed[3]['us']} us", flush=True)
         else:
             i_fb = 1
             timed[0]["label"], timed[1]["label"] = "current", "fallback"

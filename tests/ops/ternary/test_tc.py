@@ -136,13 +136,15 @@ def test_tc_even_loads_equal_masked(m, cfg, device, gen):
     tt = TernaryTensor.from_trits(random_trits(n, k, gen), random_scales(n, gen)).to(device)
     codes = tc.pack_tc(tt.plus, tt.minus, k)
     x = torch.randn(m, k, generator=gen).to(device=device, dtype=torch.bfloat16)
-    assert tc._tc_plan(m, n, k, codes.shape[1], tuple(sorted(cfg.items())))[11]  # EVEN holds here
-    assert not tc._tc_plan(m, n, k, codes.shape[1], tuple(sorted(dict(cfg, EVEN=0).items())))[11]
+    assert tc._tc_plan(m, n, k, codes.shape[1], tuple(sorted(cfg.items())))[11] == 1  # EVEN holds here
+    assert tc._tc_plan(m, n, k, codes.shape[1], tuple(sorted(dict(cfg, EVEN=0).items())))[11] == 0
     with poisoned():
-        y = tc.ternary_matmul_tc(x, tt, codes=codes, cfg=cfg)
         y_masked = tc.ternary_matmul_tc(x, tt, codes=codes, cfg=dict(cfg, EVEN=0))
-    assert compare(f"tc matmul even {cfg}", matmul_dense_ref(x, tt), y, dtype=torch.bfloat16).ok
-    assert torch.equal(y, y_masked), (y - y_masked).abs().max()
+    assert compare(f"tc matmul masked {cfg}", matmul_dense_ref(x, tt), y_masked, dtype=torch.bfloat16).ok
+    for even in (1, 2):
+        with poisoned():
+            y = tc.ternary_matmul_tc(x, tt, codes=codes, cfg=dict(cfg, EVEN=even))
+        assert torch.equal(y, y_masked), (even, (y - y_masked).abs().max())
 
 
 def test_pdl_rule(monkeypatch, device, gen):
@@ -378,7 +380,7 @@ def test_tc_even_k_loop_sm90():
     base = _tc_sm90_cases()[1]  # bf16
     cases = []
     for reps, nbk, xpre in [(2, 1, True), (1, 2, True), (1, 2, False)]:
-        for even in (False, True):
+        for even in (0, 2):
             cx = dict(base["constexprs"], BLOCK_M=16, ROW_REPS=reps, BLOCKS_K=nbk, WARPS=4, IS_BF16=True, TMA=not xpre,
                       XPRE=xpre, PREFETCH=1, PDL=True, HAS_BIAS=False, EVEN=even)
             cases.append(dict(base, constexprs=cx, options={"num_warps": 4, "num_stages": 1}))

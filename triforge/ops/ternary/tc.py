@@ -220,7 +220,8 @@ def ternary_tc_kernel(
     RNE: tl.constexpr,
     TR: tl.constexpr,  # rows per storage tile of the codes (pack_tc's tile_rows)
     PDL: tl.constexpr,  # programmatic dependent launch: the first words in flight before griddepcontrol.wait
-    EVEN: tl.constexpr = False,  # N % BLOCK_N == 0 and K % BK == 0: loads without masks (clamped indices instead)
+    EVEN: tl.constexpr = 0,  # N % BLOCK_N == 0 and K % BK == 0: 1: the K loop's loads fill no masked lanes; 2: no
+    #                           masks (x rows past M read row M - 1, steps past a split's end its last step again)
 ):
     BLOCK_N: tl.constexpr = 16 * WARPS * ROW_REPS
     BK: tl.constexpr = 128 * BLOCKS_K
@@ -251,10 +252,7 @@ def ternary_tc_kernel(
     o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_m = o_m < M
     o_k = tl.arange(0, BK)
-    if EVEN:
-        # no masks in the K loop: x rows past M read row M - 1 (their columns of acc are never stored), and the
-        # steps prefetched past the split's end read its last step again (never decoded); masked loads cost a
-        # zeroing and a predicate per register each step
+    if EVEN == 2:
         p_x = x_ptr + tl.minimum(o_m, M - 1).to(tl.int64)[:, None] * K + o_k[None, :]
     else:
         p_x = x_ptr + o_m.to(tl.int64)[:, None] * K + o_k[None, :]
@@ -369,11 +367,15 @@ def ternary_tc_kernel(
 @triton.jit
 def _load_step(p_c, o_c, m_r, s, s_end, KC, BLOCKS_K: tl.constexpr, TR: tl.constexpr, EVEN: tl.constexpr):
     """The code words of K step s (zeros past the split's last step and past the row's end): BLOCKS_K tiles of
-    8 TR words (tiled storage: word block b of a row block at 8 TR b). EVEN (every row and word in range): no
-    mask; a step past the split's end reads its last step again."""
-    if EVEN:
+    8 TR words (tiled storage: word block b of a row block at 8 TR b). EVEN (every row and word in range): only
+    the step's own bound, one predicate for the whole tile, and the lanes past it are left unset (never decoded:
+    a masked load's fill costs a register zeroing per word per step; and a load clamped into range instead costs
+    a memory round trip at every program's end: +5-15% measured at M = 1)."""
+    if EVEN == 2:
         return tl.load(p_c + tl.minimum(s, s_end - 1) * (8 * BLOCKS_K) * TR)
     w0 = s * (8 * BLOCKS_K)
+    if EVEN == 1:
+        return tl.load(p_c + w0 * TR, mask=s < s_end)
     return tl.load(p_c + w0 * TR, mask=m_r & (s < s_end) & (w0 + o_c < KC), other=0)
 
 
@@ -386,11 +388,13 @@ def _load_part(part_ptr, o_m, o_n, m_y, M, N, s, n_splits):
 
 @triton.jit
 def _load_x(p_x, m_m, o_k, s, s_end, BK: tl.constexpr, K, EVEN: tl.constexpr):
-    """x's tile of K step s (zeros past M and K). EVEN: no mask (p_x's rows past M are clamped to M - 1 and a step
-    past the split's end reads its last step again)."""
-    if EVEN:
+    """x's tile of K step s (zeros past M and K). EVEN: rows past M and steps past the split's end are left unset
+    (rows past M only reach columns of acc that are never stored; later steps are never used)."""
+    if EVEN == 2:
         return tl.load(p_x + tl.minimum(s, s_end - 1) * BK)
     k0 = s * BK
+    if EVEN == 1:
+        return tl.load(p_x + k0, mask=m_m[:, None] & (s < s_end))
     return tl.load(p_x + k0, mask=m_m[:, None] & (k0 + o_k < K)[None, :], other=0.0)
 
 
@@ -496,7 +500,7 @@ def _tc_plan(M: int, N: int, K: int, kc: int, cfg_items=None):
     grid = (launch.cdiv(N, bn), launch.cdiv(M, bm), splits)
     opts = launch.maxnreg_option(cfg)  # more programs per SM, hence more code words in flight
     # every weight row and K step in range: the K loop's loads need no masks (cfg "EVEN": 0 keeps them)
-    even = bool(cfg.get("EVEN", 1)) and N % bn == 0 and K % (128 * nbk) == 0
+    even = int(cfg.get("EVEN", 1)) if N % bn == 0 and K % (128 * nbk) == 0 else 0
     return (bm, nbk, reps, warps, cfg["num_stages"], cfg.get("PREFETCH", 1), xpre, bool(cfg.get("FIXUP", 1)),
             bool(cfg.get("FIX4", reps * bm <= 32)), bool(cfg.get("PDL", bm <= 64)), use_tma, even, grid, per_split, opts)
 
