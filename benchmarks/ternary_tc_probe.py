@@ -16,8 +16,7 @@ two configs above on 128-row tiles as well). ``--sweep pdl``: the config in use 
 four at a time (FIX4) or one at a time, launched as programmatic dependents (PDL) or not; then at M <= 16 its
 split target under PDL, at M >= 64 a small grid of tiles, stages and split targets under PDL. ``--sweep m1``:
 deeper word prefetch at M = 1 under a register cap (maxnreg), and 64-row tiles at 5-6 programs per SM. ``--sweep m8``:
-x tiles of 8 rows (mma.sync instead of wgmma, fewer registers) at M <= 8. ``--sweep even``: the config in use with
-the K loop's loads unmasked (EVEN) and masked, and at M <= 4 the xpre grid unmasked.
+x tiles of 8 rows (mma.sync instead of wgmma, fewer registers) at M <= 8.
 """
 
 import argparse
@@ -164,11 +163,6 @@ def run_sweep(N, K, ms, gen, which="main", base_only=False, rotate_x=False):
         if which == "tiles":  # the same two configs on 128-row tiles (the default is 16)
             base += [dict(b, TR=128) for b in base]
         extra = [] if base_only else sweep_configs(which)
-        if which == "even":
-            # the config in use with unmasked loads (EVEN, the default where the shape allows) and masked (EVEN 0);
-            # at M <= 4 the xpre grid under EVEN too (the K loop got shorter: its best config may have moved)
-            base = [base[0], dict(base[0], EVEN=0), base[1], dict(base[0], EVEN=2)]
-            extra = sweep_configs("xpre") if M <= 4 and not base_only else []
         if which == "pdl":
             # the config in use with the split-K sum read one partial (FIX4 0) or four (1) at a time, launched
             # with PDL or not; then its split targets under PDL (M <= 16), or the M >= 64 grid under PDL
@@ -195,12 +189,6 @@ def run_sweep(N, K, ms, gen, which="main", base_only=False, rotate_x=False):
                 t["label"] = lab
             print(f"N={N} K={K} M={M}: " + ", ".join(f"{t['label']} {t['us']}" for t in timed[:5]), flush=True)
             i_fb = 4
-        elif which == "even":
-            i_fb = 2
-            timed[0]["label"], timed[1]["label"], timed[2]["label"] = "current", "current EVEN 0", "fallback"
-            timed[3]["label"] = "current EVEN 2"
-            print(f"N={N} K={K} M={M}: current {timed[0]['us']} us, masked (EVEN 0) {timed[1]['us']} us, clamped (EVEN 2) "
-                  f"{timed[3]['us']} us", flush=True)
         else:
             i_fb = 1
             timed[0]["label"], timed[1]["label"] = "current", "fallback"
@@ -225,7 +213,7 @@ def main():
     ap.add_argument("--json", help="write the rows here")
     ap.add_argument("--shapes", nargs="*", help="NxK, e.g. 8192x8192 (default: the issue's five)")
     ap.add_argument("--m", nargs="*", type=int, default=MS)
-    ap.add_argument("--sweep", nargs="?", const="main", choices=["main", "xpre", "tiles", "pdl", "m256", "m1", "m8", "even"],
+    ap.add_argument("--sweep", nargs="?", const="main", choices=["main", "xpre", "tiles", "pdl", "m256", "m1", "m8"],
                     help="time the sweep's launch configs instead (CUDA graphs)")
     ap.add_argument("--base-only", action="store_true", help="with --sweep: the config in use and the fallback only")
     ap.add_argument("--rotate-x", action="store_true", help="with --sweep: an x per weight set (as triforge bench)")

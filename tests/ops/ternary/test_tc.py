@@ -122,31 +122,6 @@ def test_tc_matmul_configs(cfg, device, gen):
     assert compare(f"tc matmul {cfg}", matmul_dense_ref(x, tt), y, dtype=torch.float16).ok
 
 
-@pytest.mark.parametrize("m", [1, 3])
-@pytest.mark.parametrize("cfg", [{}, {"XPRE": 1}, {"XPRE": 1, "PREFETCH": 2, "programs_per_sm": 4},
-                                 {"XPRE": 1, "PREFETCH": 3, "programs_per_sm": 8}, {"BLOCKS_K": 2, "PREFETCH": 2},
-                                 {"TMA": True, "programs_per_sm": 4}, {"ROW_REPS": 2, "XPRE": 1, "programs_per_sm": 4}],
-                         ids=["whole_k", "xpre", "xpre_prefetch2_split", "xpre_prefetch3_split", "k2_prefetch2",
-                              "tma_split", "row_reps2_xpre_split"])
-def test_tc_even_loads_equal_masked(m, cfg, device, gen):
-    """EVEN (every weight row and K step in range): the K loop loads without masks, x's rows past M read row
-    M - 1 and steps prefetched past a split's end read its last step again. Same sums in the same order as
-    the masked loads, so the same bits; right against float64."""
-    n, k = 128, 1024  # 128-row tiles at ROW_REPS 2, 8 steps of 128 columns (4 of 256)
-    tt = TernaryTensor.from_trits(random_trits(n, k, gen), random_scales(n, gen)).to(device)
-    codes = tc.pack_tc(tt.plus, tt.minus, k)
-    x = torch.randn(m, k, generator=gen).to(device=device, dtype=torch.bfloat16)
-    assert tc._tc_plan(m, n, k, codes.shape[1], tuple(sorted(cfg.items())))[11] == 1  # EVEN holds here
-    assert tc._tc_plan(m, n, k, codes.shape[1], tuple(sorted(dict(cfg, EVEN=0).items())))[11] == 0
-    with poisoned():
-        y_masked = tc.ternary_matmul_tc(x, tt, codes=codes, cfg=dict(cfg, EVEN=0))
-    assert compare(f"tc matmul masked {cfg}", matmul_dense_ref(x, tt), y_masked, dtype=torch.bfloat16).ok
-    for even in (1, 2):
-        with poisoned():
-            y = tc.ternary_matmul_tc(x, tt, codes=codes, cfg=dict(cfg, EVEN=even))
-        assert torch.equal(y, y_masked), (even, (y - y_masked).abs().max())
-
-
 def test_pdl_rule(monkeypatch, device, gen):
     """A launch is a programmatic dependent one (its first code words read before griddepcontrol.wait) only
     on codes an earlier launch read and nothing wrote since: not on fresh codes, not right after modify_dim
@@ -369,29 +344,3 @@ def test_tc_kernel_compiles_for_sm90():
         if cx["TMA"]:  # x arrives by TMA, weights stay in registers
             assert not any(op.startswith("STS") for op in loop), loop
         assert total <= (2.25 if case["options"]["num_stages"] == 1 else 3.5) * weights, loop
-
-
-def test_tc_even_k_loop_sm90():
-    """EVEN compiled for sm90a at the M = 1 configs of the large shapes (x by pointer loads or TMA): the K loop
-    keeps the decode and loses the masks' work (no register zeroing (CS2R), no per-step bounds predicates
-    (ISETP.LT)), and is shorter than the masked loop; no spills."""
-    from ...sm90 import compile_for_sm90
-
-    base = _tc_sm90_cases()[1]  # bf16
-    cases = []
-    for reps, nbk, xpre in [(2, 1, True), (1, 2, True), (1, 2, False)]:
-        for even in (0, 2):
-            cx = dict(base["constexprs"], BLOCK_M=16, ROW_REPS=reps, BLOCKS_K=nbk, WARPS=4, IS_BF16=True, TMA=not xpre,
-                      XPRE=xpre, PREFETCH=1, PDL=True, HAS_BIAS=False, EVEN=even)
-            cases.append(dict(base, constexprs=cx, options={"num_warps": 4, "num_stages": 1}))
-    rows = compile_for_sm90([{k: v for k, v in c.items() if k != "m"} for c in cases])
-    loops = [k_loop(r["loops"]) for r in rows]
-    for c, r, loop in zip(cases, rows, loops):
-        print(c["constexprs"]["EVEN"], c["constexprs"]["ROW_REPS"], c["constexprs"]["BLOCKS_K"], c["constexprs"]["XPRE"],
-              r["regs"], sum(loop.values()), sorted(loop.items(), key=lambda kv: -kv[1])[:10])
-    for i in range(0, len(cases), 2):
-        masked, even = loops[i], loops[i + 1]
-        assert rows[i + 1]["spill_bytes"] == 0 and rows[i + 1]["serialized"] == "", rows[i + 1]
-        assert masked["HADD2.BF16_V2"] == even["HADD2.BF16_V2"] and even["LOP3.LUT"] <= masked["LOP3.LUT"], (masked, even)
-        assert "CS2R" not in even and "ISETP.LT.AND" not in even, even
-        assert sum(even.values()) < sum(masked.values()), (masked, even)

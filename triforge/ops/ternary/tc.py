@@ -220,8 +220,6 @@ def ternary_tc_kernel(
     RNE: tl.constexpr,
     TR: tl.constexpr,  # rows per storage tile of the codes (pack_tc's tile_rows)
     PDL: tl.constexpr,  # programmatic dependent launch: the first words in flight before griddepcontrol.wait
-    EVEN: tl.constexpr = 0,  # N % BLOCK_N == 0 and K % BK == 0: 1: the K loop's loads fill no masked lanes; 2: no
-    #                           masks (x rows past M read row M - 1, steps past a split's end its last step again)
 ):
     BLOCK_N: tl.constexpr = 16 * WARPS * ROW_REPS
     BK: tl.constexpr = 128 * BLOCKS_K
@@ -252,10 +250,7 @@ def ternary_tc_kernel(
     o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_m = o_m < M
     o_k = tl.arange(0, BK)
-    if EVEN == 2:
-        p_x = x_ptr + tl.minimum(o_m, M - 1).to(tl.int64)[:, None] * K + o_k[None, :]
-    else:
-        p_x = x_ptr + o_m.to(tl.int64)[:, None] * K + o_k[None, :]
+    p_x = x_ptr + o_m.to(tl.int64)[:, None] * K + o_k[None, :]
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     n_steps = tl.cdiv(KC, 8 * BLOCKS_K)
     s_start = i_s * steps_per_split
@@ -264,11 +259,11 @@ def ternary_tc_kernel(
     # per row): the loop is latency-bound at small M, where each program decodes little per step
     # XPRE (pointer loads of x, not TMA): x tiles travel with the words, PREFETCH steps ahead in registers
     # (a TMA load per step is issued and waited on in the same step: its latency is exposed)
-    words = _load_step(p_c, o_c, m_r, s_start, s_end, KC, BLOCKS_K, TR, EVEN)
+    words = _load_step(p_c, o_c, m_r, s_start, s_end, KC, BLOCKS_K, TR)
     if PREFETCH >= 2:
-        words2 = _load_step(p_c, o_c, m_r, s_start + 1, s_end, KC, BLOCKS_K, TR, EVEN)
+        words2 = _load_step(p_c, o_c, m_r, s_start + 1, s_end, KC, BLOCKS_K, TR)
     if PREFETCH >= 3:
-        words3 = _load_step(p_c, o_c, m_r, s_start + 2, s_end, KC, BLOCKS_K, TR, EVEN)
+        words3 = _load_step(p_c, o_c, m_r, s_start + 2, s_end, KC, BLOCKS_K, TR)
     if PDL:
         # only the codes (constant since an earlier launch read them: the launcher's rule) are read above; x,
         # the descriptor's scratch, the partials, the counters and y are touched after the previous kernel
@@ -278,16 +273,16 @@ def ternary_tc_kernel(
     if TMA:
         x_desc = tl.make_tensor_descriptor(x_ptr, [M, K], [K, 1], [BLOCK_M, BK])
     if XPRE:
-        xw = _load_x(p_x, m_m, o_k, s_start, s_end, BK, K, EVEN)
+        xw = _load_x(p_x, m_m, o_k, s_start * BK, K)
         if PREFETCH >= 2:
-            xw2 = _load_x(p_x, m_m, o_k, s_start + 1, s_end, BK, K, EVEN)
+            xw2 = _load_x(p_x, m_m, o_k, (s_start + 1) * BK, K)
         if PREFETCH >= 3:
-            xw3 = _load_x(p_x, m_m, o_k, s_start + 2, s_end, BK, K, EVEN)
+            xw3 = _load_x(p_x, m_m, o_k, (s_start + 2) * BK, K)
     for s in range(s_start, s_end):
         # the step PREFETCH ahead is requested before this step's decode
-        words_next = _load_step(p_c, o_c, m_r, s + PREFETCH, s_end, KC, BLOCKS_K, TR, EVEN)
+        words_next = _load_step(p_c, o_c, m_r, s + PREFETCH, s_end, KC, BLOCKS_K, TR)
         if XPRE:
-            x_next = _load_x(p_x, m_m, o_k, s + PREFETCH, s_end, BK, K, EVEN)
+            x_next = _load_x(p_x, m_m, o_k, (s + PREFETCH) * BK, K)
         w9 = words[:, :, :, :, :, :, :, None, None]
         src = tl.where(sh == 12, w9 >> 12, tl.where(sh == 6, w9 >> 6, w9))  # [.., kb2 4, h 2]
         if USE_ASM:
@@ -305,7 +300,7 @@ def ternary_tc_kernel(
         elif TMA:
             b_x = x_desc.load([i_m * BLOCK_M, k0])
         else:
-            b_x = _load_x(p_x, m_m, o_k, s, s_end, BK, K, EVEN)
+            b_x = _load_x(p_x, m_m, o_k, k0, K)
         if USE_ASM:
             acc = tl.dot(w_t, tl.trans(b_x), acc)
         else:  # the interpreter: exact in fp32 (its bf16 dots are not supported)
@@ -365,17 +360,10 @@ def ternary_tc_kernel(
 
 
 @triton.jit
-def _load_step(p_c, o_c, m_r, s, s_end, KC, BLOCKS_K: tl.constexpr, TR: tl.constexpr, EVEN: tl.constexpr):
+def _load_step(p_c, o_c, m_r, s, s_end, KC, BLOCKS_K: tl.constexpr, TR: tl.constexpr):
     """The code words of K step s (zeros past the split's last step and past the row's end): BLOCKS_K tiles of
-    8 TR words (tiled storage: word block b of a row block at 8 TR b). EVEN (every row and word in range): only
-    the step's own bound, one predicate for the whole tile, and the lanes past it are left unset (never decoded:
-    a masked load's fill costs a register zeroing per word per step; and a load clamped into range instead costs
-    a memory round trip at every program's end: +5-15% measured at M = 1)."""
-    if EVEN == 2:
-        return tl.load(p_c + tl.minimum(s, s_end - 1) * (8 * BLOCKS_K) * TR)
+    8 TR words (tiled storage: word block b of a row block at 8 TR b)."""
     w0 = s * (8 * BLOCKS_K)
-    if EVEN == 1:
-        return tl.load(p_c + w0 * TR, mask=s < s_end)
     return tl.load(p_c + w0 * TR, mask=m_r & (s < s_end) & (w0 + o_c < KC), other=0)
 
 
@@ -387,14 +375,8 @@ def _load_part(part_ptr, o_m, o_n, m_y, M, N, s, n_splits):
 
 
 @triton.jit
-def _load_x(p_x, m_m, o_k, s, s_end, BK: tl.constexpr, K, EVEN: tl.constexpr):
-    """x's tile of K step s (zeros past M and K). EVEN: rows past M and steps past the split's end are left unset
-    (rows past M only reach columns of acc that are never stored; later steps are never used)."""
-    if EVEN == 2:
-        return tl.load(p_x + tl.minimum(s, s_end - 1) * BK)
-    k0 = s * BK
-    if EVEN == 1:
-        return tl.load(p_x + k0, mask=m_m[:, None] & (s < s_end))
+def _load_x(p_x, m_m, o_k, k0, K):
+    """x's tile of the K step at column k0 (zeros past M and K)."""
     return tl.load(p_x + k0, mask=m_m[:, None] & (k0 + o_k < K)[None, :], other=0.0)
 
 
@@ -484,7 +466,7 @@ TC_TUNE_SPACE = {"ROW_REPS": [1, 2], "BLOCKS_K": [1, 2, 4], "num_warps": [4, 8],
 @launch.config_cache
 def _tc_plan(M: int, N: int, K: int, kc: int, cfg_items=None):
     """(BLOCK_M, BLOCKS_K, ROW_REPS, warps, stages, PREFETCH, XPRE, FIXUP, FIX4, PDL (allowed; the launcher also asks
-    ``_settled``), TMA, EVEN, grid (weight tiles, x tiles, splits), steps per split, compile options (maxnreg)) of a launch:
+    ``_settled``), TMA, grid (weight tiles, x tiles, splits), steps per split, compile options (maxnreg)) of a launch:
     the tuned (or given) config and the split-K arithmetic, worked out once per shape (host time: the decode path is
     a few microseconds of GPU time per call)."""
     cfg = dict(tc_config(M, N, K), **dict(cfg_items or ()))
@@ -499,10 +481,8 @@ def _tc_plan(M: int, N: int, K: int, kc: int, cfg_items=None):
     use_tma = not xpre and bool(cfg.get("TMA", not _runtime.INTERPRET)) and K % 8 == 0
     grid = (launch.cdiv(N, bn), launch.cdiv(M, bm), splits)
     opts = launch.maxnreg_option(cfg)  # more programs per SM, hence more code words in flight
-    # every weight row and K step in range: the K loop's loads need no masks (cfg "EVEN": 0 keeps them)
-    even = int(cfg.get("EVEN", 1)) if N % bn == 0 and K % (128 * nbk) == 0 else 0
     return (bm, nbk, reps, warps, cfg["num_stages"], cfg.get("PREFETCH", 1), xpre, bool(cfg.get("FIXUP", 1)),
-            bool(cfg.get("FIX4", reps * bm <= 32)), bool(cfg.get("PDL", bm <= 64)), use_tma, even, grid, per_split, opts)
+            bool(cfg.get("FIX4", reps * bm <= 32)), bool(cfg.get("PDL", bm <= 64)), use_tma, grid, per_split, opts)
 
 
 PDL_ENV = "TRIFORGE_TERNARY_PDL"
@@ -551,7 +531,7 @@ def ternary_matmul_tc(x2d: torch.Tensor, tt, bias: torch.Tensor | None = None, c
     if tuple(codes.shape) != (code_rows(N, tr), code_words(K)):
         raise ValueError(f"codes must have shape {(code_rows(N, tr), code_words(K))} (pack_tc) for {N} x {K} weights, "
                          f"got {tuple(codes.shape)}")
-    bm, nbk, reps, warps, stages, prefetch, xpre, fixup_on, fix4, pdl, use_tma, even, grid, per_split, opts = _tc_plan(
+    bm, nbk, reps, warps, stages, prefetch, xpre, fixup_on, fix4, pdl, use_tma, grid, per_split, opts = _tc_plan(
         M, N, K, kc, None if cfg is None else tuple(sorted(cfg.items())))
     splits = grid[2]
     # TMA needs 16-byte row strides and base (else pointer loads)
@@ -576,7 +556,7 @@ def ternary_matmul_tc(x2d: torch.Tensor, tt, bias: torch.Tensor | None = None, c
         nbytes=codes.numel() * 4 + M * K * xsize + M * N * (xsize if final else 8 * splits + xsize),
         BLOCK_M=bm, ROW_REPS=reps, BLOCKS_K=nbk, WARPS=warps, IS_BF16=is_bf16, USE_ASM=not _runtime.INTERPRET,
         TMA=tma, FINAL=final, PREFETCH=prefetch, XPRE=xpre, FIXUP=fixup, FIX4=fix4, HAS_BIAS=bias is not None,
-        RNE=rne, TR=tr, EVEN=even, num_warps=warps, num_stages=stages, **opts, **launch.pdl_options(pdl),
+        RNE=rne, TR=tr, num_warps=warps, num_stages=stages, **opts, **launch.pdl_options(pdl),
     )
     if not final and not fixup:
         reduce_splits(part, scales, bias, y, rne)
