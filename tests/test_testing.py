@@ -718,6 +718,51 @@ def test_write_config_then_launch_config_returns_it(config_dir, monkeypatch):
     assert launch.config("fake_kernel", "fake-key-6", {}) == res2["best"]["config"]
 
 
+def test_tune_times_the_config_in_use_and_write_keeps_a_faster_entry(config_dir, monkeypatch):
+    """tune() times the launcher's own config beside the grid (the stored entry, else the fallback); write_config
+    keeps a stored entry that measured at least as fast as the grid's best (an entry from a wider sweep that the
+    grid lacks), replaces a slower one, and writes over it anyway with force."""
+    monkeypatch.setattr(_runtime, "arch", lambda: "sm_test_arch_1")
+    last = {}
+
+    def setup(shape, dtype, device):
+        key = f"k{shape['M']}"
+
+        def run(cfg):  # None: what the launcher would run (stored entry over the fallback)
+            last["cfg"] = dict(cfg or launch.config("fake_kernel", key, {"p": 4, "q": 20}))
+
+        return run, key
+
+    def timer(fn):
+        fn()
+        return cost(last["cfg"])
+
+    t = tune.Tunable(kernel="fake_kernel", space={"p": [1, 2, 3, 4], "q": [10, 20]}, setup=setup, shape_names=("M",))
+    res = tune.tune(t, {"M": 1}, torch.float32, timer=timer)
+    assert res["in_use"] == {"config": None, "ms": cost({"p": 4, "q": 20})}  # nothing stored: the fallback
+    assert not tune.keeps_entry_in_use(res)
+    assert tune.write_config(res) is not None and launch.stored_config("fake_kernel", "k1") == {"p": 2, "q": 10}
+
+    faster = {"p": 2.4, "q": 0}  # off the grid, cost 0
+    data = json.loads((config_dir / "sm_test_arch_1.json").read_text())
+    data["kernels"]["fake_kernel"]["k1"] = faster
+    (config_dir / "sm_test_arch_1.json").write_text(json.dumps(data))
+    launch.reload()
+    res = tune.tune(t, {"M": 1}, torch.float32, timer=timer)
+    assert res["in_use"] == {"config": faster, "ms": 0.0} and res["best"]["config"] == {"p": 2, "q": 10}
+    assert tune.keeps_entry_in_use(res) and tune.write_config(res) is None
+    assert launch.stored_config("fake_kernel", "k1") == faster
+    assert tune.write_config(res, force=True) is not None
+    assert launch.stored_config("fake_kernel", "k1") == {"p": 2, "q": 10}
+
+    data["kernels"]["fake_kernel"]["k1"] = {"p": 1, "q": 20}  # on the grid and slower than its best
+    (config_dir / "sm_test_arch_1.json").write_text(json.dumps(data))
+    launch.reload()
+    res = tune.tune(t, {"M": 1}, torch.float32, timer=timer)
+    assert res["in_use"]["ms"] == cost({"p": 1, "q": 20}) > res["best"]["ms"]
+    assert tune.write_config(res) is not None and launch.stored_config("fake_kernel", "k1") == {"p": 2, "q": 10}
+
+
 def test_write_config_explicit_arch_is_not_this_arch(config_dir):
     t, timer = _fake_tunable()
     res = tune.tune(t, {"M": 5}, torch.float32, timer=timer)

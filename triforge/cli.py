@@ -164,6 +164,9 @@ def _tune_one(args, t) -> int:
     for i, r in enumerate(result["top"], 1):
         table.add_row(str(i), json.dumps(r["config"]), f"{r['ms']:.4f}")
     console.print(table)
+    in_use = result["in_use"]
+    where = json.dumps(in_use["config"]) if in_use["config"] is not None else "the fallback"
+    console.print(f"in use ({where}): " + (f"{in_use['ms']:.4f} ms" if in_use["ms"] is not None else in_use.get("error", "")))
     if args.json:
         path = Path(args.json)
         if path.suffix != ".json" or path.is_dir():
@@ -171,7 +174,12 @@ def _tune_one(args, t) -> int:
             path = path / f"tune-{t.kernel}.json"
         path.write_text(json.dumps(result, indent=2))
     if args.write:
-        console.print(f"best config written to {tune.write_config(result)}")
+        path = tune.write_config(result, force=args.force)
+        if path is None:
+            console.print("not written: the stored entry in use measured at least as fast as the grid's best "
+                          "(--force writes it anyway)")
+        else:
+            console.print(f"best config written to {path}")
     return 0 if result["best"] else 1
 
 
@@ -330,7 +338,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--dtype", type=_dtype, default="bf16")
     t.add_argument("--top", type=int, default=5)
     t.add_argument("--json", metavar="FILE", help="a .json file, or a folder for one file per kernel")
-    t.add_argument("--write", action="store_true", help="store the best config in triforge/configs/<arch>.json")
+    t.add_argument("--write", action="store_true", help="store the best config in triforge/configs/<arch>.json "
+                   "(not over a stored entry that measured at least as fast in the same run)")
+    t.add_argument("--force", action="store_true", help="with --write: replace the stored entry even where it was faster")
     t.add_argument("--list", action="store_true", help="list the tunable kernels")
     t.set_defaults(func=cmd_tune)
 

@@ -74,6 +74,12 @@ def config_cache(fn):
     return cached
 
 
+def stored_config(kernel: str, key: str) -> dict | None:
+    """The entry stored for ``kernel`` at ``key`` in this arch's configs file (None: the launcher falls back)."""
+    found = _table(_runtime.arch()).get(kernel, {}).get(key)
+    return None if found is None else dict(found)
+
+
 def config(kernel: str, key: str, fallback: dict) -> dict:
     """The tuned launch config for ``kernel`` at ``key`` on this arch, else ``fallback``."""
     found = _table(_runtime.arch()).get(kernel, {}).get(key)

@@ -4,6 +4,11 @@ A kernel registers a :class:`Tunable`; ``tune()`` times every point of its grid,
 counting) configs that fail to compile or exceed resources, and ``write_config`` stores the best
 in ``triforge/configs/<arch>.json`` where the launcher finds it.
 
+``tune()`` also times the launcher's own config (the stored entry, else the fallback) in the same run
+(``in_use``), and ``write_config`` does not replace a stored entry with a grid point that measured
+slower than it: a grid need not contain the entry in use (an entry found by a wider sweep), and a
+write must never make a kernel slower.
+
 Each config's outputs are also checked against those of the launcher's own config (``run(None)``):
 a config that returns NaN/Inf where that one is finite, or differs from it by more than
 ``MISMATCH_RTOL`` (relative RMS, by output dtype), is refused like one that fails to compile. Launch
@@ -117,6 +122,11 @@ def tune(tunable: Tunable, shape: dict, dtype: torch.dtype, *, top: int = 5, tim
     device = _runtime.default_device()
     run, key = tunable.setup(shape, dtype, device)
     want = [t.clone() for t in _tensors(run(None))]
+    stored = launch.stored_config(tunable.kernel, key)
+    try:  # the config in use, timed beside the grid (same process, same inputs)
+        in_use = {"config": stored, "ms": timer(lambda: run(None))}
+    except Exception as e:
+        in_use = {"config": stored, "ms": None, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"}
     timed, failed = [], []
     n_mismatch = 0
     for cfg in grid(tunable.space):
@@ -146,6 +156,7 @@ def tune(tunable: Tunable, shape: dict, dtype: torch.dtype, *, top: int = 5, tim
         "dtype": str(dtype).replace("torch.", ""),
         "key": key,
         "best": timed[0] if timed else None,
+        "in_use": in_use,  # the launcher's config: the stored entry (config None: the fallback), timed
         "top": timed[:top],
         "n_tried": len(timed) + len(failed),
         "n_failed": len(failed),
@@ -155,10 +166,23 @@ def tune(tunable: Tunable, shape: dict, dtype: torch.dtype, *, top: int = 5, tim
     }
 
 
-def write_config(result: dict, arch: str | None = None) -> str:
-    """Store ``result['best']`` in triforge/configs/<arch>.json under kernel and key."""
+def keeps_entry_in_use(result: dict) -> bool:
+    """Whether ``write_config`` keeps the stored entry: there is one, and it measured at least as fast as
+    the grid's best in the same run."""
+    in_use = result.get("in_use") or {}
+    best = result.get("best")
+    return bool(in_use.get("config") is not None and in_use.get("ms") is not None and best
+                and in_use["ms"] <= best["ms"])
+
+
+def write_config(result: dict, arch: str | None = None, force: bool = False) -> str | None:
+    """Store ``result['best']`` in triforge/configs/<arch>.json under kernel and key; unless ``force``,
+    not over a stored entry that measured at least as fast in the same run (then nothing is written and
+    None is returned)."""
     if not result.get("best"):
         raise ValueError(f"no config of {result['kernel']} ran; nothing to write")
+    if not force and keeps_entry_in_use(result):
+        return None
     arch = arch or result["arch"]
     path = launch.CONFIG_DIR / f"{arch}.json"
     data = json.loads(path.read_text()) if path.exists() else {"arch": arch, "kernels": {}}

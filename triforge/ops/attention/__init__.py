@@ -857,8 +857,9 @@ _SHAPE_NAMES = ("B", "H", "S", "D", "causal")
 # The sm90 entries of D = 64 / 128 come from benchmarks/attention_bwd_sweep.py (wider grids, each kernel timed
 # alone): its dK/dV winner at D = 128 (64 x 64, 4 warps, 2 stages) is not in these grids, because the local ptxas
 # of the compile test reports spills for it that the H100's compiled kernel does not have. `triforge tune
-# flash_attn_bwd_dkdv --write` would replace it with this grid's best (slower): re-run the sweep instead. Likewise
-# the forward's D = 128 non-causal winner (64 x 64 tiles, 4 warps, TMA: --fwd-round 3) is outside its grid. GUARD
+# flash_attn_bwd_dkdv --write` times that entry beside the grid and keeps it where it is faster (tune.write_config);
+# to search around it, re-run the sweep. Likewise the forward's D = 128 non-causal winner (64 x 64 tiles, 4 warps,
+# TMA: --fwd-round 3) is outside its grid. GUARD
 # (each key loop inside ``if lo < hi``) is worth 8% in the non-causal D = 64 forward and costs 1-6% elsewhere.
 TUNE_SPACES = {
     "flash_attn_fwd": {"BLOCK_M": [128], "BLOCK_N": [64, 128], "num_warps": [8], "num_stages": [2, 3], "TMA": [0, 1],
