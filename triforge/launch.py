@@ -82,7 +82,7 @@ def stored_config(kernel: str, key: str) -> dict | None:
 
 def config(kernel: str, key: str, fallback: dict) -> dict:
     """The tuned launch config for ``kernel`` at ``key`` on this arch, else ``fallback``."""
-    found = _table(_runtime.arch()).get(kernel, {}).get(key)
+    found = stored_config(kernel, key)
     if found is None:
         return dict(fallback)
     merged = dict(fallback)

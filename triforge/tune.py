@@ -112,6 +112,11 @@ def output_mismatch(want: list, got: list) -> str | None:
     return None
 
 
+def _error_line(e: Exception) -> str:
+    """The exception's type and the first line of its message (at most 200 characters)."""
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+
+
 def tune(tunable: Tunable, shape: dict, dtype: torch.dtype, *, top: int = 5, timer=None, progress=None) -> dict:
     """Time every config of ``tunable`` at ``shape``; return best, top-N and the failures (configs
     that raise, and configs whose outputs disagree with the launcher's config's: ``n_mismatch``)."""
@@ -126,7 +131,7 @@ def tune(tunable: Tunable, shape: dict, dtype: torch.dtype, *, top: int = 5, tim
     try:  # the config in use, timed beside the grid (same process, same inputs)
         in_use = {"config": stored, "ms": timer(lambda: run(None))}
     except Exception as e:
-        in_use = {"config": stored, "ms": None, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"}
+        in_use = {"config": stored, "ms": None, "error": _error_line(e)}
     timed, failed = [], []
     n_mismatch = 0
     for cfg in grid(tunable.space):
@@ -138,7 +143,7 @@ def tune(tunable: Tunable, shape: dict, dtype: torch.dtype, *, top: int = 5, tim
             del got
             ms = None if why else timer(lambda: run(cfg))
         except Exception as e:  # compile errors, OutOfResources: skipped and counted
-            failed.append({"config": cfg, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"})
+            failed.append({"config": cfg, "error": _error_line(e)})
         else:
             if why:
                 n_mismatch += 1
