@@ -5,7 +5,9 @@
 Targets: mhc_k1_bwd (T=65536, C=2560), gate_up (Qwen2.5-0.5B gate/up GEMV + RMSNorm, M=1),
 down (down_proj GEMV + residual, M=1), ternary_m1 (ternary.matmul, M=1, 8192 x 8192: the tc kernel),
 ternary_m1_ffn (the same at 28672 x 8192), gdn_intra / gdn_h / gdn_o (the Gated DeltaNet forward's intra kernel,
-unfused recurrence and output kernel at (B, T, H, HV) = (1, 32768, 16, 32), K = V = 128).
+unfused recurrence and output kernel at (B, T, H, HV) = (1, 32768, 16, 32), K = V = 128), gdn_bwd (the backward's
+kernels at (8, 4096, 16, 32) from a saving forward: pick one with -k), decode_1x32k / decode_8x4k (flash-decoding's
+split and merge kernels, 16 / 2 heads, D 128, full caches of 32k at B=1 and 4k at B=8).
 """
 
 import sys
@@ -57,6 +59,22 @@ def main():
         fn = {"gdn_intra": lambda: chunk.chunk_fwd_intra(k, v, g, beta, l2norm=True, store_kn=True),
               "gdn_h": lambda: chunk.chunk_fwd_h(kn, w, u, gamma, h0, l2norm=True, k_normed=True),
               "gdn_o": lambda: chunk.chunk_fwd_o(q, kn, v_new, h, gamma, 128**-0.5, l2norm=True, k_normed=True)}[target]
+    elif target == "gdn_bwd":
+        from triforge.ops import deltanet as D
+        from triforge.ops.deltanet import chunk, chunk_bwd
+        i = D._make_inputs("real", dt, "cuda", torch.Generator().manual_seed(0),
+                           ((8, 4096, 16, 32, 128, 128), (8, 4096, 16, 32, 128, 128)))
+        q, k, v, g, beta = (i[n] for n in ("q", "k", "v", "g", "beta"))
+        scale = 128**-0.5
+        o, _, saved = chunk.chunk_fwd(q, k, v, g, beta, scale, l2norm=True, save=True)
+        do = torch.randn_like(o)
+        fn = lambda: chunk_bwd.chunk_bwd(do, None, q, k, v, g, beta, scale, l2norm=True, saved=saved)  # noqa: E731
+    elif target in ("decode_1x32k", "decode_8x4k"):
+        from triforge.ops.attention import decode
+        B, S = (1, 32768) if target == "decode_1x32k" else (8, 4096)
+        i = decode._make_inputs({"B": B, "S": S}, dt, "cuda", torch.Generator().manual_seed(0))
+        fn = lambda: decode.flash_attn_with_kvcache(i["q"], i["k_cache"], i["v_cache"], i["cache_seqlens"],  # noqa: E731
+                                                    check_lengths=False)
     else:
         raise SystemExit(f"unknown target {target}")
     for _ in range(4):
