@@ -177,6 +177,24 @@ def test_many_new_tokens(gen, device):
                             device=device), num_splits=2)
 
 
+@pytest.mark.parametrize("num_splits", [3, 7], ids=["split3", "split7"])
+def test_new_tokens_across_split_boundaries(num_splits, gen, device):
+    """The splits cut cached and new keys alike (16-key blocks here): row 0 (25 cached + 20 new) has its new tokens
+    in two splits, row 1 (40 + 20) in one, with the last split empty, which still writes them into the caches."""
+    _run_and_check(*_inputs(gen, B=2, Sq=2, H=4, Hkv=2, D=64, S=80, Sn=20, dtype=torch.bfloat16, seqlens=[25, 40],
+                            device=device), num_splits=num_splits)
+
+
+def test_merge_blocks():
+    """All splits in one trip when they fit the tile, head-dim columns as many as fit (a power of two dividing D,
+    16 at least); more splits than the tile holds take several trips."""
+    for splits, D, tile, want in [(8, 128, 4096, (8, 128)), (66, 128, 4096, (128, 32)), (256, 64, 4096, (256, 16)),
+                                  (1, 64, 4096, (1, 64)), (40, 64, 64, (4, 16)), (3, 128, 64, (4, 16))]:
+        bs, bd = decode.merge_blocks(splits, D, tile)
+        assert (bs, bd) == want, (splits, D, tile)
+        assert D % bd == 0 and bs & (bs - 1) == 0
+
+
 def test_many_query_rows(gen, device):
     """G * Sq = 8 * 9 = 72 query rows per kv head: two row blocks (64 rows a tile) share each split,
     and only the first writes the new rows."""
@@ -545,9 +563,11 @@ for dtype, D, G, Sq, append, causal in json.loads(sys.argv[1]):
     rows.append(dict(r, kernel="split", dtype=t, D=D, G=G, Sq=Sq))
     mc = dec._merge_config(D, dtype)
     ptrs = {"acc_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32", "o_ptr": "*" + t, "lse_ptr": "*fp32"}
-    consts = dict(H=2 * G, HKV=2, GROUP=G, HEAD_DIM=D, BLOCK_S=mc["BLOCK_S"], PDL=bool(append))
-    r = compile_(dec.flash_decode_merge_kernel, ptrs, (), consts, {"num_warps": mc["num_warps"], "num_stages": 1})
-    rows.append(dict(r, kernel="merge", dtype=t, D=D, G=G, Sq=Sq))
+    for splits in (8, 66, 256):  # one trip over all the splits, head-dim columns as they fit
+        bs, bd = dec.merge_blocks(splits, D, mc["tile"])
+        consts = dict(H=2 * G, HKV=2, GROUP=G, HEAD_DIM=D, BLOCK_S=bs, BLOCK_D=bd, PDL=bool(append))
+        r = compile_(dec.flash_decode_merge_kernel, ptrs, (), consts, {"num_warps": mc["num_warps"], "num_stages": 1})
+        rows.append(dict(r, kernel=f"merge/{splits}", dtype=t, D=D, G=G, Sq=Sq))
 print("RESULT" + json.dumps(rows))
 '''
 

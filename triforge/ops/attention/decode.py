@@ -8,18 +8,20 @@
 
 Two kernels:
 
-1. ``flash_decode_split_kernel``, grid (NUM_SPLITS, B * Hkv, row blocks). The cached keys of row b
-   are cut into NUM_SPLITS chunks (a whole number of BLOCK_N blocks each); a program takes one chunk
-   of one (batch, kv head) for all the query rows that read that kv head: the G = H / Hkv query
-   heads times the Sq queries form the rows of one tile, so each K/V byte is read once per group.
-   It writes the unnormalised partial output acc [rows, D] (fp32), the running max m (log2 domain)
-   and the sum l. The new tokens k/v (when given) belong to split 0: its programs read them from
-   k/v, attend to them and store them into the caches (no other program reads those rows, so the
-   write races with nothing, and the append costs no extra launch). A split with no visible key
-   writes m = -inf, l = 0 and skips acc.
-2. ``flash_decode_merge_kernel``, one program per (batch, query head, query): log-sum-exp merge of
-   the splits into o [B, Sq, H, D] (q's dtype) and lse [B, H, Sq] (fp32, natural log). Empty
-   splits get weight 0 without ever computing exp(-inf - -inf); their acc is never loaded.
+1. ``flash_decode_split_kernel``, grid (NUM_SPLITS, B * Hkv, row blocks). The keys of row b (the
+   cached ones, then the new tokens k/v when given) are cut into NUM_SPLITS chunks (a whole number of
+   BLOCK_N blocks each); a program takes one chunk of one (batch, kv head) for all the query rows
+   that read that kv head: the G = H / Hkv query heads times the Sq queries form the rows of one
+   tile, so each K/V byte is read once per group. Key positions past the cached length are read from
+   k/v in the same loop (a per-row pointer select), so the new tokens cost no extra step; the last
+   split (the shortest) then stores them into the caches (no program reads those rows there, so the
+   write races with nothing, and the append costs no extra launch). It writes the unnormalised
+   partial output acc [rows, D] (fp32; zeros for a split with no visible key), the running max m
+   (log2 domain, -inf then) and the sum l.
+2. ``flash_decode_merge_kernel``, grid (B * H * Sq, D / BLOCK_D): log-sum-exp merge of the splits
+   into o [B, Sq, H, D] (q's dtype) and lse [B, H, Sq] (fp32, natural log), every split's m, l and
+   acc loaded in one trip (``merge_blocks``). Empty splits get weight 0 without ever computing
+   exp(-inf - -inf).
 
 Custom ops (the public function picks one; both trace under torch.compile(fullgraph=True)):
 
@@ -163,41 +165,47 @@ def flash_decode_split_kernel(
     b_l = tl.zeros([BLOCK_M], dtype=tl.float32)
     b_acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
 
-    # this split's share of the cached keys: a whole number of blocks, splits past the end are empty
-    chunk = tl.cdiv(tl.cdiv(n_cache, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    # this split's share of the keys 0 .. n_total - 1 (a whole number of blocks; splits past the end are empty):
+    # positions below n_cache come from the caches, the new tokens (APPEND) from k/v, in the same loop, so the
+    # split that holds the tail runs no extra step for them
+    chunk = tl.cdiv(tl.cdiv(n_total, NUM_SPLITS), BLOCK_N) * BLOCK_N
     lo = i_s * chunk
-    hi = tl.minimum(lo + chunk, n_cache)
+    hi = tl.minimum(lo + chunk, n_total)
     p_k = kc_ptr + i_b * stride_kb + i_g * stride_kh
     p_v = vc_ptr + i_b * stride_vb + i_g * stride_vh
+    p_kn = kn_ptr + i_b * stride_knb + i_g * stride_knh
+    p_vn = vn_ptr + i_b * stride_vnb + i_g * stride_vnh
     o_n = tl.arange(0, BLOCK_N)
     for start in range(lo, hi, BLOCK_N):
         o_pos = start + o_n
         m_n = o_pos < hi
-        o_pos64 = o_pos.to(tl.int64)
-        b_k = tl.load(p_k + o_pos64[:, None] * stride_ks + o_d[None, :], mask=m_n[:, None], other=0.0)
-        b_v = tl.load(p_v + o_pos64[:, None] * stride_vs + o_d[None, :], mask=m_n[:, None], other=0.0)
+        o_pos64 = o_pos.to(tl.int64)[:, None]
+        pk = p_k + o_pos64 * stride_ks
+        pv = p_v + o_pos64 * stride_vs
+        if APPEND:
+            new = (o_pos >= n_cache)[:, None]
+            o_t64 = (o_pos - n_cache).to(tl.int64)[:, None]
+            pk = tl.where(new, p_kn + o_t64 * stride_kns, pk)
+            pv = tl.where(new, p_vn + o_t64 * stride_vns, pv)
+        b_k = tl.load(pk + o_d[None, :], mask=m_n[:, None], other=0.0)
+        b_v = tl.load(pv + o_d[None, :], mask=m_n[:, None], other=0.0)
         b_m, b_l, b_acc = _attend_block(b_q, b_k, b_v, o_pos, m_n, lim, b_m, b_l, b_acc, qk_scale, CAUSAL, UPCAST, IEEE)
 
     if APPEND:
-        # split 0 owns the new tokens: attend to them and write them into the caches
-        n_new = tl.where(i_s == 0, S_new, 0)
-        p_kn = kn_ptr + i_b * stride_knb + i_g * stride_knh
-        p_vn = vn_ptr + i_b * stride_vnb + i_g * stride_vnh
+        # the new tokens into the caches (no program reads those rows there), written by the last split: the
+        # shortest (the rounding leaves it the remainder), often empty; one writer per row even with several row
+        # blocks. The rows come from k/v again (L2), after the loop, so no other program waits on the load
+        n_new = tl.where((i_s == NUM_SPLITS - 1) & (i_mb == 0), S_new, 0)
         o_t0 = tl.arange(0, BLOCK_NEW)
         for t0 in range(0, n_new, BLOCK_NEW):
             o_t = t0 + o_t0
-            m_t = o_t < S_new
-            o_t64 = o_t.to(tl.int64)
-            b_k = tl.load(p_kn + o_t64[:, None] * stride_kns + o_d[None, :], mask=m_t[:, None], other=0.0)
-            b_v = tl.load(p_vn + o_t64[:, None] * stride_vns + o_d[None, :], mask=m_t[:, None], other=0.0)
-            o_pos = n_cache + o_t
-            o_pos64 = o_pos.to(tl.int64)
-            m_w = (m_t & (i_mb == 0))[:, None]  # one writer per row even with several row blocks
-            tl.store(p_k + o_pos64[:, None] * stride_ks + o_d[None, :], b_k, mask=m_w)
-            tl.store(p_v + o_pos64[:, None] * stride_vs + o_d[None, :], b_v, mask=m_w)
-            b_m, b_l, b_acc = _attend_block(
-                b_q, b_k, b_v, o_pos, m_t, lim, b_m, b_l, b_acc, qk_scale, CAUSAL, UPCAST, IEEE
-            )
+            m_t = (o_t < S_new)[:, None]
+            o_t64 = o_t.to(tl.int64)[:, None]
+            o_w64 = (n_cache + o_t).to(tl.int64)[:, None]
+            tl.store(p_k + o_w64 * stride_ks + o_d[None, :],
+                     tl.load(p_kn + o_t64 * stride_kns + o_d[None, :], mask=m_t, other=0.0), mask=m_t)
+            tl.store(p_v + o_w64 * stride_vs + o_d[None, :],
+                     tl.load(p_vn + o_t64 * stride_vns + o_d[None, :], mask=m_t, other=0.0), mask=m_t)
 
     if DIRECT:
         # the only split: normalise here (a row that saw no key gives 0 and lse -inf, never 0 / 0)
@@ -212,13 +220,15 @@ def flash_decode_split_kernel(
         o_part = (i_bg.to(tl.int64) * NUM_SPLITS + i_s) * M_ROWS + o_r
         tl.store(m_ptr + o_part, b_m, mask=m_r)
         tl.store(l_ptr + o_part, b_l, mask=m_r)
+        # every row's acc, zeros where the split saw no key, so the merge loads all splits at once, unmasked
         seen = b_m > float("-inf")
-        tl.store(acc_ptr + o_part[:, None] * HEAD_DIM + o_d[None, :], b_acc, mask=(m_r & seen)[:, None])
+        tl.store(acc_ptr + o_part[:, None] * HEAD_DIM + o_d[None, :], tl.where(seen[:, None], b_acc, 0.0),
+                 mask=m_r[:, None])
 
 
 @triton.jit
 def flash_decode_merge_kernel(
-    acc_ptr,  # [B * Hkv, NUM_SPLITS, M_ROWS, D] fp32
+    acc_ptr,  # [B * Hkv, NUM_SPLITS, M_ROWS, D] fp32 (zeros for a split that saw no key)
     m_ptr,  # [B * Hkv, NUM_SPLITS, M_ROWS] fp32 (log2 domain)
     l_ptr,  # [B * Hkv, NUM_SPLITS, M_ROWS] fp32
     o_ptr,  # [B, Sq, H, D] q's dtype
@@ -231,33 +241,35 @@ def flash_decode_merge_kernel(
     HKV: tl.constexpr,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
-    BLOCK_S: tl.constexpr,
+    BLOCK_S: tl.constexpr,  # splits per trip: all of them in one (the launcher's choice) unless there are more
+    BLOCK_D: tl.constexpr,  # head-dim columns per program (grid axis 1)
     PDL: tl.constexpr,
 ):
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()  # the next kernel may start: it waits the same way
     pid = tl.program_id(0)
+    i_dd = tl.program_id(1)
     i_bg = pid // M_ROWS
     i_r = pid % M_ROWS
     i_b = (i_bg // HKV).to(tl.int64)
     i_h = (i_bg % HKV) * GROUP + i_r % GROUP
     i_q = i_r // GROUP
-    o_d = tl.arange(0, HEAD_DIM)
+    o_d = i_dd * BLOCK_D + tl.arange(0, BLOCK_D)
     o_s0 = tl.arange(0, BLOCK_S)
     base = i_bg.to(tl.int64) * NUM_SPLITS
 
     b_mx = tl.full([1], float("-inf"), dtype=tl.float32)
     b_l = tl.zeros([1], dtype=tl.float32)
-    b_acc = tl.zeros([HEAD_DIM], dtype=tl.float32)
+    b_acc = tl.zeros([BLOCK_D], dtype=tl.float32)
     for s0 in range(0, NUM_SPLITS, BLOCK_S):
         o_s = s0 + o_s0
         m_s = o_s < NUM_SPLITS
         o_part = (base + o_s) * M_ROWS + i_r
+        # m, l and acc in one round trip: the split kernel writes every split's acc (zeros where it saw no key)
         b_ms = tl.load(m_ptr + o_part, mask=m_s, other=float("-inf"))
         b_ls = tl.load(l_ptr + o_part, mask=m_s, other=0.0)
-        seen = b_ms > float("-inf")
-        b_os = tl.load(acc_ptr + o_part[:, None] * HEAD_DIM + o_d[None, :], mask=seen[:, None], other=0.0)
+        b_os = tl.load(acc_ptr + o_part[:, None] * HEAD_DIM + o_d[None, :], mask=m_s[:, None], other=0.0)
         m_new = tl.maximum(b_mx, tl.max(b_ms, 0))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(b_mx - m_safe)
@@ -271,7 +283,8 @@ def flash_decode_merge_kernel(
     b_lse = tl.where(has, (b_mx + tl.log2(tl.where(has, b_l, 1.0))) * 0.6931471805599453, float("-inf"))
     tl.store(o_ptr + i_b * stride_ob + tl.cast(i_q, tl.int64) * stride_os + tl.cast(i_h, tl.int64) * stride_oh + o_d,
              b_o.to(o_ptr.dtype.element_ty))
-    tl.store(lse_ptr + (i_b * H + i_h) * Sq + i_q + tl.arange(0, 1), b_lse)
+    o_one = tl.arange(0, 1)
+    tl.store(lse_ptr + (i_b * H + i_h) * Sq + i_q + o_one, b_lse, mask=(i_dd == 0) & (o_one == 0))
 
 
 # ----------------------------------------------------------------------------- launch configs
@@ -309,8 +322,21 @@ def _split_config(D, dtype, block_m):
 
 
 def _merge_config(D, dtype):
-    fallback = {"BLOCK_S": 4 if _runtime.INTERPRET else 16, "num_warps": 4 if D >= 128 else 2}
+    # tile: the most partial-output elements (splits x head-dim columns) one merge program loads at once
+    fallback = {"tile": 64 if _runtime.INTERPRET else 4096, "num_warps": 4 if D >= 128 else 2}
     return launch.config("flash_decode_merge", launch.config_key(d=D, dtype=launch.dtype_tag(dtype)), fallback)
+
+
+def merge_blocks(num_splits, D, tile):
+    """(BLOCK_S, BLOCK_D) of the merge: every split in one trip (BLOCK_S the next power of two of num_splits, up to
+    ``tile`` / 16 of them), and as many head-dim columns as fit in ``tile`` elements (16 at least, a power of two
+    dividing D), the rest of D on more programs. Each trip is one round trip to L2 for m, l and acc together: with
+    16 splits per trip and one program per query row, 66 splits (B=1, 32k cache) cost 5 such trips in series,
+    the merge alone 5.2 us against 2.1 for 8 splits in one trip (H100, benchmarks/decode_floor_probe.py)."""
+    block_s = min(launch.next_power_of_2(max(num_splits, 1)), max(1, tile // 16))
+    fit = max(1, tile // block_s)
+    block_d = max(16, min(D, 1 << (fit.bit_length() - 1)))
+    return block_s, block_d
 
 
 def choose_num_splits(B, Hkv, S_max, row_blocks, block_n, programs_per_sm, min_blocks_per_split, num_sms=None):
@@ -397,11 +423,12 @@ def flash_decode_merge(q, k_cache, partials, merge_cfg=None, pdl=False):
     merge_cfg = merge_cfg or _merge_config(D, q.dtype)
     o = new_output((B, Sq, H, D), q.dtype, q.device)
     lse = new_output((B, H, Sq), torch.float32, q.device)
+    block_s, block_d = merge_blocks(num_splits, D, merge_cfg["tile"])
     launch.launch(
-        "flash_decode_merge", flash_decode_merge_kernel, (B * Hkv * m_rows,),
+        "flash_decode_merge", flash_decode_merge_kernel, (B * Hkv * m_rows, D // block_d),
         acc, m_part, l_part, o, lse, o.stride(0), o.stride(1), o.stride(2), Sq, m_rows, num_splits,
-        nbytes=acc.numel() * 4 + 8 * m_part.numel() + o.numel() * q.element_size() + lse.numel() * 4,
-        H=H, HKV=Hkv, GROUP=G, HEAD_DIM=D, BLOCK_S=merge_cfg["BLOCK_S"], num_warps=merge_cfg["num_warps"],
+        nbytes=acc.numel() * 4 + 8 * m_part.numel() * (D // block_d) + o.numel() * q.element_size() + lse.numel() * 4,
+        H=H, HKV=Hkv, GROUP=G, HEAD_DIM=D, BLOCK_S=block_s, BLOCK_D=block_d, num_warps=merge_cfg["num_warps"],
         **launch.pdl_options(pdl),
     )
     return o, lse
