@@ -758,9 +758,10 @@ for _kernel, _space, _shape in (
                              default_shape=dict(_shape)))
 # the Triton backward (the fallback configs were timed on the H100 by deltanet_probe.py; not tuned)
 for _kernel, _space in (
-    # BV 32: an illegal address on sm90 at every warp / stage count (Triton 3.6; the first tune on the H100,
-    # 2026-11-23); the launcher never picks it (head dims below 64 are padded to 64 when compiled)
-    ("gated_delta_rule_bwd_dh", {"BV": [64, 128], "num_warps": [4, 8], "num_stages": [1, 2, 3]}),
+    # BV 32 at K = 128: an illegal address on sm90 with 1 stage (Triton 3.6, H100, benchmarks/deltanet_dh_probe.py,
+    # 2026-11-24); with 2-3 stages it runs, memcheck-clean and bit-equal to BV 64, and at B = 1 (nh 32: 64
+    # programs at BV 64) it is the fastest. The first tune (2026-11-23) had hit the fault at every point it tried.
+    ("gated_delta_rule_bwd_dh", {"BV": [32, 64, 128], "num_warps": [4, 8], "num_stages": [2, 3]}),
     ("gated_delta_rule_bwd_dqkw", {"BK": [32, 64], "BV": [32, 64], "num_warps": [4, 8], "num_stages": [1, 2, 3]}),
     # 1 stage only: pipelined (2 stages) it miscompiles on sm90 (chunk_bwd._FALLBACK); the tuner would
     # also refuse those points now (their outputs disagree with the fallback's)
