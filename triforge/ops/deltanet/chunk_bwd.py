@@ -562,7 +562,7 @@ def chunk_bwd_dqkw(qn, kn, v_new, h, dh, do, dv_new, gamma, scale, *, varlen=Non
         qn, kn, v_new, h, dh, do, dv_new, gamma, out["dq_hv"], out["dk_local"], out["dw"], out["dgamma_local"],
         cu, indices, T, scale,
         nbytes=nbytes, H=H, HV=HV, K=K, V=V, BT=BT, BK=bk, BV=cfg["BV"], IS_VARLEN=varlen is not None,
-        **_flags(qn.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        **_flags(qn.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch.maxnreg_option(cfg),
     )
     return out
 
