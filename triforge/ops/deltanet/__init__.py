@@ -763,8 +763,8 @@ for _kernel, _space in (
     # programs at BV 64) it is the fastest. The first tune (2026-11-23) had hit the fault at every point it tried.
     ("gated_delta_rule_bwd_dh", {"BV": [32, 64, 128], "num_warps": [4, 8], "num_stages": [2, 3]}),
     # maxnreg 168: 3 programs per SM instead of 2 at BK 32 / 4 warps / 2 stages (229 registers, 56 KB shared; the
-    # cap spills 104 bytes on the wheel's ptxas); 0: no cap. 8 warps and 1 stage lost at every point of the first
-    # tune (2026-11-23, H100; 1 stage at BK 32 also miscompiled there) and are left out
+    # cap spills 104 bytes on the wheel's ptxas); 0: no cap. The first tune (2026-11-23, H100, 8 warps and 1 stage
+    # included) chose 4 warps / 3 stages, and 1 stage at BK 32 miscompiled there: both left out to keep the sweep short
     ("gated_delta_rule_bwd_dqkw", {"BK": [32, 64], "BV": [32, 64], "num_warps": [4], "num_stages": [2, 3],
                                    "maxnreg": [0, 168]}),
     # 1 stage only: pipelined (2 stages) it miscompiles on sm90 (chunk_bwd._FALLBACK); the tuner would
