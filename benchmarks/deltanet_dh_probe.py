@@ -22,8 +22,9 @@ from triforge.ops import deltanet as D
 from triforge.ops.deltanet import chunk, chunk_bwd
 
 
-def setup(B, T, H, HV, seed=0):
-    """The dh kernel's inputs as the backward builds them (a saving forward with l2norm)."""
+def setup_tensors(B, T, H, HV, seed=0):
+    """(qn, kn, w, gamma, do, scale): the dh kernel's inputs as the backward builds them (a saving forward with
+    l2norm)."""
     gen = torch.Generator().manual_seed(seed)
     i = D._make_inputs({"B": B, "T": T, "H": H, "HV": HV}, torch.bfloat16, "cuda", gen, None)
     q, k, v, g, beta = (i[n] for n in ("q", "k", "v", "g", "beta"))
@@ -31,7 +32,13 @@ def setup(B, T, H, HV, seed=0):
     o, _, saved = chunk.chunk_fwd(q, k, v, g, beta, scale, l2norm=True, save=True)
     do = torch.randn_like(o)
     qn = saved["qn"] if saved["qn"].numel() else chunk_bwd.chunk_bwd_l2norm(q)[0]
-    return lambda cfg: chunk_bwd.chunk_bwd_dh(qn, saved["kn"], saved["w"], saved["gamma"], do, None, scale, cfg=cfg)
+    return qn, saved["kn"], saved["w"], saved["gamma"], do, scale
+
+
+def setup(B, T, H, HV, seed=0):
+    """The dh launch at a shape, taking a config (None: the library's own)."""
+    qn, kn, w, gamma, do, scale = setup_tensors(B, T, H, HV, seed)
+    return lambda cfg: chunk_bwd.chunk_bwd_dh(qn, kn, w, gamma, do, None, scale, cfg=cfg)
 
 
 def parse_cfg(text):
