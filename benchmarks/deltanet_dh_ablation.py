@@ -91,7 +91,7 @@ def main():
     rows = []
     for shape in args.shapes:
         B, T, H, HV = (int(v) for v in shape.split("x"))
-        qn, kn, w, gamma, do, scale = setup_tensors(B, T, H, HV)
+        qn, kn, w, gamma, do, scale, _ = setup_tensors(B, T, H, HV)
         lib = chunk_bwd.chunk_bwd_dh(qn, kn, w, gamma, do, None, scale)
         K, V = qn.shape[3], do.shape[3]
         cfg = chunk_bwd.bwd_config("gated_delta_rule_bwd_dh", K, V, qn.dtype, B * HV)

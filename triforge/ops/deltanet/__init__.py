@@ -283,7 +283,8 @@ _chunk_fwd_op.register_autograd(_chunk_backward, setup_context=_chunk_setup)
 
 # The training forward: the same forward, and the intra and state kernels' outputs that the Triton backward
 # would otherwise recompute (chunk.SAVED_NAMES: gamma, w, T, h, v_new; with l2norm also the normalised q and k,
-# so the backward's l2norm kernel does not run: 179 us at (1, 32768, 16, 32)), kept for it. At (1, 32768, 16, 32) the
+# so the backward's l2norm kernel does not run: 179 us at (1, 32768, 16, 32); and the output kernel's P, which the
+# dh kernel would otherwise compute in its serial loop), kept for it. At (1, 32768, 16, 32) the
 # recompute is 1.9 of the backward's 8.7 ms (benchmarks/deltanet_kernel_times.py); the residuals hold
 # 1.7-2.5x the bytes of q, k and v at the bench shapes (h alone NT x HV x K x V in k's dtype).
 # ``TRIFORGE_DELTANET_SAVE=0`` recomputes.
@@ -305,7 +306,7 @@ def _chunk_fwd_save_op(
     initial_state: torch.Tensor | None, output_final_state: bool, use_qk_l2norm_in_kernel: bool,
     cu_seqlens: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-           torch.Tensor, torch.Tensor]:
+           torch.Tensor, torch.Tensor, torch.Tensor]:
     _validate(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens)
     _check_cu_seqlens(cu_seqlens, q.shape[1])
     q, k, v, g, beta, initial_state = _contiguous(q, k, v, g, beta, initial_state)
@@ -326,7 +327,7 @@ def _(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_
     qk_shape = (B, T, q.shape[2], Kp) if use_qk_l2norm_in_kernel else (0,)
     return (o, final, g.new_empty((B, T, HV), dtype=torch.float32), k.new_empty((B, T, HV, Kp)),
             g.new_empty((B, T, HV, chunk.BT), dtype=torch.float32), k.new_empty((B, nt, HV, Kp, Vp)),
-            v.new_empty((B, T, HV, Vp)), q.new_empty(qk_shape), k.new_empty(qk_shape))
+            v.new_empty((B, T, HV, Vp)), q.new_empty(qk_shape), k.new_empty(qk_shape), q.new_empty((B, T, HV, chunk.BT)))
 
 
 @torch.library.custom_op("triforge::chunk_gated_delta_rule_bwd_saved", mutates_args=())
@@ -334,17 +335,17 @@ def _chunk_bwd_saved_op(
     do: torch.Tensor, dht: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
     beta: torch.Tensor, scale: float, initial_state: torch.Tensor | None, use_qk_l2norm_in_kernel: bool,
     cu_seqlens: torch.Tensor | None, gamma: torch.Tensor, w: torch.Tensor, t: torch.Tensor, h: torch.Tensor,
-    v_new: torch.Tensor, qn: torch.Tensor, kn: torch.Tensor,
+    v_new: torch.Tensor, qn: torch.Tensor, kn: torch.Tensor, p: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The Triton backward on the training forward's residuals (no intra / state recompute, and with l2norm no
-    normalisation of q and k)."""
-    saved = dict(zip(chunk.SAVED_NAMES, _contiguous(gamma, w, t, h, v_new, qn, kn)))
+    normalisation of q and k; P read by the dh kernel)."""
+    saved = dict(zip(chunk.SAVED_NAMES, _contiguous(gamma, w, t, h, v_new, qn, kn, p)))
     return _triton_bwd(do, dht, q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens, saved)
 
 
 @_chunk_bwd_saved_op.register_fake
 def _(do, dht, q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens, gamma, w, t, h, v_new,
-      qn, kn):
+      qn, kn, p):
     return _chunk_bwd_fake(do, dht, q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens)
 
 
@@ -716,8 +717,10 @@ def _tune_bwd_setup(kernel):
         gamma, w = intra["gamma"], intra["w"]
         h, v_new, _ = chunk.chunk_fwd_h(k, w, intra["u"], gamma, h0, l2norm=True, output_final_state=False)
         qn, kn = chunk_bwd.chunk_bwd_l2norm(q, k)
-        if kernel == "gated_delta_rule_bwd_dh":
-            return (lambda cfg: chunk_bwd.chunk_bwd_dh(qn, kn, w, gamma, do, None, scale, cfg=cfg),
+        if kernel == "gated_delta_rule_bwd_dh":  # with P, as after a training forward
+            p = torch.empty((B, T, HV, chunk.BT), dtype=q.dtype, device=q.device)
+            chunk.chunk_fwd_o(q, k, v_new, h, gamma, scale, l2norm=True, p=p)
+            return (lambda cfg: chunk_bwd.chunk_bwd_dh(qn, kn, w, gamma, do, None, scale, cfg=cfg, p=p),
                     chunk_bwd.config_key(K, V, dtype, B * HV))
         dh, dv_new, _ = chunk_bwd.chunk_bwd_dh(qn, kn, w, gamma, do, None, scale)
         if kernel == "gated_delta_rule_bwd_dqkw":

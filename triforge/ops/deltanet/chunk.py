@@ -281,15 +281,22 @@ def chunk_gated_delta_rule_fwd_kernel_intra(
 
 
 @triton.jit
+def _chunk_p(b_q, b_k, b_gamma, m_t, BT: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, RNE: tl.constexpr):
+    """[BT, BT] P = (Q K^T) * decay of one chunk, rounded to q's dtype: the output kernel's, stored by the training
+    forward, and the backward's dh kernel's where it is not (the same expression, so the same bits)."""
+    b_qk = _dot(b_q, tl.trans(b_k), None, PREC, UPCAST)
+    return _cast(b_qk * _decay(b_gamma, m_t, BT), b_q.dtype, RNE)
+
+
+@triton.jit
 def _chunk_output(b_q, b_k, b_S, b_vn, b_gamma, m_t, scale, BT: tl.constexpr, PREC: tl.constexpr,
                   UPCAST: tl.constexpr, RNE: tl.constexpr):
-    """[BT, BV] fp32 scale (diag(e^gamma) Q S + ((Q K^T) * decay) v_new) of one chunk."""
+    """([BT, BV] fp32 scale (diag(e^gamma) Q S + P v_new), P) of one chunk (P: ``_chunk_p``)."""
     b_o = _dot(b_q, _cast(b_S, b_q.dtype, RNE), None, PREC, UPCAST)
     b_o = b_o * tl.exp(tl.where(m_t, b_gamma, 0.0))[:, None]
-    b_qk = _dot(b_q, tl.trans(b_k), None, PREC, UPCAST)
-    b_p = b_qk * _decay(b_gamma, m_t, BT)
-    b_o = _dot(_cast(b_p, b_q.dtype, RNE), _cast(b_vn, b_q.dtype, RNE), b_o, PREC, UPCAST)
-    return b_o * scale
+    b_p = _chunk_p(b_q, b_k, b_gamma, m_t, BT, PREC, UPCAST, RNE)
+    b_o = _dot(b_p, _cast(b_vn, b_q.dtype, RNE), b_o, PREC, UPCAST)
+    return b_o * scale, b_p
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -369,7 +376,7 @@ def chunk_gated_delta_rule_fwd_kernel_h(
             b_q = tl.load(q_ptr + (o_row * H + i_h)[:, None] * K + o_k[None, :], mask=m_t[:, None], other=0.0)
             if L2NORM:
                 b_q = _cast(_l2norm_rows(b_q), q_ptr.dtype.element_ty, RNE)
-            b_o = _chunk_output(b_q, b_k, b_S, b_vn, b_gamma, m_t, scale, BT, PREC, UPCAST, RNE)
+            b_o, _ = _chunk_output(b_q, b_k, b_S, b_vn, b_gamma, m_t, scale, BT, PREC, UPCAST, RNE)
             tl.store(o_ptr + o_vrow, _cast(b_o, o_ptr.dtype.element_ty, RNE), mask=m_tv)
 
         # S <- e^gamma_last S + K^T diag(e^(gamma_last - gamma)) v_new
@@ -390,6 +397,7 @@ def chunk_gated_delta_rule_fwd_kernel_o(
     gamma_ptr,  # [B, T, HV] fp32
     o_ptr,  # [B, T, HV, V] out, v's dtype
     qn_ptr,  # [B, T, H, K] out (STORE_QN), q's dtype: the l2-normalised q, kept for the backward
+    p_ptr,  # [B, T, HV, BT] out (STORE_P), q's dtype: P = (Q K^T) * decay, row t its chunk's row
     cu_seqlens_ptr,  # [N + 1] int32 (IS_VARLEN)
     chunk_indices_ptr,  # [chunks, 2] int32 (IS_VARLEN)
     T,
@@ -407,10 +415,12 @@ def chunk_gated_delta_rule_fwd_kernel_o(
     RNE: tl.constexpr,
     K_NORMED: tl.constexpr = False,
     STORE_QN: tl.constexpr = False,
+    STORE_P: tl.constexpr = False,
 ):
     """STORE_QN (with L2NORM; the training forward): the normalised q, rounded as the output uses it, is also
     stored, by one program per q head and chunk (the first V-block of the head's first value head), so the
-    backward does not normalise q again."""
+    backward does not normalise q again. STORE_P (the training forward): P as the output uses it, by the first
+    V-block, so the backward's dh kernel reads it instead of computing it in its serial loop."""
     i_v, i_c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
@@ -439,8 +449,12 @@ def chunk_gated_delta_rule_fwd_kernel_o(
     o_vrow = (o_row * HV + i_hv)[:, None] * V + o_v[None, :]
     b_vn = tl.load(v_new_ptr + o_vrow, mask=m_tv, other=0.0)
     b_gamma = tl.load(gamma_ptr + o_row * HV + i_hv, mask=m_t, other=0.0)
-    b_o = _chunk_output(b_q, b_k, b_S.to(tl.float32), b_vn.to(tl.float32), b_gamma, m_t, scale, BT, PREC, UPCAST, RNE)
+    b_o, b_p = _chunk_output(b_q, b_k, b_S.to(tl.float32), b_vn.to(tl.float32), b_gamma, m_t, scale, BT, PREC, UPCAST,
+                             RNE)
     tl.store(o_ptr + o_vrow, _cast(b_o, o_ptr.dtype.element_ty, RNE), mask=m_tv)
+    if STORE_P:
+        o_j = tl.arange(0, BT)
+        tl.store(p_ptr + (o_row * HV + i_hv)[:, None] * BT + o_j[None, :], b_p, mask=m_t[:, None] & (i_v == 0))
 
 
 # ----------------------------------------------------------------------------- launch configs
@@ -693,9 +707,11 @@ def chunk_fwd_h_o(q, k, w, u, gamma, initial_state, scale, *, l2norm=False, varl
                          k_normed=k_normed)
 
 
-def chunk_fwd_o(q, k, v_new, h, gamma, scale, *, l2norm=False, varlen=None, cfg=None, k_normed=False, qn=None):
+def chunk_fwd_o(q, k, v_new, h, gamma, scale, *, l2norm=False, varlen=None, cfg=None, k_normed=False, qn=None,
+                p=None):
     """Kernel 3: o [B, T, HV, V] from the stored states h and v_new (k_normed: k already l2-normalised).
-    qn (with l2norm): a [B, T, H, K] buffer in q's dtype that receives the normalised q (the training forward)."""
+    qn (with l2norm): a [B, T, H, K] buffer in q's dtype that receives the normalised q (the training forward).
+    p: a [B, T, HV, BT] buffer in q's dtype that receives P = (Q K^T) * decay per chunk (the training forward)."""
     B, T, H, K = q.shape
     HV, V = v_new.shape[2], v_new.shape[3]
     check_kernel_dims(K, V)
@@ -708,19 +724,23 @@ def chunk_fwd_o(q, k, v_new, h, gamma, scale, *, l2norm=False, varlen=None, cfg=
     store_qn = qn is not None and l2norm
     if store_qn and (qn.shape != q.shape or qn.dtype != q.dtype or not qn.is_contiguous()):
         raise ValueError(f"qn must be a contiguous {tuple(q.shape)} {q.dtype} buffer, got {tuple(qn.shape)} {qn.dtype}")
-    nbytes = B * T * (2 * H * K * e * n_v + 2 * HV * V * e + HV * 4 + H * K * e * int(store_qn)) + h.numel() * e
+    if p is not None and (tuple(p.shape) != (B, T, HV, BT) or p.dtype != q.dtype or not p.is_contiguous()):
+        raise ValueError(f"p must be a contiguous {(B, T, HV, BT)} {q.dtype} buffer, got {tuple(p.shape)} {p.dtype}")
+    nbytes = (B * T * (2 * H * K * e * n_v + 2 * HV * V * e + HV * 4 + H * K * e * int(store_qn)
+                       + HV * BT * e * int(p is not None)) + h.numel() * e)
     launch.launch(
         "gated_delta_rule_fwd_o", chunk_gated_delta_rule_fwd_kernel_o, (n_v, n_c, n_b * HV),
-        q, k, v_new, h, gamma, o, qn if store_qn else o, cu, indices, T, scale,
+        q, k, v_new, h, gamma, o, qn if store_qn else o, p if p is not None else o, cu, indices, T, scale,
         nbytes=nbytes, H=H, HV=HV, K=K, V=V, BT=BT, BV=cfg["BV"], L2NORM=l2norm, IS_VARLEN=varlen is not None,
-        K_NORMED=bool(k_normed and l2norm), STORE_QN=store_qn, **_flags(q.dtype), num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"],
+        K_NORMED=bool(k_normed and l2norm), STORE_QN=store_qn, STORE_P=p is not None, **_flags(q.dtype),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return o
 
 
-# chunk_fwd(save=True)'s residuals, in this order; qn and kn (the normalised q and k) are empty without l2norm
-SAVED_NAMES = ("gamma", "w", "T", "h", "v_new", "qn", "kn")
+# chunk_fwd(save=True)'s residuals, in this order; qn and kn (the normalised q and k) are empty without l2norm, P
+# (the output kernel's (Q K^T) * decay, [B, T, HV, BT]) after a fused recurrence
+SAVED_NAMES = ("gamma", "w", "T", "h", "v_new", "qn", "kn", "P")
 
 
 def chunk_fwd(q, k, v, g, beta, scale, initial_state=None, *, output_final_state=True, l2norm=False, cu_seqlens=None,
@@ -763,6 +783,8 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state=None, *, output_final_state
     # the training forward keeps the normalised q (stored by the output kernel) for the backward
     # (the fused kernel does not store it: after a fused saving forward the backward's kernel 0 normalises q)
     qn = new_output(q.shape, q.dtype, q.device) if save and l2norm and not stages and not fuse_o else None
+    # and P, which the backward's dh kernel would otherwise recompute in its serial chunk loop
+    p = new_output((B, T, HV, BT), q.dtype, q.device) if save and not stages and not fuse_o else None
     if fuse_o:
         rec = chunk_fwd_h_o(q, kk, w, u, gamma, initial_state, scale, l2norm=l2norm, varlen=varlen,
                             stages=stages or save, output_final_state=want_final, k_normed=l2norm)
@@ -770,11 +792,12 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state=None, *, output_final_state
     else:
         h, v_new, final = chunk_fwd_h(kk, w, u, gamma, initial_state, l2norm=l2norm, varlen=varlen,
                                       output_final_state=want_final, k_normed=l2norm)
-        o = chunk_fwd_o(q, kk, v_new, h, gamma, scale, l2norm=l2norm, varlen=varlen, k_normed=l2norm, qn=qn)
+        o = chunk_fwd_o(q, kk, v_new, h, gamma, scale, l2norm=l2norm, varlen=varlen, k_normed=l2norm, qn=qn, p=p)
     if save and not stages:
-        # (two distinct empty tensors: a custom op's outputs may not alias each other)
+        # (distinct empty tensors: a custom op's outputs may not alias each other)
         return o, final, {"gamma": gamma, "w": w, "T": intra["T"], "h": h, "v_new": v_new,
-                          "qn": qn if qn is not None else q.new_empty((0,)), "kn": kk if l2norm else k.new_empty((0,))}
+                          "qn": qn if qn is not None else q.new_empty((0,)), "kn": kk if l2norm else k.new_empty((0,)),
+                          "P": p if p is not None else q.new_empty((0,))}
     if not stages:
         return o, final
     out = {n: intra[n] for n in ("gamma", "decay", "A", "T", "w", "u")}

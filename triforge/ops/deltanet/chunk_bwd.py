@@ -13,7 +13,8 @@ the buffers below carry the same names. ``chunk_bwd`` runs:
 1. ``chunk_gated_delta_rule_bwd_kernel_dh``, grid (V / BV, N*HV): the reverse recurrence over the
    chunks of one (sequence, value head, V-block), the state gradient dS [K, BV] in fp32 registers:
    dv_new = P^T dO + diag(l) K dS; dS <- e^gamma_last dS + Q^T diag(scale e) dO - w^T dv_new.
-   Reads q, k, w, gamma, dO (+ dht); writes dh (the gradient of the state leaving each chunk,
+   P = (Q K^T) * decay comes from the training forward (saved, its output kernel's) or is computed here.
+   Reads q, k, w, gamma, dO (+ dht, P); writes dh (the gradient of the state leaving each chunk,
    input dtype), dv_new (= du, input dtype) and dh0 (fp32).
 2. ``chunk_gated_delta_rule_bwd_kernel_dqkw``, grid (K / BK, chunks, B*HV): one chunk of one value
    head and one K-block, looping over V-blocks for dO S^T, v_new dS'^T, dv_new S^T and dO v_new^T
@@ -57,6 +58,7 @@ from triforge.ops.deltanet.chunk import (
     BT,
     L2NORM_EPS,
     _chunk_coords,
+    _chunk_p,
     _decay,
     _dot,
     _flags,
@@ -75,14 +77,6 @@ from triforge.ops.deltanet.chunk import (
 )
 
 # ----------------------------------------------------------------------------- kernels
-
-
-@triton.jit
-def _decay_t(b_gamma, m_t, BT: tl.constexpr):
-    """[BT, BT] transposed decay: exp(gamma_j - gamma_i) for valid j >= i, else 0."""
-    o_i = tl.arange(0, BT)
-    m_keep = (o_i[:, None] <= o_i[None, :]) & m_t[:, None] & m_t[None, :]
-    return tl.exp(tl.where(m_keep, b_gamma[None, :] - b_gamma[:, None], float("-inf")))
 
 
 @triton.jit
@@ -118,6 +112,7 @@ def chunk_gated_delta_rule_bwd_kernel_dh(
     dh_ptr,  # [B, NT, HV, K, V] out: gradient of the state leaving each chunk, input dtype
     dv_new_ptr,  # [B, T, HV, V] out, input dtype
     dh0_ptr,  # [N, HV, K, V] fp32 out: the initial state's gradient (STORE_DH0)
+    p_ptr,  # [B, T, HV, BT] q's dtype: the forward's P = (Q K^T) * decay (LOAD_P)
     cu_seqlens_ptr,  # [N + 1] int32 (IS_VARLEN)
     chunk_offsets_ptr,  # [N + 1] int32: first chunk of each sequence in dh (IS_VARLEN)
     T,
@@ -134,7 +129,11 @@ def chunk_gated_delta_rule_bwd_kernel_dh(
     PREC: tl.constexpr,
     UPCAST: tl.constexpr,
     RNE: tl.constexpr,
+    LOAD_P: tl.constexpr = False,
 ):
+    """LOAD_P: P comes from the training forward (its output kernel's, the same bits as ``_chunk_p`` here), so the
+    serial chunk loop runs four tensor-core products instead of five (H100, benchmarks/deltanet_dh_ablation.py:
+    933 -> 639 us at (8, 4096, 16, 32), 1565 -> 893 at (1, 32768, 16, 32))."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_hv, i_h, bos, seq_len, boh, NT = _state_program(i_nh, T, cu_seqlens_ptr, chunk_offsets_ptr, H, HV, BT,
                                                       IS_VARLEN)
@@ -169,9 +168,13 @@ def chunk_gated_delta_rule_bwd_kernel_dh(
         o_vrow = (o_row * HV + i_hv)[:, None] * V + o_v[None, :]
         b_do = tl.load(do_ptr + o_vrow, mask=m_tv, other=0.0)
 
-        # dv_new = P^T dO + diag(l) K dS   (P^T = (K Q^T) * decay^T; scale applied after)
-        b_pt = _dot(b_k, tl.trans(b_q), None, PREC, UPCAST) * _decay_t(b_gamma, m_t, BT)
-        b_dvn = _dot(_cast(b_pt, b_do.dtype, RNE), b_do, None, PREC, UPCAST) * scale
+        # dv_new = P^T dO + diag(l) K dS   (P = (Q K^T) * decay, in q's dtype as the forward's output uses it; scale
+        # applied after)
+        if LOAD_P:
+            b_p = tl.load(p_ptr + (o_row * HV + i_hv)[:, None] * BT + o_i[None, :], mask=m_t[:, None], other=0.0)
+        else:
+            b_p = _chunk_p(b_q, b_k, b_gamma, m_t, BT, PREC, UPCAST, RNE)
+        b_dvn = _dot(tl.trans(b_p), b_do, None, PREC, UPCAST) * scale
         b_l = tl.exp(tl.where(m_t, b_glast - b_gamma, float("-inf")))
         b_dvn += _dot(b_k, _cast(b_dS, b_k.dtype, RNE), None, PREC, UPCAST) * b_l[:, None]
         tl.store(dv_new_ptr + o_vrow, _cast(b_dvn, dv_new_ptr.dtype.element_ty, RNE), mask=m_tv)
@@ -511,10 +514,11 @@ def chunk_bwd_l2norm(q, k=None, *, cfg=None):
     return qn, kn
 
 
-def chunk_bwd_dh(qn, kn, w, gamma, do, dht, scale, *, varlen=None, store_dh0=True, cfg=None):
+def chunk_bwd_dh(qn, kn, w, gamma, do, dht, scale, *, varlen=None, store_dh0=True, cfg=None, p=None):
     """Kernel 1: (dh [B, NT, HV, K, V] input dtype, dv_new [B, T, HV, V] input dtype, dh0 [N, HV, K, V]
     fp32 or an empty tensor when not ``store_dh0``). qn, kn: q and k as the forward uses them
-    (normalised when it normalises); dht [N, HV, K, V] fp32 or None."""
+    (normalised when it normalises); dht [N, HV, K, V] fp32 or None; p: the training forward's P
+    [B, T, HV, BT] in q's dtype, or None (computed in the kernel)."""
     B, T, H, K = qn.shape
     HV, V = do.shape[2], do.shape[3]
     check_kernel_dims(K, V)
@@ -528,13 +532,17 @@ def chunk_bwd_dh(qn, kn, w, gamma, do, dht, scale, *, varlen=None, store_dh0=Tru
     cu, _, offsets = _varlen_ptrs(varlen, dev)
     e = qn.element_size()
     n_v = launch.cdiv(V, cfg["BV"])
-    nbytes = (B * T * n_v * (2 * H * K * e + HV * K * e + HV * 4) + 2 * B * T * HV * V * e + dh.numel() * e
-              + N * HV * K * V * 4 * (int(dht is not None) + int(store_dh0)))
+    if p is not None and (tuple(p.shape) != (B, T, HV, BT) or p.dtype != qn.dtype):
+        raise ValueError(f"saved P must be {(B, T, HV, BT)} {qn.dtype}, got {tuple(p.shape)} {p.dtype}")
+    nbytes = (B * T * n_v * (2 * H * K * e + HV * K * e + HV * 4 + HV * BT * e * int(p is not None))
+              + 2 * B * T * HV * V * e + dh.numel() * e + N * HV * K * V * 4 * (int(dht is not None) + int(store_dh0)))
     launch.launch(
         "gated_delta_rule_bwd_dh", chunk_gated_delta_rule_bwd_kernel_dh, (n_v, N * HV),
-        qn, kn, w, gamma, do, dht if dht is not None else dh0, dh, dv_new, dh0, cu, offsets, T, scale,
+        qn, kn, w, gamma, do, dht if dht is not None else dh0, dh, dv_new, dh0, p if p is not None else dh0, cu,
+        offsets, T, scale,
         nbytes=nbytes, H=H, HV=HV, K=K, V=V, BT=BT, BV=cfg["BV"], USE_DHT=dht is not None, STORE_DH0=store_dh0,
-        IS_VARLEN=varlen is not None, **_flags(qn.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        IS_VARLEN=varlen is not None, **_flags(qn.dtype), LOAD_P=p is not None, num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
     )
     return dh, dv_new, dh0
 
@@ -629,8 +637,8 @@ BWD_STAGE_NAMES = ("dh", "dv_new", "dq_hv", "dk_local", "dw", "dgamma_local", "d
 def chunk_bwd(do, dht, q, k, v, g, beta, scale, initial_state=None, *, l2norm=False, cu_seqlens=None, stages=False,
               saved=None):
     """The chunked backward: the forward's intra and state kernels again (unless ``saved``: the forward's
-    gamma, w, T, h, v_new and, with l2norm, qn and kn, ``chunk.chunk_fwd(save=True)``'s residuals, at the
-    padded head dims), then kernels 0-4 (kernel 0 only where the normalised q and k were not kept; the
+    gamma, w, T, h, v_new, P and, with l2norm, qn and kn, ``chunk.chunk_fwd(save=True)``'s residuals, at the
+    padded head dims; an empty or missing P is computed by the dh kernel), then kernels 0-4 (kernel 0 only where the normalised q and k were not kept; the
     recompute's intra kernel stores kn, so there it normalises q alone).
 
     do [B, T, HV, V] in v's dtype; dht [N, HV, K, V] fp32 or None. Returns (dq, dk, dv, dg, dbeta,
@@ -648,9 +656,10 @@ def chunk_bwd(do, dht, q, k, v, g, beta, scale, initial_state=None, *, l2norm=Fa
             return OrderedDict((n, unpad(n, t, K, V)) for n, t in res.items())
         return tuple(unpad(n, t, K, V) for n, t in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), res))
     varlen = prepare_varlen(cu_seqlens)
-    qn, kn = q, k
+    qn, kn, p = q, k, None
     if saved is not None:
         gamma, w, t, h, v_new = (saved[n] for n in ("gamma", "w", "T", "h", "v_new"))
+        p = saved["P"] if saved.get("P") is not None and saved["P"].numel() else None
         if l2norm:  # the forward's normalised q and k (output and intra kernels)
             qn, kn = saved["qn"], saved["kn"]
             if qn.numel() == 0:  # a fused saving forward keeps no qn: kernel 0 on q alone
@@ -667,7 +676,7 @@ def chunk_bwd(do, dht, q, k, v, g, beta, scale, initial_state=None, *, l2norm=Fa
         if l2norm:
             qn, kn = chunk_bwd_l2norm(q)[0], intra["kn"]
     dh, dv_new, dh0 = chunk_bwd_dh(qn, kn, w, gamma, do, dht, scale, varlen=varlen,
-                                   store_dh0=initial_state is not None)
+                                   store_dh0=initial_state is not None, p=p)
     local = chunk_bwd_dqkw(qn, kn, v_new, h, dh, do, dv_new, gamma, scale, varlen=varlen)
     wy = chunk_bwd_wy(kn, v, beta, g.dtype, gamma, t, local["dw"], dv_new, local["dk_local"], local["dgamma_local"],
                       varlen=varlen, stages=stages)
