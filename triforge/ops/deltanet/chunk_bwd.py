@@ -132,8 +132,8 @@ def chunk_gated_delta_rule_bwd_kernel_dh(
     LOAD_P: tl.constexpr = False,
 ):
     """LOAD_P: P comes from the training forward (its output kernel's, the same bits as ``_chunk_p`` here), so the
-    serial chunk loop runs four tensor-core products instead of five (H100, benchmarks/deltanet_dh_ablation.py:
-    933 -> 639 us at (8, 4096, 16, 32), 1565 -> 893 at (1, 32768, 16, 32))."""
+    serial chunk loop runs four tensor-core products instead of five (H100, benchmarks/deltanet_dh_ablation.py at
+    166c1a9: 933 -> 639 us at (8, 4096, 16, 32), 1565 -> 893 at (1, 32768, 16, 32))."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_hv, i_h, bos, seq_len, boh, NT = _state_program(i_nh, T, cu_seqlens_ptr, chunk_offsets_ptr, H, HV, BT,
                                                       IS_VARLEN)
