@@ -104,7 +104,8 @@ def main():
         sets = [one] + [decode._make_inputs({"B": B, "S": S}, torch.bfloat16, "cuda", gen) for _ in range(n - 1)]
         H, Hkv, D = 16, 2, 128
         cfg = decode._split_config(D, torch.bfloat16, 16)
-        splits = decode.choose_num_splits(B, Hkv, S, 1, cfg["BLOCK_N"], cfg["programs_per_sm"], cfg["min_blocks_per_split"])
+        splits = decode.choose_num_splits(B, Hkv, S, 1, cfg["BLOCK_N"], cfg["programs_per_sm"],
+                                          cfg["min_blocks_per_split"])
         kv_bytes = 2 * B * S * Hkv * D * 2
         row = {"B": B, "S": S, "sets": n, "splits": splits, "cfg": cfg, "us": {}}
 

@@ -638,8 +638,8 @@ def chunk_bwd(do, dht, q, k, v, g, beta, scale, initial_state=None, *, l2norm=Fa
               saved=None):
     """The chunked backward: the forward's intra and state kernels again (unless ``saved``: the forward's
     gamma, w, T, h, v_new, P and, with l2norm, qn and kn, ``chunk.chunk_fwd(save=True)``'s residuals, at the
-    padded head dims; an empty or missing P is computed by the dh kernel), then kernels 0-4 (kernel 0 only where the normalised q and k were not kept; the
-    recompute's intra kernel stores kn, so there it normalises q alone).
+    padded head dims; an empty or missing P is computed by the dh kernel), then kernels 0-4 (kernel 0 only where
+    the normalised q and k were not kept; the recompute's intra kernel stores kn, so there it normalises q alone).
 
     do [B, T, HV, V] in v's dtype; dht [N, HV, K, V] fp32 or None. Returns (dq, dk, dv, dg, dbeta,
     dh0) in their inputs' dtypes (dh0 fp32; None without an initial state); with ``stages`` an
