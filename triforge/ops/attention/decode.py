@@ -283,8 +283,7 @@ def flash_decode_merge_kernel(
     b_lse = tl.where(has, (b_mx + tl.log2(tl.where(has, b_l, 1.0))) * 0.6931471805599453, float("-inf"))
     tl.store(o_ptr + i_b * stride_ob + tl.cast(i_q, tl.int64) * stride_os + tl.cast(i_h, tl.int64) * stride_oh + o_d,
              b_o.to(o_ptr.dtype.element_ty))
-    o_one = tl.arange(0, 1)
-    tl.store(lse_ptr + (i_b * H + i_h) * Sq + i_q + o_one, b_lse, mask=(i_dd == 0) & (o_one == 0))
+    tl.store(lse_ptr + (i_b * H + i_h) * Sq + i_q + tl.arange(0, 1), b_lse, mask=i_dd == 0)  # one writer
 
 
 # ----------------------------------------------------------------------------- launch configs

@@ -738,8 +738,8 @@ def chunk_fwd_o(q, k, v_new, h, gamma, scale, *, l2norm=False, varlen=None, cfg=
     return o
 
 
-# chunk_fwd(save=True)'s residuals, in this order; qn and kn (the normalised q and k) are empty without l2norm, P
-# (the output kernel's (Q K^T) * decay, [B, T, HV, BT]) after a fused recurrence
+# chunk_fwd(save=True)'s residuals, in this order; qn and kn (the normalised q and k) are empty without l2norm, and P
+# (the output kernel's (Q K^T) * decay, [B, T, HV, BT]) is empty after a fused recurrence
 SAVED_NAMES = ("gamma", "w", "T", "h", "v_new", "qn", "kn", "P")
 
 

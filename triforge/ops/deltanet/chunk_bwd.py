@@ -638,7 +638,7 @@ def chunk_bwd(do, dht, q, k, v, g, beta, scale, initial_state=None, *, l2norm=Fa
               saved=None):
     """The chunked backward: the forward's intra and state kernels again (unless ``saved``: the forward's
     gamma, w, T, h, v_new, P and, with l2norm, qn and kn, ``chunk.chunk_fwd(save=True)``'s residuals, at the
-    padded head dims; an empty or missing P is computed by the dh kernel), then kernels 0-4 (kernel 0 only where
+    padded head dims; an empty P is computed by the dh kernel), then kernels 0-4 (kernel 0 only where
     the normalised q and k were not kept; the recompute's intra kernel stores kn, so there it normalises q alone).
 
     do [B, T, HV, V] in v's dtype; dht [N, HV, K, V] fp32 or None. Returns (dq, dk, dv, dg, dbeta,
@@ -659,7 +659,7 @@ def chunk_bwd(do, dht, q, k, v, g, beta, scale, initial_state=None, *, l2norm=Fa
     qn, kn, p = q, k, None
     if saved is not None:
         gamma, w, t, h, v_new = (saved[n] for n in ("gamma", "w", "T", "h", "v_new"))
-        p = saved["P"] if saved.get("P") is not None and saved["P"].numel() else None
+        p = saved["P"] if saved["P"].numel() else None
         if l2norm:  # the forward's normalised q and k (output and intra kernels)
             qn, kn = saved["qn"], saved["kn"]
             if qn.numel() == 0:  # a fused saving forward keeps no qn: kernel 0 on q alone
