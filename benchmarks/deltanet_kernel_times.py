@@ -8,6 +8,9 @@ their number. The backward's rows show how much of it recomputes the forward (th
 
     PYTHONPATH=. python benchmarks/deltanet_kernel_times.py [--shapes 1x32768x16x32 ...] [--iters 5] [--json PATH]
 
+``--spec-t``: every DeltaNet kernel compiled with T specialised (the library passes ``do_not_specialize=["T"]``): run
+once with and once without, in two processes, to see what the specialisation is worth.
+
 ``--mhc C ...``: the same for mHC-lite's K1 (fused RMSNorm + projection, issue 5) at T = 65536: its forward and
 backward kernels (the backward's prologue, streaming kernel and reduce) one by one.
 """
@@ -23,6 +26,23 @@ import triforge
 from triforge.ops import deltanet as D
 
 SHAPES = ["1x32768x16x32", "8x4096x16x32", "4x8192x16x16", "1x8192x32x32"]
+
+
+def specialise_t():
+    """Rebind each DeltaNet kernel that leaves T unspecialised to a copy that specialises it (before any launch)."""
+    import triton
+    from triton.runtime.jit import JITFunction
+
+    from triforge.ops.deltanet import chunk, chunk_bwd, fused_recurrent
+
+    names = []
+    for mod in (chunk, chunk_bwd, fused_recurrent):
+        for name, obj in list(vars(mod).items()):
+            if isinstance(obj, JITFunction) and obj.do_not_specialize:
+                setattr(mod, name, triton.jit(obj.fn))
+                names.append(name)
+    print(f"T specialised in {len(names)} kernels: {', '.join(names)}", flush=True)
+    return names
 
 
 def inputs(B, T, H, HV, gen):
@@ -88,7 +108,10 @@ def main():
     ap.add_argument("--shapes", nargs="*", default=SHAPES)
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--spec-t", action="store_true", help="compile the DeltaNet kernels with T specialised")
     args = ap.parse_args()
+    if args.spec_t:
+        specialise_t()
     gen = torch.Generator().manual_seed(0)
     rows = []
     if args.mhc:
