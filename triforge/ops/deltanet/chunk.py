@@ -175,7 +175,7 @@ def _solve_unit_lower(b_A, BT: tl.constexpr, BC: tl.constexpr, PREC: tl.constexp
 # ----------------------------------------------------------------------------- kernels
 
 
-@triton.jit(do_not_specialize=["T"])
+@triton.jit
 def chunk_gated_delta_rule_fwd_kernel_intra(
     k_ptr,  # [B, T, H, K] input dtype
     v_ptr,  # [B, T, HV, V] input dtype
@@ -299,7 +299,7 @@ def _chunk_output(b_q, b_k, b_S, b_vn, b_gamma, m_t, scale, BT: tl.constexpr, PR
     return b_o * scale, b_p
 
 
-@triton.jit(do_not_specialize=["T"])
+@triton.jit
 def chunk_gated_delta_rule_fwd_kernel_h(
     q_ptr,  # [B, T, H, K] (FUSE_O)
     k_ptr,  # [B, T, H, K]
@@ -388,7 +388,7 @@ def chunk_gated_delta_rule_fwd_kernel_h(
         tl.store(ht_ptr + o_state + o_kv, b_S, mask=m_v[None, :])
 
 
-@triton.jit(do_not_specialize=["T"])
+@triton.jit
 def chunk_gated_delta_rule_fwd_kernel_o(
     q_ptr,  # [B, T, H, K]
     k_ptr,  # [B, T, H, K]

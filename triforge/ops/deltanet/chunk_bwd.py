@@ -101,6 +101,8 @@ def chunk_gated_delta_rule_bwd_kernel_l2norm(
         tl.store(kn_ptr + o_x, _cast(_l2norm_rows(b_k), kn_ptr.dtype.element_ty, RNE), mask=m_r[:, None])
 
 
+# T unspecialised here alone: the other chunked kernels specialise it (1-10% faster on the H100, session 32:
+# benchmarks/results/logs-2026-11-24-session32/call1), this one measured 5% slower with it at (1, 32768, 16, 32)
 @triton.jit(do_not_specialize=["T"])
 def chunk_gated_delta_rule_bwd_kernel_dh(
     q_ptr,  # [B, T, H, K] (normalised when the forward normalises)
@@ -190,7 +192,7 @@ def chunk_gated_delta_rule_bwd_kernel_dh(
         tl.store(dh0_ptr + o_state + o_kv, b_dS, mask=m_v[None, :])
 
 
-@triton.jit(do_not_specialize=["T"])
+@triton.jit
 def chunk_gated_delta_rule_bwd_kernel_dqkw(
     q_ptr,  # [B, T, H, K] (normalised when the forward normalises)
     k_ptr,  # [B, T, H, K] (normalised likewise)
@@ -284,7 +286,7 @@ def chunk_gated_delta_rule_bwd_kernel_dqkw(
     tl.store(dgamma_ptr + i_k * n_all * HV + o_row * HV + i_hv, b_dg, mask=m_t)
 
 
-@triton.jit(do_not_specialize=["T"])
+@triton.jit
 def chunk_gated_delta_rule_bwd_kernel_wy(
     k_ptr,  # [B, T, H, K] (normalised when the forward normalises)
     v_ptr,  # [B, T, HV, V]
