@@ -944,6 +944,29 @@ def test_gpu_bwd_stages_extreme_decay(gen):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 16, 64, 65])
+def test_gpu_each_specialisation_of_t(T, monkeypatch, gen):
+    """The forward's chunked kernels and the backward's dqkw and wy specialise T (session 32): T = 1 compiles as the
+    constant 1, a multiple of 16 as divisible, any other T as neither. Each class through autograd (Triton backward)
+    against the float64 reference: output, final state and every gradient."""
+    monkeypatch.setenv("TRIFORGE_DELTANET_BWD", "triton")
+    x = _cuda(_bwd_inputs(2, T, 2, 4, 128, 128, torch.bfloat16, gen))
+    leaves = {n: x[n].clone().requires_grad_(True) for n in GRAD_NAMES}
+    o, final = chunk_gated_delta_rule(**leaves, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    with poisoned():
+        got = torch.autograd.grad([o, final], list(leaves.values()), [x["do"], x["dht"]])
+    ref, scales = _ref_and_scales(x, torch.bfloat16, use_qk_l2norm_in_kernel=True)
+    o64, f64 = recurrent_ref(**_f64({n: x[n] for n in GRAD_NAMES}), output_final_state=True,
+                             use_qk_l2norm_in_kernel=True)
+    assert compare("o", o64, o, dtype=torch.bfloat16).ok
+    assert compare("final_state", f64, final, dtype=torch.bfloat16).ok
+    for n, gg in zip(GRAD_NAMES, got):
+        m = "dh0" if n == "initial_state" else f"d{n}"
+        res = compare(n, ref[m], gg, dtype=torch.bfloat16, scale=scales[m])
+        assert res.ok, res.line()
+
+
+@pytest.mark.gpu
 def test_gpu_bwd_gradients_at_a_bench_shape(monkeypatch, gen):
     """Half of the bench's (8, 4096, 16, 32) shape through autograd with TRIFORGE_DELTANET_BWD=triton,
     against the float64 reference backward."""
