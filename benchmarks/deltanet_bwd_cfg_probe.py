@@ -10,6 +10,7 @@ use and the configs given, each checked against the one in use (max abs differen
 
 import argparse
 import json
+from pathlib import Path
 
 import torch
 
@@ -54,8 +55,7 @@ def main():
         del run, ref
         torch.cuda.empty_cache()
     if args.json:
-        with open(args.json, "w") as fh:
-            json.dump({"device": torch.cuda.get_device_name(), "kernel": name, "rows": rows}, fh, indent=1)
+        Path(args.json).write_text(json.dumps({"device": torch.cuda.get_device_name(), "kernel": name, "rows": rows}))
 
 
 if __name__ == "__main__":
