@@ -367,16 +367,10 @@ def chunk_gated_delta_rule_bwd_kernel_wy(
         b_dw = tl.load(dw_ptr + o_hrow[:, None] * K + o_k[None, :], mask=m_t[:, None], other=0.0)
         b_kbg = _cast(b_k.to(tl.float32) * (b_beta * b_e)[:, None], b_k.dtype, RNE)
         b_dT = _dot(b_dw, tl.trans(b_kbg), b_dT, PREC, UPCAST)
-        b_tdw = _dot(tl.trans(b_Tc), b_dw, None, PREC, UPCAST)  # T^T dw = d(diag(beta e) K)
-        b_dkbg_k = tl.sum(b_tdw * b_k.to(tl.float32), axis=1)
+        b_dkbg_k = tl.sum(_dot(tl.trans(b_Tc), b_dw, None, PREC, UPCAST) * b_k.to(tl.float32), axis=1)
         b_dbeta += b_e * b_dkbg_k
         b_dgamma += b_beta * b_e * b_dkbg_k
         b_kk = _dot(b_k, tl.trans(b_k), b_kk, PREC, UPCAST)
-        # dk_hv's first two terms now, while T^T dw is at hand (the last pass adds the K K^T terms to them; before,
-        # it formed T^T dw a second time): dk_local + diag(beta e) T^T dw
-        o_krow = o_hrow[:, None] * K + o_k[None, :]
-        b_dk = tl.load(dk_local_ptr + o_krow, mask=m_t[:, None], other=0.0) + b_tdw * (b_beta * b_e)[:, None]
-        tl.store(dk_ptr + o_krow, b_dk, mask=m_t[:, None])
 
     # dA = -strictly_lower(T^T dT T^T); only T's strictly lower part depends on A
     b_dT = tl.where(m_lower, b_dT, 0.0)
@@ -397,15 +391,15 @@ def chunk_gated_delta_rule_bwd_kernel_wy(
         tl.store(dt_ptr + o_sq, b_dT, mask=m_t[:, None])
         tl.store(da_ptr + o_sq, b_dA, mask=m_t[:, None])
 
-    # dk_hv = [dk_local + diag(beta e) T^T dw, stored above] + (dKK + dKK^T) K, one K-block at a time; the barrier
-    # makes the rows this program stored (from other threads) visible before it reads them back
+    # dk_hv = dk_local + diag(beta e) T^T dw + (dKK + dKK^T) K, one K-block at a time
     b_dkk = _cast(b_dAd * b_beta[:, None], k_ptr.dtype.element_ty, RNE)
-    tl.debug_barrier()
     for i_k in range(K // BK):
         o_k = i_k * BK + tl.arange(0, BK)
         o_krow = o_hrow[:, None] * K + o_k[None, :]
         b_k = tl.load(k_ptr + (o_row * H + i_h)[:, None] * K + o_k[None, :], mask=m_t[:, None], other=0.0)
-        b_dk = tl.load(dk_ptr + o_krow, mask=m_t[:, None], other=0.0)
+        b_dw = tl.load(dw_ptr + o_krow, mask=m_t[:, None], other=0.0)
+        b_dk = tl.load(dk_local_ptr + o_krow, mask=m_t[:, None], other=0.0)
+        b_dk += _dot(tl.trans(b_Tc), b_dw, None, PREC, UPCAST) * (b_beta * b_e)[:, None]
         b_dk = _dot(b_dkk, b_k, b_dk, PREC, UPCAST)
         b_dk = _dot(tl.trans(b_dkk), b_k, b_dk, PREC, UPCAST)
         tl.store(dk_ptr + o_krow, b_dk, mask=m_t[:, None])
