@@ -17,12 +17,9 @@ import torch
 from triforge import bench
 from triforge.ops import deltanet as D
 from triforge.ops.deltanet import chunk_bwd
+from deltanet_dh_probe import parse_cfg  # benchmarks/ is on sys.path as the script's own directory
 
 SHAPES = ["1x32768x16x32", "8x4096x16x32", "4x8192x16x16", "1x8192x32x32"]
-
-
-def parse_cfg(text):
-    return {k: int(v) for k, v in (kv.split("=") for kv in text.split(","))}
 
 
 def main():

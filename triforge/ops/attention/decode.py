@@ -101,6 +101,15 @@ def _attend_block(
 
 
 @triton.jit
+def _load_attend(pk, pv, o_d, o_pos, m_n, lim, b_q, b_m, b_l, b_acc, qk_scale,
+                 CAUSAL: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    """The K and V rows at pk / pv ([BLOCK_N, 1] row pointers; rows outside m_n read as 0) through _attend_block."""
+    b_k = tl.load(pk + o_d[None, :], mask=m_n[:, None], other=0.0)
+    b_v = tl.load(pv + o_d[None, :], mask=m_n[:, None], other=0.0)
+    return _attend_block(b_q, b_k, b_v, o_pos, m_n, lim, b_m, b_l, b_acc, qk_scale, CAUSAL, UPCAST, IEEE)
+
+
+@triton.jit
 def flash_decode_split_kernel(
     q_ptr,  # [B, Sq, H, D]
     kc_ptr,  # [B, S_max, Hkv, D] key cache (rows cache_seqlens[b] .. + Sn written when APPEND)
@@ -187,9 +196,8 @@ def flash_decode_split_kernel(
         o_pos = start + o_n
         m_n = o_pos < hi
         o_pos64 = o_pos.to(tl.int64)[:, None]
-        b_k = tl.load(p_k + o_pos64 * stride_ks + o_d[None, :], mask=m_n[:, None], other=0.0)
-        b_v = tl.load(p_v + o_pos64 * stride_vs + o_d[None, :], mask=m_n[:, None], other=0.0)
-        b_m, b_l, b_acc = _attend_block(b_q, b_k, b_v, o_pos, m_n, lim, b_m, b_l, b_acc, qk_scale, CAUSAL, UPCAST, IEEE)
+        b_m, b_l, b_acc = _load_attend(p_k + o_pos64 * stride_ks, p_v + o_pos64 * stride_vs, o_d, o_pos, m_n, lim, b_q,
+                                       b_m, b_l, b_acc, qk_scale, CAUSAL, UPCAST, IEEE)
     if APPEND:
         for start in range(mid, hi, BLOCK_N):
             o_pos = start + o_n
@@ -199,10 +207,8 @@ def flash_decode_split_kernel(
             o_t64 = (o_pos - n_cache).to(tl.int64)[:, None]
             pk = tl.where(new, p_kn + o_t64 * stride_kns, p_k + o_pos64 * stride_ks)
             pv = tl.where(new, p_vn + o_t64 * stride_vns, p_v + o_pos64 * stride_vs)
-            b_k = tl.load(pk + o_d[None, :], mask=m_n[:, None], other=0.0)
-            b_v = tl.load(pv + o_d[None, :], mask=m_n[:, None], other=0.0)
-            b_m, b_l, b_acc = _attend_block(b_q, b_k, b_v, o_pos, m_n, lim, b_m, b_l, b_acc, qk_scale, CAUSAL, UPCAST,
-                                            IEEE)
+            b_m, b_l, b_acc = _load_attend(pk, pv, o_d, o_pos, m_n, lim, b_q, b_m, b_l, b_acc, qk_scale, CAUSAL, UPCAST,
+                                           IEEE)
 
     if APPEND:
         # the new tokens into the caches (no program reads those rows there), written by the last split: the
