@@ -16,8 +16,7 @@ two configs above on 128-row tiles as well). ``--sweep pdl``: the config in use 
 four at a time (FIX4) or one at a time, launched as programmatic dependents (PDL) or not; then at M <= 16 its
 split target under PDL, at M >= 64 a small grid of tiles, stages and split targets under PDL. ``--sweep m1``:
 deeper word prefetch at M = 1 under a register cap (maxnreg), and 64-row tiles at 5-6 programs per SM. ``--sweep m8``:
-x tiles of 8 rows (mma.sync instead of wgmma, fewer registers) at M <= 8. ``--sweep pipe``: words and x loaded in
-their own K step (PREFETCH 0), kept in flight by Triton's pipeliner over num_stages (cp.async into shared memory).
+x tiles of 8 rows (mma.sync instead of wgmma, fewer registers) at M <= 8.
 """
 
 import argparse
@@ -137,12 +136,6 @@ def sweep_configs(which="main"):
         grid += [(r, 1, 8, 1, pps) for r in (1, 2) for pps in (2, 3, 4)]
         return [{"BLOCK_M": 8, "ROW_REPS": r, "BLOCKS_K": b, "num_warps": w, "PREFETCH": p, "programs_per_sm": pps,
                  "num_stages": 1, "XPRE": 1} for r, b, w, p, pps in grid]
-    if which == "pipe":  # the words (and x) loaded in their own step, kept in flight by Triton's pipeliner
-        # (cp.async into shared memory over num_stages; 68-119 registers on the local sm90 compile against 168)
-        grid = [(r, b, st, pps) for r in (1, 2) for b in (1, 2) for st in (3, 5) for pps in (4, 8, 12)]
-        grid += [(1, 1, st, pps) for st in (2, 4, 6) for pps in (6, 8)]
-        return [{"ROW_REPS": r, "BLOCKS_K": b, "num_warps": 4, "PREFETCH": 0, "XPRE": 0, "TMA": 0,
-                 "programs_per_sm": pps, "num_stages": st} for r, b, st, pps in grid]
     if which == "xpre":
         tiles = [(1, 1, 4), (1, 2, 4), (2, 1, 4), (1, 2, 8)]
         return [{"ROW_REPS": r, "BLOCKS_K": b, "num_warps": w, "PREFETCH": p, "programs_per_sm": pps, "num_stages": 1,
@@ -220,7 +213,7 @@ def main():
     ap.add_argument("--json", help="write the rows here")
     ap.add_argument("--shapes", nargs="*", help="NxK, e.g. 8192x8192 (default: the issue's five)")
     ap.add_argument("--m", nargs="*", type=int, default=MS)
-    ap.add_argument("--sweep", nargs="?", const="main", choices=["main", "xpre", "tiles", "pdl", "m256", "m1", "m8", "pipe"],
+    ap.add_argument("--sweep", nargs="?", const="main", choices=["main", "xpre", "tiles", "pdl", "m256", "m1", "m8"],
                     help="time the sweep's launch configs instead (CUDA graphs)")
     ap.add_argument("--base-only", action="store_true", help="with --sweep: the config in use and the fallback only")
     ap.add_argument("--rotate-x", action="store_true", help="with --sweep: an x per weight set (as triforge bench)")

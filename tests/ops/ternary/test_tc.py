@@ -107,16 +107,13 @@ def test_tc_split_fixup_equals_reduce_launch(dtype, k, device, gen):
                                  {"XPRE": 1, "PREFETCH": 3, "programs_per_sm": 4},
                                  {"TR": 128, "BLOCKS_K": 2, "programs_per_sm": 4}, {"TR": 32, "ROW_REPS": 2},
                                  {"TR": 64, "XPRE": 1, "programs_per_sm": 4},
-                                 {"PDL": True, "XPRE": 1, "PREFETCH": 2, "programs_per_sm": 4}, {"PDL": True},
-                                 {"PREFETCH": 0, "TMA": 0, "num_stages": 3, "programs_per_sm": 4},
-                                 {"PREFETCH": 0, "TMA": 1, "BLOCKS_K": 2, "PDL": True}],
+                                 {"PDL": True, "XPRE": 1, "PREFETCH": 2, "programs_per_sm": 4}, {"PDL": True}],
                          ids=["blocks_k2", "row_reps2", "warps8", "prefetch2", "prefetch3_split", "prefetch3_k2",
                               "xpre", "xpre_prefetch2", "xpre_prefetch3_split", "tile128_k2_split", "tile32_row_reps2",
-                              "tile64_xpre_split", "pdl_xpre_split", "pdl", "pipelined_split", "pipelined_tma_k2"])
+                              "tile64_xpre_split", "pdl_xpre_split", "pdl"])
 def test_tc_matmul_configs(cfg, device, gen):
     """The GPU configs' shapes of the kernel (256-column steps with a partial last step, 128-row blocks,
-    words loaded 2 and 3 steps ahead, also past a split's end, or in their own step for Triton's pipeliner)
-    under the interpreter."""
+    words loaded 2 and 3 steps ahead, also past a split's end) under the interpreter."""
     m, n, k = 9, 150, 700  # 48 code words per row: 3 steps of 16 words
     tt = TernaryTensor.from_trits(random_trits(n, k, gen), random_scales(n, gen)).to(device)
     x = torch.randn(m, k, generator=gen).to(device=device, dtype=torch.float16)

@@ -209,8 +209,7 @@ def ternary_tc_kernel(
     USE_ASM: tl.constexpr,
     TMA: tl.constexpr,  # x tiles through a tensor descriptor (K % 8 == 0; zero-filled past M and K)
     FINAL: tl.constexpr,  # one split: this program writes y
-    PREFETCH: tl.constexpr,  # steps of words loaded ahead of the decode: 1..3 (0: loads in the step, pipelined by
-    #                          Triton over num_stages)
+    PREFETCH: tl.constexpr,  # steps of words loaded ahead of the decode: 1..3
     XPRE: tl.constexpr,  # x by pointer loads, PREFETCH steps ahead too (not TMA)
     FIXUP: tl.constexpr,  # several splits: the last of a tile's splits to finish sums them (else a reduce launch)
     FIX4: tl.constexpr,  # FIXUP: the partials read four at a time (else one per loop trip). Four fp32 tiles of
@@ -260,8 +259,7 @@ def ternary_tc_kernel(
     # per row): the loop is latency-bound at small M, where each program decodes little per step
     # XPRE (pointer loads of x, not TMA): x tiles travel with the words, PREFETCH steps ahead in registers
     # (a TMA load per step is issued and waited on in the same step: its latency is exposed)
-    if PREFETCH >= 1:
-        words = _load_step(p_c, o_c, m_r, s_start, s_end, KC, BLOCKS_K, TR)
+    words = _load_step(p_c, o_c, m_r, s_start, s_end, KC, BLOCKS_K, TR)
     if PREFETCH >= 2:
         words2 = _load_step(p_c, o_c, m_r, s_start + 1, s_end, KC, BLOCKS_K, TR)
     if PREFETCH >= 3:
@@ -274,19 +272,17 @@ def ternary_tc_kernel(
         tl.extra.cuda.gdc_launch_dependents()  # the next kernel may start: it waits the same way
     if TMA:
         x_desc = tl.make_tensor_descriptor(x_ptr, [M, K], [K, 1], [BLOCK_M, BK])
-    if XPRE and PREFETCH >= 1:
+    if XPRE:
         xw = _load_x(p_x, m_m, o_k, s_start * BK, K)
         if PREFETCH >= 2:
             xw2 = _load_x(p_x, m_m, o_k, (s_start + 1) * BK, K)
         if PREFETCH >= 3:
             xw3 = _load_x(p_x, m_m, o_k, (s_start + 2) * BK, K)
     for s in range(s_start, s_end):
-        if PREFETCH == 0:  # this step's words, requested here: Triton's pipeliner (num_stages) keeps them in flight
-            words = _load_step(p_c, o_c, m_r, s, s_end, KC, BLOCKS_K, TR)
-        else:  # the step PREFETCH ahead is requested before this step's decode
-            words_next = _load_step(p_c, o_c, m_r, s + PREFETCH, s_end, KC, BLOCKS_K, TR)
-            if XPRE:
-                x_next = _load_x(p_x, m_m, o_k, (s + PREFETCH) * BK, K)
+        # the step PREFETCH ahead is requested before this step's decode
+        words_next = _load_step(p_c, o_c, m_r, s + PREFETCH, s_end, KC, BLOCKS_K, TR)
+        if XPRE:
+            x_next = _load_x(p_x, m_m, o_k, (s + PREFETCH) * BK, K)
         w9 = words[:, :, :, :, :, :, :, None, None]
         src = tl.where(sh == 12, w9 >> 12, tl.where(sh == 6, w9 >> 6, w9))  # [.., kb2 4, h 2]
         if USE_ASM:
@@ -299,7 +295,7 @@ def ternary_tc_kernel(
         w10 = tl.permute(w10, (4, 2, 3, 1, 5, 6, 7, 8, 0, 9))  # [r, w, b3, rlo, blk, u, kb2, h, t, e]
         w_t = tl.reshape(w10, [BLOCK_N, BK])
         k0 = s * BK
-        if XPRE and PREFETCH >= 1:
+        if XPRE:
             b_x = xw
         elif TMA:
             b_x = x_desc.load([i_m * BLOCK_M, k0])
@@ -319,7 +315,7 @@ def ternary_tc_kernel(
             if XPRE:
                 xw = xw2
                 xw2 = x_next
-        elif PREFETCH == 3:
+        else:
             words = words2
             words2 = words3
             words3 = words_next
