@@ -344,13 +344,6 @@ def test_each_kernel_from_reference_inputs(gen):
         dh, dv_new, dh0 = chunk_bwd.chunk_bwd_dh(qn, kn, f32["w"], f32["gamma"], x["do"], x["dht"], scale)
         local = chunk_bwd.chunk_bwd_dqkw(qn, kn, f32["v_new"], f32["h"], f32["dh"], x["do"], f32["dv_new"],
                                          f32["gamma"], scale)
-        # KLOOP: one program walks the K-blocks (dP formed once), dgamma_local one sum
-        kloop_cfg = dict(chunk_bwd.bwd_config("gated_delta_rule_bwd_dqkw", DIRECT_D, DIRECT_D, torch.float32),
-                         KLOOP=1)
-        assert DIRECT_D // kloop_cfg["BK"] > 1  # the K loop runs more than one block
-        local_kl = chunk_bwd.chunk_bwd_dqkw(qn, kn, f32["v_new"], f32["h"], f32["dh"], x["do"], f32["dv_new"],
-                                            f32["gamma"], scale, cfg=kloop_cfg)
-        assert local_kl["dgamma_local"].shape[0] == 1
         dgl = f32["dgamma_local"][None]
         wy = chunk_bwd.chunk_bwd_wy(kn, x["v"], x["beta"], torch.float32, f32["gamma"], f32["T"], f32["dw"],
                                     f32["dv_new"], f32["dk_local"].clone(), dgl, stages=True)
@@ -358,11 +351,9 @@ def test_each_kernel_from_reference_inputs(gen):
     got = OrderedDict(qn=qn2, kn=kn2, dh=dh, dv_new=dv_new, dh0=dh0, dq_hv=local["dq_hv"], dk_local=local["dk_local"],
                       dw=local["dw"], dgamma_local=local["dgamma_local"].sum(0), dT=wy["dT"], dA=wy["dA"], dv=wy["dv"],
                       dbeta=wy["dbeta"], dk_hv=wy["dk_hv"], dgamma=wy["dgamma"], dg=wy["dg"], dq=dq, dk=dk)
-    got.update({n + " (KLOOP)": local_kl[n] for n in ("dq_hv", "dk_local", "dw")},
-               **{"dgamma_local (KLOOP)": local_kl["dgamma_local"][0]})
     want = {**ref, "qn": l2norm(x64["q"]), "kn": l2norm(x64["k"])}
     for n, t in got.items():
-        res = compare(n, want[n.split(" ")[0]], t, dtype=torch.float32)
+        res = compare(n, want[n], t, dtype=torch.float32)
         assert res.ok, res.line()
 
 
@@ -831,7 +822,7 @@ for case in json.loads(sys.argv[1]):  # kernel, dtype, K, V, varlen, l2norm[, co
         ptrs = {n: "*" + t for n in ("q_ptr", "k_ptr", "v_new_ptr", "h_ptr", "dh_ptr", "do_ptr", "dv_new_ptr",
                                      "dw_ptr")}
         ptrs.update({n: "*fp32" for n in ("gamma_ptr", "dq_ptr", "dk_ptr", "dgamma_ptr")})
-        consts = dict(shape, BK=cfg["BK"], BV=cfg["BV"], KLOOP=bool(cfg.get("KLOOP", 0)))
+        consts = dict(shape, BK=cfg["BK"], BV=cfg["BV"])
     elif kernel == "wy":
         fn = bwd.chunk_gated_delta_rule_bwd_kernel_wy
         ptrs = {n: "*" + t for n in ("k_ptr", "v_ptr", "beta_ptr", "dw_ptr", "dv_new_ptr", "dv_ptr", "dbeta_ptr")}
@@ -897,9 +888,6 @@ def test_backward_kernels_compile_for_sm90(monkeypatch):
     cases += [[k, "bfloat16", 128, 128, True, False] for k in ("dh", "dqkw", "wy")]
     cases += [[k, "float16", 128, 128, False, True] for k in ("dh", "dqkw", "wy")]
     cases += [[k, "bfloat16", 64, 64, False, True] for k in ("dh", "dqkw", "wy", "fwd_intra")]
-    # dqkw walking its K-blocks in one program (KLOOP), at 8 warps as the tune space holds it
-    cases += [["dqkw", "bfloat16", 128, 128, vl, True, {"KLOOP": 1, "BK": bk, "BV": 64, "num_warps": 8}]
-              for vl, bk in ((False, 32), (True, 32), (False, 64))]
     # the dh kernel as the training backward runs it (P from the forward), at the sm90 entries' shapes of config
     cases += [["dh", "bfloat16", 128, 128, False, True, {"LOAD_P": 1, "BV": bv, "num_warps": 4, "num_stages": 3}]
               for bv in (32, 64)]

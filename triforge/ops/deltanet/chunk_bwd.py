@@ -193,67 +193,6 @@ def chunk_gated_delta_rule_bwd_kernel_dh(
 
 
 @triton.jit
-def _dqkw_block(i_k, b_dp, q_ptr, k_ptr, v_new_ptr, h_ptr, dh_ptr, do_ptr, dv_new_ptr, gamma_ptr, dq_ptr, dk_ptr, dw_ptr,
-                o_h, o_row, m_t, i_t, bos, seq_len, i_h, i_hv, scale, H: tl.constexpr, HV: tl.constexpr,
-                K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                DP_DONE: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, RNE: tl.constexpr):
-    """dqkw's work on K-block i_k of one chunk: stores its columns of dq_hv, dk_local and dw; returns its
-    share of dgamma_local and of the last row's extra term. b_dp: dP (decay applied) when DP_DONE, else
-    zeros, accumulated here from the same V-blocks."""
-    o_k = i_k * BK + tl.arange(0, BK)
-    b_dos = tl.zeros([BT, BK], dtype=tl.float32)  # dO S^T
-    b_vds = tl.zeros([BT, BK], dtype=tl.float32)  # v_new dS'^T
-    b_dw = tl.zeros([BT, BK], dtype=tl.float32)  # dv_new S^T
-    b_sds = tl.zeros([BK], dtype=tl.float32)  # sum(S * dS') by row
-    for i_v in range(tl.cdiv(V, BV)):
-        o_v = i_v * BV + tl.arange(0, BV)
-        m_v = o_v < V
-        m_tv = m_t[:, None] & m_v[None, :]
-        o_vrow = (o_row * HV + i_hv)[:, None] * V + o_v[None, :]
-        b_vn = tl.load(v_new_ptr + o_vrow, mask=m_tv, other=0.0)
-        b_do = tl.load(do_ptr + o_vrow, mask=m_tv, other=0.0)
-        b_dvn = tl.load(dv_new_ptr + o_vrow, mask=m_tv, other=0.0)
-        o_kv = o_k[:, None] * V + o_v[None, :]
-        b_S = tl.load(h_ptr + o_h + o_kv, mask=m_v[None, :], other=0.0)
-        b_dS = tl.load(dh_ptr + o_h + o_kv, mask=m_v[None, :], other=0.0)
-        b_dos = _dot(b_do, tl.trans(b_S), b_dos, PREC, UPCAST)
-        b_vds = _dot(b_vn, tl.trans(b_dS), b_vds, PREC, UPCAST)
-        b_dw = _dot(b_dvn, tl.trans(b_S), b_dw, PREC, UPCAST)
-        if not DP_DONE:
-            b_dp = _dot(b_do, tl.trans(b_vn), b_dp, PREC, UPCAST)
-        b_sds += tl.sum(b_S.to(tl.float32) * b_dS.to(tl.float32), axis=1)
-
-    o_qk = (o_row * H + i_h)[:, None] * K + o_k[None, :]
-    b_q = tl.load(q_ptr + o_qk, mask=m_t[:, None], other=0.0)
-    b_k = tl.load(k_ptr + o_qk, mask=m_t[:, None], other=0.0)
-    b_gamma = tl.load(gamma_ptr + o_row * HV + i_hv, mask=m_t, other=0.0)
-    n_valid = tl.minimum(seq_len - i_t * BT, BT)
-    b_glast = tl.load(gamma_ptr + (bos + i_t * BT + n_valid - 1) * HV + i_hv)
-    b_e = tl.exp(tl.where(m_t, b_gamma, float("-inf")))
-    b_l = tl.exp(tl.where(m_t, b_glast - b_gamma, float("-inf")))
-    if DP_DONE:
-        b_dpk = b_dp
-    else:
-        b_dpk = b_dp * _decay(b_gamma, m_t, BT)
-    b_dpc = _cast(b_dpk, b_k.dtype, RNE)
-    # dq_hv = diag(e) dO S^T + dP K;  dk_local = dP^T Q + diag(l) v_new dS'^T
-    b_dq = _dot(b_dpc, b_k, b_dos * b_e[:, None], PREC, UPCAST)
-    b_dk = _dot(tl.trans(b_dpc), b_q, None, PREC, UPCAST) * scale + b_vds * b_l[:, None]
-    # dgamma_local (this K-block's share) = e rowsum(Q * dO S^T) + rowsum(M) - colsum(M) - a, M = dP * Q K^T,
-    # a = l rowsum(K * v_new dS'^T); the last row adds sum(a) + e^gamma_last sum(S * dS')
-    b_m = b_dpk * _dot(b_q, tl.trans(b_k), None, PREC, UPCAST) * scale
-    b_a = b_l * tl.sum(b_k.to(tl.float32) * b_vds, axis=1)
-    b_dg = b_e * tl.sum(b_q.to(tl.float32) * b_dos, axis=1) * scale + tl.sum(b_m, axis=1) - tl.sum(b_m, axis=0) - b_a
-    b_last = tl.sum(b_a, axis=0) + tl.exp(b_glast) * tl.sum(b_sds, axis=0)
-
-    o_krow = (o_row * HV + i_hv)[:, None] * K + o_k[None, :]
-    tl.store(dq_ptr + o_krow, b_dq, mask=m_t[:, None])
-    tl.store(dk_ptr + o_krow, b_dk, mask=m_t[:, None])
-    tl.store(dw_ptr + o_krow, _cast(-b_dw, dw_ptr.dtype.element_ty, RNE), mask=m_t[:, None])
-    return b_dg, b_last
-
-
-@triton.jit
 def chunk_gated_delta_rule_bwd_kernel_dqkw(
     q_ptr,  # [B, T, H, K] (normalised when the forward normalises)
     k_ptr,  # [B, T, H, K] (normalised likewise)
@@ -282,12 +221,8 @@ def chunk_gated_delta_rule_bwd_kernel_dqkw(
     PREC: tl.constexpr,
     UPCAST: tl.constexpr,
     RNE: tl.constexpr,
-    KLOOP: tl.constexpr = False,
 ):
-    """KLOOP: one program per chunk and value head walks the K-blocks itself, so dP = dO v_new^T (a 64 x 64 x V
-    product, 31% of the tensor-core work at BK 32) is formed once instead of once per K-block, and dgamma_local
-    is one sum (its leading dim 1); else one program per K-block (grid dim 0), dP formed in each."""
-    i_k0, i_c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_k, i_c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
     bos, seq_len, i_t, _ = _chunk_coords(i_c, i_b, T, cu_seqlens_ptr, chunk_indices_ptr, IS_VARLEN)
@@ -298,37 +233,57 @@ def chunk_gated_delta_rule_bwd_kernel_dqkw(
     o_t = i_t * BT + o_i
     m_t = o_t < seq_len
     o_row = bos + o_t.to(tl.int64)
+    o_k = i_k * BK + tl.arange(0, BK)
 
+    b_dos = tl.zeros([BT, BK], dtype=tl.float32)  # dO S^T
+    b_vds = tl.zeros([BT, BK], dtype=tl.float32)  # v_new dS'^T
+    b_dw = tl.zeros([BT, BK], dtype=tl.float32)  # dv_new S^T
     b_dp = tl.zeros([BT, BT], dtype=tl.float32)  # dO v_new^T
-    if KLOOP:
-        for i_v in range(tl.cdiv(V, BV)):
-            o_v = i_v * BV + tl.arange(0, BV)
-            m_tv = m_t[:, None] & (o_v < V)[None, :]
-            o_vrow = (o_row * HV + i_hv)[:, None] * V + o_v[None, :]
-            b_vn = tl.load(v_new_ptr + o_vrow, mask=m_tv, other=0.0)
-            b_do = tl.load(do_ptr + o_vrow, mask=m_tv, other=0.0)
-            b_dp = _dot(b_do, tl.trans(b_vn), b_dp, PREC, UPCAST)
-        b_gamma = tl.load(gamma_ptr + o_row * HV + i_hv, mask=m_t, other=0.0)
-        b_dp = b_dp * _decay(b_gamma, m_t, BT)  # dP: the gradient of Q K^T (q scaled)
+    b_sds = tl.zeros([BK], dtype=tl.float32)  # sum(S * dS') by row
+    for i_v in range(tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_v = o_v < V
+        m_tv = m_t[:, None] & m_v[None, :]
+        o_vrow = (o_row * HV + i_hv)[:, None] * V + o_v[None, :]
+        b_vn = tl.load(v_new_ptr + o_vrow, mask=m_tv, other=0.0)
+        b_do = tl.load(do_ptr + o_vrow, mask=m_tv, other=0.0)
+        b_dvn = tl.load(dv_new_ptr + o_vrow, mask=m_tv, other=0.0)
+        o_kv = o_k[:, None] * V + o_v[None, :]
+        b_S = tl.load(h_ptr + o_h + o_kv, mask=m_v[None, :], other=0.0)
+        b_dS = tl.load(dh_ptr + o_h + o_kv, mask=m_v[None, :], other=0.0)
+        b_dos = _dot(b_do, tl.trans(b_S), b_dos, PREC, UPCAST)
+        b_vds = _dot(b_vn, tl.trans(b_dS), b_vds, PREC, UPCAST)
+        b_dw = _dot(b_dvn, tl.trans(b_S), b_dw, PREC, UPCAST)
+        b_dp = _dot(b_do, tl.trans(b_vn), b_dp, PREC, UPCAST)
+        b_sds += tl.sum(b_S.to(tl.float32) * b_dS.to(tl.float32), axis=1)
 
-    if KLOOP:
-        b_dg = tl.zeros([BT], dtype=tl.float32)
-        b_last = tl.zeros([BT], dtype=tl.float32)  # the last row's extra terms, summed over the K-blocks
-        for i_k in range(K // BK):
-            b_dg_k, b_last_k = _dqkw_block(
-                i_k, b_dp, q_ptr, k_ptr, v_new_ptr, h_ptr, dh_ptr, do_ptr, dv_new_ptr, gamma_ptr, dq_ptr, dk_ptr,
-                dw_ptr, o_h, o_row, m_t, i_t, bos, seq_len, i_h, i_hv, scale, H, HV, K, V, BT, BK, BV, True, PREC,
-                UPCAST, RNE)
-            b_dg += b_dg_k
-            b_last += b_last_k
-    else:
-        b_dg, b_last = _dqkw_block(
-            i_k0, b_dp, q_ptr, k_ptr, v_new_ptr, h_ptr, dh_ptr, do_ptr, dv_new_ptr, gamma_ptr, dq_ptr, dk_ptr, dw_ptr,
-            o_h, o_row, m_t, i_t, bos, seq_len, i_h, i_hv, scale, H, HV, K, V, BT, BK, BV, False, PREC, UPCAST, RNE)
+    o_qk = (o_row * H + i_h)[:, None] * K + o_k[None, :]
+    b_q = tl.load(q_ptr + o_qk, mask=m_t[:, None], other=0.0)
+    b_k = tl.load(k_ptr + o_qk, mask=m_t[:, None], other=0.0)
+    b_gamma = tl.load(gamma_ptr + o_row * HV + i_hv, mask=m_t, other=0.0)
     n_valid = tl.minimum(seq_len - i_t * BT, BT)
-    b_dg += tl.where(o_i == n_valid - 1, b_last, 0.0)
+    b_glast = tl.load(gamma_ptr + (bos + i_t * BT + n_valid - 1) * HV + i_hv)
+    b_e = tl.exp(tl.where(m_t, b_gamma, float("-inf")))
+    b_l = tl.exp(tl.where(m_t, b_glast - b_gamma, float("-inf")))
+
+    b_dp = b_dp * _decay(b_gamma, m_t, BT)  # dP: the gradient of Q K^T (q scaled)
+    b_dpc = _cast(b_dp, b_k.dtype, RNE)
+    # dq_hv = diag(e) dO S^T + dP K;  dk_local = dP^T Q + diag(l) v_new dS'^T
+    b_dq = _dot(b_dpc, b_k, b_dos * b_e[:, None], PREC, UPCAST)
+    b_dk = _dot(tl.trans(b_dpc), b_q, None, PREC, UPCAST) * scale + b_vds * b_l[:, None]
+    # dgamma_local (this K-block's share) = e rowsum(Q * dO S^T) + rowsum(M) - colsum(M) - a, M = dP * Q K^T,
+    # a = l rowsum(K * v_new dS'^T); the last row adds sum(a) + e^gamma_last sum(S * dS')
+    b_m = b_dp * _dot(b_q, tl.trans(b_k), None, PREC, UPCAST) * scale
+    b_a = b_l * tl.sum(b_k.to(tl.float32) * b_vds, axis=1)
+    b_dg = b_e * tl.sum(b_q.to(tl.float32) * b_dos, axis=1) * scale + tl.sum(b_m, axis=1) - tl.sum(b_m, axis=0) - b_a
+    b_dg += tl.where(o_i == n_valid - 1, tl.sum(b_a, axis=0) + tl.exp(b_glast) * tl.sum(b_sds, axis=0), 0.0)
+
+    o_krow = (o_row * HV + i_hv)[:, None] * K + o_k[None, :]
+    tl.store(dq_ptr + o_krow, b_dq, mask=m_t[:, None])
+    tl.store(dk_ptr + o_krow, b_dk, mask=m_t[:, None])
+    tl.store(dw_ptr + o_krow, _cast(-b_dw, dw_ptr.dtype.element_ty, RNE), mask=m_t[:, None])
     n_all = (tl.num_programs(2) // HV).to(tl.int64) * T  # B*T rows (varlen: B = 1)
-    tl.store(dgamma_ptr + i_k0 * n_all * HV + o_row * HV + i_hv, b_dg, mask=m_t)
+    tl.store(dgamma_ptr + i_k * n_all * HV + o_row * HV + i_hv, b_dg, mask=m_t)
 
 
 @triton.jit
@@ -596,8 +551,7 @@ def chunk_bwd_dh(qn, kn, w, gamma, do, dht, scale, *, varlen=None, store_dh0=Tru
 
 def chunk_bwd_dqkw(qn, kn, v_new, h, dh, do, dv_new, gamma, scale, *, varlen=None, cfg=None):
     """Kernel 2: dict dq_hv, dk_local [B, T, HV, K] fp32, dw [B, T, HV, K] (input dtype) and
-    dgamma_local [P, B, T, HV] fp32: one partial sum per program of a chunk (P = K / BK, or 1 with the
-    config's KLOOP: one program walks the K-blocks)."""
+    dgamma_local [K / BK, B, T, HV] fp32 (one partial sum per K-block)."""
     B, T, H, K = qn.shape
     HV, V = do.shape[2], do.shape[3]
     check_kernel_dims(K, V)
@@ -606,22 +560,19 @@ def chunk_bwd_dqkw(qn, kn, v_new, h, dh, do, dv_new, gamma, scale, *, varlen=Non
     n_b, n_c = _n_chunks(T, varlen, B)
     bk = min(cfg["BK"], K)
     n_k = K // bk
-    kloop = bool(cfg.get("KLOOP", 0))
-    n_p = 1 if kloop else n_k  # programs per chunk and value head = dgamma_local's partial sums
     out = {n: new_output((B, T, HV, K), torch.float32, dev) for n in ("dq_hv", "dk_local")}
     out["dw"] = new_output((B, T, HV, K), qn.dtype, dev)
-    out["dgamma_local"] = new_output((n_p, B, T, HV), torch.float32, dev)
+    out["dgamma_local"] = new_output((n_k, B, T, HV), torch.float32, dev)
     cu, indices, _ = _varlen_ptrs(varlen, dev)
     e = qn.element_size()
-    nbytes = (B * T * (2 * H * K * e + (n_k * 3 + 2 * int(kloop)) * HV * V * e + HV * 4) + 2 * h.numel() * e
-              + B * T * HV * (K * (8 + e) + n_p * 4))
+    nbytes = (B * T * (2 * H * K * e + n_k * 3 * HV * V * e + HV * 4) + n_k * 2 * h.numel() * e
+              + B * T * HV * (K * (8 + e) + n_k * 4))
     launch.launch(
-        "gated_delta_rule_bwd_dqkw", chunk_gated_delta_rule_bwd_kernel_dqkw, (n_p, n_c, n_b * HV),
+        "gated_delta_rule_bwd_dqkw", chunk_gated_delta_rule_bwd_kernel_dqkw, (n_k, n_c, n_b * HV),
         qn, kn, v_new, h, dh, do, dv_new, gamma, out["dq_hv"], out["dk_local"], out["dw"], out["dgamma_local"],
         cu, indices, T, scale,
         nbytes=nbytes, H=H, HV=HV, K=K, V=V, BT=BT, BK=bk, BV=cfg["BV"], IS_VARLEN=varlen is not None,
-        **_flags(qn.dtype), KLOOP=kloop, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        **launch.maxnreg_option(cfg),
+        **_flags(qn.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch.maxnreg_option(cfg),
     )
     return out
 
