@@ -19,15 +19,16 @@ the buffers below carry the same names. ``chunk_bwd`` runs:
 2. ``chunk_gated_delta_rule_bwd_kernel_dqkw``, grid (K / BK, chunks, B*HV): one chunk of one value
    head and one K-block, looping over V-blocks for dO S^T, v_new dS'^T, dv_new S^T and dO v_new^T
    (the last recomputed by every K-block). Reads q, k, gamma, v_new, h, dh, dO, dv_new; writes
-   dq_hv, dk_local [B, T, HV, K] (fp32), dw (input dtype) and dgamma_local as one partial sum per
+   dq_hv and dw [B, T, HV, K] (input dtype), dk_local (fp32) and dgamma_local as one partial sum per
    K-block [K / BK, B, T, HV] (every dgamma term is a sum over K, so the split is exact).
 3. ``chunk_gated_delta_rule_bwd_kernel_wy``, grid (chunks, B*HV): back through the WY
    representation. V-blocks: dT = du (diag(beta) V)^T, dv = diag(beta) T^T du; K-blocks: dT +=
    dw (diag(beta e) K)^T, the beta/gamma terms of T^T dw, K K^T; then dA = -T^T dT T^T and A's
    terms; dg = the reverse cumsum of dgamma inside the chunk; a second K-block pass writes dk_hv =
    dk_local + diag(beta e) T^T dw + (dKK + dKK^T) K. Reads k, v, beta, gamma, T, dw, dv_new,
-   dk_local, dgamma_local; writes dk_hv (fp32, over dk_local unless stages are asked), dv, dbeta,
-   dg (their inputs' dtypes), and dT, dA, dgamma in stages mode.
+   dk_local, dgamma_local; writes dk_hv (input dtype), dv, dbeta, dg (their inputs' dtypes), and dT,
+   dA, dgamma in stages mode. (dq_hv and dk_hv in the input dtype, as fla stores its per-value-head dq
+   and dk: in fp32 they were 1.07 GB of the backward's traffic at (8, 4096, 16, 32).)
 4. ``chunk_gated_delta_rule_bwd_kernel_qk``, grid (B*T / BR, H): dq = l2norm_bwd(scale * sum of
    the group's dq_hv), dk likewise: the sum over the HV / H value heads reading a query/key head,
    then the l2norm's backward r (dy - y (y . dy)) on the raw q and k. Writes dq, dk (q's dtype).
@@ -202,7 +203,7 @@ def chunk_gated_delta_rule_bwd_kernel_dqkw(
     do_ptr,  # [B, T, HV, V]
     dv_new_ptr,  # [B, T, HV, V]
     gamma_ptr,  # [B, T, HV] fp32
-    dq_ptr,  # [B, T, HV, K] fp32 out: dq_hv (gradient of the scaled, normalised q of each value head)
+    dq_ptr,  # [B, T, HV, K] out, input dtype: dq_hv (gradient of the scaled, normalised q of each value head)
     dk_ptr,  # [B, T, HV, K] fp32 out: dk_local (through o and the state, not w or A)
     dw_ptr,  # [B, T, HV, K] out, input dtype
     dgamma_ptr,  # [K / BK, B, T, HV] fp32 out: dgamma_local, one partial sum per K-block
@@ -279,7 +280,7 @@ def chunk_gated_delta_rule_bwd_kernel_dqkw(
     b_dg += tl.where(o_i == n_valid - 1, tl.sum(b_a, axis=0) + tl.exp(b_glast) * tl.sum(b_sds, axis=0), 0.0)
 
     o_krow = (o_row * HV + i_hv)[:, None] * K + o_k[None, :]
-    tl.store(dq_ptr + o_krow, b_dq, mask=m_t[:, None])
+    tl.store(dq_ptr + o_krow, _cast(b_dq, dq_ptr.dtype.element_ty, RNE), mask=m_t[:, None])
     tl.store(dk_ptr + o_krow, b_dk, mask=m_t[:, None])
     tl.store(dw_ptr + o_krow, _cast(-b_dw, dw_ptr.dtype.element_ty, RNE), mask=m_t[:, None])
     n_all = (tl.num_programs(2) // HV).to(tl.int64) * T  # B*T rows (varlen: B = 1)
@@ -297,7 +298,7 @@ def chunk_gated_delta_rule_bwd_kernel_wy(
     dv_new_ptr,  # [B, T, HV, V]: du
     dk_local_ptr,  # [B, T, HV, K] fp32
     dgamma_local_ptr,  # [NP, B, T, HV] fp32: kernel 2's partial sums
-    dk_ptr,  # [B, T, HV, K] fp32 out: dk_hv (may alias dk_local: each program reads its rows first)
+    dk_ptr,  # [B, T, HV, K] out, input dtype: dk_hv
     dv_ptr,  # [B, T, HV, V] out, v's dtype
     dbeta_ptr,  # [B, T, HV] out, beta's dtype
     dg_ptr,  # [B, T, HV] out, g's dtype
@@ -402,15 +403,15 @@ def chunk_gated_delta_rule_bwd_kernel_wy(
         b_dk += _dot(tl.trans(b_Tc), b_dw, None, PREC, UPCAST) * (b_beta * b_e)[:, None]
         b_dk = _dot(b_dkk, b_k, b_dk, PREC, UPCAST)
         b_dk = _dot(tl.trans(b_dkk), b_k, b_dk, PREC, UPCAST)
-        tl.store(dk_ptr + o_krow, b_dk, mask=m_t[:, None])
+        tl.store(dk_ptr + o_krow, _cast(b_dk, dk_ptr.dtype.element_ty, RNE), mask=m_t[:, None])
 
 
 @triton.jit
 def chunk_gated_delta_rule_bwd_kernel_qk(
     q_ptr,  # [R, H, K] raw q (R = B*T rows)
     k_ptr,  # [R, H, K] raw k
-    dq_hv_ptr,  # [R, HV, K] fp32
-    dk_hv_ptr,  # [R, HV, K] fp32
+    dq_hv_ptr,  # [R, HV, K] (input dtype; fp32 works too)
+    dk_hv_ptr,  # [R, HV, K] likewise
     dq_ptr,  # [R, H, K] out, q's dtype
     dk_ptr,  # [R, H, K] out, k's dtype
     R,
@@ -430,8 +431,8 @@ def chunk_gated_delta_rule_bwd_kernel_qk(
     b_dk = tl.zeros([BR, K], dtype=tl.float32)
     for j in tl.static_range(G):  # the value heads reading this query/key head
         o_hv = (o_r * HV + i_h * G + j)[:, None] * K + o_k[None, :]
-        b_dq += tl.load(dq_hv_ptr + o_hv, mask=m_r[:, None], other=0.0)
-        b_dk += tl.load(dk_hv_ptr + o_hv, mask=m_r[:, None], other=0.0)
+        b_dq += tl.load(dq_hv_ptr + o_hv, mask=m_r[:, None], other=0.0).to(tl.float32)
+        b_dk += tl.load(dk_hv_ptr + o_hv, mask=m_r[:, None], other=0.0).to(tl.float32)
     b_dq = b_dq * scale
     o_x = (o_r * H + i_h)[:, None] * K + o_k[None, :]
     if L2NORM:
@@ -550,7 +551,7 @@ def chunk_bwd_dh(qn, kn, w, gamma, do, dht, scale, *, varlen=None, store_dh0=Tru
 
 
 def chunk_bwd_dqkw(qn, kn, v_new, h, dh, do, dv_new, gamma, scale, *, varlen=None, cfg=None):
-    """Kernel 2: dict dq_hv, dk_local [B, T, HV, K] fp32, dw [B, T, HV, K] (input dtype) and
+    """Kernel 2: dict dq_hv, dw [B, T, HV, K] (input dtype), dk_local [B, T, HV, K] fp32 and
     dgamma_local [K / BK, B, T, HV] fp32 (one partial sum per K-block)."""
     B, T, H, K = qn.shape
     HV, V = do.shape[2], do.shape[3]
@@ -560,13 +561,13 @@ def chunk_bwd_dqkw(qn, kn, v_new, h, dh, do, dv_new, gamma, scale, *, varlen=Non
     n_b, n_c = _n_chunks(T, varlen, B)
     bk = min(cfg["BK"], K)
     n_k = K // bk
-    out = {n: new_output((B, T, HV, K), torch.float32, dev) for n in ("dq_hv", "dk_local")}
-    out["dw"] = new_output((B, T, HV, K), qn.dtype, dev)
+    out = {"dq_hv": new_output((B, T, HV, K), qn.dtype, dev), "dk_local": new_output((B, T, HV, K), torch.float32, dev),
+           "dw": new_output((B, T, HV, K), qn.dtype, dev)}
     out["dgamma_local"] = new_output((n_k, B, T, HV), torch.float32, dev)
     cu, indices, _ = _varlen_ptrs(varlen, dev)
     e = qn.element_size()
     nbytes = (B * T * (2 * H * K * e + n_k * 3 * HV * V * e + HV * 4) + n_k * 2 * h.numel() * e
-              + B * T * HV * (K * (8 + e) + n_k * 4))
+              + B * T * HV * (K * (4 + 2 * e) + n_k * 4))
     launch.launch(
         "gated_delta_rule_bwd_dqkw", chunk_gated_delta_rule_bwd_kernel_dqkw, (n_k, n_c, n_b * HV),
         qn, kn, v_new, h, dh, do, dv_new, gamma, out["dq_hv"], out["dk_local"], out["dw"], out["dgamma_local"],
@@ -579,7 +580,7 @@ def chunk_bwd_dqkw(qn, kn, v_new, h, dh, do, dv_new, gamma, scale, *, varlen=Non
 
 def chunk_bwd_wy(kn, v, beta, g_dtype, gamma, t, dw, dv_new, dk_local, dgamma_local, *, varlen=None, stages=False,
                  cfg=None):
-    """Kernel 3: dict dk_hv [B, T, HV, K] fp32 (written over dk_local unless ``stages``), dv [B, T, HV, V]
+    """Kernel 3: dict dk_hv [B, T, HV, K] (input dtype), dv [B, T, HV, V]
     (v's dtype), dbeta (beta's dtype), dg [B, T, HV] (``g_dtype``); with ``stages`` also dgamma
     [B, T, HV] fp32 and dT, dA [B, T, HV, 64] fp32. dgamma_local [NP, B, T, HV]: kernel 2's partials."""
     B, T, H, K = kn.shape
@@ -588,7 +589,7 @@ def chunk_bwd_wy(kn, v, beta, g_dtype, gamma, t, dw, dv_new, dk_local, dgamma_lo
     dev = kn.device
     n_b, n_c = _n_chunks(T, varlen, B)
     out = {
-        "dk_hv": new_output((B, T, HV, K), torch.float32, dev) if stages else dk_local,
+        "dk_hv": new_output((B, T, HV, K), kn.dtype, dev),
         "dv": new_output((B, T, HV, V), v.dtype, dev),
         "dbeta": new_output((B, T, HV), beta.dtype, dev),
         "dg": new_output((B, T, HV), g_dtype, dev),
@@ -601,7 +602,7 @@ def chunk_bwd_wy(kn, v, beta, g_dtype, gamma, t, dw, dv_new, dk_local, dgamma_lo
     e = kn.element_size()
     n_p = dgamma_local.shape[0]
     nbytes = (B * T * HV * (2 * H // HV * K * e + 2 * V * e + BT * 4 + 4 + n_p * 4 + beta.element_size())
-              + B * T * HV * (2 * K * e + 2 * K * 4) + B * T * HV * (V * e + beta.element_size() + 4))
+              + B * T * HV * (3 * K * e + K * 4) + B * T * HV * (V * e + beta.element_size() + 4))
     launch.launch(
         "gated_delta_rule_bwd_wy", chunk_gated_delta_rule_bwd_kernel_wy, (n_c, n_b * HV),
         kn, v, beta, gamma, t, dw, dv_new, dk_local, dgamma_local, out["dk_hv"], out["dv"], out["dbeta"], out["dg"],
@@ -622,7 +623,7 @@ def chunk_bwd_qk(q, k, dq_hv, dk_hv, scale, *, l2norm=False, cfg=None):
     dq = new_output(q.shape, q.dtype, q.device)
     dk = new_output(k.shape, k.dtype, k.device)
     e = q.element_size()
-    nbytes = R * (2 * HV * K * 4 + 2 * H * K * e * (1 + int(l2norm)))
+    nbytes = R * (HV * K * (dq_hv.element_size() + dk_hv.element_size()) + 2 * H * K * e * (1 + int(l2norm)))
     launch.launch(
         "gated_delta_rule_bwd_qk", chunk_gated_delta_rule_bwd_kernel_qk, (launch.cdiv(R, cfg["BR"]), H),
         q, k, dq_hv, dk_hv, dq, dk, R, scale,
