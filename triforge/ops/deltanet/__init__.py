@@ -730,10 +730,12 @@ def _tune_bwd_setup(kernel):
 
             return dqkw, chunk_bwd.config_key(K, V, dtype)
         local = chunk_bwd.chunk_bwd_dqkw(qn, kn, v_new, h, dh, do, dv_new, gamma, scale)
+        dk_local, dk_work = local["dk_local"], torch.empty_like(local["dk_local"])
 
-        def wy(cfg):
-            return chunk_bwd.chunk_bwd_wy(kn, v, beta, g.dtype, gamma, intra["T"], local["dw"], dv_new,
-                                          local["dk_local"], local["dgamma_local"], cfg=cfg)
+        def wy(cfg):  # the kernel writes dk over its dk_local input: each run starts from a copy (timed too)
+            dk_work.copy_(dk_local)
+            return chunk_bwd.chunk_bwd_wy(kn, v, beta, g.dtype, gamma, intra["T"], local["dw"], dv_new, dk_work,
+                                          local["dgamma_local"], cfg=cfg)
 
         return wy, chunk_bwd.config_key(K, V, dtype)
 

@@ -26,9 +26,11 @@ the buffers below carry the same names. ``chunk_bwd`` runs:
    dw (diag(beta e) K)^T, the beta/gamma terms of T^T dw, K K^T; then dA = -T^T dT T^T and A's
    terms; dg = the reverse cumsum of dgamma inside the chunk; a second K-block pass writes dk_hv =
    dk_local + diag(beta e) T^T dw + (dKK + dKK^T) K. Reads k, v, beta, gamma, T, dw, dv_new,
-   dk_local, dgamma_local; writes dk_hv (input dtype), dv, dbeta, dg (their inputs' dtypes), and dT,
-   dA, dgamma in stages mode. (dq_hv and dk_hv in the input dtype, as fla stores its per-value-head dq
-   and dk: in fp32 they were 1.07 GB of the backward's traffic at (8, 4096, 16, 32).)
+   dk_local, dgamma_local; writes dk_hv (fp32, over dk_local unless stages are asked), dv, dbeta,
+   dg (their inputs' dtypes), and dT, dA, dgamma in stages mode. (dq_hv is stored in the input dtype,
+   as fla stores its per-value-head dq: in fp32 it was 0.54 GB of the backward's traffic at (8, 4096,
+   16, 32). dk_hv stays fp32: the l2norm's backward cancels its last rows' terms by ~2000x where a
+   final-state gradient enters, below a 16-bit rounding of them; reference.py.)
 4. ``chunk_gated_delta_rule_bwd_kernel_qk``, grid (B*T / BR, H): dq = l2norm_bwd(scale * sum of
    the group's dq_hv), dk likewise: the sum over the HV / H value heads reading a query/key head,
    then the l2norm's backward r (dy - y (y . dy)) on the raw q and k. Writes dq, dk (q's dtype).
@@ -298,7 +300,7 @@ def chunk_gated_delta_rule_bwd_kernel_wy(
     dv_new_ptr,  # [B, T, HV, V]: du
     dk_local_ptr,  # [B, T, HV, K] fp32
     dgamma_local_ptr,  # [NP, B, T, HV] fp32: kernel 2's partial sums
-    dk_ptr,  # [B, T, HV, K] out, input dtype: dk_hv
+    dk_ptr,  # [B, T, HV, K] fp32 out: dk_hv (may alias dk_local: each program reads its rows first)
     dv_ptr,  # [B, T, HV, V] out, v's dtype
     dbeta_ptr,  # [B, T, HV] out, beta's dtype
     dg_ptr,  # [B, T, HV] out, g's dtype
@@ -403,7 +405,7 @@ def chunk_gated_delta_rule_bwd_kernel_wy(
         b_dk += _dot(tl.trans(b_Tc), b_dw, None, PREC, UPCAST) * (b_beta * b_e)[:, None]
         b_dk = _dot(b_dkk, b_k, b_dk, PREC, UPCAST)
         b_dk = _dot(tl.trans(b_dkk), b_k, b_dk, PREC, UPCAST)
-        tl.store(dk_ptr + o_krow, _cast(b_dk, dk_ptr.dtype.element_ty, RNE), mask=m_t[:, None])
+        tl.store(dk_ptr + o_krow, b_dk, mask=m_t[:, None])
 
 
 @triton.jit
@@ -411,7 +413,7 @@ def chunk_gated_delta_rule_bwd_kernel_qk(
     q_ptr,  # [R, H, K] raw q (R = B*T rows)
     k_ptr,  # [R, H, K] raw k
     dq_hv_ptr,  # [R, HV, K] (input dtype; fp32 works too)
-    dk_hv_ptr,  # [R, HV, K] likewise
+    dk_hv_ptr,  # [R, HV, K] fp32
     dq_ptr,  # [R, H, K] out, q's dtype
     dk_ptr,  # [R, H, K] out, k's dtype
     R,
@@ -580,7 +582,7 @@ def chunk_bwd_dqkw(qn, kn, v_new, h, dh, do, dv_new, gamma, scale, *, varlen=Non
 
 def chunk_bwd_wy(kn, v, beta, g_dtype, gamma, t, dw, dv_new, dk_local, dgamma_local, *, varlen=None, stages=False,
                  cfg=None):
-    """Kernel 3: dict dk_hv [B, T, HV, K] (input dtype), dv [B, T, HV, V]
+    """Kernel 3: dict dk_hv [B, T, HV, K] fp32 (written over dk_local unless ``stages``), dv [B, T, HV, V]
     (v's dtype), dbeta (beta's dtype), dg [B, T, HV] (``g_dtype``); with ``stages`` also dgamma
     [B, T, HV] fp32 and dT, dA [B, T, HV, 64] fp32. dgamma_local [NP, B, T, HV]: kernel 2's partials."""
     B, T, H, K = kn.shape
@@ -589,7 +591,7 @@ def chunk_bwd_wy(kn, v, beta, g_dtype, gamma, t, dw, dv_new, dk_local, dgamma_lo
     dev = kn.device
     n_b, n_c = _n_chunks(T, varlen, B)
     out = {
-        "dk_hv": new_output((B, T, HV, K), kn.dtype, dev),
+        "dk_hv": new_output((B, T, HV, K), torch.float32, dev) if stages else dk_local,
         "dv": new_output((B, T, HV, V), v.dtype, dev),
         "dbeta": new_output((B, T, HV), beta.dtype, dev),
         "dg": new_output((B, T, HV), g_dtype, dev),
@@ -602,7 +604,7 @@ def chunk_bwd_wy(kn, v, beta, g_dtype, gamma, t, dw, dv_new, dk_local, dgamma_lo
     e = kn.element_size()
     n_p = dgamma_local.shape[0]
     nbytes = (B * T * HV * (2 * H // HV * K * e + 2 * V * e + BT * 4 + 4 + n_p * 4 + beta.element_size())
-              + B * T * HV * (3 * K * e + K * 4) + B * T * HV * (V * e + beta.element_size() + 4))
+              + B * T * HV * (2 * K * e + 2 * K * 4) + B * T * HV * (V * e + beta.element_size() + 4))
     launch.launch(
         "gated_delta_rule_bwd_wy", chunk_gated_delta_rule_bwd_kernel_wy, (n_c, n_b * HV),
         kn, v, beta, gamma, t, dw, dv_new, dk_local, dgamma_local, out["dk_hv"], out["dv"], out["dbeta"], out["dg"],
