@@ -228,8 +228,6 @@ def main():
     p.add_argument("--fwd", action="store_true", help="also K1 forward: tiled vs persistent configs")
     p.add_argument("--stream", action="store_true", help="also x -> y streaming in K1 backward's tiles and orders")
     p.add_argument("--host", action="store_true", help="only: host time per call and the bench-shaped autograd timing")
-    p.add_argument("--cfgs", nargs="*", default=None,
-                   help="only: these launch configs (JSON, each over the config in use) beside the config in use")
     args = p.parse_args()
     dt = torch.bfloat16
     T, C = args.T, args.C
@@ -283,8 +281,6 @@ def main():
             (32, 128, 4, 3, 3, 0, 1, None), (64, 128, 4, 3, 2, 0, 1, None), (32, 128, 4, 3, 3, 0, 0, None),
             (32, 128, 4, 3, 4, 1, 1, 128), (32, 128, 4, 3, 4, 0, 1, 128), (16, 256, 4, 4, 4, 1, 1, 128),
             (64, 128, 4, 4, 2, 1, 1, None)]]
-    if args.cfgs is not None:
-        sweep = [lib] + [dict(lib, **json.loads(c)) for c in args.cfgs]
     for cfg in sweep:
         try:
             dx, dw = M.project_bwd(x, W, proj, inv_rms, dproj, None, cfg)

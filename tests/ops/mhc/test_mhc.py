@@ -234,10 +234,7 @@ def test_project_forward_configs(cfg, dtype, gen, device):
     {"BLOCK_T": 16, "BLOCK_K": 32, "num_warps": 4, "num_stages": 3, "programs_per_sm": 2, "TMA": 1, "PREFETCH": 1},
     {"BLOCK_T": 16, "BLOCK_K": 32, "num_warps": 4, "num_stages": 3, "programs_per_sm": 2, "TMA": 2, "PREFETCH": 1},
     {"BLOCK_T": 16, "BLOCK_K": 32, "num_warps": 4, "num_stages": 3, "programs_per_sm": 2, "TMA": 3},  # all descriptors
-    {"BLOCK_T": 16, "BLOCK_K": 16, "num_warps": 4, "num_stages": 1, "programs_per_sm": 1, "PREFETCH": 2},  # at tile end
-    {"BLOCK_T": 16, "BLOCK_K": 32, "num_warps": 4, "num_stages": 3, "programs_per_sm": 2, "TMA": 2, "PREFETCH": 2},
-], ids=["span", "split", "capped", "tma", "prefetch", "tma-prefetch", "tma-load-prefetch", "tma-all", "prefetch-late",
-        "tma-load-prefetch-late"])
+], ids=["span", "split", "capped", "tma", "prefetch", "tma-prefetch", "tma-load-prefetch", "tma-all"])
 def test_project_backward_persistent_runs(cfg, dtype, gen, device):
     """K1 backward at launch configs whose runs start and end inside column blocks (and T, K that are
     not multiples of the tiles): dx and dW against float64 autograd through the reference."""

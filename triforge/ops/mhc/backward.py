@@ -109,8 +109,7 @@ def mhc_project_bwd_kernel(
     dx stored from registers (no shared-memory staging of dx, no wait on the previous tile's store); 3: as 1,
     and a_hi, a_lo and coef through descriptors as well (no per-element addresses: 140 registers against 162
     at BLOCK_T 32, 4 warps).
-    PREFETCH (TMA 0-2): each tile's per-token terms (a_hi, a_lo, coef) are loaded one tile ahead: 1 at the start of
-    the tile before, 2 at its end (after its dx is stored)."""
+    PREFETCH (TMA 0-2): each tile's per-token terms (a_hi, a_lo, coef) are loaded one tile ahead."""
     p = tl.program_id(0).to(tl.int64)
     u_start = p * U // P
     u_end = (p + 1) * U // P
@@ -144,12 +143,9 @@ def mhc_project_bwd_kernel(
                 b_x = x_desc.load([(i_t * BLOCK_T).to(tl.int32), (kb * BLOCK_K).to(tl.int32)])
             else:
                 b_x = tl.load(x_ptr + o_x, mask=m_tk, other=0.0)
-            if PREFETCH == 1 and TMA != 3:  # this tile's per-token terms were loaded one tile ahead (an L2 round trip
-                # hidden)
+            if PREFETCH and TMA != 3:  # this tile's per-token terms were loaded one tile ahead (an L2 round trip hidden)
                 b_a_hi, b_a_lo, b_coef = n_a_hi, n_a_lo, n_coef
                 n_a_hi, n_a_lo, n_coef = _token_terms(a_hi_ptr, a_lo_ptr, coef_ptr, i_t + 1, T, R, BLOCK_T, SPLIT)
-            elif PREFETCH == 2 and TMA != 3:  # loaded at the end of the previous tile (below)
-                b_a_hi, b_a_lo, b_coef = n_a_hi, n_a_lo, n_coef
             elif TMA == 3:  # the per-token terms through descriptors too (no per-element addresses)
                 b_a_hi = ah_desc.load([(i_t * BLOCK_T).to(tl.int32), 0])
                 b_a_lo = b_a_hi
@@ -171,11 +167,6 @@ def mhc_project_bwd_kernel(
                 dx_desc.store([(i_t * BLOCK_T).to(tl.int32), (kb * BLOCK_K).to(tl.int32)], b_dx.to(dx_ptr.dtype.element_ty))
             else:
                 tl.store(dx_ptr + o_x, b_dx.to(dx_ptr.dtype.element_ty), mask=m_tk)
-            if PREFETCH == 2 and TMA != 3:
-                # the next tile's terms requested after this tile's x was used: ptxas can then not make the reads
-                # of x from shared memory wait on them through a shared scoreboard (session 33's ncu: a third of
-                # the PREFETCH 1 kernel's stall samples sat on the first use of an x fragment)
-                n_a_hi, n_a_lo, n_coef = _token_terms(a_hi_ptr, a_lo_ptr, coef_ptr, i_t + 1, T, R, BLOCK_T, SPLIT)
         o_dw = ((p * J + (kb - kb_first)) * R + o_r[None, :]) * BLOCK_K + o_kk[:, None]
         tl.store(dw_part_ptr + o_dw, b_dwT)
 
