@@ -8,8 +8,9 @@ their number. The backward's rows show how much of it recomputes the forward (th
 
     PYTHONPATH=. python benchmarks/deltanet_kernel_times.py [--shapes 1x32768x16x32 ...] [--iters 5] [--json PATH]
 
-``--spec-t``: every DeltaNet kernel compiled with T specialised (the library passes ``do_not_specialize=["T"]``): run
-once with and once without, in two processes, to see what the specialisation is worth.
+``--spec-t``: every DeltaNet kernel that still passes ``do_not_specialize=["T"]`` (since session 32 the backward's dh
+kernel and the fused recurrent decode kernel) compiled with T specialised: run once with and once without, in two
+processes, to see what the specialisation is worth.
 
 ``--mhc C ...``: the same for mHC-lite's K1 (fused RMSNorm + projection, issue 5) at T = 65536: its forward and
 backward kernels (the backward's prologue, streaming kernel and reduce) one by one.
