@@ -541,7 +541,8 @@ def compile_(fn, ptrs, floats, consts, cfg):
     txt = out.stdout + out.stderr
     return {"regs": int(re.search(r"Used (\d+) registers", txt).group(1)),
             "spills": int(re.search(r"(\d+) bytes spill stores", txt).group(1)),
-            "cp_async": k.asm["ptx"].count("cp.async."), "shared": k.metadata.shared}
+            "cp_async": k.asm["ptx"].count("cp.async."), "shared": k.metadata.shared,
+            "prefetch": k.asm["ptx"].count("prefetch.global.L2")}
 
 
 rows = []
@@ -557,10 +558,10 @@ for dtype, D, G, Sq, append, causal in json.loads(sys.argv[1]):
     # both PDL forms, both output forms (partials / DIRECT)
     consts = dict(H=2 * G, HKV=2, GROUP=G, HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=sc["BLOCK_N"], BLOCK_NEW=16,
                   CAUSAL=causal, APPEND=append, UPCAST=False, IEEE=dtype == torch.float32, PDL=bool(append),
-                  DIRECT=bool(causal))
+                  DIRECT=bool(causal), L2PF=4 if append else 0)
     r = compile_(dec.flash_decode_split_kernel, ptrs, ("qk_scale",), consts,
                  {"num_warps": sc["num_warps"], "num_stages": sc["num_stages"]})
-    rows.append(dict(r, kernel="split", dtype=t, D=D, G=G, Sq=Sq))
+    rows.append(dict(r, kernel="split", dtype=t, D=D, G=G, Sq=Sq, L2PF=consts["L2PF"]))
     mc = dec._merge_config(D, dtype)
     ptrs = {"acc_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32", "o_ptr": "*" + t, "lse_ptr": "*fp32"}
     for splits in (8, 66, 256):  # one trip over all the splits, head-dim columns as they fit
@@ -604,6 +605,8 @@ def test_kernels_compile_for_sm90_without_spills():
         if r["kernel"] == "split" and r["dtype"] != "fp32":
             assert r["cp_async"] > 0, r
             assert r["shared"] <= 120 * 1024, r
+        if r["kernel"] == "split":  # the L2 prefetch before the PDL wait: compiled in where asked, only there
+            assert (r["prefetch"] > 0) == (r["L2PF"] > 0), r
 
 
 # ----------------------------------------------------------------------------- compiled, on the GPU

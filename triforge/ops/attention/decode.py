@@ -50,6 +50,7 @@ import triton.language as tl
 from triforge import _runtime, launch
 from triforge.launch import new_output
 from triforge.ops._checks import check_same_device, check_tensor
+from triforge.ops._tl import prefetch_l2
 from triforge.ops.attention.reference import kvcache_attention_ref
 from triforge.registry import OpSpec, register
 from triforge.tune import Tunable
@@ -147,15 +148,33 @@ def flash_decode_split_kernel(
     IEEE: tl.constexpr,
     PDL: tl.constexpr,  # programmatic dependent launch: wait for the previous kernel before any access
     DIRECT: tl.constexpr,  # NUM_SPLITS == 1: write the normalised o and lse (no merge kernel)
+    L2PF: tl.constexpr,  # key blocks of this split's cached K/V rows asked of L2 before the PDL wait (0: none)
 ):
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()  # the next kernel may start: it waits the same way
     i_s = tl.program_id(0)
     i_bg = tl.program_id(1)
     i_mb = tl.program_id(2)
     i_b = (i_bg // HKV).to(tl.int64)
     i_g = (i_bg % HKV).to(tl.int64)
+    if L2PF > 0:
+        # the first L2PF blocks of this split's cached rows, requested while the previous kernel may still run:
+        # prefetches only (prefetch_l2), so a length or a cache row that kernel is still writing cannot be read
+        # stale. The length is read past L1 (.cg) for the addresses alone and read again after the wait.
+        n_c0 = tl.minimum(tl.maximum(tl.load(seqlens_ptr + i_b, cache_modifier=".cg"), 0), S_max - S_new)
+        chunk0 = tl.cdiv(tl.cdiv(n_c0 + S_new, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        lo0 = i_s * chunk0
+        hi0 = tl.minimum(tl.minimum(lo0 + chunk0, n_c0), lo0 + L2PF * BLOCK_N)
+        LINE: tl.constexpr = 128 // (kc_ptr.dtype.element_ty.primitive_bitwidth // 8)  # elements per 128-byte line
+        LINES: tl.constexpr = (HEAD_DIM + LINE - 1) // LINE
+        o_line = (tl.arange(0, LINES) * LINE)[None, :]
+        o_pf = tl.arange(0, BLOCK_N)
+        for start in range(lo0, hi0, BLOCK_N):
+            o_row = (start + o_pf).to(tl.int64)[:, None]
+            m_pf = ((start + o_pf) < hi0)[:, None] & (o_line >= 0)
+            prefetch_l2(kc_ptr + i_b * stride_kb + i_g * stride_kh + o_row * stride_ks + o_line, m_pf)
+            prefetch_l2(vc_ptr + i_b * stride_vb + i_g * stride_vh + o_row * stride_vs + o_line, m_pf)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()  # the next kernel may start: it waits the same way
     # clamped into the cache, so unchecked lengths (check_lengths=False) never address outside it
     n_cache = tl.minimum(tl.maximum(tl.load(seqlens_ptr + i_b), 0), S_max - S_new)
     n_total = n_cache + S_new
@@ -423,7 +442,7 @@ def flash_decode_split(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax
         BLOCK_NEW=max(16, min(block_n, launch.next_power_of_2(max(S_new, 1)))),
         CAUSAL=bool(causal) and Sq > 1, APPEND=append,
         UPCAST=_runtime.INTERPRET and q.dtype == torch.bfloat16, IEEE=q.dtype == torch.float32,
-        DIRECT=direct,
+        DIRECT=direct, L2PF=0 if _runtime.INTERPRET else cfg.get("L2PF", 0),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch.pdl_options(pdl),
     )
     return (o, lse) if direct else (acc, m_part, l_part)
