@@ -228,7 +228,6 @@ def main():
     p.add_argument("--fwd", action="store_true", help="also K1 forward: tiled vs persistent configs")
     p.add_argument("--stream", action="store_true", help="also x -> y streaming in K1 backward's tiles and orders")
     p.add_argument("--host", action="store_true", help="only: host time per call and the bench-shaped autograd timing")
-    p.add_argument("--l2pf", action="store_true", help="persistent: the config in use with x tiles prefetched into L2")
     args = p.parse_args()
     dt = torch.bfloat16
     T, C = args.T, args.C
@@ -282,8 +281,6 @@ def main():
             (32, 128, 4, 3, 3, 0, 1, None), (64, 128, 4, 3, 2, 0, 1, None), (32, 128, 4, 3, 3, 0, 0, None),
             (32, 128, 4, 3, 4, 1, 1, 128), (32, 128, 4, 3, 4, 0, 1, 128), (16, 256, 4, 4, 4, 1, 1, 128),
             (64, 128, 4, 4, 2, 1, 1, None)]]
-    if args.l2pf:  # x's tile L2PF trips ahead asked of L2 (no register, no scoreboard), on the config in use
-        sweep = [lib] + [dict(lib, L2PF=n) for n in (1, 2, 3, 4, 6)] + [dict(lib, L2PF=n, num_stages=2) for n in (2, 4)]
     for cfg in sweep:
         try:
             dx, dw = M.project_bwd(x, W, proj, inv_rms, dproj, None, cfg)

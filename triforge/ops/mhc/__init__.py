@@ -162,7 +162,7 @@ def project_bwd_main(x_flat, a_hi, a_lo, coef, w, cfg):
         nbytes=2 * x_flat.numel() * x_flat.element_size() + T * (R + 1) * 4,
         R=R, BLOCK_T=cfg["BLOCK_T"], BLOCK_K=cfg["BLOCK_K"], SPLIT=x_flat.dtype != torch.float32,
         UPCAST=_runtime.INTERPRET and x_flat.dtype == torch.bfloat16, RNE=_runtime.INTERPRET, TMA=tma,
-        PREFETCH=int(cfg.get("PREFETCH", 0)), L2PF=0 if _runtime.INTERPRET else int(cfg.get("L2PF", 0)),
+        PREFETCH=int(cfg.get("PREFETCH", 0)),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch.maxnreg_option(cfg),
     )
     return dx, dw_part

@@ -16,7 +16,6 @@ import triton
 import triton.language as tl
 
 from triforge.ops._tl import cast as _cast
-from triforge.ops._tl import prefetch_l2
 from triforge.ops.mhc.forward import dot16
 
 
@@ -97,7 +96,6 @@ def mhc_project_bwd_kernel(
     RNE: tl.constexpr,
     TMA: tl.constexpr,
     PREFETCH: tl.constexpr,
-    L2PF: tl.constexpr = 0,  # x's token tile L2PF ahead asked of L2 each trip (prefetch_l2; 0: none)
 ):
     """Persistent and balanced: the U = n_k x n_t units (column block, token tile), ordered column-block
     major, are cut into P equal runs, one per program (P = SMs x programs_per_sm, one wave). A run
@@ -141,12 +139,6 @@ def mhc_project_bwd_kernel(
             m_t = o_t < T
             m_tk = m_t[:, None] & m_k[None, :]
             o_x = o_t[:, None] * K + o_k[None, :]
-            if L2PF > 0:  # L2PF tiles ahead in this column block, one prefetch per 128-byte line of the tile
-                LINE: tl.constexpr = 128 // (x_ptr.dtype.element_ty.primitive_bitwidth // 8)
-                o_pl = kb * BLOCK_K + tl.arange(0, (BLOCK_K + LINE - 1) // LINE) * LINE
-                o_pt = o_t + L2PF * BLOCK_T
-                prefetch_l2(x_ptr + o_pt.to(tl.int64)[:, None] * K + o_pl[None, :],
-                            ((o_pt < T) & (i_t + L2PF < t_hi))[:, None] & (o_pl < K)[None, :])
             if TMA > 0:
                 b_x = x_desc.load([(i_t * BLOCK_T).to(tl.int32), (kb * BLOCK_K).to(tl.int32)])
             else:
