@@ -137,16 +137,13 @@ def sweep_configs(which="main"):
         grid += [(r, 1, 8, 1, pps) for r in (1, 2) for pps in (2, 3, 4)]
         return [{"BLOCK_M": 8, "ROW_REPS": r, "BLOCKS_K": b, "num_warps": w, "PREFETCH": p, "programs_per_sm": pps,
                  "num_stages": 1, "XPRE": 1} for r, b, w, p, pps in grid]
-    if which == "l2pf":  # the split's words asked of L2 (L2PF steps after the PREFETCH ones): before the PDL wait or
-        # after it (AFTER), per 128-byte line or by one bulk prefetch per row block (BULK); crossed with the config in
-        # use by run_sweep, at a few split targets; then the same on the untuned fallback's tile (x by TMA)
-        pf = [{"L2PF": n, "L2PF_AFTER": a, "L2PF_BULK": b} for n, a, b in
-              ((2, 0, 0), (2, 1, 0), (4, 1, 0), (32, 1, 0), (2, 0, 1), (32, 0, 1), (2, 1, 1), (4, 1, 1), (32, 1, 1))]
-        pf += [dict(pf[-1], programs_per_sm=pps) for pps in (2, 3, 6)]
+    if which == "l2pf":  # the split's words asked of L2 before the PDL wait (L2PF steps after the PREFETCH ones),
+        # crossed with the config in use by run_sweep; then on the untuned fallback's tile (x by TMA). (After the wait,
+        # or by one bulk prefetch per row block, measured slower: benchmarks/NOTES.md, thirty-fourth session)
         fb = {"ROW_REPS": 1, "BLOCKS_K": 2, "num_warps": 4, "num_stages": 1, "programs_per_sm": 4, "XPRE": 0,
               "PREFETCH": 1}
-        return pf + [dict(fb, **c) for c in ({"L2PF": 2}, {"L2PF": 32, "L2PF_AFTER": 1, "L2PF_BULK": 1},
-                                             {"L2PF": 32, "L2PF_AFTER": 1, "L2PF_BULK": 1, "programs_per_sm": 3})]
+        return ([{"L2PF": n} for n in (1, 2, 3, 4)] + [{"L2PF": 2, "programs_per_sm": pps} for pps in (2, 3, 6)]
+                + [dict(fb, L2PF=n) for n in (1, 2)])
     if which == "xpre":
         tiles = [(1, 1, 4), (1, 2, 4), (2, 1, 4), (1, 2, 8)]
         return [{"ROW_REPS": r, "BLOCKS_K": b, "num_warps": w, "PREFETCH": p, "programs_per_sm": pps, "num_stages": 1,

@@ -33,13 +33,3 @@ def prefetch_l2(ptrs, mask):
         "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.b32 $0, 0; }",
         "=r,l,r", [ptrs, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
 
-
-@triton.jit
-def prefetch_l2_bulk(ptrs, nbytes, mask):
-    """Ask L2 for ``nbytes`` (a multiple of 16) from each 16-byte aligned ``ptrs`` where ``mask``: one
-    ``cp.async.bulk.prefetch.L2`` each (the TMA unit walks the range; the thread goes on). As prefetch_l2, safe
-    before griddepcontrol.wait. Every element issues its own: give one element per thread where the ranges are
-    few. Compiled kernels only; returns a dummy int32 tensor."""
-    return tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.b32 $0, 0; }",
-        "=r,l,r,r", [ptrs, nbytes, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)

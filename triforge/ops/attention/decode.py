@@ -347,13 +347,17 @@ def _split_config(D, dtype, block_m):
         # heads, D 128): B=64 one split 92.5 / 687 us at 4k / 32k against 106 / 778 with 4 (3 per SM), B=8 8 splits
         # 18.2 / 95.3 / 347 us at 4k / 32k / 128k against 20.9 / 104 / 389 with 25, B=1 48-64 splits 20.6 / 53.4 us at
         # 32k / 128k against 28.8 / 63.7 with 198: more, shorter splits cost more in per-program start and merge
-        # than their extra loads in flight buy
+        # than their extra loads in flight buy. L2PF 1: each split's first key block asked of L2 before the PDL wait
+        # (decode_splits_probe --l2pf, two calls, us without -> with: B=1 4k 8.8 -> 7.8, B=8 4k 18.2 / 18.4 -> 17.6 /
+        # 17.7, B=1 32k 17.4 / 17.2 -> 17.2 / 17.5, B=1 128k 50.4 -> 50.0, B=8 32k 95.7 -> 95.2, B=64 92.4 / 686 both;
+        # deeper measured slower)
         fallback = {
             "BLOCK_N": 64 if D >= 128 else 128,
             "num_warps": 4,
             "num_stages": 3,
             "programs_per_sm": 1,
             "min_blocks_per_split": 2,
+            "L2PF": 1,
         }
     return launch.config("flash_decode_split", _split_key(D, dtype, block_m), fallback)
 
@@ -807,6 +811,7 @@ register_tunable(Tunable(
         "num_stages": [2, 3, 4],
         "programs_per_sm": [1, 2, 3, 4, 8],
         "min_blocks_per_split": [2],
+        "L2PF": [0, 1],
     },
     setup=_tune_setup,
     shape_names=("B", "S", "H", "Hkv", "D"),
