@@ -16,8 +16,7 @@ two configs above on 128-row tiles as well). ``--sweep pdl``: the config in use 
 four at a time (FIX4) or one at a time, launched as programmatic dependents (PDL) or not; then at M <= 16 its
 split target under PDL, at M >= 64 a small grid of tiles, stages and split targets under PDL. ``--sweep m1``:
 deeper word prefetch at M = 1 under a register cap (maxnreg), and 64-row tiles at 5-6 programs per SM. ``--sweep m8``:
-x tiles of 8 rows (mma.sync instead of wgmma, fewer registers) at M <= 8. ``--sweep l2pf``: the config in use with the
-split's next words prefetched into L2 before the PDL wait (L2PF steps), at a few split targets and PREFETCH depths.
+x tiles of 8 rows (mma.sync instead of wgmma, fewer registers) at M <= 8.
 """
 
 import argparse
@@ -137,13 +136,6 @@ def sweep_configs(which="main"):
         grid += [(r, 1, 8, 1, pps) for r in (1, 2) for pps in (2, 3, 4)]
         return [{"BLOCK_M": 8, "ROW_REPS": r, "BLOCKS_K": b, "num_warps": w, "PREFETCH": p, "programs_per_sm": pps,
                  "num_stages": 1, "XPRE": 1} for r, b, w, p, pps in grid]
-    if which == "l2pf":  # the split's words asked of L2 before the PDL wait (L2PF steps after the PREFETCH ones),
-        # crossed with the config in use by run_sweep; then on the untuned fallback's tile (x by TMA). (After the wait,
-        # or by one bulk prefetch per row block, measured slower: benchmarks/NOTES.md, thirty-fourth session)
-        fb = {"ROW_REPS": 1, "BLOCKS_K": 2, "num_warps": 4, "num_stages": 1, "programs_per_sm": 4, "XPRE": 0,
-              "PREFETCH": 1}
-        return ([{"L2PF": n} for n in (1, 2, 3, 4)] + [{"L2PF": 2, "programs_per_sm": pps} for pps in (2, 3, 6)]
-                + [dict(fb, L2PF=n) for n in (1, 2)])
     if which == "xpre":
         tiles = [(1, 1, 4), (1, 2, 4), (2, 1, 4), (1, 2, 8)]
         return [{"ROW_REPS": r, "BLOCKS_K": b, "num_warps": w, "PREFETCH": p, "programs_per_sm": pps, "num_stages": 1,
@@ -171,8 +163,6 @@ def run_sweep(N, K, ms, gen, which="main", base_only=False, rotate_x=False):
         if which == "tiles":  # the same two configs on 128-row tiles (the default is 16)
             base += [dict(b, TR=128) for b in base]
         extra = [] if base_only else sweep_configs(which)
-        if which == "l2pf":  # changes to the config in use
-            extra = [dict(base[0], **c) for c in extra]
         if which == "pdl":
             # the config in use with the split-K sum read one partial (FIX4 0) or four (1) at a time, launched
             # with PDL or not; then its split targets under PDL (M <= 16), or the M >= 64 grid under PDL
@@ -223,7 +213,7 @@ def main():
     ap.add_argument("--json", help="write the rows here")
     ap.add_argument("--shapes", nargs="*", help="NxK, e.g. 8192x8192 (default: the issue's five)")
     ap.add_argument("--m", nargs="*", type=int, default=MS)
-    ap.add_argument("--sweep", nargs="?", const="main", choices=["main", "xpre", "tiles", "pdl", "m256", "m1", "m8", "l2pf"],
+    ap.add_argument("--sweep", nargs="?", const="main", choices=["main", "xpre", "tiles", "pdl", "m256", "m1", "m8"],
                     help="time the sweep's launch configs instead (CUDA graphs)")
     ap.add_argument("--base-only", action="store_true", help="with --sweep: the config in use and the fallback only")
     ap.add_argument("--rotate-x", action="store_true", help="with --sweep: an x per weight set (as triforge bench)")

@@ -270,8 +270,7 @@ def _tc_sm90_cases():
     for m, dt, extra in [(16, "fp16", {}), (16, "bf16", {}), (64, "fp16", {}), (256, "fp16", {}), (256, "bf16", {}),
                          (16, "bf16", {"PREFETCH": 3}),
                          (16, "fp16", {"PREFETCH": 2, "XPRE": 1}),
-                         (16, "bf16", {"PREFETCH": 2, "XPRE": 1, "PDL": True}), (64, "bf16", {"PDL": True}),
-                         (16, "bf16", {"ROW_REPS": 2, "BLOCKS_K": 1, "XPRE": 1, "PDL": True, "L2PF": 2})]:
+                         (16, "bf16", {"PREFETCH": 2, "XPRE": 1, "PDL": True}), (64, "bf16", {"PDL": True})]:
         cfg = dict(tc.tc_fallback_config(m, 8192, 8192, interpreter=False), **extra)
         x = f"*{dt}"
         cases.append({
@@ -282,7 +281,7 @@ def _tc_sm90_cases():
                                WARPS=cfg["num_warps"], IS_BF16=dt == "bf16", USE_ASM=True, TMA=not cfg.get("XPRE", 0), FINAL=False,
                                PREFETCH=cfg.get("PREFETCH", 1), XPRE=bool(cfg.get("XPRE", 0)),
                                FIXUP=m <= 64, FIX4=True, HAS_BIAS=True, RNE=False, TR=tc.TILE_ROWS,
-                               PDL=bool(cfg.get("PDL", False)), L2PF=cfg.get("L2PF", 0)),
+                               PDL=bool(cfg.get("PDL", False))),
             "divisible": ["x_ptr", "codes_ptr", "scale_ptr", "bias_ptr", "y_ptr", "part_ptr", "cnt_ptr", "magic", "M",
                           "N", "K", "KC"],
             "options": {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]},
@@ -328,8 +327,6 @@ def test_tc_kernel_compiles_for_sm90():
         assert r["spill_bytes"] == 0 and not any(op.startswith(("LDL", "STL")) for op in r["sass"]), (cx, r)
         assert r["serialized"] == "", (cx, r["serialized"])  # ptxas keeps the wgmma pipeline asynchronous
         loop = k_loop(r["loops"])
-        # L2 prefetches (CCTL.E.PF2) where asked, never in the K loop
-        assert ("CCTL.E.PF2" in r["sass"]) == (cx["L2PF"] > 0) and "CCTL.E.PF2" not in loop, (cx, r["sass"])
         weights = 16 * warps * cx["ROW_REPS"] * 128 * cx["BLOCKS_K"] // (32 * warps)  # per thread per step
         words = weights // 16
         hadd = "HADD2.BF16_V2" if cx["IS_BF16"] else "HADD2"

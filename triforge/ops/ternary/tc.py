@@ -46,7 +46,6 @@ import triton.language as tl
 from triforge import _runtime, launch
 from triforge.launch import new_output
 from triforge.ops._tl import cast as _cast
-from triforge.ops._tl import prefetch_l2
 from triforge.ops.ternary.kernels import gemv_splits, reduce_splits
 
 BLOCK_COLS = 128  # columns per group of 8 code words
@@ -221,7 +220,6 @@ def ternary_tc_kernel(
     RNE: tl.constexpr,
     TR: tl.constexpr,  # rows per storage tile of the codes (pack_tc's tile_rows)
     PDL: tl.constexpr,  # programmatic dependent launch: the first words in flight before griddepcontrol.wait
-    L2PF: tl.constexpr = 0,  # steps of words after the PREFETCH ones asked of L2 before the PDL wait (_prefetch_words)
 ):
     BLOCK_N: tl.constexpr = 16 * WARPS * ROW_REPS
     BK: tl.constexpr = 128 * BLOCKS_K
@@ -266,12 +264,6 @@ def ternary_tc_kernel(
         words2 = _load_step(p_c, o_c, m_r, s_start + 1, s_end, KC, BLOCKS_K, TR)
     if PREFETCH >= 3:
         words3 = _load_step(p_c, o_c, m_r, s_start + 2, s_end, KC, BLOCKS_K, TR)
-    if L2PF > 0:
-        # the split's next L2PF steps of words asked of L2 while the previous kernel may still run (the register
-        # loads above cover PREFETCH steps, these the ones after). Only before the wait, and only a few steps:
-        # after it, or deeper (a whole split), measured slower (benchmarks/NOTES.md, thirty-fourth session)
-        _prefetch_words(codes_ptr, i_n, s_start + PREFETCH, tl.minimum(s_end, s_start + PREFETCH + L2PF), N, KC,
-                        BLOCK_N, BLOCKS_K, TR)
     if PDL:
         # only the codes (constant since an earlier launch read them: the launcher's rule) are read above; x,
         # the descriptor's scratch, the partials, the counters and y are touched after the previous kernel
@@ -365,21 +357,6 @@ def ternary_tc_kernel(
                         y += _load_part(part_ptr, o_m, o_n, m_y, M, N, s2, n_splits)
                 _store_y(y, scale_ptr, stride_scale, bias_ptr, y_ptr, o_m, o_n, m_y, N, HAS_BIAS, RNE)
                 tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
-
-
-@triton.jit
-def _prefetch_words(codes_ptr, i_n, s0, s1, N, KC, BLOCK_N: tl.constexpr, BLOCKS_K: tl.constexpr, TR: tl.constexpr):
-    """Ask L2 for the words of steps s0 .. s1 - 1 of weight tile i_n, one prefetch per 128-byte line (TR / 4 per
-    TR x 8-word tile); nothing waits on them."""
-    RB: tl.constexpr = BLOCK_N // TR
-    LPT: tl.constexpr = TR // 4
-    o_rb = (i_n * RB + tl.arange(0, RB)).to(tl.int64)[:, None]
-    o_l = tl.arange(0, BLOCKS_K * LPT)[None, :]
-    p_pf = codes_ptr + o_rb * KC * TR + (o_l // LPT) * (8 * TR) + (o_l % LPT) * 32
-    m_pf = o_rb * TR < N
-    for s_pf in range(s0, s1):
-        w_pf = s_pf * (8 * BLOCKS_K)
-        prefetch_l2(p_pf + w_pf * TR, m_pf & (w_pf + 8 * (o_l // LPT) < KC))
 
 
 @triton.jit
@@ -504,11 +481,8 @@ def _tc_plan(M: int, N: int, K: int, kc: int, cfg_items=None):
     use_tma = not xpre and bool(cfg.get("TMA", not _runtime.INTERPRET)) and K % 8 == 0
     grid = (launch.cdiv(N, bn), launch.cdiv(M, bm), splits)
     opts = launch.maxnreg_option(cfg)  # more programs per SM, hence more code words in flight
-    # L2 prefetch of the words (compiled kernels; whole storage tiles per program: TR divides BLOCK_N)
-    l2pf = 0 if _runtime.INTERPRET or bn % cfg.get("TR", TILE_ROWS) else int(cfg.get("L2PF", 0))
     return (bm, nbk, reps, warps, cfg["num_stages"], cfg.get("PREFETCH", 1), xpre, bool(cfg.get("FIXUP", 1)),
-            bool(cfg.get("FIX4", reps * bm <= 32)), bool(cfg.get("PDL", bm <= 64)), use_tma, grid, per_split, opts,
-            l2pf)
+            bool(cfg.get("FIX4", reps * bm <= 32)), bool(cfg.get("PDL", bm <= 64)), use_tma, grid, per_split, opts)
 
 
 PDL_ENV = "TRIFORGE_TERNARY_PDL"
@@ -557,7 +531,7 @@ def ternary_matmul_tc(x2d: torch.Tensor, tt, bias: torch.Tensor | None = None, c
     if tuple(codes.shape) != (code_rows(N, tr), code_words(K)):
         raise ValueError(f"codes must have shape {(code_rows(N, tr), code_words(K))} (pack_tc) for {N} x {K} weights, "
                          f"got {tuple(codes.shape)}")
-    bm, nbk, reps, warps, stages, prefetch, xpre, fixup_on, fix4, pdl, use_tma, grid, per_split, opts, l2pf = _tc_plan(
+    bm, nbk, reps, warps, stages, prefetch, xpre, fixup_on, fix4, pdl, use_tma, grid, per_split, opts = _tc_plan(
         M, N, K, kc, None if cfg is None else tuple(sorted(cfg.items())))
     splits = grid[2]
     # TMA needs 16-byte row strides and base (else pointer loads)
@@ -582,7 +556,7 @@ def ternary_matmul_tc(x2d: torch.Tensor, tt, bias: torch.Tensor | None = None, c
         nbytes=codes.numel() * 4 + M * K * xsize + M * N * (xsize if final else 8 * splits + xsize),
         BLOCK_M=bm, ROW_REPS=reps, BLOCKS_K=nbk, WARPS=warps, IS_BF16=is_bf16, USE_ASM=not _runtime.INTERPRET,
         TMA=tma, FINAL=final, PREFETCH=prefetch, XPRE=xpre, FIXUP=fixup, FIX4=fix4, HAS_BIAS=bias is not None,
-        RNE=rne, TR=tr, L2PF=l2pf, num_warps=warps, num_stages=stages, **opts, **launch.pdl_options(pdl),
+        RNE=rne, TR=tr, num_warps=warps, num_stages=stages, **opts, **launch.pdl_options(pdl),
     )
     if not final and not fixup:
         reduce_splits(part, scales, bias, y, rne)
