@@ -11,8 +11,7 @@ float64 attention on the first set). Prints one line per shape; writes JSON.
 ``--configs``: instead, the split kernel's launch configs (BLOCK_N x stages x warps, one program per SM in all,
 the heuristic's split count for each BLOCK_N) through ``flash_decode_fwd`` with PDL, each checked the same way.
 ``--l2pf``: the same, over the fallback config's L2 prefetch depth (L2PF key blocks asked of L2 before the PDL wait)
-at one and two programs per SM. ``--streams``: one against two online-softmax states over block pairs (STREAMS), at
-2-4 stages.
+at one and two programs per SM.
 """
 
 import argparse
@@ -56,10 +55,6 @@ L2PF_CONFIGS = [dict(CONFIGS[0], BLOCK_N=64, num_stages=3, num_warps=4, programs
                 for pps in (1, 2) for n in (0, 1, 2, 4, 8, 64)]
 
 
-# two online-softmax states over block pairs (STREAMS 2) against one, with the fallback's L2PF 1, at 2-4 stages
-STREAMS_CONFIGS = [dict(L2PF_CONFIGS[0], L2PF=1, STREAMS=st, num_stages=ns) for st in (1, 2) for ns in (2, 3, 4)]
-
-
 def config_sweep(B, S, sets, ref, configs=None):
     """Graph time of each split-kernel config (its own heuristic split count) at one shape."""
     scale = 128 ** -0.5
@@ -79,13 +74,11 @@ def config_sweep(B, S, sets, ref, configs=None):
     good = sorted((c for c in out["configs"] if c["us"]), key=lambda c: c["us"])
     cur = next(c for c in out["configs"] if c["config"]["BLOCK_N"] == 64 and c["config"]["num_stages"] == 3
                and c["config"]["num_warps"] == 4 and c["config"]["programs_per_sm"] == 1
-               and c["config"].get("L2PF", 0) == (1 if configs is STREAMS_CONFIGS else 0)
-               and c["config"].get("STREAMS", 1) == 1)
+               and not c["config"].get("L2PF"))
     kv_bytes = 2 * B * S * 2 * 128 * 2
     print(f"B={B} S={S}: fallback (64, 3 stages, 4 warps) {cur['us']:.1f} us; best "
           + "; ".join(f"{c['config']['BLOCK_N']}/{c['config']['num_stages']}/{c['config']['num_warps']}"
-                      f"/pps {c['config']['programs_per_sm']}/L2PF {c['config'].get('L2PF', 0)}"
-                      f"/streams {c['config'].get('STREAMS', 1)} "
+                      f"/pps {c['config']['programs_per_sm']}/L2PF {c['config'].get('L2PF', 0)} "
                       f"{c['us']:.1f} us ({kv_bytes / c['us'] / 3e6:.0%}){'' if c['ok'] else ' FAIL'}" for c in good[:5]),
           flush=True)
     return out
@@ -99,7 +92,6 @@ def main():
     ap.add_argument("--ppsm", type=int, default=3, help="the heuristic's programs per SM (the config's)")
     ap.add_argument("--configs", action="store_true", help="sweep the split kernel's configs instead")
     ap.add_argument("--l2pf", action="store_true", help="sweep the L2 prefetch depth before the PDL wait instead")
-    ap.add_argument("--streams", action="store_true", help="sweep one against two softmax states (STREAMS) instead")
     args = ap.parse_args()
     gen = torch.Generator().manual_seed(0)
     rows = []
@@ -112,9 +104,8 @@ def main():
         i0 = sets[0]
         ref = kvcache_attention_ref(i0["q"].double(), i0["k_cache"].double(), i0["v_cache"].double(),
                                     i0["cache_seqlens"], i0["k"].double(), i0["v"].double(), causal=True)[0]["o"]
-        if args.configs or args.l2pf or args.streams:
-            rows.append(config_sweep(B, S, sets, ref, STREAMS_CONFIGS if args.streams else
-                                     L2PF_CONFIGS if args.l2pf else None))
+        if args.configs or args.l2pf:
+            rows.append(config_sweep(B, S, sets, ref, L2PF_CONFIGS if args.l2pf else None))
             del sets
             torch.cuda.empty_cache()
             continue

@@ -185,24 +185,6 @@ def test_new_tokens_across_split_boundaries(num_splits, gen, device):
                             device=device), num_splits=num_splits)
 
 
-@pytest.mark.parametrize("num_splits,causal", [(1, True), (2, False), (3, True)], ids=["split1", "split2", "split3"])
-def test_two_softmax_streams(num_splits, causal, gen, device):
-    """STREAMS 2 (the split's cached blocks as pairs, two online-softmax states merged after the loop) against float64:
-    rows of 1 to 7 cached 16-key blocks (odd and even counts, a block pair cut by the split end, a split with one
-    block), Sq = 3 causal (early keys masked per row), new tokens after the pairs; the appended rows bitwise."""
-    dtype = torch.bfloat16
-    q, kc, vc, sl, k, v = _inputs(gen, B=4, Sq=3, H=8, Hkv=2, D=64, S=120, Sn=3, dtype=dtype,
-                                  seqlens=[13, 47, 64, 110], device=device)
-    ref, ref_kc, ref_vc = kvcache_attention_ref(_d(q), _d(kc), _d(vc), sl, _d(k), _d(v), causal)
-    m_rows = q.shape[2] // kc.shape[2] * q.shape[1]
-    cfg = dict(decode._split_config(64, dtype, decode._block_m(m_rows)), STREAMS=2)
-    with poisoned():
-        o, lse = decode.flash_decode_fwd(q, kc, vc, sl, k, v, causal, 64**-0.5, num_splits, cfg=cfg)
-    _assert_ok(compare("lse", ref["lse"], lse, dtype=dtype, verbose=False))
-    _assert_ok(compare("o", ref["o"], o, dtype=dtype, verbose=False))
-    assert torch.equal(kc, ref_kc.to(dtype)) and torch.equal(vc, ref_vc.to(dtype))
-
-
 def test_merge_blocks():
     """All splits in one trip when they fit the tile, head-dim columns as many as fit (a power of two dividing D,
     16 at least); more splits than the tile holds take several trips."""
@@ -576,10 +558,10 @@ for dtype, D, G, Sq, append, causal in json.loads(sys.argv[1]):
     # both PDL forms, both output forms (partials / DIRECT)
     consts = dict(H=2 * G, HKV=2, GROUP=G, HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=sc["BLOCK_N"], BLOCK_NEW=16,
                   CAUSAL=causal, APPEND=append, UPCAST=False, IEEE=dtype == torch.float32, PDL=bool(append),
-                  DIRECT=bool(causal), L2PF=4 if append else 0, STREAMS=2 if D == 128 and G == 8 else 1)
+                  DIRECT=bool(causal), L2PF=4 if append else 0)
     r = compile_(dec.flash_decode_split_kernel, ptrs, ("qk_scale",), consts,
                  {"num_warps": sc["num_warps"], "num_stages": sc["num_stages"]})
-    rows.append(dict(r, kernel="split", dtype=t, D=D, G=G, Sq=Sq, L2PF=consts["L2PF"], STREAMS=consts["STREAMS"]))
+    rows.append(dict(r, kernel="split", dtype=t, D=D, G=G, Sq=Sq, L2PF=consts["L2PF"]))
     mc = dec._merge_config(D, dtype)
     ptrs = {"acc_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32", "o_ptr": "*" + t, "lse_ptr": "*fp32"}
     for splits in (8, 66, 256):  # one trip over all the splits, head-dim columns as they fit
@@ -618,8 +600,6 @@ def test_kernels_compile_for_sm90_without_spills():
                          env=env, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = json.loads(out.stdout.split("RESULT", 1)[1])
-    for r in rows:
-        print(r)
     for r in rows:
         assert r["spills"] == 0, r
         if r["kernel"] == "split" and r["dtype"] != "fp32":

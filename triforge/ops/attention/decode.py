@@ -149,7 +149,6 @@ def flash_decode_split_kernel(
     PDL: tl.constexpr,  # programmatic dependent launch: wait for the previous kernel before any access
     DIRECT: tl.constexpr,  # NUM_SPLITS == 1: write the normalised o and lse (no merge kernel)
     L2PF: tl.constexpr,  # key blocks of this split's cached K/V rows asked of L2 before the PDL wait (0: none)
-    STREAMS: tl.constexpr = 1,  # 2: the cached blocks as pairs with two softmax states (see the loop)
 ):
     i_s = tl.program_id(0)
     i_bg = tl.program_id(1)
@@ -212,38 +211,12 @@ def flash_decode_split_kernel(
         mid = lo + tl.maximum(tl.minimum(hi, n_cache) - lo, 0) // BLOCK_N * BLOCK_N
     else:
         mid = hi
-    lo1 = lo
-    if STREAMS == 2:
-        # block pairs: two independent online-softmax states (even / odd blocks), so one block's max, exp and
-        # rescale can overlap the other's dots; merged after the loop
-        b_m2 = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-        b_l2 = tl.zeros([BLOCK_M], dtype=tl.float32)
-        b_acc2 = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-        lo1 = lo + (mid - lo) // (2 * BLOCK_N) * (2 * BLOCK_N)
-        for start in range(lo, lo1, 2 * BLOCK_N):
-            o_pos = start + o_n
-            o_pos64 = o_pos.to(tl.int64)[:, None]
-            b_m, b_l, b_acc = _load_attend(p_k + o_pos64 * stride_ks, p_v + o_pos64 * stride_vs, o_d, o_pos,
-                                           o_pos < hi, lim, b_q, b_m, b_l, b_acc, qk_scale, CAUSAL, UPCAST, IEEE)
-            o_pos2 = o_pos + BLOCK_N
-            o_pos2_64 = o_pos2.to(tl.int64)[:, None]
-            b_m2, b_l2, b_acc2 = _load_attend(p_k + o_pos2_64 * stride_ks, p_v + o_pos2_64 * stride_vs, o_d, o_pos2,
-                                              o_pos2 < hi, lim, b_q, b_m2, b_l2, b_acc2, qk_scale, CAUSAL, UPCAST,
-                                              IEEE)
-    for start in range(lo1, mid, BLOCK_N):
+    for start in range(lo, mid, BLOCK_N):
         o_pos = start + o_n
         m_n = o_pos < hi
         o_pos64 = o_pos.to(tl.int64)[:, None]
         b_m, b_l, b_acc = _load_attend(p_k + o_pos64 * stride_ks, p_v + o_pos64 * stride_vs, o_d, o_pos, m_n, lim, b_q,
                                        b_m, b_l, b_acc, qk_scale, CAUSAL, UPCAST, IEEE)
-    if STREAMS == 2:  # the odd blocks' state into the even's (weights 0 for a state that saw no key: no -inf - -inf)
-        m_new = tl.maximum(b_m, b_m2)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        a1 = tl.exp2(b_m - m_safe)
-        a2 = tl.exp2(b_m2 - m_safe)
-        b_l = b_l * a1 + b_l2 * a2
-        b_acc = b_acc * a1[:, None] + b_acc2 * a2[:, None]
-        b_m = m_new
     if APPEND:
         for start in range(mid, hi, BLOCK_N):
             o_pos = start + o_n
@@ -473,7 +446,7 @@ def flash_decode_split(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax
         BLOCK_NEW=max(16, min(block_n, launch.next_power_of_2(max(S_new, 1)))),
         CAUSAL=bool(causal) and Sq > 1, APPEND=append,
         UPCAST=_runtime.INTERPRET and q.dtype == torch.bfloat16, IEEE=q.dtype == torch.float32,
-        DIRECT=direct, L2PF=0 if _runtime.INTERPRET else cfg.get("L2PF", 0), STREAMS=cfg.get("STREAMS", 1),
+        DIRECT=direct, L2PF=0 if _runtime.INTERPRET else cfg.get("L2PF", 0),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch.pdl_options(pdl),
     )
     return (o, lse) if direct else (acc, m_part, l_part)
