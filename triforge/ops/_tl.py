@@ -28,8 +28,8 @@ def prefetch_l2(ptrs, mask):
     """Ask L2 for the lines at ``ptrs`` where ``mask`` (``prefetch.global.L2``: no register result, nothing waits
     on it). Safe before griddepcontrol.wait even on memory the previous kernel writes: L2 is the point of coherence,
     so a prefetch only moves a line in early, and loads made after the wait still see the final data. Compiled
-    kernels only (inline PTX); returns a dummy int32 tensor that callers drop."""
+    kernels only (inline PTX); returns a dummy int32 tensor that callers drop. Used before the wait by flash-decoding's
+    split kernel and by decode_oproj."""
     return tl.inline_asm_elementwise(
         "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.b32 $0, 0; }",
         "=r,l,r", [ptrs, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
-

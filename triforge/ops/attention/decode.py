@@ -15,9 +15,10 @@ Two kernels:
    tile, so each K/V byte is read once per group. Key positions past the cached length are read from
    k/v in the same loop (a per-row pointer select), so the new tokens cost no extra step; the last
    split (the shortest) then stores them into the caches (no program reads those rows there, so the
-   write races with nothing, and the append costs no extra launch). It writes the unnormalised
-   partial output acc [rows, D] (fp32; zeros for a split with no visible key), the running max m
-   (log2 domain, -inf then) and the sum l.
+   write races with nothing, and the append costs no extra launch). Before the PDL wait it asks L2 for
+   its first L2PF key blocks of cached K/V (``prefetch_l2``), while the previous kernel may still run.
+   It writes the unnormalised partial output acc [rows, D] (fp32; zeros for a split with no visible
+   key), the running max m (log2 domain, -inf then) and the sum l.
 2. ``flash_decode_merge_kernel``, grid (B * H * Sq, D / BLOCK_D): log-sum-exp merge of the splits
    into o [B, Sq, H, D] (q's dtype) and lse [B, H, Sq] (fp32, natural log), every split's m, l and
    acc loaded in one trip (``merge_blocks``). Empty splits get weight 0 without ever computing

@@ -35,6 +35,7 @@ import triton.language as tl
 from triforge import _runtime, launch
 from triforge.launch import new_output
 from triforge.ops._tl import cast as _cast
+from triforge.ops._tl import prefetch_l2
 from triforge.ops.attention.decode import LOG2E, _mma
 
 # the engine's limits for this path (beyond them each program's K/V stream or weight tile grows too large)
@@ -93,9 +94,9 @@ def flash_decode_oproj_kernel(
         o_pr = i_r + tl.arange(0, PF_ROWS) * tl.num_programs(0)
         o_ln = tl.arange(0, PF_LINES) * (1024 // q_ptr.dtype.element_ty.primitive_bitwidth)  # elements per line
         for g in tl.static_range(HKV):
-            _prefetch_l2(kc_ptr + i_b * stride_kb + g * stride_kh + o_pr.to(tl.int64)[:, None] * stride_ks
+            prefetch_l2(kc_ptr + i_b * stride_kb + g * stride_kh + o_pr.to(tl.int64)[:, None] * stride_ks
                          + o_ln[None, :], (o_pr < n_pf)[:, None])
-            _prefetch_l2(vc_ptr + i_b * stride_vb + g * stride_vh + o_pr.to(tl.int64)[:, None] * stride_vs
+            prefetch_l2(vc_ptr + i_b * stride_vb + g * stride_vh + o_pr.to(tl.int64)[:, None] * stride_vs
                          + o_ln[None, :], (o_pr < n_pf)[:, None])
     if PDL:
         tl.extra.cuda.gdc_wait()
@@ -144,14 +145,6 @@ def flash_decode_oproj_kernel(
     b_y = _cast(b_y, DT, RNE).to(tl.float32)
     b_y += b_r
     tl.store(y_ptr + i_b * N + o_rr, _cast(b_y, y_ptr.dtype.element_ty, RNE), mask=m_rr)
-
-
-@triton.jit
-def _prefetch_l2(ptrs, mask):
-    """prefetch.global.L2 of each address where mask holds (no register result is used)."""
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
-        "=r,l,r", [ptrs, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
 
 
 def _hm(H: int) -> int:
