@@ -112,6 +112,15 @@ def _load_attend(pk, pv, o_d, o_pos, m_n, lim, b_q, b_m, b_l, b_acc, qk_scale,
 
 
 @triton.jit
+def _split_keys(n_total, i_s, NUM_SPLITS, BLOCK_N: tl.constexpr):
+    """Split i_s's share [lo, hi) of the keys 0 .. n_total - 1: a whole number of blocks; splits past the end
+    are empty."""
+    chunk = tl.cdiv(tl.cdiv(n_total, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = i_s * chunk
+    return lo, tl.minimum(lo + chunk, n_total)
+
+
+@triton.jit
 def flash_decode_split_kernel(
     q_ptr,  # [B, Sq, H, D]
     kc_ptr,  # [B, S_max, Hkv, D] key cache (rows cache_seqlens[b] .. + Sn written when APPEND)
@@ -161,9 +170,8 @@ def flash_decode_split_kernel(
         # prefetches only (prefetch_l2), so a length or a cache row that kernel is still writing cannot be read
         # stale. The length is read past L1 (.cg) for the addresses alone and read again after the wait.
         n_c0 = tl.minimum(tl.maximum(tl.load(seqlens_ptr + i_b, cache_modifier=".cg"), 0), S_max - S_new)
-        chunk0 = tl.cdiv(tl.cdiv(n_c0 + S_new, NUM_SPLITS), BLOCK_N) * BLOCK_N
-        lo0 = i_s * chunk0
-        hi0 = tl.minimum(tl.minimum(lo0 + chunk0, n_c0), lo0 + L2PF * BLOCK_N)
+        lo0, hi0 = _split_keys(n_c0 + S_new, i_s, NUM_SPLITS, BLOCK_N)
+        hi0 = tl.minimum(tl.minimum(hi0, n_c0), lo0 + L2PF * BLOCK_N)
         LINE: tl.constexpr = 128 // (kc_ptr.dtype.element_ty.primitive_bitwidth // 8)  # elements per 128-byte line
         LINES: tl.constexpr = (HEAD_DIM + LINE - 1) // LINE
         o_line = (tl.arange(0, LINES) * LINE)[None, :]
@@ -194,12 +202,9 @@ def flash_decode_split_kernel(
     b_l = tl.zeros([BLOCK_M], dtype=tl.float32)
     b_acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
 
-    # this split's share of the keys 0 .. n_total - 1 (a whole number of blocks; splits past the end are empty):
-    # positions below n_cache come from the caches, the new tokens (APPEND) from k/v, in the same loop, so the
-    # split that holds the tail runs no extra step for them
-    chunk = tl.cdiv(tl.cdiv(n_total, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    lo = i_s * chunk
-    hi = tl.minimum(lo + chunk, n_total)
+    # this split's share of the keys: positions below n_cache come from the caches, the new tokens (APPEND) from
+    # k/v, in the same loop, so the split that holds the tail runs no extra step for them
+    lo, hi = _split_keys(n_total, i_s, NUM_SPLITS, BLOCK_N)
     p_k = kc_ptr + i_b * stride_kb + i_g * stride_kh
     p_v = vc_ptr + i_b * stride_vb + i_g * stride_vh
     p_kn = kn_ptr + i_b * stride_knb + i_g * stride_knh
