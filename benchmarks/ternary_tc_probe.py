@@ -18,7 +18,8 @@ split target under PDL, at M >= 64 a small grid of tiles, stages and split targe
 deeper word prefetch at M = 1 under a register cap (maxnreg), and 64-row tiles at 5-6 programs per SM. ``--sweep m8``:
 x tiles of 8 rows (mma.sync instead of wgmma, fewer registers) at M <= 8. ``--sweep wait``: the config in use with the
 split-K fix-up by the tile's last split waiting for the others (WAIT 1: Triton atomics; 2: PTX, per-warp arrivals and
-per-thread polls) instead of the last to arrive summing (WAIT 0), at split targets 2..8.
+per-thread polls) instead of the last to arrive summing (WAIT 0), at split targets 2..8. ``--sweep red``: the split-K sum
+as a second launch (FIXUP 0): elements per program, all partials loaded at once, launched as a programmatic dependent.
 """
 
 import argparse
@@ -169,6 +170,13 @@ def run_sweep(N, K, ms, gen, which="main", base_only=False, rotate_x=False):
             cur = base[0]
             extra = [dict(cur, WAIT=w, programs_per_sm=pps) for w in (1, 2) for pps in (2, 4, 6, 8)]
             extra += [dict(cur, WAIT=0, programs_per_sm=pps) for pps in (2, 4, 6, 8)]  # (the current one re-timed)
+        if which == "red":  # the config in use with the split-K sum as a second launch: elements per program, every
+            # partial's load at once (unroll), launched as a programmatic dependent (PDL); the fix-up re-timed last
+            cur = base[0]
+            extra = [dict(cur, FIXUP=0, RED=r) for r in ((1024, False, False), (1024, True, False), (1024, True, True),
+                                                          (256, True, True), (128, True, True), (256, False, True))]
+            extra += [dict(cur, FIXUP=0, RED=(256, True, True), programs_per_sm=p) for p in (3, 6, 8)]
+            extra += [dict(cur)]
         if which == "pdl":
             # the config in use with the split-K sum read one partial (FIX4 0) or four (1) at a time, launched
             # with PDL or not; then its split targets under PDL (M <= 16), or the M >= 64 grid under PDL
@@ -219,7 +227,7 @@ def main():
     ap.add_argument("--json", help="write the rows here")
     ap.add_argument("--shapes", nargs="*", help="NxK, e.g. 8192x8192 (default: the issue's five)")
     ap.add_argument("--m", nargs="*", type=int, default=MS)
-    ap.add_argument("--sweep", nargs="?", const="main", choices=["main", "xpre", "tiles", "pdl", "m256", "m1", "m8", "wait"],
+    ap.add_argument("--sweep", nargs="?", const="main", choices=["main", "xpre", "tiles", "pdl", "m256", "m1", "m8", "wait", "red"],
                     help="time the sweep's launch configs instead (CUDA graphs)")
     ap.add_argument("--base-only", action="store_true", help="with --sweep: the config in use and the fallback only")
     ap.add_argument("--rotate-x", action="store_true", help="with --sweep: an x per weight set (as triforge bench)")

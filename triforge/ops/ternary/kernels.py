@@ -378,30 +378,41 @@ def ternary_gemv_reduce_kernel(
     BLOCK: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     RNE: tl.constexpr,
+    S_UNROLL: tl.constexpr = 0,  # S as a constant (> 0): every partial's load issued before the sums
+    PDL: tl.constexpr = False,  # a programmatic dependent launch: everything is read after griddepcontrol.wait
 ):
     """y = (sum over s in order 0..S-1 of part[s]) * scales (+ bias): fixed order, so deterministic."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     o = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m_o = o < M * N
     o_n = o % N
     b_y = tl.zeros([BLOCK], dtype=tl.float32)
-    for s in range(0, S):
-        b_y += tl.load(part_ptr + s * M * N + o, mask=m_o, other=0.0)
+    if S_UNROLL > 0:
+        for s in tl.static_range(S_UNROLL):
+            b_y += tl.load(part_ptr + s * M * N + o, mask=m_o, other=0.0)
+    else:
+        for s in range(0, S):
+            b_y += tl.load(part_ptr + s * M * N + o, mask=m_o, other=0.0)
     b_y = b_y * tl.load(scale_ptr + o_n * stride_scale, mask=m_o, other=0.0)
     if HAS_BIAS:
         b_y += tl.load(bias_ptr + o_n, mask=m_o, other=0.0).to(tl.float32)
     tl.store(y_ptr + o, _cast(b_y, y_ptr.dtype.element_ty, RNE), mask=m_o)
 
 
-def reduce_splits(part: torch.Tensor, scales: torch.Tensor, bias, y: torch.Tensor, rne: bool) -> None:
+def reduce_splits(part: torch.Tensor, scales: torch.Tensor, bias, y: torch.Tensor, rne: bool, block: int = 1024,
+                  unroll: bool = False, pdl: bool = False) -> None:
     """y [M, N] = (part [S, M, N] fp32 summed over S in order) * scales (+ bias), cast to y's dtype: the
-    second launch of a split-K product (``ternary_gemv_reduce_kernel``)."""
+    second launch of a split-K product (``ternary_gemv_reduce_kernel``). ``unroll``: S compiled in, all loads
+    issued at once; ``pdl``: launched as a programmatic dependent of the kernel that wrote ``part``."""
     S, M, N = part.shape
-    block = 1024
     launch.launch(
         "ternary_gemv_reduce", ternary_gemv_reduce_kernel, (launch.cdiv(M * N, block),),
         part, scales, bias if bias is not None else scales, y, scales.stride(0), M, N, S,
         nbytes=4 * S * M * N + N * 4 + M * N * y.element_size(),
-        BLOCK=block, HAS_BIAS=bias is not None, RNE=rne, num_warps=4,
+        BLOCK=block, HAS_BIAS=bias is not None, RNE=rne, S_UNROLL=S if unroll else 0, num_warps=4,
+        **launch.pdl_options(pdl),
     )
 
 

@@ -610,5 +610,7 @@ def ternary_matmul_tc(x2d: torch.Tensor, tt, bias: torch.Tensor | None = None, c
         RNE=rne, TR=tr, WAIT=wait if fixup else 0, num_warps=warps, num_stages=stages, **opts, **launch.pdl_options(pdl),
     )
     if not final and not fixup:
-        reduce_splits(part, scales, bias, y, rne)
+        # RED: (block, unroll, PDL) of the reduce launch (the probe's; default 1024 elements per program, a loop)
+        blk, unroll, rpdl = (cfg or {}).get("RED", (1024, False, False))
+        reduce_splits(part, scales, bias, y, rne, blk, unroll, rpdl)
     return y
