@@ -173,9 +173,7 @@ def run_sweep(N, K, ms, gen, which="main", base_only=False, rotate_x=False):
         if which == "red":  # the config in use with the split-K sum as a second launch: elements per program, every
             # partial's load at once (unroll), launched as a programmatic dependent (PDL); the fix-up re-timed last
             cur = base[0]
-            extra = [dict(cur, FIXUP=0, RED=r) for r in ((1024, False, False), (1024, True, False), (1024, True, True),
-                                                          (256, True, True), (128, True, True), (256, False, True))]
-            extra += [dict(cur, FIXUP=0, RED=(256, True, True), programs_per_sm=p) for p in (3, 6, 8)]
+            extra = [dict(cur, FIXUP=0, RED=r) for r in ((1024, False, False), (256, True, True), (128, True, True))]
             extra += [dict(cur)]
         if which == "pdl":
             # the config in use with the split-K sum read one partial (FIX4 0) or four (1) at a time, launched
