@@ -78,27 +78,62 @@ def test_tc_matmul_split_and_whole_k(dtype, device, gen):
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
 @pytest.mark.parametrize("k", [1100, 300, 1000], ids=["5splits", "3splits", "8splits"])
 def test_tc_split_fixup_equals_reduce_launch(dtype, k, device, gen):
-    """Split K summed by the tiles' last-arriving programs (FIXUP, the default; partials read four at a time,
-    FIX4, or one at a time) against the separate reduce launch: the same order of the same fp32 partials, so
-    the same bits, with split counts below, above and at multiples of four; right against float64 over
-    several calls (each launch re-arms the arrival counters: they are zero after it), with a bias, at 2 x
-    tiles."""
+    """Split K summed by the tiles' last-arriving programs (FIXUP 1, the eager default; partials read four at a
+    time, FIX4, or one at a time) against the separate reduce launch (FIXUP 0, the default under CUDA-graph
+    capture: every partial loaded at once, 256 elements per program; and the former loop over the partials, 1024
+    per program): the same order of the same fp32 partials, so the same bits, with split counts below, above and
+    at multiples of four; right against float64 over several calls (each launch re-arms the arrival counters:
+    they are zero after it), with a bias, at 2 x tiles."""
     m, n = 20, 70  # BLOCK_M 32: 1 x tile; 2 weight tiles of 64 rows; 8 words per 128 columns: one step each
     tt = TernaryTensor.from_trits(random_trits(n, k, gen), random_scales(n, gen)).to(device)
     codes = tc.pack_tc(tt.plus, tt.minus, k)
     base = {"programs_per_sm": 64, "BLOCKS_K": 1}
+    assert tc._fixup_in_kernel(torch.zeros(1, device=device))  # eager: one launch
     for call in range(3):
         x = torch.randn(m, k, generator=gen).to(device=device, dtype=dtype)
         bias = torch.randn(n, generator=gen).to(device=device, dtype=dtype)
         with poisoned():
             y_fix = tc.ternary_matmul_tc(x, tt, bias, codes=codes, cfg=dict(base, FIX4=1))
-            y_fix1 = tc.ternary_matmul_tc(x, tt, bias, codes=codes, cfg=dict(base, FIX4=0))
+            y_fix1 = tc.ternary_matmul_tc(x, tt, bias, codes=codes, cfg=dict(base, FIX4=0, FIXUP=1))
             y_red = tc.ternary_matmul_tc(x, tt, bias, codes=codes, cfg=dict(base, FIXUP=0))
+            y_red_loop = tc.ternary_matmul_tc(x, tt, bias, codes=codes, cfg=dict(base, FIXUP=0, RED=(1024, False, False)))
         assert compare(f"tc matmul split fixup call {call}", matmul_dense_ref(x, tt, bias), y_fix, dtype=dtype).ok
         assert torch.equal(y_fix, y_red), (y_fix - y_red).abs().max()
         assert torch.equal(y_fix1, y_red), (y_fix1 - y_red).abs().max()
+        assert torch.equal(y_red_loop, y_red), (y_red_loop - y_red).abs().max()
         cnt = tc.split_counters(torch.device(device), 1)
         assert int(cnt.abs().sum()) == 0
+
+
+@pytest.mark.gpu
+def test_graph_capture_sums_splits_in_a_second_launch(gen):
+    """Under CUDA-graph capture a split-K product sums its partials in a second launch (the reduce kernel, a
+    programmatic dependent of the first); replayed, it gives the eager call's bits (the in-kernel fix-up), at
+    M = 1 (x by pointer loads) and M = 16, on fresh x each replay."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from triforge import launch
+
+    for m, n, k in [(1, 896, 4864), (16, 4864, 896)]:
+        tt = TernaryTensor.from_trits(random_trits(n, k, gen), random_scales(n, gen)).to("cuda").compact()
+        codes = tt.tc_codes()
+        x = torch.randn(m, k, generator=gen).to(device="cuda", dtype=torch.bfloat16)
+        assert tc._tc_plan(m, n, k, codes.shape[1])[11][2] > 1  # K is split at this shape
+        tc.ternary_matmul_tc(x, tt, codes=codes, cfg={"FIXUP": 0})  # compiled before capture
+        tc.ternary_matmul_tc(x, tt, codes=codes)
+        launch._compiled.pop("ternary_gemv_reduce", None)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y = tc.ternary_matmul_tc(x, tt, codes=codes)
+        assert "ternary_gemv_reduce" in launch._compiled  # the second launch was captured
+        for _ in range(3):
+            x.copy_(torch.randn(m, k, generator=gen).to(torch.bfloat16))
+            y.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            y_eager = tc.ternary_matmul_tc(x, tt, codes=codes)
+            assert torch.equal(y, y_eager), (m, n, k)
+            assert compare(f"graph m={m}", matmul_dense_ref(x, tt), y, dtype=torch.bfloat16).ok
 
 
 @pytest.mark.parametrize("cfg", [{"BLOCKS_K": 2}, {"ROW_REPS": 2}, {"num_warps": 8, "BLOCK_M": 32},

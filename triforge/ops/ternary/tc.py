@@ -220,7 +220,6 @@ def ternary_tc_kernel(
     RNE: tl.constexpr,
     TR: tl.constexpr,  # rows per storage tile of the codes (pack_tc's tile_rows)
     PDL: tl.constexpr,  # programmatic dependent launch: the first words in flight before griddepcontrol.wait
-    WAIT: tl.constexpr = 0,  # FIXUP: 0 the last to arrive sums; 1 the last split waits (atomics); 2 the same by PTX
 ):
     BLOCK_N: tl.constexpr = 16 * WARPS * ROW_REPS
     BK: tl.constexpr = 128 * BLOCKS_K
@@ -332,38 +331,13 @@ def ternary_tc_kernel(
         _store_y(acc, scale_ptr, stride_scale, bias_ptr, y_ptr, o_m, o_n, m_y, N, HAS_BIAS, RNE)
     else:
         o_p = (i_s.to(tl.int64) * M + o_m[None, :]) * N + o_n[:, None]
-        tile = i_m * tl.num_programs(0) + i_n
-        if FIXUP and WAIT > 0:
-            # the tile's last split (the highest program id: dispatched after the others, so they are resident or
-            # done) keeps its partial in registers and waits for the other S - 1 arrivals, then sums partials
-            # 0..S-2 and its own in split order (the reduce kernel's bits); the others store and arrive
-            # without waiting for anything (a release add whose result is not used)
-            if i_s == n_splits - 1:
-                if WAIT == 1:
-                    seen = tl.atomic_add(cnt_ptr + tile, 0, sem="acquire", scope="gpu")
-                    while seen < n_splits - 1:
-                        seen = tl.atomic_add(cnt_ptr + tile, 0, sem="acquire", scope="gpu")
-                    ready = seen >= n_splits - 1
-                else:  # each thread polls the counter itself (an acquire load), no barrier, no broadcast
-                    ready = _wait_count(cnt_ptr + tile, WARPS * (n_splits - 1)) >= WARPS * (n_splits - 1)
-                y = _sum_parts(part_ptr, o_m, o_n, m_y & ready, M, N, n_splits - 1, FIX4) + acc
-                _store_y(y, scale_ptr, stride_scale, bias_ptr, y_ptr, o_m, o_n, m_y, N, HAS_BIAS, RNE)
-                tl.debug_barrier()  # every thread has seen the count before it is re-armed
-                tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
-            else:
-                tl.store(part_ptr + o_p, acc, mask=m_y)
-                if WAIT == 1:
-                    tl.debug_barrier()
-                    tl.atomic_add(cnt_ptr + tile, 1, sem="release", scope="gpu")
-                else:  # one release add per warp, after the warp's stores (bar.warp.sync orders them)
-                    _arrive_warp(cnt_ptr + tile)
-        else:
-            tl.store(part_ptr + o_p, acc, mask=m_y)
-        if FIXUP and WAIT == 0:
+        tl.store(part_ptr + o_p, acc, mask=m_y)
+        if FIXUP:
             # serial split-K: every thread's partial precedes the arrival (barrier, then one release by the
             # arriving thread); the last arrival acquires, sums the S partials in order 0..S-1 (the reduce
             # kernel's order: same bits) and re-arms the counter for the next launch
             tl.debug_barrier()
+            tile = i_m * tl.num_programs(0) + i_n
             arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
             if arrived == n_splits - 1:
                 tl.debug_barrier()  # the other threads' reads follow the acquire
@@ -390,23 +364,6 @@ def _sum_parts(part_ptr, o_m, o_n, m_y, M, N, n_parts, FIX4: tl.constexpr):
         for s2 in range(0, n_parts):
             y += _load_part(part_ptr, o_m, o_n, m_y, M, N, s2, n_parts)
     return y
-
-
-@triton.jit
-def _wait_count(ptr, target):
-    """Spin until the int32 at ``ptr`` is >= ``target`` (acquire loads at gpu scope, in every thread); its value."""
-    return tl.inline_asm_elementwise(
-        "{ .reg .pred p; WAIT${:uid}: ld.acquire.gpu.global.b32 $0, [$1]; setp.lt.s32 p, $0, $2; @p bra WAIT${:uid}; }",
-        "=r,l,r", [ptr, target], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _arrive_warp(ptr):
-    """Add 1 to the int32 at ``ptr`` once per warp (lane 0, release at gpu scope) after the warp's earlier stores."""
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; .reg .b32 l; bar.warp.sync -1; mov.u32 l, %laneid; setp.eq.u32 p, l, 0; "
-        "@p red.release.gpu.global.add.s32 [$1], 1; mov.b32 $0, 0; }",
-        "=r,l", [ptr], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -531,12 +488,22 @@ def _tc_plan(M: int, N: int, K: int, kc: int, cfg_items=None):
     use_tma = not xpre and bool(cfg.get("TMA", not _runtime.INTERPRET)) and K % 8 == 0
     grid = (launch.cdiv(N, bn), launch.cdiv(M, bm), splits)
     opts = launch.maxnreg_option(cfg)  # more programs per SM, hence more code words in flight
-    return (bm, nbk, reps, warps, cfg["num_stages"], cfg.get("PREFETCH", 1), xpre, bool(cfg.get("FIXUP", 1)),
-            bool(cfg.get("FIX4", reps * bm <= 32)), bool(cfg.get("PDL", bm <= 64)), use_tma, grid, per_split, opts,
-            int(cfg.get("WAIT", 0)))
+    fixup = cfg.get("FIXUP")  # None: by context (``_fixup_in_kernel``)
+    return (bm, nbk, reps, warps, cfg["num_stages"], cfg.get("PREFETCH", 1), xpre, None if fixup is None else bool(fixup),
+            bool(cfg.get("FIX4", reps * bm <= 32)), bool(cfg.get("PDL", bm <= 64)), use_tma, grid, per_split, opts)
 
 
 PDL_ENV = "TRIFORGE_TERNARY_PDL"
+
+
+def _fixup_in_kernel(x2d: torch.Tensor) -> bool:
+    """Where K is split and the config does not say (``FIXUP``): the tile's last-arriving program sums the partials
+    (one launch), except under CUDA-graph capture, where a second launch does it (``reduce_splits``, launched as a
+    programmatic dependent, every partial loaded at once). Replayed, the two launches measured faster or equal at 18
+    of the 20 (shape, M <= 64) points of the issue's grid (16-27% at the 0.5B shapes, 5-9% at 8192^2 M = 4-64; 1-2.5%
+    slower at 8192 x 28672, M = 1 and 16: benchmarks/NOTES.md, thirty-fifth session); called eagerly, a second launch
+    costs more host time (~10 us) than it saves on the GPU. Same bits either way (partials summed in split order)."""
+    return not (x2d.is_cuda and torch.cuda.is_current_stream_capturing())
 
 
 def _settled(codes: torch.Tensor) -> bool:
@@ -561,9 +528,10 @@ def ternary_matmul_tc(x2d: torch.Tensor, tt, bias: torch.Tensor | None = None, c
     """x2d [M, K] (fp16/bf16) @ (scales * trits)^T (+ bias) -> [M, N] in x's dtype, fp32 accumulation.
 
     ``tt``: a TernaryTensor; ``codes``: ``pack_tc(tt.plus, tt.minus, tt.in_features)`` made once
-    (``TernaryTensor.tc_codes()``; packed here on every call when not given). One launch: where K is
-    split, each tile's last-arriving program sums the fp32 partials in split order (FIXUP; with
-    ``cfg={"FIXUP": 0}`` a second launch, ``ternary_gemv_reduce_kernel``, does, with the same bits).
+    (``TernaryTensor.tc_codes()``; packed here on every call when not given). Where K is split, each tile's
+    last-arriving program sums the fp32 partials in split order (``cfg={"FIXUP": 1}``), or a second launch,
+    ``ternary_gemv_reduce_kernel``, does (``{"FIXUP": 0}``), with the same bits; by default the first when called
+    eagerly, the second under CUDA-graph capture (``_fixup_in_kernel``).
     """
     if x2d.dtype not in (torch.float16, torch.bfloat16):
         raise TypeError(f"x2d must be fp16 or bf16 for the tensor-core kernel, got {x2d.dtype}")
@@ -582,7 +550,7 @@ def ternary_matmul_tc(x2d: torch.Tensor, tt, bias: torch.Tensor | None = None, c
     if tuple(codes.shape) != (code_rows(N, tr), code_words(K)):
         raise ValueError(f"codes must have shape {(code_rows(N, tr), code_words(K))} (pack_tc) for {N} x {K} weights, "
                          f"got {tuple(codes.shape)}")
-    bm, nbk, reps, warps, stages, prefetch, xpre, fixup_on, fix4, pdl, use_tma, grid, per_split, opts, wait = _tc_plan(
+    bm, nbk, reps, warps, stages, prefetch, xpre, fixup_on, fix4, pdl, use_tma, grid, per_split, opts = _tc_plan(
         M, N, K, kc, None if cfg is None else tuple(sorted(cfg.items())))
     splits = grid[2]
     # TMA needs 16-byte row strides and base (else pointer loads)
@@ -590,7 +558,7 @@ def ternary_matmul_tc(x2d: torch.Tensor, tt, bias: torch.Tensor | None = None, c
     if tma:
         launch.use_tensor_descriptors()
     final = splits == 1
-    fixup = not final and fixup_on
+    fixup = not final and (_fixup_in_kernel(x2d) if fixup_on is None else fixup_on)
     rne = _runtime.INTERPRET and x2d.dtype == torch.bfloat16  # the interpreter truncates fp32 -> bf16 casts
     is_bf16 = x2d.dtype == torch.bfloat16
     y = new_output((M, N), x2d.dtype, x2d.device)
@@ -607,10 +575,11 @@ def ternary_matmul_tc(x2d: torch.Tensor, tt, bias: torch.Tensor | None = None, c
         nbytes=codes.numel() * 4 + M * K * xsize + M * N * (xsize if final else 8 * splits + xsize),
         BLOCK_M=bm, ROW_REPS=reps, BLOCKS_K=nbk, WARPS=warps, IS_BF16=is_bf16, USE_ASM=not _runtime.INTERPRET,
         TMA=tma, FINAL=final, PREFETCH=prefetch, XPRE=xpre, FIXUP=fixup, FIX4=fix4, HAS_BIAS=bias is not None,
-        RNE=rne, TR=tr, WAIT=wait if fixup else 0, num_warps=warps, num_stages=stages, **opts, **launch.pdl_options(pdl),
+        RNE=rne, TR=tr, num_warps=warps, num_stages=stages, **opts, **launch.pdl_options(pdl),
     )
     if not final and not fixup:
-        # RED: (block, unroll, PDL) of the reduce launch (the probe's; default 1024 elements per program, a loop)
-        blk, unroll, rpdl = (cfg or {}).get("RED", (1024, False, False))
+        # RED: (elements per program, every partial loaded at once, PDL) of the reduce launch; the default measured
+        # fastest of six (benchmarks/NOTES.md, thirty-fifth session)
+        blk, unroll, rpdl = (cfg or {}).get("RED", (256, True, True))
         reduce_splits(part, scales, bias, y, rne, blk, unroll, rpdl)
     return y
