@@ -170,11 +170,12 @@ def run_sweep(N, K, ms, gen, which="main", base_only=False, rotate_x=False):
             cur = base[0]
             extra = [dict(cur, WAIT=w, programs_per_sm=pps) for w in (1, 2) for pps in (2, 4, 6, 8)]
             extra += [dict(cur, WAIT=0, programs_per_sm=pps) for pps in (2, 4, 6, 8)]  # (the current one re-timed)
-        if which == "red":  # the config in use with the split-K sum as a second launch: elements per program, every
-            # partial's load at once (unroll), launched as a programmatic dependent (PDL); the fix-up re-timed last
+        if which == "red":  # the config in use with the split-K sum in the kernel (FIXUP 1; the default eagerly) and as
+            # a second launch (FIXUP 0; the default under graph capture): (elements per program, all partials loaded at
+            # once, PDL), or one program per tile after the first launch ("tile_wait") or polling the tile's arrivals
             cur = base[0]
-            extra = [dict(cur, FIXUP=0, RED=r) for r in ((1024, False, False), (256, True, True), (128, True, True))]
-            extra += [dict(cur)]
+            extra = [dict(cur, FIXUP=0, RED=r) for r in ((256, True, True), "tile_poll", "tile_wait")]
+            extra += [dict(cur, FIXUP=1), dict(cur, FIXUP=0, RED="tile_poll")]
         if which == "pdl":
             # the config in use with the split-K sum read one partial (FIX4 0) or four (1) at a time, launched
             # with PDL or not; then its split targets under PDL (M <= 16), or the M >= 64 grid under PDL
