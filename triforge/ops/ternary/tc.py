@@ -220,7 +220,6 @@ def ternary_tc_kernel(
     RNE: tl.constexpr,
     TR: tl.constexpr,  # rows per storage tile of the codes (pack_tc's tile_rows)
     PDL: tl.constexpr,  # programmatic dependent launch: the first words in flight before griddepcontrol.wait
-    ARRIVE: tl.constexpr = False,  # not FIXUP: each program counts its arrival (release) for the tile-sum kernel's poll
 ):
     BLOCK_N: tl.constexpr = 16 * WARPS * ROW_REPS
     BK: tl.constexpr = 128 * BLOCKS_K
@@ -333,9 +332,6 @@ def ternary_tc_kernel(
     else:
         o_p = (i_s.to(tl.int64) * M + o_m[None, :]) * N + o_n[:, None]
         tl.store(part_ptr + o_p, acc, mask=m_y)
-        if ARRIVE:
-            tl.debug_barrier()
-            tl.atomic_add(cnt_ptr + i_m * tl.num_programs(0) + i_n, 1, sem="release", scope="gpu")
         if FIXUP:
             # serial split-K: every thread's partial precedes the arrival (barrier, then one release by the
             # arriving thread); the last arrival acquires, sums the S partials in order 0..S-1 (the reduce
@@ -348,45 +344,6 @@ def ternary_tc_kernel(
                 y = _sum_parts(part_ptr, o_m, o_n, m_y, M, N, n_splits, FIX4)
                 _store_y(y, scale_ptr, stride_scale, bias_ptr, y_ptr, o_m, o_n, m_y, N, HAS_BIAS, RNE)
                 tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
-
-
-@triton.jit
-def ternary_tc_sum_kernel(
-    part_ptr,  # [S, M, N] fp32 partials of ternary_tc_kernel
-    scale_ptr,
-    bias_ptr,
-    y_ptr,
-    cnt_ptr,  # int32 [tiles]: the arrivals (POLL)
-    stride_scale,
-    M,
-    N,
-    n_splits,
-    BLOCK_N: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    RNE: tl.constexpr,
-    POLL: tl.constexpr,  # wait for the tile's S arrivals (acquire), not for the whole first launch (griddepcontrol)
-    PDL: tl.constexpr,
-):
-    """One program per tile of ``ternary_tc_kernel``: y tile = sum of the tile's S partials in split order."""
-    i_n, i_m = tl.program_id(0), tl.program_id(1)
-    tile = i_m * tl.num_programs(0) + i_n
-    if POLL:
-        seen = tl.atomic_add(cnt_ptr + tile, 0, sem="acquire", scope="gpu")
-        while seen < n_splits:
-            seen = tl.atomic_add(cnt_ptr + tile, 0, sem="acquire", scope="gpu")
-    elif PDL:
-        tl.extra.cuda.gdc_wait()
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_y = (o_n < N)[:, None] & (o_m < M)[None, :]
-    y = _sum_parts(part_ptr, o_m, o_n, m_y, M, N, n_splits, True)
-    _store_y(y, scale_ptr, stride_scale, bias_ptr, y_ptr, o_m, o_n, m_y, N, HAS_BIAS, RNE)
-    if POLL:
-        tl.debug_barrier()
-        tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -606,9 +563,7 @@ def ternary_matmul_tc(x2d: torch.Tensor, tt, bias: torch.Tensor | None = None, c
     is_bf16 = x2d.dtype == torch.bfloat16
     y = new_output((M, N), x2d.dtype, x2d.device)
     part = y if final else new_output((splits, M, N), torch.float32, x2d.device)
-    red = (cfg or {}).get("RED", (256, True, True))
-    arrive = not final and not fixup and red == "tile_poll"
-    cnt = split_counters(x2d.device, grid[0] * grid[1]) if fixup or arrive else scales
+    cnt = split_counters(x2d.device, grid[0] * grid[1]) if fixup else scales
     # PDL where the config allows it (default: M <= 64; at M = 256 it measured slower at 8192^2, 65.4 -> 71.0 us)
     # and the codes are settled
     pdl = pdl and _settled(codes)
@@ -620,17 +575,11 @@ def ternary_matmul_tc(x2d: torch.Tensor, tt, bias: torch.Tensor | None = None, c
         nbytes=codes.numel() * 4 + M * K * xsize + M * N * (xsize if final else 8 * splits + xsize),
         BLOCK_M=bm, ROW_REPS=reps, BLOCKS_K=nbk, WARPS=warps, IS_BF16=is_bf16, USE_ASM=not _runtime.INTERPRET,
         TMA=tma, FINAL=final, PREFETCH=prefetch, XPRE=xpre, FIXUP=fixup, FIX4=fix4, HAS_BIAS=bias is not None,
-        RNE=rne, TR=tr, ARRIVE=arrive, num_warps=warps, num_stages=stages, **opts, **launch.pdl_options(pdl),
+        RNE=rne, TR=tr, num_warps=warps, num_stages=stages, **opts, **launch.pdl_options(pdl),
     )
     if not final and not fixup:
         # RED: (elements per program, every partial loaded at once, PDL) of the reduce launch; the default measured
         # fastest of six (benchmarks/NOTES.md, thirty-fifth session)
-        if isinstance(red, str):  # "tile_poll" / "tile_wait": one program per tile (probe)
-            launch.launch("ternary_tc_sum", ternary_tc_sum_kernel, grid[:2], part, scales,
-                          bias if bias is not None else scales, y, cnt, scales.stride(0), M, N, splits,
-                          BLOCK_N=16 * warps * reps, BLOCK_M=bm, HAS_BIAS=bias is not None, RNE=rne,
-                          POLL=red == "tile_poll", num_warps=4, **launch.pdl_options(True))
-        else:
-            blk, unroll, rpdl = red
-            reduce_splits(part, scales, bias, y, rne, blk, unroll, rpdl)
+        blk, unroll, rpdl = (cfg or {}).get("RED", (256, True, True))
+        reduce_splits(part, scales, bias, y, rne, blk, unroll, rpdl)
     return y
