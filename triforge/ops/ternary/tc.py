@@ -500,7 +500,7 @@ def _fixup_in_kernel(x2d: torch.Tensor) -> bool:
     """Where K is split and the config does not say (``FIXUP``): the tile's last-arriving program sums the partials
     (one launch), except under CUDA-graph capture, where a second launch does it (``reduce_splits``, launched as a
     programmatic dependent, every partial loaded at once). Replayed, the two launches measured faster or equal at 18
-    of the 20 (shape, M <= 64) points of the issue's grid (16-27% at the 0.5B shapes, 5-9% at 8192^2 M = 4-64; 1-2.5%
+    of the 20 (shape, M <= 64) points of the issue's grid (16-27% at the 0.5B shapes, 2-9% at 8192^2 M = 4-64; 1.8-2.5%
     slower at 8192 x 28672, M = 1 and 16: benchmarks/NOTES.md, thirty-fifth session); called eagerly, a second launch
     costs more host time (~10 us) than it saves on the GPU. Same bits either way (partials summed in split order)."""
     return not (x2d.is_cuda and torch.cuda.is_current_stream_capturing())
