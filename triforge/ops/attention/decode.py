@@ -165,6 +165,8 @@ def flash_decode_split_kernel(
     i_mb = tl.program_id(2)
     i_b = (i_bg // HKV).to(tl.int64)
     i_g = (i_bg % HKV).to(tl.int64)
+    p_k = kc_ptr + i_b * stride_kb + i_g * stride_kh  # this (batch, kv head)'s cached K and V rows
+    p_v = vc_ptr + i_b * stride_vb + i_g * stride_vh
     if L2PF > 0:
         # the first L2PF blocks of this split's cached rows, requested while the previous kernel may still run:
         # prefetches only (prefetch_l2), so a length or a cache row that kernel is still writing cannot be read
@@ -179,8 +181,8 @@ def flash_decode_split_kernel(
         for start in range(lo0, hi0, BLOCK_N):
             o_row = (start + o_pf).to(tl.int64)[:, None]
             m_pf = ((start + o_pf) < hi0)[:, None] & (o_line >= 0)
-            prefetch_l2(kc_ptr + i_b * stride_kb + i_g * stride_kh + o_row * stride_ks + o_line, m_pf)
-            prefetch_l2(vc_ptr + i_b * stride_vb + i_g * stride_vh + o_row * stride_vs + o_line, m_pf)
+            prefetch_l2(p_k + o_row * stride_ks + o_line, m_pf)
+            prefetch_l2(p_v + o_row * stride_vs + o_line, m_pf)
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()  # the next kernel may start: it waits the same way
@@ -205,8 +207,6 @@ def flash_decode_split_kernel(
     # this split's share of the keys: positions below n_cache come from the caches, the new tokens (APPEND) from
     # k/v, in the same loop, so the split that holds the tail runs no extra step for them
     lo, hi = _split_keys(n_total, i_s, NUM_SPLITS, BLOCK_N)
-    p_k = kc_ptr + i_b * stride_kb + i_g * stride_kh
-    p_v = vc_ptr + i_b * stride_vb + i_g * stride_vh
     p_kn = kn_ptr + i_b * stride_knb + i_g * stride_knh
     p_vn = vn_ptr + i_b * stride_vnb + i_g * stride_vnh
     o_n = tl.arange(0, BLOCK_N)
