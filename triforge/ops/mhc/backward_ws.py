@@ -23,6 +23,7 @@ Nothing here runs under the CPU interpreter: launchers use it only for compiled 
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
@@ -50,9 +51,43 @@ def _k1_ws_loader(x_desc, ah_desc, al_desc, c_desc, xs, ahs, als, cs, ready, emp
 
 
 @gluon.jit
-def _k1_ws_compute(dx_desc, w_ptr, dw_part_ptr, xs, ahs, als, cs, ws, dxs, ready, empty, u_start, u_end, n_t, K,
-                   p, J, kb_first, R: gl.constexpr, BLOCK_T: gl.constexpr, BLOCK_K: gl.constexpr,
-                   STAGES: gl.constexpr, MATH: gl.constexpr, num_warps: gl.constexpr):
+def _k1_ws_loader_ptr(x_ptr, ah_ptr, al_ptr, c_ptr, xs, ahs, als, cs, ready, empty, u_start, u_end, n_t, T, K,
+                      R: gl.constexpr, BLOCK_T: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+                      NW: gl.constexpr):
+    """The loader by cp.async (per-thread 16-byte copies, no TMA): each thread arrives on the slot's ``ready``
+    barrier (count 32 NW) when its own copies have landed."""
+    x_l: gl.constexpr = gl.BlockedLayout([1, 8], [256 // BLOCK_K, BLOCK_K // 8], [NW, 1], [1, 0])
+    a_l: gl.constexpr = gl.BlockedLayout([1, 8], [256 // R, R // 8], [NW, 1], [1, 0])
+    c_l: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
+    o_tx = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(1, x_l))
+    o_kx = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, x_l))
+    o_ta = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(1, a_l))
+    o_ra = gl.arange(0, R, layout=gl.SliceLayout(0, a_l))
+    o_tc = gl.arange(0, BLOCK_T, layout=c_l)
+    for u in range(u_start, u_end):
+        i = (u - u_start).to(gl.int32)
+        s = i % STAGES
+        mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
+        kb = (u // n_t).to(gl.int32)
+        row = (u - kb * n_t).to(gl.int32) * BLOCK_T
+        t = row + o_tx
+        k = kb * BLOCK_K + o_kx
+        async_copy.async_copy_global_to_shared(xs.index(s), x_ptr + t.to(gl.int64)[:, None] * K + k[None, :],
+                                               mask=(t < T)[:, None] & (k < K)[None, :])
+        ta = row + o_ta
+        o_a = ta.to(gl.int64)[:, None] * R + o_ra[None, :]
+        m_a = (ta < T)[:, None]
+        async_copy.async_copy_global_to_shared(ahs.index(s), ah_ptr + o_a, mask=m_a)
+        async_copy.async_copy_global_to_shared(als.index(s), al_ptr + o_a, mask=m_a)
+        tc = row + o_tc
+        async_copy.async_copy_global_to_shared(cs.index(s), c_ptr + tc, mask=tc < T)
+        async_copy.mbarrier_arrive(ready.index(s), increment_count=False)
+
+
+@gluon.jit
+def _k1_ws_compute(dx_desc, dx_ptr, w_ptr, dw_part_ptr, xs, ahs, als, cs, ws, dxs, ready, empty, u_start, u_end, n_t,
+                   T, K, p, J, kb_first, R: gl.constexpr, BLOCK_T: gl.constexpr, BLOCK_K: gl.constexpr,
+                   STAGES: gl.constexpr, MATH: gl.constexpr, STORE: gl.constexpr, num_warps: gl.constexpr):
     # dx tile [BLOCK_T, BLOCK_K] and dW^T tile [BLOCK_K, R] as wgmma accumulators of one warpgroup
     dx_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                    instr_shape=[16, BLOCK_K, 16])
@@ -91,16 +126,23 @@ def _k1_ws_compute(dx_desc, w_ptr, dw_part_ptr, xs, ahs, als, cs, ws, dxs, ready
             b_dx = x_s.load(dx_l).to(gl.float32)
         fence_async_shared()  # this slot's reads (generic and wgmma) ordered before the loader's next TMA into it
         mbarrier.arrive(empty.index(s))
-        d = i % 2
-        tma.store_wait(1)  # the store that used buffer d two tiles ago has read it
-        dxs.index(d).store(b_dx.to(dxs.dtype))
-        fence_async_shared()
-        tma.async_copy_shared_to_global(dx_desc, [i_t * BLOCK_T, kb * BLOCK_K], dxs.index(d))
+        if STORE == 0:  # by TMA from a double buffer in shared memory
+            d = i % 2
+            tma.store_wait(1)  # the store that used buffer d two tiles ago has read it
+            dxs.index(d).store(b_dx.to(dxs.dtype))
+            fence_async_shared()
+            tma.async_copy_shared_to_global(dx_desc, [i_t * BLOCK_T, kb * BLOCK_K], dxs.index(d))
+        else:  # from registers, in the accumulator's layout
+            o_t = i_t * BLOCK_T + gl.arange(0, BLOCK_T, layout=gl.SliceLayout(1, dx_l))
+            o_k = kb * BLOCK_K + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, dx_l))
+            gl.store(dx_ptr + o_t.to(gl.int64)[:, None] * K + o_k[None, :], b_dx.to(dx_ptr.dtype.element_ty),
+                     mask=(o_t < T)[:, None] & (o_k < K)[None, :])
         if MATH:
             if (u == u_end - 1) | (i_t == n_t - 1):  # the column block ends in this run: its dW^T partial out
                 o_dw = ((p * J + (kb - kb_first)) * R + o_rd[None, :]) * BLOCK_K + o_kd[:, None]
                 gl.store(dw_part_ptr + o_dw, acc_dw)
-    tma.store_wait(0)
+    if STORE == 0:
+        tma.store_wait(0)
 
 
 @gluon.jit
@@ -110,8 +152,14 @@ def mhc_project_bwd_ws_kernel(
     al_desc,  # [T, R] a_lo in x's dtype
     c_desc,  # [T] fp32 coef, block [BLOCK_T]
     dx_desc,  # [T, K] x's dtype, block [BLOCK_T, BLOCK_K]
+    x_ptr,  # the same tensors as pointers (LOAD 1: cp.async; STORE 1: stores from registers)
+    ah_ptr,
+    al_ptr,
+    c_ptr,
+    dx_ptr,
     w_ptr,  # [R, K] fp32 W
     dw_part_ptr,  # [P, J, R, BLOCK_K] fp32, as the Triton kernel's
+    T,
     K,
     n_t,
     U,
@@ -123,6 +171,9 @@ def mhc_project_bwd_ws_kernel(
     STAGES: gl.constexpr,
     W_LAYOUT: gl.constexpr,  # NVMMASharedLayout of W's [R, BLOCK_K] block in x's dtype
     MATH: gl.constexpr,
+    LOAD: gl.constexpr,  # 0: TMA on one loader warp; 1: cp.async on LOADER_WARPS warps
+    STORE: gl.constexpr,  # 0: dx by TMA store; 1: dx stored from registers
+    LOADER_WARPS: gl.constexpr,
     LOADER_REGS: gl.constexpr,
     num_warps: gl.constexpr,
 ):
@@ -139,16 +190,24 @@ def mhc_project_bwd_ws_kernel(
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
-        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(ready.index(s), count=1 if LOAD == 0 else 32 * LOADER_WARPS)
         mbarrier.init(empty.index(s), count=1)
     TILE_BYTES: gl.constexpr = (x_desc.block_type.nbytes + ah_desc.block_type.nbytes + al_desc.block_type.nbytes
                                 + c_desc.block_type.nbytes)
-    gl.warp_specialize([
-        (_k1_ws_compute, (dx_desc, w_ptr, dw_part_ptr, xs, ahs, als, cs, ws, dxs, ready, empty, u_start, u_end, n_t,
-                          K, p, J, kb_first, R, BLOCK_T, BLOCK_K, STAGES, MATH, num_warps)),
-        (_k1_ws_loader, (x_desc, ah_desc, al_desc, c_desc, xs, ahs, als, cs, ready, empty, u_start, u_end, n_t,
-                         BLOCK_T, BLOCK_K, STAGES, TILE_BYTES)),
-    ], [1], [LOADER_REGS])
+    if LOAD == 0:
+        gl.warp_specialize([
+            (_k1_ws_compute, (dx_desc, dx_ptr, w_ptr, dw_part_ptr, xs, ahs, als, cs, ws, dxs, ready, empty, u_start, u_end,
+                            n_t, T, K, p, J, kb_first, R, BLOCK_T, BLOCK_K, STAGES, MATH, STORE, num_warps)),
+            (_k1_ws_loader, (x_desc, ah_desc, al_desc, c_desc, xs, ahs, als, cs, ready, empty, u_start, u_end, n_t,
+                             BLOCK_T, BLOCK_K, STAGES, TILE_BYTES)),
+        ], [1], [LOADER_REGS])
+    else:
+        gl.warp_specialize([
+            (_k1_ws_compute, (dx_desc, dx_ptr, w_ptr, dw_part_ptr, xs, ahs, als, cs, ws, dxs, ready, empty, u_start, u_end,
+                            n_t, T, K, p, J, kb_first, R, BLOCK_T, BLOCK_K, STAGES, MATH, STORE, num_warps)),
+            (_k1_ws_loader_ptr, (x_ptr, ah_ptr, al_ptr, c_ptr, xs, ahs, als, cs, ready, empty, u_start, u_end, n_t, T,
+                                 K, R, BLOCK_T, BLOCK_K, STAGES, LOADER_WARPS)),
+        ], [LOADER_WARPS], [LOADER_REGS])
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(s))
         mbarrier.invalidate(empty.index(s))
