@@ -170,7 +170,7 @@ def project_bwd_main_ws(x_flat, a_hi, a_lo, coef, w, cfg):
         x_flat, a_hi, a_lo, coef, dx, w, dw_part, T, K, n_t, U, P, J,
         R=R, BLOCK_T=bt, BLOCK_K=bk, STAGES=cfg.get("num_stages", 4),
         W_LAYOUT=gl.NVMMASharedLayout.get_default_for([R, bk], g16), MATH=int(cfg.get("MATH", 1)),
-        LOAD=int(cfg.get("LOAD", 0)), STORE=int(cfg.get("STORE", 0)), LOADER_WARPS=int(cfg.get("LOADER_WARPS", 4)),
+        LOAD=int(cfg.get("LOAD", 0)), STORE=int(cfg.get("STORE", 0)), DX_BUFS=int(cfg.get("DX_BUFS", 2)), LOADER_WARPS=int(cfg.get("LOADER_WARPS", 4)),
         LOADER_REGS=int(cfg.get("LOADER_REGS", 40 if not cfg.get("LOAD") else 96)), num_warps=4,
     )
     return dx, dw_part

@@ -87,7 +87,8 @@ def _k1_ws_loader_ptr(x_ptr, ah_ptr, al_ptr, c_ptr, xs, ahs, als, cs, ready, emp
 @gluon.jit
 def _k1_ws_compute(dx_desc, dx_ptr, w_ptr, dw_part_ptr, xs, ahs, als, cs, ws, dxs, ready, empty, u_start, u_end, n_t,
                    T, K, p, J, kb_first, R: gl.constexpr, BLOCK_T: gl.constexpr, BLOCK_K: gl.constexpr,
-                   STAGES: gl.constexpr, MATH: gl.constexpr, STORE: gl.constexpr, num_warps: gl.constexpr):
+                   STAGES: gl.constexpr, MATH: gl.constexpr, STORE: gl.constexpr, DX_BUFS: gl.constexpr,
+                   num_warps: gl.constexpr):
     # dx tile [BLOCK_T, BLOCK_K] and dW^T tile [BLOCK_K, R] as wgmma accumulators of one warpgroup
     dx_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                    instr_shape=[16, BLOCK_K, 16])
@@ -126,16 +127,23 @@ def _k1_ws_compute(dx_desc, dx_ptr, w_ptr, dw_part_ptr, xs, ahs, als, cs, ws, dx
             b_dx = x_s.load(dx_l).to(gl.float32)
         fence_async_shared()  # this slot's reads (generic and wgmma) ordered before the loader's next TMA into it
         mbarrier.arrive(empty.index(s))
-        if STORE == 0:  # by TMA from a double buffer in shared memory
-            d = i % 2
-            tma.store_wait(1)  # the store that used buffer d two tiles ago has read it
+        if STORE == 0:  # by TMA from a ring of DX_BUFS buffers in shared memory
+            d = i % DX_BUFS
+            tma.store_wait(DX_BUFS - 1)  # the store that used buffer d DX_BUFS tiles ago has read it
             dxs.index(d).store(b_dx.to(dxs.dtype))
             fence_async_shared()
             tma.async_copy_shared_to_global(dx_desc, [i_t * BLOCK_T, kb * BLOCK_K], dxs.index(d))
-        else:  # from registers, in the accumulator's layout
+        elif STORE == 1:  # from registers, in the accumulator's layout (4-byte pieces: uncoalesced)
             o_t = i_t * BLOCK_T + gl.arange(0, BLOCK_T, layout=gl.SliceLayout(1, dx_l))
             o_k = kb * BLOCK_K + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, dx_l))
             gl.store(dx_ptr + o_t.to(gl.int64)[:, None] * K + o_k[None, :], b_dx.to(dx_ptr.dtype.element_ty),
+                     mask=(o_t < T)[:, None] & (o_k < K)[None, :])
+        else:  # from registers after a layout change to 16-byte rows (through shared memory)
+            st_l: gl.constexpr = gl.BlockedLayout([1, 8], [256 // BLOCK_K, BLOCK_K // 8], [num_warps, 1], [1, 0])
+            b_o = gl.convert_layout(b_dx.to(dx_ptr.dtype.element_ty), st_l)
+            o_t = i_t * BLOCK_T + gl.arange(0, BLOCK_T, layout=gl.SliceLayout(1, st_l))
+            o_k = kb * BLOCK_K + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, st_l))
+            gl.store(dx_ptr + o_t.to(gl.int64)[:, None] * K + o_k[None, :], b_o,
                      mask=(o_t < T)[:, None] & (o_k < K)[None, :])
         if MATH:
             if (u == u_end - 1) | (i_t == n_t - 1):  # the column block ends in this run: its dW^T partial out
@@ -172,7 +180,8 @@ def mhc_project_bwd_ws_kernel(
     W_LAYOUT: gl.constexpr,  # NVMMASharedLayout of W's [R, BLOCK_K] block in x's dtype
     MATH: gl.constexpr,
     LOAD: gl.constexpr,  # 0: TMA on one loader warp; 1: cp.async on LOADER_WARPS warps
-    STORE: gl.constexpr,  # 0: dx by TMA store; 1: dx stored from registers
+    STORE: gl.constexpr,  # 0: dx by TMA store; 1: stored from registers as computed; 2: after a layout change
+    DX_BUFS: gl.constexpr,  # STORE 0: dx buffers in shared memory (stores in flight)
     LOADER_WARPS: gl.constexpr,
     LOADER_REGS: gl.constexpr,
     num_warps: gl.constexpr,
@@ -186,7 +195,7 @@ def mhc_project_bwd_ws_kernel(
     als = gl.allocate_shared_memory(al_desc.dtype, [STAGES, BLOCK_T, R], al_desc.layout)
     cs = gl.allocate_shared_memory(c_desc.dtype, [STAGES, BLOCK_T], c_desc.layout)
     ws = gl.allocate_shared_memory(x_desc.dtype, [R, BLOCK_K], W_LAYOUT)
-    dxs = gl.allocate_shared_memory(dx_desc.dtype, [2, BLOCK_T, BLOCK_K], dx_desc.layout)
+    dxs = gl.allocate_shared_memory(dx_desc.dtype, [DX_BUFS, BLOCK_T, BLOCK_K], dx_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
@@ -197,14 +206,16 @@ def mhc_project_bwd_ws_kernel(
     if LOAD == 0:
         gl.warp_specialize([
             (_k1_ws_compute, (dx_desc, dx_ptr, w_ptr, dw_part_ptr, xs, ahs, als, cs, ws, dxs, ready, empty, u_start, u_end,
-                            n_t, T, K, p, J, kb_first, R, BLOCK_T, BLOCK_K, STAGES, MATH, STORE, num_warps)),
+                            n_t, T, K, p, J, kb_first, R, BLOCK_T, BLOCK_K, STAGES, MATH, STORE, DX_BUFS,
+                            num_warps)),
             (_k1_ws_loader, (x_desc, ah_desc, al_desc, c_desc, xs, ahs, als, cs, ready, empty, u_start, u_end, n_t,
                              BLOCK_T, BLOCK_K, STAGES, TILE_BYTES)),
         ], [1], [LOADER_REGS])
     else:
         gl.warp_specialize([
             (_k1_ws_compute, (dx_desc, dx_ptr, w_ptr, dw_part_ptr, xs, ahs, als, cs, ws, dxs, ready, empty, u_start, u_end,
-                            n_t, T, K, p, J, kb_first, R, BLOCK_T, BLOCK_K, STAGES, MATH, STORE, num_warps)),
+                            n_t, T, K, p, J, kb_first, R, BLOCK_T, BLOCK_K, STAGES, MATH, STORE, DX_BUFS,
+                            num_warps)),
             (_k1_ws_loader_ptr, (x_ptr, ah_ptr, al_ptr, c_ptr, xs, ahs, als, cs, ready, empty, u_start, u_end, n_t, T,
                                  K, R, BLOCK_T, BLOCK_K, STAGES, LOADER_WARPS)),
         ], [LOADER_WARPS], [LOADER_REGS])
