@@ -74,11 +74,12 @@ def run_c(C, args, out):
     rows.append({"C": C, "kind": "main", "name": "triton (library cfg)", "cfg": lib, "ms": t, "pct": pct(t),
                  "res": launch.kernel_resources("mhc_project_bwd"), **errs(dx_t, dw_t)})
     print(f"C={C} triton main {t:.4f} ms {pct(t):.1f}%", flush=True)
-    ws_cfgs = [dict(WS=1, BLOCK_T=64, BLOCK_K=128, num_stages=st, programs_per_sm=1, LOAD=ld, STORE=sto, MATH=m,
-                    DX_BUFS=db)
-               for ld, sto, m, st, db in [(0, 0, 0, 4, 4), (0, 2, 0, 4, 2), (0, 0, 1, 3, 4), (0, 0, 1, 4, 3),
-                                          (0, 0, 1, 4, 4), (0, 0, 1, 5, 4), (0, 2, 1, 4, 2), (0, 2, 1, 6, 2),
-                                          (1, 2, 1, 4, 2), (1, 0, 1, 4, 4)]]
+    ws_cfgs = ([dict(WS=1, BLOCK_T=128, BLOCK_K=128, num_warps=8, maxnreg=168, programs_per_sm=1, LOAD=ld, STORE=sto,
+                     num_stages=st, DX_BUFS=2, MATH=m)
+                for ld, sto, st, m in [(0, 0, 3, 0), (0, 0, 3, 1), (0, 2, 3, 1), (1, 0, 3, 1), (1, 2, 3, 1), (0, 0, 2, 1)]]
+               + [dict(WS=1, BLOCK_T=64, BLOCK_K=128, num_warps=4, maxnreg=128, programs_per_sm=2, LOAD=ld, STORE=sto,
+                       num_stages=st, DX_BUFS=2, MATH=m, LOADER_REGS=24 if ld == 0 else 64)
+                  for ld, sto, st, m in [(0, 2, 3, 0), (0, 2, 3, 1), (0, 0, 2, 1), (1, 2, 3, 1), (0, 2, 2, 1)]])
     best = None
     for cfg in ws_cfgs:
         try:
@@ -93,7 +94,7 @@ def run_c(C, args, out):
         t = med(lambda c=cfg: M.project_bwd_main(x, a_hi, a_lo, coef, w, c))
         rows.append({"C": C, "kind": "main", "name": "ws", "cfg": cfg, "ms": t, "pct": pct(t),
                      "res": launch.kernel_resources("mhc_project_bwd"), **e})
-        print(f"C={C} ws load{cfg['LOAD']} store{cfg['STORE']} st{cfg['num_stages']} dxb{cfg['DX_BUFS']} math{cfg['MATH']} "
+        print(f"C={C} ws bt{cfg['BLOCK_T']} w{cfg['num_warps']} pps{cfg['programs_per_sm']} load{cfg['LOAD']} store{cfg['STORE']} st{cfg['num_stages']} dxb{cfg['DX_BUFS']} math{cfg['MATH']} "
               f"{t:.4f} ms "
               f"{pct(t):.1f}% {e}", flush=True)
         ok = cfg["MATH"] and e["dx_vs_triton"] < 0.05 and e["dw_vs_triton_rel"] < 1e-4 and not e["nan"]

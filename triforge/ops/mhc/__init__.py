@@ -171,7 +171,8 @@ def project_bwd_main_ws(x_flat, a_hi, a_lo, coef, w, cfg):
         R=R, BLOCK_T=bt, BLOCK_K=bk, STAGES=cfg.get("num_stages", 4),
         W_LAYOUT=gl.NVMMASharedLayout.get_default_for([R, bk], g16), MATH=int(cfg.get("MATH", 1)),
         LOAD=int(cfg.get("LOAD", 0)), STORE=int(cfg.get("STORE", 0)), DX_BUFS=int(cfg.get("DX_BUFS", 2)), LOADER_WARPS=int(cfg.get("LOADER_WARPS", 4)),
-        LOADER_REGS=int(cfg.get("LOADER_REGS", 40 if not cfg.get("LOAD") else 96)), num_warps=4,
+        LOADER_REGS=int(cfg.get("LOADER_REGS", 40 if not cfg.get("LOAD") else 96)), num_warps=cfg.get("num_warps", 4),
+        **launch.maxnreg_option(cfg),
     )
     return dx, dw_part
 
