@@ -138,52 +138,11 @@ def project_bwd_reduce(dw_part, T, K, cfg, dtype):
     return dW
 
 
-def ws_eligible(x_flat, R, cfg) -> bool:
-    """Whether K1 backward's streaming kernel runs warp-specialized (backward_ws.py): asked for by the config
-    (WS 1), compiled on Hopper, 16-bit x with TMA-aligned rows (K a multiple of 8), R = 32."""
-    if not cfg.get("WS") or _runtime.INTERPRET or x_flat.dtype not in (torch.float16, torch.bfloat16):
-        return False
-    return _runtime.arch() == "sm90" and R == N_PROJ and x_flat.shape[1] % 8 == 0 and x_flat.data_ptr() % 16 == 0
-
-
-def project_bwd_main_ws(x_flat, a_hi, a_lo, coef, w, cfg):
-    """project_bwd_main's warp-specialized form (same outputs, same partition; ``ws_eligible`` inputs)."""
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    from triforge.ops.mhc.backward_ws import mhc_project_bwd_ws_kernel
-
-    T, K = x_flat.shape
-    R = w.shape[0]
-    bt, bk = cfg["BLOCK_T"], cfg["BLOCK_K"]
-    n_t, U, P, J = project_bwd_grid(T, K, cfg)
-    dx = new_output((T, K), x_flat.dtype, x_flat.device)
-    dw_part = new_output((P, J, R, bk), torch.float32, x_flat.device)
-    g16 = gl.bfloat16 if x_flat.dtype == torch.bfloat16 else gl.float16
-    x_l = gl.NVMMASharedLayout.get_default_for([bt, bk], g16)
-    a_l = gl.NVMMASharedLayout.get_default_for([bt, R], g16)
-    desc = TensorDescriptor.from_tensor
-    launch.launch(
-        "mhc_project_bwd", mhc_project_bwd_ws_kernel, (P,),
-        desc(x_flat, [bt, bk], x_l), desc(a_hi, [bt, R], a_l), desc(a_lo, [bt, R], a_l),
-        desc(coef, [bt], gl.NVMMASharedLayout.get_default_for([bt], gl.float32)), desc(dx, [bt, bk], x_l),
-        x_flat, a_hi, a_lo, coef, dx, w, dw_part, T, K, n_t, U, P, J,
-        R=R, BLOCK_T=bt, BLOCK_K=bk, STAGES=cfg.get("num_stages", 4),
-        W_LAYOUT=gl.NVMMASharedLayout.get_default_for([R, bk], g16), MATH=int(cfg.get("MATH", 1)),
-        LOAD=int(cfg.get("LOAD", 0)), STORE=int(cfg.get("STORE", 0)), DX_BUFS=int(cfg.get("DX_BUFS", 2)), LOADER_WARPS=int(cfg.get("LOADER_WARPS", 4)),
-        LOADER_REGS=int(cfg.get("LOADER_REGS", 40 if not cfg.get("LOAD") else 96)), num_warps=cfg.get("num_warps", 4),
-        **launch.maxnreg_option(cfg),
-    )
-    return dx, dw_part
-
-
 def project_bwd_main(x_flat, a_hi, a_lo, coef, w, cfg):
     """K1 backward's streaming kernel alone (the prologue's outputs and fp32 W in): (dx, dW partials
     [P, J, R, BLOCK_K])."""
     T, K = x_flat.shape
     R = w.shape[0]
-    if ws_eligible(x_flat, R, cfg):
-        return project_bwd_main_ws(x_flat, a_hi, a_lo, coef, w, cfg)
     n_t, U, P, J = project_bwd_grid(T, K, cfg)
     dx = new_output((T, K), x_flat.dtype, x_flat.device)
     dw_part = new_output((P, J, R, cfg["BLOCK_K"]), torch.float32, x_flat.device)

@@ -1,4 +1,7 @@
-"""mHC K1 backward's streaming kernel for Hopper, warp-specialized, in Gluon (compiled GPUs only).
+"""mHC K1 backward's streaming kernel for Hopper, warp-specialized, in Gluon: a probe, not the library's kernel.
+
+Measured slower than the Triton kernel at every configuration (benchmarks/NOTES.md, session 36):
+best 84.4% / 83.9% of copy against 87.6% / 87.2% at C = 2560 / 1024 (mhc_ws_probe.py).
 
 The same work and partition as ``backward.mhc_project_bwd_kernel`` (one wave of P programs, each a
 balanced run over (column block, token tile) units in column-block-major order; per program and column
@@ -17,10 +20,11 @@ Triton's own pipeliner (the Triton kernel) issues the next loads only as its loo
 iteration's barriers; here the loads run ahead on their own warp, bounded only by the ring.
 
 MATH = 0 is a probe: dx = x and no dW (the access pattern's own ceiling in this structure).
-Nothing here runs under the CPU interpreter: launchers use it only for compiled 16-bit x on sm90
-(``use_ws``); the Triton kernel remains the portable path and the reference the tests compare with.
+LOAD 1 loads by cp.async on LOADER_WARPS warps instead of TMA; STORE 1 / 2 store dx from registers (as computed /
+after a layout change to 16-byte rows) instead of TMA stores. Compiled GPUs only (Gluon has no interpreter).
 """
 
+import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
@@ -31,6 +35,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
+
+from triforge import launch
+from triforge.ops import mhc as M
 
 
 @gluon.jit
@@ -222,3 +229,31 @@ def mhc_project_bwd_ws_kernel(
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(s))
         mbarrier.invalidate(empty.index(s))
+
+
+def ws_main(x_flat, a_hi, a_lo, coef, w, cfg):
+    """M.project_bwd_main's warp-specialized form (same outputs, same partition; compiled sm90, 16-bit x, K % 8 == 0)."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    T, K = x_flat.shape
+    R = w.shape[0]
+    bt, bk = cfg["BLOCK_T"], cfg["BLOCK_K"]
+    n_t, U, P, J = M.project_bwd_grid(T, K, cfg)
+    dx = launch.new_output((T, K), x_flat.dtype, x_flat.device)
+    dw_part = launch.new_output((P, J, R, bk), torch.float32, x_flat.device)
+    g16 = gl.bfloat16 if x_flat.dtype == torch.bfloat16 else gl.float16
+    x_l = gl.NVMMASharedLayout.get_default_for([bt, bk], g16)
+    a_l = gl.NVMMASharedLayout.get_default_for([bt, R], g16)
+    desc = TensorDescriptor.from_tensor
+    launch.launch(
+        "mhc_project_bwd", mhc_project_bwd_ws_kernel, (P,),
+        desc(x_flat, [bt, bk], x_l), desc(a_hi, [bt, R], a_l), desc(a_lo, [bt, R], a_l),
+        desc(coef, [bt], gl.NVMMASharedLayout.get_default_for([bt], gl.float32)), desc(dx, [bt, bk], x_l),
+        x_flat, a_hi, a_lo, coef, dx, w, dw_part, T, K, n_t, U, P, J,
+        R=R, BLOCK_T=bt, BLOCK_K=bk, STAGES=cfg.get("num_stages", 4),
+        W_LAYOUT=gl.NVMMASharedLayout.get_default_for([R, bk], g16), MATH=int(cfg.get("MATH", 1)),
+        LOAD=int(cfg.get("LOAD", 0)), STORE=int(cfg.get("STORE", 0)), DX_BUFS=int(cfg.get("DX_BUFS", 2)), LOADER_WARPS=int(cfg.get("LOADER_WARPS", 4)),
+        LOADER_REGS=int(cfg.get("LOADER_REGS", 40 if not cfg.get("LOAD") else 96)), num_warps=cfg.get("num_warps", 4),
+        **launch.maxnreg_option(cfg),
+    )
+    return dx, dw_part
