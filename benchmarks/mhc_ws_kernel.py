@@ -1,7 +1,7 @@
 """mHC K1 backward's streaming kernel for Hopper, warp-specialized, in Gluon: a probe, not the library's kernel.
 
 Measured slower than the Triton kernel at every configuration (benchmarks/NOTES.md, session 36):
-best 84.4% / 83.9% of copy against 87.6% / 87.2% at C = 2560 / 1024 (mhc_ws_probe.py).
+best 84.4-84.8% / 83.9-84.1% of copy against 87.6-88.0% / 87.2-87.7% at C = 2560 / 1024 (mhc_ws_probe.py).
 
 The same work and partition as ``backward.mhc_project_bwd_kernel`` (one wave of P programs, each a
 balanced run over (column block, token tile) units in column-block-major order; per program and column
