@@ -104,39 +104,33 @@ def run_c(C, args, out):
     if best:
         print(f"C={C} best ws (correct) {best[1]:.4f} ms {pct(best[1]):.1f}%: {best[0]}", flush=True)
     del dx_t, part_t
-    # the op: prologue + main + reduce, direct and through autograd
-    orig = M._cfg
+    # the library's op: prologue + main + reduce, direct and through autograd
     xr = x.clone().requires_grad_(True)
     Wr = W.clone().requires_grad_(True)
     o = M.fused_rmsnorm_project(xr, Wr)
     go = [torch.randn_like(o[0]), torch.randn_like(o[1])]
-    for name, cfg in [("library", lib)]:
-        t1 = med(lambda: M.project_bwd(x, W, proj, inv, dproj, None))
-        t2 = med(lambda: torch.autograd.grad(o, [xr, Wr], go, retain_graph=True))
-        rows.append({"C": C, "kind": "op", "name": name, "cfg": cfg, "direct_ms": t1, "direct_pct": pct(t1),
-                     "autograd_ms": t2, "autograd_pct": pct(t2)})
-        print(f"C={C} op {name}: direct {t1:.4f} ms {pct(t1):.1f}%  autograd {t2:.4f} ms {pct(t2):.1f}%", flush=True)
-        if args.profile:
-            rows.append(profile(C, name, cfg, o, xr, Wr, go, orig))
+    t1 = med(lambda: M.project_bwd(x, W, proj, inv, dproj, None))
+    t2 = med(lambda: torch.autograd.grad(o, [xr, Wr], go, retain_graph=True))
+    rows.append({"C": C, "kind": "op", "name": "library", "cfg": lib, "direct_ms": t1, "direct_pct": pct(t1),
+                 "autograd_ms": t2, "autograd_pct": pct(t2)})
+    print(f"C={C} op library: direct {t1:.4f} ms {pct(t1):.1f}%  autograd {t2:.4f} ms {pct(t2):.1f}%", flush=True)
+    if args.profile:
+        rows.append(profile(C, "library", o, xr, Wr, go))
     out.extend(rows)
 
 
-def profile(C, name, cfg, o, xr, Wr, go, orig):
+def profile(C, name, o, xr, Wr, go):
     from torch.profiler import ProfilerActivity, profile as tprof
 
     cache = torch.empty(256 << 20, dtype=torch.int8, device=DEV)
-    M._cfg = lambda kernel, c, d: cfg if kernel == "mhc_project_bwd" else orig(kernel, c, d)
-    try:
-        for _ in range(3):
+    for _ in range(3):
+        torch.autograd.grad(o, [xr, Wr], go, retain_graph=True)
+    torch.cuda.synchronize()
+    with tprof(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(20):
+            cache.zero_()
             torch.autograd.grad(o, [xr, Wr], go, retain_graph=True)
         torch.cuda.synchronize()
-        with tprof(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(20):
-                cache.zero_()
-                torch.autograd.grad(o, [xr, Wr], go, retain_graph=True)
-            torch.cuda.synchronize()
-    finally:
-        M._cfg = orig
     ev = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     ev.sort(key=lambda e: e.time_range.start)
     calls, cur = [], []

@@ -95,9 +95,9 @@ def flash_decode_oproj_kernel(
         o_ln = tl.arange(0, PF_LINES) * (1024 // q_ptr.dtype.element_ty.primitive_bitwidth)  # elements per line
         for g in tl.static_range(HKV):
             prefetch_l2(kc_ptr + i_b * stride_kb + g * stride_kh + o_pr.to(tl.int64)[:, None] * stride_ks
-                         + o_ln[None, :], (o_pr < n_pf)[:, None])
+                        + o_ln[None, :], (o_pr < n_pf)[:, None])
             prefetch_l2(vc_ptr + i_b * stride_vb + g * stride_vh + o_pr.to(tl.int64)[:, None] * stride_vs
-                         + o_ln[None, :], (o_pr < n_pf)[:, None])
+                        + o_ln[None, :], (o_pr < n_pf)[:, None])
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()  # the next kernel may start: it waits the same way
