@@ -1,0 +1,248 @@
+"""Ternary x bf16/fp16 at M <= 8 for Hopper, in Gluon: mma.sync with no shared x and no CTA barriers (a probe).
+
+The same tc codes, decode and fp32 results as ``triforge.ops.ternary.tc`` (the library's kernel), built differently:
+
+- one program is WARPS warps, each warp 16 weight rows (one storage tile row) over the program's K range; the
+  decoded words are mma.sync m16n8k16's A operand in registers, as in the library kernel (the code words are in the
+  fragment's order), and x is the B operand in registers too, loaded from global memory (L1/L2: every program reads
+  the same x) straight into the fragment's layout: x never passes through shared memory, so no step needs a barrier
+  across warps (the library kernel stages x for wgmma and syncs its warps every K step);
+- the code words travel by cp.async into a ring of STAGES K steps in shared memory, each thread copying exactly the
+  bytes it later reads: STAGES steps of words in flight per warp without registers (the library kernel holds its
+  prefetch in registers, PREFETCH <= 3 steps);
+- K may be split (grid dim 1): FINAL writes y, else fp32 partials [S, M, N] for ``kernels.reduce_splits``.
+
+Compiled GPUs only (Gluon has no interpreter).
+"""
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+
+from triforge import launch
+from triforge.ops.ternary import tc
+from triforge.ops.ternary.kernels import reduce_splits
+
+
+@gluon.jit
+def _gdc_wait():
+    gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _gdc_launch_dependents():
+    gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
+                              is_pure=False, pack=1)
+
+
+@gluon.jit
+def _pair(src, mask, c, d, IS_BF16: gl.constexpr):
+    """(lo, hi) 16-bit trits of the field pair selected by ``mask`` in ``src`` (tc._decode_asm)."""
+    if IS_BF16:
+        lo, hi = gl.inline_asm_elementwise(
+            "{ .reg .b32 t; lop3.b32 t, $2, $3, $4, 0xEA; sub.rn.bf16x2 t, t, $5; mov.b32 {$0, $1}, t; }",
+            "=h,=h,r,r,r,r", [src, mask, c, d], dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=1)
+    else:
+        lo, hi = gl.inline_asm_elementwise(
+            "{ .reg .b32 t; lop3.b32 t, $2, $3, $4, 0xEA; sub.f16x2 t, t, $5; mov.b32 {$0, $1}, t; }",
+            "=h,=h,r,r,r,r", [src, mask, c, d], dtype=(gl.float16, gl.float16), is_pure=True, pack=1)
+    return lo, hi
+
+
+@gluon.jit
+def _field(words, w6, w12, magic, KB2: gl.constexpr, H: gl.constexpr, IS_BF16: gl.constexpr):
+    """Field i = 2 KB2 + H of every word, both halves: [.., e 2] trits (tc._decode_constants, one field)."""
+    F: gl.constexpr = 4 * KB2 + 2 * H
+    if IS_BF16:
+        SH: gl.constexpr = 12 if F >= 12 else (6 if F >= 6 else 0)
+        ONE: gl.constexpr = 7
+    else:
+        SH: gl.constexpr = 6 if F >= 10 else 0
+        ONE: gl.constexpr = 10
+    J: gl.constexpr = F - SH
+    MASK: gl.constexpr = 0x00030003 << J
+    c = magic - (J << ONE) * 0x00010001
+    d = ((magic & 0xFFFF) - (J << ONE) + (1 << J)) * 0x00010001
+    if SH == 12:
+        src = w12
+    elif SH == 6:
+        src = w6
+    else:
+        src = words
+    lo, hi = _pair(src, gl.full(words.shape, MASK, gl.int32, words.type.layout),
+                   gl.full(words.shape, c, gl.int32, words.type.layout),
+                   gl.full(words.shape, d, gl.int32, words.type.layout), IS_BF16)
+    return gl.join(lo, hi)
+
+
+@gluon.jit
+def _decode_step(words, magic, a_l: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, IS_BF16: gl.constexpr):
+    """Words [t 4, rlo 8, w, b3 2, blk, u 2] -> the A operand [BN, BK] (rows 16 w + 8 b3 + rlo, columns
+    128 blk + 64 u + 16 kb2 + 8 h + 2 t + e)."""
+    w6 = words >> 6
+    w12 = words >> 12
+    # per kb2: join over h -> [.., e, h]; kb2 = a + 2 b by two more joins -> [.., e, h, a, b]
+    k0 = gl.join(_field(words, w6, w12, magic, 0, 0, IS_BF16), _field(words, w6, w12, magic, 0, 1, IS_BF16))
+    k1 = gl.join(_field(words, w6, w12, magic, 1, 0, IS_BF16), _field(words, w6, w12, magic, 1, 1, IS_BF16))
+    k2 = gl.join(_field(words, w6, w12, magic, 2, 0, IS_BF16), _field(words, w6, w12, magic, 2, 1, IS_BF16))
+    k3 = gl.join(_field(words, w6, w12, magic, 3, 0, IS_BF16), _field(words, w6, w12, magic, 3, 1, IS_BF16))
+    kk = gl.join(gl.join(k0, k1), gl.join(k2, k3))  # [t, rlo, w, b3, blk, u, e, h, a, b]
+    kk = gl.permute(kk, (2, 3, 1, 4, 5, 9, 8, 7, 0, 6))  # [w, b3, rlo, blk, u, b, a, h, t, e]
+    return gl.convert_layout(gl.reshape(kk, [BN, BK]), a_l)
+
+
+@gluon.jit
+def _load_x(p_x, k0, o_kx, K, EVEN_K: gl.constexpr):
+    """x's B tile [BK, 8] of the step at column k0 (columns clamped to K - 1 unless EVEN_K; past the steps of the
+    range too, where nothing reads it)."""
+    if EVEN_K:  # whole tiles: a step past the end reads the last tile instead
+        return gl.load(p_x + gl.minimum(k0, K - o_kx.shape[0]) + o_kx[:, None])
+    else:
+        return gl.load(p_x + gl.minimum(k0 + o_kx, K - 1)[:, None])
+
+
+@gluon.jit
+def ternary_m8_kernel(
+    x_ptr,  # [M, K] fp16/bf16, M <= 8
+    codes_ptr,  # tc codes (tc.pack_tc, 16-row tiles)
+    scale_ptr,  # [N] fp32 at n * stride_scale
+    bias_ptr,  # [N] (HAS_BIAS)
+    y_ptr,  # [M, N] (FINAL)
+    part_ptr,  # [S, M, N] fp32 (not FINAL)
+    stride_scale,
+    magic,
+    M,
+    N,
+    K,
+    KC,
+    steps_per_split,
+    WARPS: gl.constexpr,
+    BLOCKS_K: gl.constexpr,  # 128-column blocks per K step
+    STAGES: gl.constexpr,  # K steps of words in flight (cp.async ring)
+    IS_BF16: gl.constexpr,
+    FINAL: gl.constexpr,
+    HAS_BIAS: gl.constexpr,
+    PDL: gl.constexpr,
+    XPRE: gl.constexpr,  # x fragments loaded this many steps ahead (0: in the step)
+    EVEN_K: gl.constexpr,  # K % (128 BLOCKS_K) == 0 (x loads need no clamp)
+):
+    BN: gl.constexpr = 16 * WARPS
+    BK: gl.constexpr = 128 * BLOCKS_K
+    TR: gl.constexpr = 16
+    i_n = gl.program_id(0)
+    i_s = gl.program_id(1)
+    # words of one K step: [t 4, rlo 8, w WARPS, b3 2, blk BLOCKS_K, u 2]; lane = t + 4 rlo, warp = w
+    w_l: gl.constexpr = gl.BlockedLayout([1, 1, 1, 1, 1, 2], [4, 8, 1, 1, 1, 1], [1, 1, WARPS, 1, 1, 1],
+                                         [5, 0, 1, 2, 3, 4])
+    mma_l: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, 8])
+    a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_l, k_width=2)
+    b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma_l, k_width=2)
+    ring_l: gl.constexpr = gl.SwizzledSharedLayout(2, 1, 1, [5, 0, 1, 2, 3, 4])
+    ring = gl.allocate_shared_memory(gl.int32, [STAGES, 4, 8, WARPS, 2, BLOCKS_K, 2], ring_l)
+
+    # word offsets within a step (tiled storage: row r of the program's tile row w at 8 r + word, block blk at 128 blk)
+    o_t = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, gl.SliceLayout(5, w_l))))))
+    o_r = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, gl.SliceLayout(5, w_l))))))
+    o_w = gl.arange(0, WARPS, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, gl.SliceLayout(4, gl.SliceLayout(5, w_l))))))
+    o_b3 = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(4, gl.SliceLayout(5, w_l))))))
+    o_blk = gl.arange(0, BLOCKS_K, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(5, w_l))))))
+    o_u = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, w_l))))))
+    e_t = o_t[:, None, None, None, None, None]
+    e_r = o_r[None, :, None, None, None, None]
+    e_w = o_w[None, None, :, None, None, None]
+    e_b3 = o_b3[None, None, None, :, None, None]
+    e_blk = o_blk[None, None, None, None, :, None]
+    e_u = o_u[None, None, None, None, None, :]
+    row_tile = i_n * WARPS + e_w  # storage tile row of each word
+    o_c = 8 * e_blk + 2 * e_t + e_u  # word within the row's step
+    p_c = codes_ptr + row_tile.to(gl.int64) * KC * TR + (8 * e_b3 + e_r) * 8 + (8 * TR) * e_blk + 2 * e_t + e_u
+    n_steps = gl.cdiv(KC, 8 * BLOCKS_K)
+    s_start = i_s * steps_per_split
+    s_end = gl.minimum(s_start + steps_per_split, n_steps)
+    n_local = s_end - s_start
+    # the ring's first STAGES steps (codes are settled before the launch: read before griddepcontrol.wait)
+    for i in gl.static_range(STAGES):
+        w0 = (s_start + i) * (8 * BLOCKS_K)
+        async_copy.async_copy_global_to_shared(ring.index(i), p_c + w0 * TR, mask=(i < n_local) & (w0 + o_c < KC))
+        async_copy.commit_group()
+    if PDL:
+        _gdc_wait()
+        _gdc_launch_dependents()
+    # x as the B operand [BK, 8]: B[k, m] = x[m, k]. Columns m >= M of the product are never stored, so their B
+    # columns may hold any finite values: lanes past M read row M - 1 (no masks); past K, the padding columns' codes
+    # are trit 0, so x's last column (finite) serves (EVEN_K: none)
+    o_kx = gl.arange(0, BK, layout=gl.SliceLayout(1, b_l))
+    o_mx = gl.minimum(gl.arange(0, 8, layout=gl.SliceLayout(0, b_l)), M - 1)
+    p_x = x_ptr + o_mx.to(gl.int64)[None, :] * K
+    k_first = s_start * BK
+    if XPRE >= 1:
+        xb = _load_x(p_x, k_first, o_kx, K, EVEN_K)
+    if XPRE >= 2:
+        xb2 = _load_x(p_x, k_first + BK, o_kx, K, EVEN_K)
+    acc = gl.zeros([BN, 8], gl.float32, mma_l)
+    for i in range(0, n_local):
+        slot = i % STAGES
+        k0 = (s_start + i) * BK
+        if XPRE >= 1:
+            xn = _load_x(p_x, k0 + XPRE * BK, o_kx, K, EVEN_K)
+        async_copy.wait_group(STAGES - 1)  # this thread's copies of step i have landed
+        words = ring.index(slot).load(w_l)
+        a = _decode_step(words, magic, a_l, BN, BK, IS_BF16)
+        if XPRE == 0:
+            b = _load_x(p_x, k0, o_kx, K, EVEN_K)
+        else:
+            b = xb
+        acc = mma_v2(a, b, acc)
+        # step i + STAGES into the slot just read (the same threads read it above)
+        w0 = (s_start + i + STAGES) * (8 * BLOCKS_K)
+        async_copy.async_copy_global_to_shared(ring.index(slot), p_c + w0 * TR,
+                                               mask=(i + STAGES < n_local) & (w0 + o_c < KC))
+        async_copy.commit_group()
+        if XPRE == 1:
+            xb = xn
+        if XPRE == 2:
+            xb = xb2
+            xb2 = xn
+    async_copy.wait_group(0)
+    # acc [BN, 8] is y^T
+    o_n = i_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, mma_l))
+    o_m = gl.arange(0, 8, layout=gl.SliceLayout(0, mma_l))
+    m_n = o_n < N
+    m_y = m_n[:, None] & (o_m < M)[None, :]
+    if FINAL:
+        y = acc * gl.load(scale_ptr + o_n * stride_scale, mask=m_n, other=0.0)[:, None]
+        if HAS_BIAS:
+            y += gl.load(bias_ptr + o_n, mask=m_n, other=0.0).to(gl.float32)[:, None]
+        gl.store(y_ptr + o_m.to(gl.int64)[None, :] * N + o_n[:, None], y.to(y_ptr.dtype.element_ty), mask=m_y)
+    else:
+        o_p = (i_s.to(gl.int64) * M + o_m[None, :]) * N + o_n[:, None]
+        gl.store(part_ptr + o_p, acc, mask=m_y)
+
+
+def ternary_matmul_m8(x2d: torch.Tensor, tt, codes: torch.Tensor, cfg: dict, bias=None, pdl=False) -> torch.Tensor:
+    """x2d [M <= 8, K] fp16/bf16 @ (scales * trits)^T (+ bias) with ``ternary_m8_kernel`` (sm90, compiled).
+    cfg: WARPS, BLOCKS_K, STAGES, XPRE, splits (K splits; > 1: partials and ``reduce_splits``)."""
+    M, K = x2d.shape
+    N = tt.out_features
+    assert M <= 8 and x2d.dtype in (torch.float16, torch.bfloat16)
+    x2d = x2d.contiguous()
+    kc = codes.shape[1]
+    warps, nbk = cfg["WARPS"], cfg["BLOCKS_K"]
+    n_steps = launch.cdiv(kc, 8 * nbk)
+    per_split = launch.cdiv(n_steps, cfg.get("splits", 1))
+    splits = launch.cdiv(n_steps, per_split)
+    scales = tt.kernel_operands()[0]
+    final = splits == 1
+    y = launch.new_output((M, N), x2d.dtype, x2d.device)
+    part = y if final else launch.new_output((splits, M, N), torch.float32, x2d.device)
+    is_bf16 = x2d.dtype == torch.bfloat16
+    ternary_m8_kernel[(launch.cdiv(N, 16 * warps), splits)](
+        x2d, codes, scales, bias if bias is not None else scales, y, part, scales.stride(0),
+        tc.MAGIC_BF16 if is_bf16 else tc.MAGIC_F16, M, N, K, kc, per_split,
+        WARPS=warps, BLOCKS_K=nbk, STAGES=cfg.get("STAGES", 8), IS_BF16=is_bf16, FINAL=final,
+        HAS_BIAS=bias is not None, XPRE=cfg.get("XPRE", 1), EVEN_K=K % (128 * nbk) == 0, num_warps=warps, **launch.pdl_options(pdl),
+    )
+    if not final:
+        reduce_splits(part, scales, bias, y, False, 256, True, pdl)
+    return y
