@@ -77,29 +77,24 @@ def _field(words, w6, w12, magic, KB2: gl.constexpr, H: gl.constexpr, IS_BF16: g
 
 
 @gluon.jit
-def _decode_step(words, magic, a_l: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, IS_BF16: gl.constexpr):
-    """Words [t 4, rlo 8, w, b3 2, blk, u 2] -> the A operand [BN, BK] (rows 16 w + 8 b3 + rlo, columns
-    128 blk + 64 u + 16 kb2 + 8 h + 2 t + e)."""
-    w6 = words >> 6
-    w12 = words >> 12
-    # per kb2: join over h -> [.., e, h]; kb2 = a + 2 b by two more joins -> [.., e, h, a, b]
-    k0 = gl.join(_field(words, w6, w12, magic, 0, 0, IS_BF16), _field(words, w6, w12, magic, 0, 1, IS_BF16))
-    k1 = gl.join(_field(words, w6, w12, magic, 1, 0, IS_BF16), _field(words, w6, w12, magic, 1, 1, IS_BF16))
-    k2 = gl.join(_field(words, w6, w12, magic, 2, 0, IS_BF16), _field(words, w6, w12, magic, 2, 1, IS_BF16))
-    k3 = gl.join(_field(words, w6, w12, magic, 3, 0, IS_BF16), _field(words, w6, w12, magic, 3, 1, IS_BF16))
-    kk = gl.join(gl.join(k0, k1), gl.join(k2, k3))  # [t, rlo, w, b3, blk, u, e, h, a, b]
-    kk = gl.permute(kk, (2, 3, 1, 4, 5, 9, 8, 7, 0, 6))  # [w, b3, rlo, blk, u, b, a, h, t, e]
-    return gl.convert_layout(gl.reshape(kk, [BN, BK]), a_l)
+def _piece(words_u, w6, w12, magic, KB2: gl.constexpr, a_l: gl.constexpr, BN: gl.constexpr, BLK: gl.constexpr,
+           IS_BF16: gl.constexpr):
+    """Words of one u [t 4, rlo 8, w, b3 2, blk] -> the A operand of k-block 4 u + KB2 of every 128-column block:
+    [BN, 16 BLK] (rows 16 w + 8 b3 + rlo, columns 16 blk + 8 h + 2 t + e)."""
+    p = gl.join(_field(words_u, w6, w12, magic, KB2, 0, IS_BF16), _field(words_u, w6, w12, magic, KB2, 1, IS_BF16))
+    p = gl.permute(p, (2, 3, 1, 4, 6, 0, 5))  # [t, rlo, w, b3, blk, e, h] -> [w, b3, rlo, blk, h, t, e]
+    return gl.convert_layout(gl.reshape(p, [BN, 16 * BLK]), a_l)
 
 
 @gluon.jit
-def _load_x(p_x, k0, o_kx, K, EVEN_K: gl.constexpr):
-    """x's B tile [BK, 8] of the step at column k0 (columns clamped to K - 1 unless EVEN_K; past the steps of the
-    range too, where nothing reads it)."""
-    if EVEN_K:  # whole tiles: a step past the end reads the last tile instead
-        return gl.load(p_x + gl.minimum(k0, K - o_kx.shape[0]) + o_kx[:, None])
-    else:
-        return gl.load(p_x + gl.minimum(k0 + o_kx, K - 1)[:, None])
+def _mma_piece(words_u, w6, w12, magic, p_x, o_kp, k0, K, acc, U: gl.constexpr, KB2: gl.constexpr,
+               a_l: gl.constexpr, BN: gl.constexpr, BLK: gl.constexpr, IS_BF16: gl.constexpr, EVEN_K: gl.constexpr):
+    """acc += A(piece) B(piece): the piece's BLK k-blocks of 16 (x columns 128 blk + 64 U + 16 KB2 + 0..15)."""
+    a = _piece(words_u, w6, w12, magic, KB2, a_l, BN, BLK, IS_BF16)
+    k = k0 + 64 * U + 16 * KB2 + o_kp
+    if not EVEN_K:  # past K the codes are trit 0: any finite x serves
+        k = gl.minimum(k, K - 1)
+    return mma_v2(a, gl.load(p_x + k[:, None]), acc)
 
 
 @gluon.jit
@@ -124,7 +119,6 @@ def ternary_m8_kernel(
     FINAL: gl.constexpr,
     HAS_BIAS: gl.constexpr,
     PDL: gl.constexpr,
-    XPRE: gl.constexpr,  # x fragments loaded this many steps ahead (0: in the step)
     EVEN_K: gl.constexpr,  # K % (128 BLOCKS_K) == 0 (x loads need no clamp)
 ):
     BN: gl.constexpr = 16 * WARPS
@@ -169,41 +163,45 @@ def ternary_m8_kernel(
     if PDL:
         _gdc_wait()
         _gdc_launch_dependents()
-    # x as the B operand [BK, 8]: B[k, m] = x[m, k]. Columns m >= M of the product are never stored, so their B
-    # columns may hold any finite values: lanes past M read row M - 1 (no masks); past K, the padding columns' codes
-    # are trit 0, so x's last column (finite) serves (EVEN_K: none)
-    o_kx = gl.arange(0, BK, layout=gl.SliceLayout(1, b_l))
+    # x as the B operand: B[k, m] = x[m, k]. Columns m >= M of the product are never stored, so their B columns may
+    # hold any finite values: lanes past M read row M - 1 (no masks)
     o_mx = gl.minimum(gl.arange(0, 8, layout=gl.SliceLayout(0, b_l)), M - 1)
     p_x = x_ptr + o_mx.to(gl.int64)[None, :] * K
-    k_first = s_start * BK
-    if XPRE >= 1:
-        xb = _load_x(p_x, k_first, o_kx, K, EVEN_K)
-    if XPRE >= 2:
-        xb2 = _load_x(p_x, k_first + BK, o_kx, K, EVEN_K)
-    acc = gl.zeros([BN, 8], gl.float32, mma_l)
+    o_kp = gl.arange(0, 16 * BLOCKS_K, layout=gl.SliceLayout(1, b_l))
+    o_kp = 128 * (o_kp // 16) + o_kp % 16  # a piece's columns within the step
+    # eight accumulators (one per k-block of 16 within each 128 columns): independent mma.sync chains
+    acc0 = gl.zeros([BN, 8], gl.float32, mma_l)
+    acc1 = gl.zeros([BN, 8], gl.float32, mma_l)
+    acc2 = gl.zeros([BN, 8], gl.float32, mma_l)
+    acc3 = gl.zeros([BN, 8], gl.float32, mma_l)
+    acc4 = gl.zeros([BN, 8], gl.float32, mma_l)
+    acc5 = gl.zeros([BN, 8], gl.float32, mma_l)
+    acc6 = gl.zeros([BN, 8], gl.float32, mma_l)
+    acc7 = gl.zeros([BN, 8], gl.float32, mma_l)
     for i in range(0, n_local):
         slot = i % STAGES
         k0 = (s_start + i) * BK
-        if XPRE >= 1:
-            xn = _load_x(p_x, k0 + XPRE * BK, o_kx, K, EVEN_K)
         async_copy.wait_group(STAGES - 1)  # this thread's copies of step i have landed
         words = ring.index(slot).load(w_l)
-        a = _decode_step(words, magic, a_l, BN, BK, IS_BF16)
-        if XPRE == 0:
-            b = _load_x(p_x, k0, o_kx, K, EVEN_K)
-        else:
-            b = xb
-        acc = mma_v2(a, b, acc)
+        wu0, wu1 = gl.split(words)  # [t, rlo, w, b3, blk] per u
+        w60 = wu0 >> 6
+        w61 = wu1 >> 6
+        w120 = wu0 >> 12
+        w121 = wu1 >> 12
+        acc0 = _mma_piece(wu0, w60, w120, magic, p_x, o_kp, k0, K, acc0, 0, 0, a_l, BN, BLOCKS_K, IS_BF16, EVEN_K)
+        acc1 = _mma_piece(wu0, w60, w120, magic, p_x, o_kp, k0, K, acc1, 0, 1, a_l, BN, BLOCKS_K, IS_BF16, EVEN_K)
+        acc2 = _mma_piece(wu0, w60, w120, magic, p_x, o_kp, k0, K, acc2, 0, 2, a_l, BN, BLOCKS_K, IS_BF16, EVEN_K)
+        acc3 = _mma_piece(wu0, w60, w120, magic, p_x, o_kp, k0, K, acc3, 0, 3, a_l, BN, BLOCKS_K, IS_BF16, EVEN_K)
+        acc4 = _mma_piece(wu1, w61, w121, magic, p_x, o_kp, k0, K, acc4, 1, 0, a_l, BN, BLOCKS_K, IS_BF16, EVEN_K)
+        acc5 = _mma_piece(wu1, w61, w121, magic, p_x, o_kp, k0, K, acc5, 1, 1, a_l, BN, BLOCKS_K, IS_BF16, EVEN_K)
+        acc6 = _mma_piece(wu1, w61, w121, magic, p_x, o_kp, k0, K, acc6, 1, 2, a_l, BN, BLOCKS_K, IS_BF16, EVEN_K)
+        acc7 = _mma_piece(wu1, w61, w121, magic, p_x, o_kp, k0, K, acc7, 1, 3, a_l, BN, BLOCKS_K, IS_BF16, EVEN_K)
         # step i + STAGES into the slot just read (the same threads read it above)
         w0 = (s_start + i + STAGES) * (8 * BLOCKS_K)
         async_copy.async_copy_global_to_shared(ring.index(slot), p_c + w0 * TR,
                                                mask=(i + STAGES < n_local) & (w0 + o_c < KC))
         async_copy.commit_group()
-        if XPRE == 1:
-            xb = xn
-        if XPRE == 2:
-            xb = xb2
-            xb2 = xn
+    acc = ((acc0 + acc1) + (acc2 + acc3)) + ((acc4 + acc5) + (acc6 + acc7))
     async_copy.wait_group(0)
     # acc [BN, 8] is y^T
     o_n = i_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, mma_l))
@@ -222,7 +220,7 @@ def ternary_m8_kernel(
 
 def ternary_matmul_m8(x2d: torch.Tensor, tt, codes: torch.Tensor, cfg: dict, bias=None, pdl=False) -> torch.Tensor:
     """x2d [M <= 8, K] fp16/bf16 @ (scales * trits)^T (+ bias) with ``ternary_m8_kernel`` (sm90, compiled).
-    cfg: WARPS, BLOCKS_K, STAGES, XPRE, splits (K splits; > 1: partials and ``reduce_splits``)."""
+    cfg: WARPS, BLOCKS_K, STAGES, splits (K splits; > 1: partials and ``reduce_splits``)."""
     M, K = x2d.shape
     N = tt.out_features
     assert M <= 8 and x2d.dtype in (torch.float16, torch.bfloat16)
@@ -241,7 +239,7 @@ def ternary_matmul_m8(x2d: torch.Tensor, tt, codes: torch.Tensor, cfg: dict, bia
         x2d, codes, scales, bias if bias is not None else scales, y, part, scales.stride(0),
         tc.MAGIC_BF16 if is_bf16 else tc.MAGIC_F16, M, N, K, kc, per_split,
         WARPS=warps, BLOCKS_K=nbk, STAGES=cfg.get("STAGES", 8), IS_BF16=is_bf16, FINAL=final,
-        HAS_BIAS=bias is not None, XPRE=cfg.get("XPRE", 1), EVEN_K=K % (128 * nbk) == 0, num_warps=warps, **launch.pdl_options(pdl),
+        HAS_BIAS=bias is not None, EVEN_K=K % (128 * nbk) == 0, num_warps=warps, **launch.pdl_options(pdl),
     )
     if not final:
         reduce_splits(part, scales, bias, y, False, 256, True, pdl)

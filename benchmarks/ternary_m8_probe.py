@@ -26,9 +26,9 @@ from triforge.testing import compare  # noqa: E402
 
 def grid(which):
     if which == "small":
-        return [dict(WARPS=1, BLOCKS_K=2, STAGES=8, XPRE=0)]
-    return [dict(WARPS=w, BLOCKS_K=b, STAGES=st, XPRE=xp, splits=sp)
-            for w, b, st, xp, sp in itertools.product((1, 4), (1, 2), (8, 16), (0, 1), (1, 2))]
+        return [dict(WARPS=1, BLOCKS_K=2, STAGES=8)]
+    return [dict(WARPS=w, BLOCKS_K=b, STAGES=st, splits=sp)
+            for w, b, st, sp in itertools.product((1, 2, 4), (1, 2), (8, 16), (1, 2, 3))]
 
 
 def run(N, K, ms, gen, which):
