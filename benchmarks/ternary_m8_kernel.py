@@ -87,14 +87,20 @@ def _piece(words_u, w6, w12, magic, KB2: gl.constexpr, a_l: gl.constexpr, BN: gl
 
 
 @gluon.jit
-def _mma_piece(words_u, w6, w12, magic, p_x, o_kp, k0, K, acc, U: gl.constexpr, KB2: gl.constexpr,
-               a_l: gl.constexpr, BN: gl.constexpr, BLK: gl.constexpr, IS_BF16: gl.constexpr, EVEN_K: gl.constexpr):
+def _mma_piece(words_u, w6, w12, magic, p_x, o_kp, k0, K, x_ring, slot, acc, U: gl.constexpr, KB2: gl.constexpr,
+               a_l: gl.constexpr, b_l: gl.constexpr, BN: gl.constexpr, BLK: gl.constexpr, IS_BF16: gl.constexpr,
+               EVEN_K: gl.constexpr, XS: gl.constexpr):
     """acc += A(piece) B(piece): the piece's BLK k-blocks of 16 (x columns 128 blk + 64 U + 16 KB2 + 0..15)."""
     a = _piece(words_u, w6, w12, magic, KB2, a_l, BN, BLK, IS_BF16)
-    k = k0 + 64 * U + 16 * KB2 + o_kp
-    if not EVEN_K:  # past K the codes are trit 0: any finite x serves
-        k = gl.minimum(k, K - 1)
-    return mma_v2(a, gl.load(p_x + k[:, None]), acc)
+    if XS:  # M = 1: x row 0 from this step's ring slot, the same values in every B column
+        xv = x_ring.index(slot * 8 + 4 * U + KB2).load(gl.SliceLayout(1, b_l))
+        b, _ = gl.broadcast(gl.expand_dims(xv, 1), gl.zeros([16 * BLK, 8], xv.dtype, b_l))
+    else:
+        k = k0 + 64 * U + 16 * KB2 + o_kp
+        if not EVEN_K:  # past K the codes are trit 0: any finite x serves
+            k = gl.minimum(k, K - 1)
+        b = gl.load(p_x + k[:, None])
+    return mma_v2(a, b, acc)
 
 
 @gluon.jit
@@ -120,6 +126,7 @@ def ternary_m8_kernel(
     HAS_BIAS: gl.constexpr,
     PDL: gl.constexpr,
     EVEN_K: gl.constexpr,  # K % (128 BLOCKS_K) == 0 (x loads need no clamp)
+    XS: gl.constexpr,  # M = 1: x through the ring (shared memory) instead of loads from global memory per step
 ):
     BN: gl.constexpr = 16 * WARPS
     BK: gl.constexpr = 128 * BLOCKS_K
@@ -134,6 +141,13 @@ def ternary_m8_kernel(
     b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma_l, k_width=2)
     ring_l: gl.constexpr = gl.SwizzledSharedLayout(2, 1, 1, [5, 0, 1, 2, 3, 4])
     ring = gl.allocate_shared_memory(gl.int32, [STAGES, 4, 8, WARPS, 2, BLOCKS_K, 2], ring_l)
+    # XS (M = 1): x's step tile (row 0 only) beside the words, per piece p = 4 u + kb2 (columns 128 blk + 16 p + j):
+    # rows 8 slot + p of [8 STAGES, 16 BLOCKS_K], one 16-byte copy per piece
+    xr_l: gl.constexpr = gl.BlockedLayout([8], [32], [WARPS], [0])
+    x_ring = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [8 * STAGES if XS else 1, 16 * BLOCKS_K],
+                                       gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    o_xj = gl.arange(0, 16 * BLOCKS_K, layout=xr_l)
+    o_xr = 128 * (o_xj // 16) + o_xj % 16
 
     # word offsets within a step (tiled storage: row r of the program's tile row w at 8 r + word, block blk at 128 blk)
     o_t = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, gl.SliceLayout(5, w_l))))))
@@ -159,10 +173,17 @@ def ternary_m8_kernel(
     for i in gl.static_range(STAGES):
         w0 = (s_start + i) * (8 * BLOCKS_K)
         async_copy.async_copy_global_to_shared(ring.index(i), p_c + w0 * TR, mask=(i < n_local) & (w0 + o_c < KC))
-        async_copy.commit_group()
+        if not XS:
+            async_copy.commit_group()
     if PDL:
         _gdc_wait()
         _gdc_launch_dependents()
+    if XS:  # x after the wait (an earlier kernel may write it); the words' groups and x's commit together
+        for i in gl.static_range(STAGES):
+            for p in gl.static_range(8):
+                kx = (s_start + i) * (128 * BLOCKS_K) + 16 * p + o_xr
+                async_copy.async_copy_global_to_shared(x_ring.index(8 * i + p), x_ptr + kx, mask=(i < n_local) & (kx < K))
+            async_copy.commit_group()
     # x as the B operand: B[k, m] = x[m, k]. Columns m >= M of the product are never stored, so their B columns may
     # hold any finite values: lanes past M read row M - 1 (no masks)
     o_mx = gl.minimum(gl.arange(0, 8, layout=gl.SliceLayout(0, b_l)), M - 1)
@@ -188,18 +209,31 @@ def ternary_m8_kernel(
         w61 = wu1 >> 6
         w120 = wu0 >> 12
         w121 = wu1 >> 12
-        acc0 = _mma_piece(wu0, w60, w120, magic, p_x, o_kp, k0, K, acc0, 0, 0, a_l, BN, BLOCKS_K, IS_BF16, EVEN_K)
-        acc1 = _mma_piece(wu0, w60, w120, magic, p_x, o_kp, k0, K, acc1, 0, 1, a_l, BN, BLOCKS_K, IS_BF16, EVEN_K)
-        acc2 = _mma_piece(wu0, w60, w120, magic, p_x, o_kp, k0, K, acc2, 0, 2, a_l, BN, BLOCKS_K, IS_BF16, EVEN_K)
-        acc3 = _mma_piece(wu0, w60, w120, magic, p_x, o_kp, k0, K, acc3, 0, 3, a_l, BN, BLOCKS_K, IS_BF16, EVEN_K)
-        acc4 = _mma_piece(wu1, w61, w121, magic, p_x, o_kp, k0, K, acc4, 1, 0, a_l, BN, BLOCKS_K, IS_BF16, EVEN_K)
-        acc5 = _mma_piece(wu1, w61, w121, magic, p_x, o_kp, k0, K, acc5, 1, 1, a_l, BN, BLOCKS_K, IS_BF16, EVEN_K)
-        acc6 = _mma_piece(wu1, w61, w121, magic, p_x, o_kp, k0, K, acc6, 1, 2, a_l, BN, BLOCKS_K, IS_BF16, EVEN_K)
-        acc7 = _mma_piece(wu1, w61, w121, magic, p_x, o_kp, k0, K, acc7, 1, 3, a_l, BN, BLOCKS_K, IS_BF16, EVEN_K)
+        acc0 = _mma_piece(wu0, w60, w120, magic, p_x, o_kp, k0, K, x_ring, slot, acc0, 0, 0, a_l, b_l, BN, BLOCKS_K, IS_BF16,
+                          EVEN_K, XS)
+        acc1 = _mma_piece(wu0, w60, w120, magic, p_x, o_kp, k0, K, x_ring, slot, acc1, 0, 1, a_l, b_l, BN, BLOCKS_K, IS_BF16,
+                          EVEN_K, XS)
+        acc2 = _mma_piece(wu0, w60, w120, magic, p_x, o_kp, k0, K, x_ring, slot, acc2, 0, 2, a_l, b_l, BN, BLOCKS_K, IS_BF16,
+                          EVEN_K, XS)
+        acc3 = _mma_piece(wu0, w60, w120, magic, p_x, o_kp, k0, K, x_ring, slot, acc3, 0, 3, a_l, b_l, BN, BLOCKS_K, IS_BF16,
+                          EVEN_K, XS)
+        acc4 = _mma_piece(wu1, w61, w121, magic, p_x, o_kp, k0, K, x_ring, slot, acc4, 1, 0, a_l, b_l, BN, BLOCKS_K, IS_BF16,
+                          EVEN_K, XS)
+        acc5 = _mma_piece(wu1, w61, w121, magic, p_x, o_kp, k0, K, x_ring, slot, acc5, 1, 1, a_l, b_l, BN, BLOCKS_K, IS_BF16,
+                          EVEN_K, XS)
+        acc6 = _mma_piece(wu1, w61, w121, magic, p_x, o_kp, k0, K, x_ring, slot, acc6, 1, 2, a_l, b_l, BN, BLOCKS_K, IS_BF16,
+                          EVEN_K, XS)
+        acc7 = _mma_piece(wu1, w61, w121, magic, p_x, o_kp, k0, K, x_ring, slot, acc7, 1, 3, a_l, b_l, BN, BLOCKS_K, IS_BF16,
+                          EVEN_K, XS)
         # step i + STAGES into the slot just read (the same threads read it above)
         w0 = (s_start + i + STAGES) * (8 * BLOCKS_K)
         async_copy.async_copy_global_to_shared(ring.index(slot), p_c + w0 * TR,
                                                mask=(i + STAGES < n_local) & (w0 + o_c < KC))
+        if XS:
+            for p in gl.static_range(8):
+                kx = k0 + STAGES * BK + 16 * p + o_xr
+                async_copy.async_copy_global_to_shared(x_ring.index(slot * 8 + p), x_ptr + kx,
+                                                       mask=(i + STAGES < n_local) & (kx < K))
         async_copy.commit_group()
     acc = ((acc0 + acc1) + (acc2 + acc3)) + ((acc4 + acc5) + (acc6 + acc7))
     async_copy.wait_group(0)
@@ -239,7 +273,7 @@ def ternary_matmul_m8(x2d: torch.Tensor, tt, codes: torch.Tensor, cfg: dict, bia
         x2d, codes, scales, bias if bias is not None else scales, y, part, scales.stride(0),
         tc.MAGIC_BF16 if is_bf16 else tc.MAGIC_F16, M, N, K, kc, per_split,
         WARPS=warps, BLOCKS_K=nbk, STAGES=cfg.get("STAGES", 8), IS_BF16=is_bf16, FINAL=final,
-        HAS_BIAS=bias is not None, EVEN_K=K % (128 * nbk) == 0, num_warps=warps, **launch.pdl_options(pdl),
+        HAS_BIAS=bias is not None, XS=bool(cfg.get("XS", 0)) and M == 1, EVEN_K=K % (128 * nbk) == 0, num_warps=warps, **launch.pdl_options(pdl),
     )
     if not final:
         reduce_splits(part, scales, bias, y, False, 256, True, pdl)

@@ -27,8 +27,8 @@ from triforge.testing import compare  # noqa: E402
 def grid(which):
     if which == "small":
         return [dict(WARPS=1, BLOCKS_K=2, STAGES=8)]
-    return [dict(WARPS=w, BLOCKS_K=b, STAGES=st, splits=sp)
-            for w, b, st, sp in itertools.product((1, 2, 4), (1, 2), (8, 16), (1, 2, 3))]
+    return [dict(WARPS=w, BLOCKS_K=b, STAGES=st, splits=sp, XS=xs)
+            for w, b, st, sp, xs in itertools.product((1, 4), (1, 2), (4, 8), (1, 2, 4), (0, 1))]
 
 
 def run(N, K, ms, gen, which):
