@@ -1,12 +1,16 @@
-"""Ternary x bf16/fp16 at M <= 8 for Hopper, in Gluon: mma.sync with no shared x and no CTA barriers (a probe).
+"""Ternary x bf16/fp16 at M <= 8 for Hopper, in Gluon, on mma.sync: a probe, not the library's kernel.
+
+Measured slower than the library's kernel at 8192^2 M = 1 in every config (benchmarks/NOTES.md, session 37): best
+13.57 us (K split 4, x through the ring) against 10.62-10.68 us; split-free 16.3 us at best. One warp per scheduler
+without a split, and mma.sync's B operand costs instructions per element that wgmma (x from shared memory) does not.
 
 The same tc codes, decode and fp32 results as ``triforge.ops.ternary.tc`` (the library's kernel), built differently:
 
 - one program is WARPS warps, each warp 16 weight rows (one storage tile row) over the program's K range; the
   decoded words are mma.sync m16n8k16's A operand in registers, as in the library kernel (the code words are in the
   fragment's order), and x is the B operand in registers too, loaded from global memory (L1/L2: every program reads
-  the same x) straight into the fragment's layout: x never passes through shared memory, so no step needs a barrier
-  across warps (the library kernel stages x for wgmma and syncs its warps every K step);
+  the same x) straight into the fragment's layout, or at M = 1 (XS) copied into the ring beside the words and read
+  by ldmatrix; eight accumulators (one per 16-column k-block of each 128 columns) keep the MMAs independent;
 - the code words travel by cp.async into a ring of STAGES K steps in shared memory, each thread copying exactly the
   bytes it later reads: STAGES steps of words in flight per warp without registers (the library kernel holds its
   prefetch in registers, PREFETCH <= 3 steps);
