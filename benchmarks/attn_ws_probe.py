@@ -1,31 +1,23 @@
-"""The Gluon warp-specialized attention forward (benchmarks/attn_ws_kernel.py) against the library's and cuDNN (issue 3).
+"""The Gluon attention forward (triforge/ops/attention/forward_ws.py) against the Triton kernel and cuDNN (issue 3).
 
-Per config: checked against a float64 reference on a small shape and against the library's output at the bench
-shapes (non-causal, bf16), then timed with CUDA events (median of 20 calls, L2 flushed between calls) beside
-``triforge.flash_attn_func`` and torch SDPA's cuDNN backend in the same process; TFLOP/s = 4 B H S^2 D / t.
+At the bench's (B, H, S, D) shapes, causal and not, bf16: each Gluon config checked against the Triton kernel's
+output, then timed with CUDA events (median of 20 calls, the L2 flushed before each) beside the Triton path
+(TRIFORGE_ATTN_GLUON=0) and torch SDPA's cuDNN backend in the same process; TFLOP/s = 4 B H S^2 D / t (half causal).
 
     PYTHONPATH=. python benchmarks/attn_ws_probe.py [--json PATH] [--shapes 4x16x8192x128 ...]
 """
 
 import argparse
-import itertools
 import json
 import os
-import sys
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from attn_ws_kernel import attn_fwd_ws  # noqa: E402
+import triforge
+from triforge.ops.attention.forward_ws import attn_fwd_ws
 
-import triforge  # noqa: E402
-
-
-def ref64(q, k, v, scale):
-    qd, kd, vd = (t.double().transpose(1, 2) for t in (q, k, v))
-    s = qd @ kd.transpose(-1, -2) * scale
-    return (torch.softmax(s, -1) @ vd).transpose(1, 2), torch.logsumexp(s, -1)
+SHAPES = ["16x16x2048x64", "8x16x4096x64", "4x16x8192x128", "2x16x16384x128"]
 
 
 def time_ms(fn, reps=20):
@@ -45,75 +37,63 @@ def time_ms(fn, reps=20):
     return ts[len(ts) // 2]
 
 
-def grid():
-    return [dict(STAGES=st, PIPE=pp, CONS_REGS=cr) for st, pp, cr in itertools.product((2, 3), (0, 1), (240,))]
-
-
-def small_check(cfgs):
-    torch.manual_seed(0)
-    out = []
-    for B, S, H, D in [(1, 256, 2, 128), (2, 640, 3, 128)]:
-        q, k, v = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-        o64, lse64 = ref64(q, k, v, D ** -0.5)
-        o_lib = triforge.flash_attn_func(q, k, v)
-        e_lib = (o_lib.double() - o64).abs().max().item()
-        for cfg in cfgs:
-            o, lse = attn_fwd_ws(q, k, v, cfg=cfg)
-            e = (o.double() - o64).abs().max().item()
-            el = (lse.double() - lse64).abs().max().item()
-            ok = bool(torch.isfinite(o).all()) and e <= 2 * e_lib + 1e-3 and el < 1e-3
-            out.append({"shape": [B, S, H, D], "config": cfg, "max_err": e, "lib_max_err": e_lib, "lse_err": el,
-                        "ok": ok})
-            print(f"check {B}x{S}x{H}x{D} {cfg}: max err {e:.2e} (library {e_lib:.2e}), lse {el:.2e} "
-                  f"{'ok' if ok else 'FAIL'}", flush=True)
+def grid(D):
+    out = [{"BLOCK_N": 128, "num_stages": s} for s in ((2, 3) if D == 128 else (2, 3, 4, 5))]
+    out += [{"BLOCK_N": 64, "num_stages": s} for s in ((3, 4, 6) if D == 128 else (4, 6))]
     return out
 
 
-def run(B, H, S, D, cfgs):
+def run(B, H, S, D, causal):
     torch.manual_seed(1)
     q, k, v = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    flops = 4 * B * H * S * S * D
-    o_lib = triforge.flash_attn_func(q, k, v)
+    flops = 4 * B * H * S * S * D // (2 if causal else 1)
+    os.environ["TRIFORGE_ATTN_GLUON"] = "0"
+    o_tri = triforge.flash_attn_func(q, k, v, causal=causal)
+    row = {"shape": [B, H, S, D], "causal": causal}
+    row["triton_ms"] = time_ms(lambda: triforge.flash_attn_func(q, k, v, causal=causal))
+    os.environ.pop("TRIFORGE_ATTN_GLUON")
+    row["default_ms"] = time_ms(lambda: triforge.flash_attn_func(q, k, v, causal=causal))
     qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
-    rows = {"shape": [B, H, S, D]}
     with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.CUDNN_ATTENTION):
-        rows["cudnn_ms"] = time_ms(lambda: F.scaled_dot_product_attention(qt, kt, vt))
-    rows["library_ms"] = time_ms(lambda: triforge.flash_attn_func(q, k, v))
-    rows["timed"] = []
-    for cfg in cfgs:
+        row["cudnn_ms"] = time_ms(lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal))
+    row["timed"] = []
+    for cfg in grid(D):
         try:
-            o, _ = attn_fwd_ws(q, k, v, cfg=cfg)
-            diff = (o.float() - o_lib.float()).abs().max().item()
-            ms = time_ms(lambda: attn_fwd_ws(q, k, v, cfg=cfg))
-            rows["timed"].append({"config": cfg, "ms": ms, "max_diff_vs_library": diff})
+            o, _, _ = attn_fwd_ws(q, k, v, causal, D ** -0.5, cfg)
+            diff = (o.float() - o_tri.float()).abs().max().item()
+            ok = bool(torch.isfinite(o).all()) and diff < 2e-2
+            ms = time_ms(lambda: attn_fwd_ws(q, k, v, causal, D ** -0.5, cfg)) if ok else None
+            row["timed"].append({"config": cfg, "ms": ms, "max_diff_vs_triton": diff, "ok": ok})
         except Exception as e:
-            print(f"  {cfg}: {type(e).__name__}: {str(e)[:300]}", flush=True)
-            rows["timed"].append({"config": cfg, "error": f"{type(e).__name__}: {str(e)[:300]}"})
+            print(f"  {cfg}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+            row["timed"].append({"config": cfg, "error": f"{type(e).__name__}: {str(e)[:300]}", "ok": False})
     tf = lambda ms: flops / ms / 1e9  # noqa: E731
-    print(f"({B},{H},{S},{D}) non-causal: cuDNN {rows['cudnn_ms']:.3f} ms ({tf(rows['cudnn_ms']):.0f} TFLOP/s), "
-          f"library {rows['library_ms']:.3f} ({tf(rows['library_ms']):.0f}, {rows['cudnn_ms'] / rows['library_ms']:.3f}x "
-          f"cuDNN)", flush=True)
-    for t in sorted((t for t in rows["timed"] if "ms" in t), key=lambda t: t["ms"]):
-        print(f"   {t['ms']:.3f} ms {tf(t['ms']):4.0f} TFLOP/s {rows['cudnn_ms'] / t['ms']:.3f}x cuDNN "
-              f"{rows['library_ms'] / t['ms']:.3f}x library, max |o - o_lib| {t['max_diff_vs_library']:.2e}  {t['config']}",
-              flush=True)
-    return rows
+    c = row["cudnn_ms"]
+    print(f"({B},{H},{S},{D}) {'causal' if causal else 'full'}: cuDNN {c:.3f} ms ({tf(c):.0f} TFLOP/s); Triton "
+          f"{row['triton_ms']:.3f} ({c / row['triton_ms']:.3f}x cuDNN); default path {row['default_ms']:.3f} "
+          f"({c / row['default_ms']:.3f}x)", flush=True)
+    for t in sorted((t for t in row["timed"] if t.get("ms")), key=lambda t: t["ms"]):
+        print(f"   {t['ms']:.3f} ms {tf(t['ms']):4.0f} TFLOP/s {c / t['ms']:.3f}x cuDNN "
+              f"{row['triton_ms'] / t['ms']:.3f}x Triton, max diff {t['max_diff_vs_triton']:.1e}  {t['config']}", flush=True)
+    bad = [t for t in row["timed"] if not t["ok"]]
+    if bad:
+        print(f"   FAILED: {[(t['config'], t.get('max_diff_vs_triton'), t.get('error')) for t in bad]}", flush=True)
+    return row
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json")
-    ap.add_argument("--shapes", nargs="*", default=["4x16x8192x128", "2x16x16384x128"])
+    ap.add_argument("--shapes", nargs="*", default=SHAPES)
     args = ap.parse_args()
-    cfgs = grid()
-    out = {"meta": {"device": torch.cuda.get_device_name(), "torch": torch.__version__}, "checks": small_check(cfgs),
-           "rows": []}
+    out = {"meta": {"device": torch.cuda.get_device_name(), "torch": torch.__version__}, "rows": []}
     for s in args.shapes:
         B, H, S, D = (int(x) for x in s.split("x"))
-        out["rows"].append(run(B, H, S, D, cfgs))
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(out, f, indent=1)
+        for causal in (False, True):
+            out["rows"].append(run(B, H, S, D, causal))
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump(out, f, indent=1)
 
 
 if __name__ == "__main__":

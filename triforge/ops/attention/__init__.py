@@ -29,6 +29,7 @@ a query row that sees no key returns 0 and lse = -inf, and gets zero gradients.
 
 import itertools
 import math
+import os
 from collections import OrderedDict
 from typing import NamedTuple
 
@@ -214,6 +215,30 @@ def _fwd_variant(cfg, q, k, v, varlen, Sk):
     return flags, num_warps
 
 
+GLUON_ENV = "TRIFORGE_ATTN_GLUON"
+
+
+def _gluon_cfg(cfg, q, k, v, varlen):
+    """The Gluon forward's launch config (forward_ws.py) where it takes this call, else None: the sm90 config's
+    ``GLUON`` entry (BLOCK_N, num_stages) for compiled sm90 launches of contiguous 16-bit [B, S, H, D] q/k/v at head
+    dim 64 or 128, not varlen. ``TRIFORGE_ATTN_GLUON=0`` never takes it; ``=1`` takes it wherever it can run, with the
+    entry or a default (128 keys per tile, 3 slots at D = 128, 4 at D = 64)."""
+    mode = os.environ.get(GLUON_ENV, "")
+    if mode == "0" or _runtime.INTERPRET or varlen is not None or not q.is_cuda:
+        return None
+    D = q.shape[-1]
+    if q.dtype not in (torch.float16, torch.bfloat16) or D not in (64, 128):
+        return None
+    if not all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (q, k, v)):
+        return None
+    if torch.cuda.get_device_capability(q.device) != (9, 0):
+        return None
+    ws = cfg.get("GLUON")
+    if ws is None and mode == "1":
+        ws = {"BLOCK_N": 128, "num_stages": 3 if D == 128 else 4}
+    return ws
+
+
 # ----------------------------------------------------------------------------- launchers
 
 
@@ -229,6 +254,11 @@ def attn_fwd(q, k, v, causal, softmax_scale, cfg=None, residual=False, varlen=No
     cu_ptrs, vl_flag = _varlen_args(varlen)
     cfg = cfg or _cfg("flash_attn_fwd", D, causal, q.dtype, varlen is not None)
     residual = residual and q.dtype != torch.float32
+    ws = _gluon_cfg(cfg, q, k, v, varlen)
+    if ws is not None:  # Hopper: the warp-specialized Gluon kernel (imported only here: Gluon has no interpreter)
+        from triforge.ops.attention.forward_ws import attn_fwd_ws
+
+        return attn_fwd_ws(q, k, v, causal, softmax_scale, ws, residual)
     o = new_output((B, Sq, H, D), q.dtype, q.device)
     o_res = new_output((B, Sq, H, D), q.dtype, q.device) if residual else q.new_empty(0)
     lse = new_output((B, H, Sq), torch.float32, q.device)

@@ -1,0 +1,114 @@
+"""The Gluon attention forward for Hopper (triforge/ops/attention/forward_ws.py) against the float64 reference.
+
+GPU-only (Gluon has no interpreter; the kernel needs sm90): o and lse over odd lengths (1, 17, 63, 1000), Sq != Sk
+with flash-attn's bottom-right causal alignment, rows that see no key (o = 0, lse = -inf), GQA/MQA, head dims 64 and
+128, fp16 and bf16, large scores, both key-tile sizes and ring depths; o's rounding residual; the public function and
+its gradients with the kernel taking the forward (``TRIFORGE_ATTN_GLUON=1``). Outputs start as NaN (``poisoned``).
+"""
+
+import pytest
+import torch
+
+import triforge  # noqa: F401
+from triforge import _runtime
+from triforge.launch import poisoned
+from triforge.ops.attention import attention_ref, flash_attn_func
+from triforge.testing import compare
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available() or _runtime.INTERPRET
+                       or torch.cuda.get_device_capability() != (9, 0), reason="needs a compiled sm90 GPU"),
+]
+
+F16 = [torch.float16, torch.bfloat16]
+F16_IDS = ["fp16", "bf16"]
+# (B, Sq, Sk, H, Hkv, D)
+SHAPES = [
+    (1, 1, 1, 2, 2, 64),
+    (2, 17, 17, 4, 2, 128),
+    (1, 63, 200, 2, 1, 64),
+    (2, 1000, 1000, 2, 2, 128),
+    (1, 300, 129, 4, 4, 64),  # causal: the first 171 rows see no key
+    (3, 128, 128, 2, 2, 128),
+    (1, 384, 1000, 4, 1, 128),
+    (2, 257, 255, 6, 3, 64),
+]
+CFGS = [{"BLOCK_N": 128, "num_stages": 2}, {"BLOCK_N": 128, "num_stages": 3}, {"BLOCK_N": 64, "num_stages": 4}]
+
+
+def _qkv(B, Sq, Sk, H, Hkv, D, dtype, seed, q_scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g).to("cuda", dtype)  # noqa: E731
+    return (q_scale * r(B, Sq, H, D)).to(dtype), r(B, Sk, Hkv, D), r(B, Sk, Hkv, D)
+
+
+def _check(q, k, v, causal, dtype, cfg, residual=False):
+    from triforge.ops.attention.forward_ws import attn_fwd_ws
+
+    D = q.shape[-1]
+    if cfg["BLOCK_N"] * D * 2 * 2 * cfg["num_stages"] + 128 * D * 2 > 227 * 1024:
+        pytest.skip("does not fit in shared memory")
+    with poisoned():
+        o, lse, o_res = attn_fwd_ws(q, k, v, causal, D ** -0.5, cfg, residual)
+    ref = attention_ref(q.double(), k.double(), v.double(), causal)
+    for name, r, got in (("o", ref["o"], o), ("lse", ref["lse"], lse)):
+        res = compare(name, r, got, dtype=dtype, verbose=False)
+        assert res.ok, res.line()
+    return o, lse, o_res, ref
+
+
+@pytest.mark.parametrize("cfg", CFGS, ids=lambda c: f"n{c['BLOCK_N']}s{c['num_stages']}")
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", F16, ids=F16_IDS)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "B{}-Sq{}-Sk{}-H{}-Hkv{}-D{}".format(*s))
+def test_forward_matches_reference(shape, dtype, causal, cfg):
+    q, k, v = _qkv(*shape, dtype, seed=hash((shape, causal)) % 1000)
+    o, lse, _, ref = _check(q, k, v, causal, dtype, cfg)
+    B, Sq, Sk = shape[0], shape[1], shape[2]
+    assert not o.isnan().any() and not lse.isnan().any()
+    if causal and Sq > Sk:  # rows that see no key: o exactly 0, lse -inf (the reference says so too)
+        assert (o[:, : Sq - Sk] == 0).all()
+        assert torch.isneginf(lse[:, :, : Sq - Sk]).all()
+        assert torch.isneginf(ref["lse"][:, :, : Sq - Sk]).all()
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", F16, ids=F16_IDS)
+def test_large_scores(dtype, causal):
+    q, k, v = _qkv(2, 200, 300, 4, 2, 128, dtype, seed=7, q_scale=100.0)  # |q k^T| * scale ~ 1e3-1e4
+    o, lse, _, _ = _check(q, k, v, causal, dtype, CFGS[1])
+    assert torch.isfinite(o).all()
+
+
+@pytest.mark.parametrize("dtype", F16, ids=F16_IDS)
+def test_rounding_residual(dtype):
+    """o_res is o's rounding error: |o_res| within half an ulp of o, and o + o_res nearer the reference than o."""
+    q, k, v = _qkv(2, 333, 333, 4, 4, 128, dtype, seed=3)
+    o, _, o_res, ref = _check(q, k, v, True, dtype, CFGS[1], residual=True)
+    assert o_res.shape == o.shape and o_res.dtype == o.dtype
+    eps = torch.finfo(dtype).eps
+    assert (o_res.float().abs() <= eps * o.float().abs() + 1e-30).all()
+    err_o = (o.double() - ref["o"]).abs().mean()
+    err_sum = (o.double() + o_res.double() - ref["o"]).abs().mean()
+    assert err_sum < 0.5 * err_o, (err_sum, err_o)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_public_function_and_gradients(causal, monkeypatch):
+    """flash_attn_func with the Gluon forward (forced): o, lse and dq/dk/dv (the backward reads its o_res) against
+    float64 autograd through the reference."""
+    monkeypatch.setenv("TRIFORGE_ATTN_GLUON", "1")
+    dtype = torch.bfloat16
+    q, k, v = (t.requires_grad_(True) for t in _qkv(2, 190, 190, 4, 2, 128, dtype, seed=11))
+    with poisoned():
+        o, lse = flash_attn_func(q, k, v, causal=causal, return_lse=True)
+    do = torch.randn_like(o)
+    dq, dk, dv = torch.autograd.grad(o, (q, k, v), do)
+    q64, k64, v64 = (t.detach().double().requires_grad_(True) for t in (q, k, v))
+    ref = attention_ref(q64, k64, v64, causal)
+    rdq, rdk, rdv = torch.autograd.grad(ref["o"], (q64, k64, v64), do.double())
+    for name, r, got in (("o", ref["o"], o), ("lse", ref["lse"], lse), ("dq", rdq, dq), ("dk", rdk, dk),
+                         ("dv", rdv, dv)):
+        res = compare(name, r.detach(), got, dtype=dtype, verbose=False)
+        assert res.ok, res.line()

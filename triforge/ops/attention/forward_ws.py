@@ -1,0 +1,209 @@
+"""Attention forward for Hopper (sm90), warp-specialized in Gluon: FlashAttention-3's structure.
+
+Used by ``attn_fwd`` where the sm90 config says ``GLUON`` (16-bit q/k/v contiguous as [B, S, H, D], head_dim 64 or
+128, not varlen, compiled on sm90); the Triton kernel (forward.py) serves every other case and the interpreter.
+Gluon (triton.experimental.gluon) states layouts, shared memory, mbarriers and the warp partition explicitly; it has
+no interpreter, so this file is imported only on that path.
+
+One program = one (batch, head, BM = 128 query rows) tile, heaviest tiles first under causal masking; three partitions:
+- a loader warp: the two 64-row halves of Q once, then K and V tiles of BN keys by TMA into a ring of STAGES slots
+  (``k_ready`` / ``v_ready`` mbarriers with the byte count; a slot is refilled once both consumers released it on
+  ``kv_empty``);
+- two consumer warpgroups, 64 query rows each: S = Q K^T by wgmma from shared memory, the online softmax in registers
+  (log2 domain), P converted in registers into the A operand of O += P V (V from shared memory). S_j and P_{j-1} V_{j-1}
+  are issued together and the softmax of S_j runs while the PV product is on the tensor cores (FA3's intra-warpgroup
+  overlap); the two warpgroups interleave on their own.
+
+Masks: the descriptors view q/k/v as [B S, H D] matrices (one row per token and head group), so a tile that crosses
+the end of a sequence reads the next sequence's rows (or TMA's zero fill past the tensor): their scores are set to
+-inf (keys >= S_k; causal: key j > query i + S_k - S_q, bottom-right aligned) and query rows >= S_q are not stored.
+A row that sees no key gets o = 0 and lse = -inf (the max is taken as 0 there: no -inf - -inf).
+"""
+
+import math
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from triforge import launch
+
+LN2 = gl.constexpr(0.6931471805599453)
+
+
+@gluon.jit
+def _loader(q_desc, k_desc, v_desc, q_s, k_s, v_s, q_bar, k_ready, v_ready, kv_empty, q_row, kv_row, q_col, kv_col,
+            n_kv, BMW: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr):
+    mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [q_row, q_col], q_bar, q_s.index(0))
+    tma.async_copy_global_to_shared(q_desc, [q_row + BMW, q_col], q_bar, q_s.index(1))
+    for j in range(n_kv):
+        s = j % STAGES
+        mbarrier.wait(kv_empty.index(s), ((j // STAGES) & 1) ^ 1)  # both consumers freed slot s (first pass: free)
+        row = kv_row + j * BN
+        mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [row, kv_col], k_ready.index(s), k_s.index(s))
+        mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(v_desc, [row, kv_col], v_ready.index(s), v_s.index(s))
+
+
+@gluon.jit
+def _softmax(s, m_i, l_i, j, rows, S_k, diag, qk_scale, n_full, BN: gl.constexpr, CAUSAL: gl.constexpr,
+             s_l: gl.constexpr):
+    """One key tile of the online softmax: (p, alpha, m, l). Tiles from ``n_full`` on are masked (keys >= S_k; causal:
+    key > row + diag)."""
+    if j >= n_full:
+        cols = j * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, s_l))
+        valid = (cols < S_k)[None, :]
+        if CAUSAL:
+            valid = valid & (cols[None, :] <= (rows + diag)[:, None])
+        s = gl.where(valid, s, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+    m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: no -inf - -inf
+    p = gl.exp2(s * qk_scale - m_use[:, None])
+    alpha = gl.exp2(m_i - m_use)
+    return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
+
+
+@gluon.jit
+def _consumer(q_s, k_s, v_s, q_bar, k_ready, v_ready, kv_empty, o_ptr, res_ptr, lse_ptr, WG: gl.constexpr, q_tok0, m0,
+              o_col, lse_base, n_kv, n_full, S_q, S_k, qk_scale, stride_o, BMW: gl.constexpr, BN: gl.constexpr,
+              D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, STORE_RES: gl.constexpr):
+    s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
+    o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
+    p_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
+    dtype: gl.constexpr = q_s.dtype
+    q = q_s.index(WG)
+    rows = m0 + WG * BMW + gl.arange(0, BMW, layout=gl.SliceLayout(1, s_l))  # query positions in the sequence
+    diag = S_k - S_q
+    m_i = gl.full([BMW], float("-inf"), gl.float32, gl.SliceLayout(1, s_l))
+    l_i = gl.zeros([BMW], gl.float32, gl.SliceLayout(1, s_l))
+    acc = gl.zeros([BMW, D], gl.float32, o_l)
+    mbarrier.wait(q_bar, 0)
+    if n_kv > 0:
+        mbarrier.wait(k_ready.index(0), 0)
+        s0 = warpgroup_mma(q, k_s.index(0).permute((1, 0)), gl.zeros([BMW, BN], gl.float32, s_l), use_acc=False,
+                           is_async=True)
+        s0 = warpgroup_mma_wait(0, deps=[s0])
+        p, alpha, m_i, l_i = _softmax(s0, m_i, l_i, 0, rows, S_k, diag, qk_scale, n_full, BN, CAUSAL, s_l)
+        pa = gl.convert_layout(p.to(dtype), p_l)
+        for j in range(1, n_kv):
+            st = j % STAGES
+            sp = (j - 1) % STAGES
+            mbarrier.wait(k_ready.index(st), (j // STAGES) & 1)
+            s_j = warpgroup_mma(q, k_s.index(st).permute((1, 0)), gl.zeros([BMW, BN], gl.float32, s_l),
+                                use_acc=False, is_async=True)
+            mbarrier.wait(v_ready.index(sp), ((j - 1) // STAGES) & 1)
+            acc = warpgroup_mma(pa, v_s.index(sp), acc, is_async=True)
+            s_j = warpgroup_mma_wait(1, deps=[s_j])  # S_j done; the PV product may still run
+            p, alpha, m_i, l_i = _softmax(s_j, m_i, l_i, j, rows, S_k, diag, qk_scale, n_full, BN, CAUSAL, s_l)
+            acc, pa = warpgroup_mma_wait(0, deps=[acc, pa])
+            mbarrier.arrive(kv_empty.index(sp))  # K_{j-1} and V_{j-1} read
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
+            pa = gl.convert_layout(p.to(dtype), p_l)
+        sl = (n_kv - 1) % STAGES
+        mbarrier.wait(v_ready.index(sl), ((n_kv - 1) // STAGES) & 1)
+        acc = warpgroup_mma(pa, v_s.index(sl), acc, is_async=True)
+        acc, pa = warpgroup_mma_wait(0, deps=[acc, pa])
+        mbarrier.arrive(kv_empty.index(sl))
+    seen = l_i > 0.0
+    l_o = gl.convert_layout(gl.where(seen, l_i, 1.0), gl.SliceLayout(1, o_l))
+    o = acc / l_o[:, None]  # rows with no key: acc = 0
+    r_o = m0 + WG * BMW + gl.arange(0, BMW, layout=gl.SliceLayout(1, o_l))
+    c_o = gl.arange(0, D, layout=gl.SliceLayout(0, o_l))
+    off = (q_tok0 + r_o).to(gl.int64)[:, None] * stride_o + o_col + c_o[None, :]
+    m_o = (r_o < S_q)[:, None]
+    o16 = o.to(o_ptr.dtype.element_ty)
+    gl.store(o_ptr + off, o16, mask=m_o)
+    if STORE_RES:  # o's rounding error, for the backward's delta
+        gl.store(res_ptr + off, (o - o16.to(gl.float32)).to(o_ptr.dtype.element_ty), mask=m_o)
+    lse = gl.where(seen, (m_i + gl.log2(gl.where(seen, l_i, 1.0))) * LN2, float("-inf"))
+    gl.store(lse_ptr + lse_base + rows, lse, mask=rows < S_q)
+
+
+@gluon.jit
+def flash_attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_ptr, res_ptr, lse_ptr, S_q, S_k, H, GROUP, qk_scale,
+                             BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
+                             CAUSAL: gl.constexpr, STORE_RES: gl.constexpr, CONS_REGS: gl.constexpr,
+                             LOADER_REGS: gl.constexpr):
+    BMW: gl.constexpr = BM // 2
+    n_m = gl.cdiv(S_q, BM)
+    pid_m = n_m - 1 - gl.program_id(0)  # causal: the longest rows first
+    bh = gl.program_id(1)
+    b = bh // H
+    h = bh % H
+    m0 = pid_m * BM
+    n_all = gl.cdiv(S_k, BN)
+    if CAUSAL:
+        # keys 0 .. last row + S_k - S_q are visible to some row of the tile; tiles past the first row's last key
+        # (or holding keys >= S_k) need the mask
+        n_kv = gl.minimum(n_all, gl.maximum(gl.cdiv(gl.minimum(m0 + BM, S_q) + S_k - S_q, BN), 0))
+        n_full = gl.minimum(S_k // BN, gl.maximum((m0 + S_k - S_q + 1) // BN, 0))
+    else:
+        n_kv = n_all
+        n_full = S_k // BN
+    q_s = gl.allocate_shared_memory(q_desc.dtype, [2, BMW, D], q_desc.layout)
+    k_s = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BN, D], k_desc.layout)
+    v_s = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BN, D], v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for s in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(s), count=1)
+        mbarrier.init(v_ready.index(s), count=1)
+        mbarrier.init(kv_empty.index(s), count=2)
+    q_tok0 = b * S_q  # token rows of the [B S, H D] views
+    lse_base = bh.to(gl.int64) * S_q
+    stride_o = H * D
+    gl.warp_specialize([
+        (_consumer, (q_s, k_s, v_s, q_bar, k_ready, v_ready, kv_empty, o_ptr, res_ptr, lse_ptr, 0, q_tok0, m0, h * D,
+                     lse_base, n_kv, n_full, S_q, S_k, qk_scale, stride_o, BMW, BN, D, STAGES, CAUSAL, STORE_RES)),
+        (_consumer, (q_s, k_s, v_s, q_bar, k_ready, v_ready, kv_empty, o_ptr, res_ptr, lse_ptr, 1, q_tok0, m0, h * D,
+                     lse_base, n_kv, n_full, S_q, S_k, qk_scale, stride_o, BMW, BN, D, STAGES, CAUSAL, STORE_RES)),
+        (_loader, (q_desc, k_desc, v_desc, q_s, k_s, v_s, q_bar, k_ready, v_ready, kv_empty, q_tok0 + m0, b * S_k,
+                   h * D, (h // GROUP) * D, n_kv, BMW, BN, STAGES)),
+    ], [4, 1], [CONS_REGS, LOADER_REGS])
+    mbarrier.invalidate(q_bar)
+    for s in gl.static_range(STAGES):
+        mbarrier.invalidate(k_ready.index(s))
+        mbarrier.invalidate(v_ready.index(s))
+        mbarrier.invalidate(kv_empty.index(s))
+
+
+def usable(q, k, v) -> bool:
+    """Whether ``attn_fwd_ws`` takes these inputs: 16-bit, head_dim 64 or 128, contiguous [B, S, H, D] (the [B S, H D]
+    views) with 16-byte aligned starts."""
+    return (q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] in (64, 128)
+            and all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (q, k, v)))
+
+
+def attn_fwd_ws(q, k, v, causal, softmax_scale, cfg, residual=False):
+    """(o, lse, o_res) as ``attn_fwd`` returns them, by ``flash_attn_fwd_ws_kernel`` (``usable`` inputs, sm90).
+    cfg: BLOCK_N (keys per tile), num_stages (ring slots), CONS_REGS / LOADER_REGS (registers per thread of the
+    consumer / loader partitions); the query tile is 128 rows (two warpgroups of 64)."""
+    B, S_q, H, D = q.shape
+    S_k, H_kv = k.shape[1], k.shape[2]
+    bm, bn, stages = 128, cfg["BLOCK_N"], cfg["num_stages"]
+    g16 = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
+    q_l = gl.NVMMASharedLayout.get_default_for([bm // 2, D], g16)
+    k_l = gl.NVMMASharedLayout.get_default_for([bn, D], g16)
+    q_desc = TensorDescriptor.from_tensor(q.view(B * S_q, H * D), [bm // 2, D], q_l)
+    k_desc = TensorDescriptor.from_tensor(k.view(B * S_k, H_kv * D), [bn, D], k_l)
+    v_desc = TensorDescriptor.from_tensor(v.view(B * S_k, H_kv * D), [bn, D], k_l)
+    o = launch.new_output((B, S_q, H, D), q.dtype, q.device)
+    o_res = launch.new_output((B, S_q, H, D), q.dtype, q.device) if residual else q.new_empty(0)
+    lse = launch.new_output((B, H, S_q), torch.float32, q.device)
+    e = q.element_size()
+    launch.launch(
+        "flash_attn_fwd", flash_attn_fwd_ws_kernel, (launch.cdiv(S_q, bm), B * H),
+        q_desc, k_desc, v_desc, o, o_res if residual else o, lse, S_q, S_k, H, H // H_kv,
+        softmax_scale * math.log2(math.e),
+        nbytes=e * ((3 if residual else 2) * q.numel() + k.numel() + v.numel()) + 4 * lse.numel(),
+        BM=bm, BN=bn, D=D, STAGES=stages, CAUSAL=bool(causal), STORE_RES=bool(residual),
+        CONS_REGS=cfg.get("CONS_REGS", 240), LOADER_REGS=cfg.get("LOADER_REGS", 24), num_warps=4,
+    )
+    return o, lse, o_res
