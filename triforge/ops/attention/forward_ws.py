@@ -50,21 +50,47 @@ def _loader(q_desc, k_desc, v_desc, q_s, k_s, v_s, q_bar, k_ready, v_ready, kv_e
 
 
 @gluon.jit
-def _softmax(s, m_i, l_i, j, rows, S_k, diag, qk_scale, n_full, BN: gl.constexpr, CAUSAL: gl.constexpr,
+def _softmax(s, m_i, l_i, j, rows, S_k, diag, qk_scale, BN: gl.constexpr, CAUSAL: gl.constexpr, MASK: gl.constexpr,
              s_l: gl.constexpr):
-    """One key tile of the online softmax: (p, alpha, m, l). Tiles from ``n_full`` on are masked (keys >= S_k; causal:
-    key > row + diag)."""
-    if j >= n_full:
+    """One key tile of the online softmax: (p, alpha, m, l). MASK: keys >= S_k (causal: key > row + diag) score -inf,
+    and a row that has seen no key yet takes 0 as its max (no -inf - -inf). Without MASK every key of the tile is
+    visible to every row, so the new max is finite."""
+    if MASK:
         cols = j * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, s_l))
         valid = (cols < S_k)[None, :]
         if CAUSAL:
             valid = valid & (cols[None, :] <= (rows + diag)[:, None])
         s = gl.where(valid, s, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
-    m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: no -inf - -inf
+    if MASK:
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_use = m_new
     p = gl.exp2(s * qk_scale - m_use[:, None])
     alpha = gl.exp2(m_i - m_use)
     return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
+
+
+@gluon.jit
+def _step(q, k_s, v_s, k_ready, v_ready, kv_empty, acc, pa, m_i, l_i, j, rows, S_k, diag, qk_scale, BMW: gl.constexpr,
+          BN: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASK: gl.constexpr, s_l: gl.constexpr,
+          o_l: gl.constexpr, p_l: gl.constexpr):
+    """Key tile j >= 1: S_j = Q K_j^T and O += P_{j-1} V_{j-1} issued together; the softmax of S_j runs while the PV
+    product is on the tensor cores; then O is rescaled and P_j made the next A operand."""
+    st = j % STAGES
+    sp = (j - 1) % STAGES
+    mbarrier.wait(k_ready.index(st), (j // STAGES) & 1)
+    s_j = warpgroup_mma(q, k_s.index(st).permute((1, 0)), gl.zeros([BMW, BN], gl.float32, s_l), use_acc=False,
+                        is_async=True)
+    mbarrier.wait(v_ready.index(sp), ((j - 1) // STAGES) & 1)
+    acc = warpgroup_mma(pa, v_s.index(sp), acc, is_async=True)
+    s_j = warpgroup_mma_wait(1, deps=[s_j])  # S_j done; the PV product may still run
+    p, alpha, m_i, l_i = _softmax(s_j, m_i, l_i, j, rows, S_k, diag, qk_scale, BN, CAUSAL, MASK, s_l)
+    acc, pa = warpgroup_mma_wait(0, deps=[acc, pa])
+    mbarrier.arrive(kv_empty.index(sp))  # K_{j-1} and V_{j-1} read
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
+    pa = gl.convert_layout(p.to(pa.dtype), p_l)
+    return acc, pa, m_i, l_i
 
 
 @gluon.jit
@@ -87,22 +113,18 @@ def _consumer(q_s, k_s, v_s, q_bar, k_ready, v_ready, kv_empty, o_ptr, res_ptr, 
         s0 = warpgroup_mma(q, k_s.index(0).permute((1, 0)), gl.zeros([BMW, BN], gl.float32, s_l), use_acc=False,
                            is_async=True)
         s0 = warpgroup_mma_wait(0, deps=[s0])
-        p, alpha, m_i, l_i = _softmax(s0, m_i, l_i, 0, rows, S_k, diag, qk_scale, n_full, BN, CAUSAL, s_l)
+        if n_full > 0:
+            p, alpha, m_i, l_i = _softmax(s0, m_i, l_i, 0, rows, S_k, diag, qk_scale, BN, CAUSAL, False, s_l)
+        else:
+            p, alpha, m_i, l_i = _softmax(s0, m_i, l_i, 0, rows, S_k, diag, qk_scale, BN, CAUSAL, True, s_l)
         pa = gl.convert_layout(p.to(dtype), p_l)
-        for j in range(1, n_kv):
-            st = j % STAGES
-            sp = (j - 1) % STAGES
-            mbarrier.wait(k_ready.index(st), (j // STAGES) & 1)
-            s_j = warpgroup_mma(q, k_s.index(st).permute((1, 0)), gl.zeros([BMW, BN], gl.float32, s_l),
-                                use_acc=False, is_async=True)
-            mbarrier.wait(v_ready.index(sp), ((j - 1) // STAGES) & 1)
-            acc = warpgroup_mma(pa, v_s.index(sp), acc, is_async=True)
-            s_j = warpgroup_mma_wait(1, deps=[s_j])  # S_j done; the PV product may still run
-            p, alpha, m_i, l_i = _softmax(s_j, m_i, l_i, j, rows, S_k, diag, qk_scale, n_full, BN, CAUSAL, s_l)
-            acc, pa = warpgroup_mma_wait(0, deps=[acc, pa])
-            mbarrier.arrive(kv_empty.index(sp))  # K_{j-1} and V_{j-1} read
-            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
-            pa = gl.convert_layout(p.to(dtype), p_l)
+        # tiles every row sees whole, then the masked ones (the causal diagonal, keys past S_k)
+        for j in range(1, n_full):
+            acc, pa, m_i, l_i = _step(q, k_s, v_s, k_ready, v_ready, kv_empty, acc, pa, m_i, l_i, j, rows, S_k, diag,
+                                      qk_scale, BMW, BN, STAGES, CAUSAL, False, s_l, o_l, p_l)
+        for j in range(gl.maximum(n_full, 1), n_kv):
+            acc, pa, m_i, l_i = _step(q, k_s, v_s, k_ready, v_ready, kv_empty, acc, pa, m_i, l_i, j, rows, S_k, diag,
+                                      qk_scale, BMW, BN, STAGES, CAUSAL, True, s_l, o_l, p_l)
         sl = (n_kv - 1) % STAGES
         mbarrier.wait(v_ready.index(sl), ((n_kv - 1) // STAGES) & 1)
         acc = warpgroup_mma(pa, v_s.index(sl), acc, is_async=True)
