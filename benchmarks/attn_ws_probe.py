@@ -1,8 +1,8 @@
 """The Gluon attention forward (triforge/ops/attention/forward_ws.py) against the Triton kernel and cuDNN (issue 3).
 
 At the bench's (B, H, S, D) shapes, causal and not, bf16: each Gluon config checked against the Triton kernel's
-output, then timed with CUDA events (median of 20 calls, the L2 flushed before each) beside the Triton path
-(TRIFORGE_ATTN_GLUON=0) and torch SDPA's cuDNN backend in the same process; TFLOP/s = 4 B H S^2 D / t (half causal).
+output, then timed with CUDA events beside the Triton path (TRIFORGE_ATTN_GLUON=0), torch SDPA's cuDNN backend and
+(non-causal) call 4's first kernel, interleaved round by round (``time_all``); TFLOP/s = 4 B H S^2 D / t (half causal).
 
     PYTHONPATH=. python benchmarks/attn_ws_probe.py [--json PATH] [--shapes 4x16x8192x128 ...]
 """
@@ -24,26 +24,27 @@ from attn_ws_kernel import attn_fwd_ws as probe_fwd  # noqa: E402  (session 37 c
 SHAPES = ["16x16x2048x64", "8x16x4096x64", "4x16x8192x128", "2x16x16384x128"]
 
 
-def time_ms(fn, reps=20):
-    flush = torch.empty(64 << 20, dtype=torch.int8, device="cuda")
-    for _ in range(3):
-        fn()
-    ts = []
-    for _ in range(reps):
-        flush.zero_()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b))
-    ts.sort()
-    return ts[len(ts) // 2]
+def time_all(fns, rounds=12, calls=5):
+    """Per-call ms of each fn: rounds of ``calls`` back-to-back calls, the candidates interleaved round by round (clock
+    drift spreads over all of them); median over rounds. Every input here exceeds the L2."""
+    for f in fns.values():
+        f()
+    per = {k: [] for k in fns}
+    for _ in range(rounds):
+        for k, f in fns.items():
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            for _ in range(calls):
+                f()
+            b.record()
+            b.synchronize()
+            per[k].append(a.elapsed_time(b) / calls)
+    return {k: sorted(v)[len(v) // 2] for k, v in per.items()}
 
 
 def grid(D):
     if D == 128:
-        return [{"BLOCK_N": 128, "num_stages": 3}, {"BLOCK_N": 128, "num_stages": 2}, {"BLOCK_N": 64, "num_stages": 6}]
+        return [{"BLOCK_N": 128, "num_stages": 3}, {"BLOCK_N": 128, "num_stages": 2}]
     return [{"BLOCK_N": 128, "num_stages": s} for s in (3, 4)]
 
 
@@ -53,38 +54,39 @@ def run(B, H, S, D, causal):
     flops = 4 * B * H * S * S * D // (2 if causal else 1)
     os.environ["TRIFORGE_ATTN_GLUON"] = "0"
     o_tri = triforge.flash_attn_func(q, k, v, causal=causal)
-    row = {"shape": [B, H, S, D], "causal": causal}
-    row["triton_ms"] = time_ms(lambda: triforge.flash_attn_func(q, k, v, causal=causal))
-    os.environ.pop("TRIFORGE_ATTN_GLUON")
-    row["default_ms"] = time_ms(lambda: triforge.flash_attn_func(q, k, v, causal=causal))
     qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
-    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.CUDNN_ATTENTION):
-        row["cudnn_ms"] = time_ms(lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal))
-    row["timed"] = []
-    if not causal:  # the first form (no masks, no guards), for comparison
-        row["probe_ms"] = time_ms(lambda: probe_fwd(q, k, v, cfg={"STAGES": 3, "PIPE": 1}))
-        print(f"   call-4 probe kernel (no masks) {row['probe_ms']:.3f} ms", flush=True)
+    row = {"shape": [B, H, S, D], "causal": causal, "checks": []}
+
+    def cudnn():
+        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.CUDNN_ATTENTION):
+            return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+
+    fns = {"cudnn": cudnn, "triton": lambda: triforge.flash_attn_func(q, k, v, causal=causal)}
+    if not causal:
+        fns["call4 kernel"] = lambda: probe_fwd(q, k, v, cfg={"STAGES": 3, "PIPE": 1})
     for cfg in grid(D):
+        name = f"gluon n{cfg['BLOCK_N']} s{cfg['num_stages']}"
         try:
             o, _, _ = attn_fwd_ws(q, k, v, causal, D ** -0.5, cfg)
             diff = (o.float() - o_tri.float()).abs().max().item()
             ok = bool(torch.isfinite(o).all()) and diff < 2e-2
-            ms = time_ms(lambda: attn_fwd_ws(q, k, v, causal, D ** -0.5, cfg)) if ok else None
-            row["timed"].append({"config": cfg, "ms": ms, "max_diff_vs_triton": diff, "ok": ok})
+            row["checks"].append({"config": cfg, "max_diff_vs_triton": diff, "ok": ok})
+            if ok:
+                fns[name] = lambda cfg=cfg: attn_fwd_ws(q, k, v, causal, D ** -0.5, cfg)
         except Exception as e:
             print(f"  {cfg}: {type(e).__name__}: {str(e)[:200]}", flush=True)
-            row["timed"].append({"config": cfg, "error": f"{type(e).__name__}: {str(e)[:300]}", "ok": False})
-    tf = lambda ms: flops / ms / 1e9  # noqa: E731
-    c = row["cudnn_ms"]
-    print(f"({B},{H},{S},{D}) {'causal' if causal else 'full'}: cuDNN {c:.3f} ms ({tf(c):.0f} TFLOP/s); Triton "
-          f"{row['triton_ms']:.3f} ({c / row['triton_ms']:.3f}x cuDNN); default path {row['default_ms']:.3f} "
-          f"({c / row['default_ms']:.3f}x)", flush=True)
-    for t in sorted((t for t in row["timed"] if t.get("ms")), key=lambda t: t["ms"]):
-        print(f"   {t['ms']:.3f} ms {tf(t['ms']):4.0f} TFLOP/s {c / t['ms']:.3f}x cuDNN "
-              f"{row['triton_ms'] / t['ms']:.3f}x Triton, max diff {t['max_diff_vs_triton']:.1e}  {t['config']}", flush=True)
-    bad = [t for t in row["timed"] if not t["ok"]]
+            row["checks"].append({"config": cfg, "error": f"{type(e).__name__}: {str(e)[:300]}", "ok": False})
+    ms = time_all(fns)
+    row["ms"] = ms
+    c = ms["cudnn"]
+    print(f"({B},{H},{S},{D}) {'causal' if causal else 'full'}:", flush=True)
+    for name, t in sorted(ms.items(), key=lambda kv: kv[1]):
+        print(f"   {name:14s} {t:.3f} ms {flops / t / 1e9:4.0f} TFLOP/s {c / t:.3f}x cuDNN {ms['triton'] / t:.3f}x Triton",
+              flush=True)
+    bad = [t for t in row["checks"] if not t["ok"]]
     if bad:
-        print(f"   FAILED: {[(t['config'], t.get('max_diff_vs_triton'), t.get('error')) for t in bad]}", flush=True)
+        print(f"   FAILED: {bad}", flush=True)
+    os.environ.pop("TRIFORGE_ATTN_GLUON")
     return row
 
 

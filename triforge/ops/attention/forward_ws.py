@@ -72,13 +72,16 @@ def _softmax(s, m_i, l_i, j, rows, S_k, diag, qk_scale, BN: gl.constexpr, CAUSAL
 
 
 @gluon.jit
-def _step(q, k_s, v_s, k_ready, v_ready, kv_empty, acc, pa, m_i, l_i, j, rows, S_k, diag, qk_scale, BMW: gl.constexpr,
+def _step(q, k_s, v_s, k_ready, v_ready, kv_empty, acc, p, m_i, l_i, j, rows, S_k, diag, qk_scale, BMW: gl.constexpr,
           BN: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASK: gl.constexpr, s_l: gl.constexpr,
           o_l: gl.constexpr, p_l: gl.constexpr):
     """Key tile j >= 1: S_j = Q K_j^T and O += P_{j-1} V_{j-1} issued together; the softmax of S_j runs while the PV
-    product is on the tensor cores; then O is rescaled and P_j made the next A operand."""
+    product is on the tensor cores; then O is rescaled. P crosses iterations in fp32 and becomes the 16-bit A operand
+    inside the iteration that reads it (a 16-bit P carried between the two key loops cost ptxas 32-64 PRMTs per tile
+    to re-pack its halves)."""
     st = j % STAGES
     sp = (j - 1) % STAGES
+    pa = gl.convert_layout(p.to(q.dtype), p_l)
     mbarrier.wait(k_ready.index(st), (j // STAGES) & 1)
     s_j = warpgroup_mma(q, k_s.index(st).permute((1, 0)), gl.zeros([BMW, BN], gl.float32, s_l), use_acc=False,
                         is_async=True)
@@ -89,8 +92,7 @@ def _step(q, k_s, v_s, k_ready, v_ready, kv_empty, acc, pa, m_i, l_i, j, rows, S
     acc, pa = warpgroup_mma_wait(0, deps=[acc, pa])
     mbarrier.arrive(kv_empty.index(sp))  # K_{j-1} and V_{j-1} read
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
-    pa = gl.convert_layout(p.to(pa.dtype), p_l)
-    return acc, pa, m_i, l_i
+    return acc, p, m_i, l_i
 
 
 @gluon.jit
@@ -113,19 +115,17 @@ def _consumer(q_s, k_s, v_s, q_bar, k_ready, v_ready, kv_empty, o_ptr, res_ptr, 
         s0 = warpgroup_mma(q, k_s.index(0).permute((1, 0)), gl.zeros([BMW, BN], gl.float32, s_l), use_acc=False,
                            is_async=True)
         s0 = warpgroup_mma_wait(0, deps=[s0])
-        if n_full > 0:
-            p, alpha, m_i, l_i = _softmax(s0, m_i, l_i, 0, rows, S_k, diag, qk_scale, BN, CAUSAL, False, s_l)
-        else:
-            p, alpha, m_i, l_i = _softmax(s0, m_i, l_i, 0, rows, S_k, diag, qk_scale, BN, CAUSAL, True, s_l)
-        pa = gl.convert_layout(p.to(dtype), p_l)
+        # the first tile takes the masked path whether or not it needs it (once per program: no branch)
+        p, alpha, m_i, l_i = _softmax(s0, m_i, l_i, 0, rows, S_k, diag, qk_scale, BN, CAUSAL, True, s_l)
         # tiles every row sees whole, then the masked ones (the causal diagonal, keys past S_k)
         for j in range(1, n_full):
-            acc, pa, m_i, l_i = _step(q, k_s, v_s, k_ready, v_ready, kv_empty, acc, pa, m_i, l_i, j, rows, S_k, diag,
-                                      qk_scale, BMW, BN, STAGES, CAUSAL, False, s_l, o_l, p_l)
+            acc, p, m_i, l_i = _step(q, k_s, v_s, k_ready, v_ready, kv_empty, acc, p, m_i, l_i, j, rows, S_k, diag,
+                                     qk_scale, BMW, BN, STAGES, CAUSAL, False, s_l, o_l, p_l)
         for j in range(gl.maximum(n_full, 1), n_kv):
-            acc, pa, m_i, l_i = _step(q, k_s, v_s, k_ready, v_ready, kv_empty, acc, pa, m_i, l_i, j, rows, S_k, diag,
-                                      qk_scale, BMW, BN, STAGES, CAUSAL, True, s_l, o_l, p_l)
+            acc, p, m_i, l_i = _step(q, k_s, v_s, k_ready, v_ready, kv_empty, acc, p, m_i, l_i, j, rows, S_k, diag,
+                                     qk_scale, BMW, BN, STAGES, CAUSAL, True, s_l, o_l, p_l)
         sl = (n_kv - 1) % STAGES
+        pa = gl.convert_layout(p.to(dtype), p_l)
         mbarrier.wait(v_ready.index(sl), ((n_kv - 1) // STAGES) & 1)
         acc = warpgroup_mma(pa, v_s.index(sl), acc, is_async=True)
         acc, pa = warpgroup_mma_wait(0, deps=[acc, pa])
