@@ -192,12 +192,14 @@ def write_config(result: dict, arch: str | None = None, force: bool = False) -> 
     path = launch.CONFIG_DIR / f"{arch}.json"
     data = json.loads(path.read_text()) if path.exists() else {"arch": arch, "kernels": {}}
     entry = dict(result["best"]["config"])
+    prov_key = f"{result['kernel']}[{result['key']}]"
+    old = data.get("kernels", {}).get(result["kernel"], {}).get(result["key"], {})
+    provenance = {"device": result["device"], "shape": result["shape"], "ms": result["best"]["ms"]}
+    if "GLUON" in old and "GLUON" not in entry:  # the Gluon attention forward's entry is not in the tuning space
+        entry["GLUON"] = old["GLUON"]
+        provenance["gluon"] = data.get("provenance", {}).get(prov_key, {}).get("gluon", "")
     data.setdefault("kernels", {}).setdefault(result["kernel"], {})[result["key"]] = entry
-    data.setdefault("provenance", {})[f"{result['kernel']}[{result['key']}]"] = {
-        "device": result["device"],
-        "shape": result["shape"],
-        "ms": result["best"]["ms"],
-    }
+    data.setdefault("provenance", {})[prov_key] = provenance
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
     launch.reload()
     return str(path)

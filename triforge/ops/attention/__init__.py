@@ -8,8 +8,10 @@ The varlen form packs B sequences: q [Tq, H, D], k/v [Tk, Hkv, D], sequence b in
 cu_seqlens_q[b] .. cu_seqlens_q[b + 1] - 1 of q (cu_seqlens_k for k/v; int32 [B + 1] prefix sums);
 lse is [H, Tq]. It runs the same kernels with their VARLEN variant.
 
-Forward and backward are FlashAttention-2 Triton kernels (forward.py, backward.py) wrapped as
-torch.library custom ops with fakes and autograd:
+Forward and backward are FlashAttention-2 Triton kernels (forward.py, backward.py); on Hopper the forward at head
+dim 64/128 may instead be FlashAttention-3's warp-specialized structure written in Gluon (forward_ws.py), where the
+sm90 config's ``GLUON`` entry says so (``_gluon_cfg``). They are wrapped as torch.library custom ops with fakes and
+autograd:
 
     torch.ops.triforge.flash_attn_fwd(q, k, v, causal, softmax_scale, residual) -> (o, lse [B, H, Sq] fp32, o_res)
     torch.ops.triforge.flash_attn_bwd(do, q, k, v, o, o_res, lse, dlse, causal, softmax_scale) -> (dq, dk, dv)
@@ -74,6 +76,10 @@ def _c(bm, bn, w, s, **variant):
 # - WARP_SPEC (forward, needs TMA): Triton's Hopper warp specialization: a producer warpgroup issues
 #   the TMA loads, num_warps compute warps form two consumer warpgroups of BLOCK_M / 2 rows each
 #   (3 warpgroups in all); one key loop with every tile masked when causal or Sk % BLOCK_N != 0.
+# - GLUON (forward, sm90 configs only): {BLOCK_N, num_stages} of forward_ws.py's warp-specialized Gluon kernel (a TMA
+#   loader warp, two consumer warpgroups of 64 query rows, FA3's overlap of softmax and PV product), which then takes
+#   compiled launches of contiguous 16-bit [B, S, H, D] inputs at D = 64 / 128 (not varlen); TRIFORGE_ATTN_GLUON=0 / 1
+#   turns it off / on everywhere it can run. `triforge tune` keeps it across re-tunes (tune.write_config).
 # - ATOMIC_DQ (dK/dV kernel): FlashAttention-2's backward: dQ accumulated by the dK/dV kernel in fp32
 #   (1: atomic adds, 2: TMA bulk reductions), then scaled into q's dtype; no dQ kernel. dq is then
 #   not bitwise reproducible: flash_attn_func(deterministic=True) and varlen use the dQ kernel.
