@@ -44,8 +44,9 @@ def time_all(fns, rounds=12, calls=5):
 
 def grid(D):
     if D == 128:
-        return [{"BLOCK_N": 128, "num_stages": 3}, {"BLOCK_N": 128, "num_stages": 2}]
-    return [{"BLOCK_N": 128, "num_stages": s} for s in (3, 4)]
+        return [{"BLOCK_N": 128, "num_stages": 3}]
+    return ([{"BLOCK_N": 128, "num_stages": 4}]
+            + [{"BLOCK_N": 64, "num_stages": s, "NUM_WG": 3} for s in (4, 6, 8)])
 
 
 def run(B, H, S, D, causal):
@@ -65,7 +66,7 @@ def run(B, H, S, D, causal):
     if not causal:
         fns["call4 kernel"] = lambda: probe_fwd(q, k, v, cfg={"STAGES": 3, "PIPE": 1})
     for cfg in grid(D):
-        name = f"gluon n{cfg['BLOCK_N']} s{cfg['num_stages']}"
+        name = f"gluon w{cfg.get('NUM_WG', 2)} n{cfg['BLOCK_N']} s{cfg['num_stages']}"
         try:
             o, _, _ = attn_fwd_ws(q, k, v, causal, D ** -0.5, cfg)
             diff = (o.float() - o_tri.float()).abs().max().item()

@@ -235,7 +235,7 @@ def _gluon_cfg(cfg, q, k, v, varlen):
     D = q.shape[-1]
     if q.dtype not in (torch.float16, torch.bfloat16) or D not in (64, 128):
         return None
-    if not all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (q, k, v)):
+    if not all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (q, k, v)) or min(q.shape[1], k.shape[1]) < 1:
         return None
     if torch.cuda.get_device_capability(q.device) != (9, 0):
         return None
