@@ -1070,3 +1070,84 @@ def test_gradient_check_under_magnitudes_passes_the_kernel_and_catches_an_error(
     bad[idx] += 0.2 * float(mags["dq"][idx]) + 0.2 * abs(float(ref[0][idx]))
     res = compare("dq", ref[0], bad, dtype=torch.bfloat16, scale=mags["dq"], verbose=False)
     assert not res.ok and res.max_abs_at == idx
+
+
+_SM90_GLUON = r"""
+import collections, json, os, re, subprocess, sys, tempfile
+os.environ["TRITON_INTERPRET"] = "0"
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon._runtime import GluonASTSource
+from triforge.ops.attention import forward_ws as W
+
+BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+INSTR = re.compile(r"^\s+/\*([0-9a-f]+)\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)")
+rows = []
+for case in json.loads(sys.argv[1]):
+    D, bn, st, dt = case["D"], case["BLOCK_N"], case["num_stages"], case["dtype"]
+    g = gl.bfloat16 if dt == "bf16" else gl.float16
+    ql, kl = gl.NVMMASharedLayout.get_default_for([64, D], g), gl.NVMMASharedLayout.get_default_for([bn, D], g)
+    fn = W.flash_attn_fwd_ws_kernel
+    consts = dict(BM=128, BN=bn, D=D, STAGES=st, CAUSAL=case["causal"], STORE_RES=case["res"], CONS_REGS=240,
+                  LOADER_REGS=24)
+    types = {"q_desc": f"tensordesc<{dt}[64, {D}],{ql!r}>", "k_desc": f"tensordesc<{dt}[{bn}, {D}],{kl!r}>",
+             "v_desc": f"tensordesc<{dt}[{bn}, {D}],{kl!r}>", "o_ptr": f"*{dt}", "res_ptr": f"*{dt}",
+             "lse_ptr": "*fp32", "qk_scale": "fp32"}
+    sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in ("o_ptr", "res_ptr", "lse_ptr")}
+    k = triton.compile(GluonASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": 4})
+    with tempfile.TemporaryDirectory() as d:
+        open(os.path.join(d, "k.ptx"), "w").write(k.asm["ptx"])
+        open(os.path.join(d, "k.cubin"), "wb").write(k.asm["cubin"])
+        v = subprocess.run([os.path.join(BIN, "ptxas"), "-v", "-arch=sm_90a", os.path.join(d, "k.ptx"), "-o",
+                            os.path.join(d, "o.cubin")], capture_output=True, text=True).stderr
+        sass = subprocess.run([os.path.join(BIN, "nvdisasm"), "-c", os.path.join(d, "k.cubin")], capture_output=True,
+                              text=True).stdout.splitlines()
+    loops = []  # backward branches that repeat 16 HGMMAs: the key loops (unmasked ones have no FSEL)
+    for i, line in enumerate(sass):
+        m = re.search(r"BRA `\((\.L_x_\d+)\)", line)
+        if m:
+            t = [j for j, l2 in enumerate(sass) if l2.startswith(m.group(1) + ":")]
+            if t and t[0] < i - 2:
+                c = collections.Counter(mm.group(2) for mm in map(INSTR.match, sass[t[0]:i + 1]) if mm)
+                if c.get("HGMMA.64", 0) == 16:  # S = Q K^T and P V: 8 + 8 wgmma of k = 16 at BN = D = 128
+                    loops.append(dict(c))
+    rows.append(dict(case, loops=loops, shared=k.metadata.shared, serialized="C7515" in v))
+print("RESULT" + json.dumps(rows))
+"""
+
+
+def test_gluon_forward_compiles_for_sm90():
+    """forward_ws.py's kernel as the H100 builds it (Gluon, sm90a, the wheel's ptxas; no GPU here): it fits in shared
+    memory, ptxas keeps the wgmma pipeline asynchronous, and each unmasked key loop (the hot loop) holds its 16 wgmma
+    with no local-memory traffic and no PRMT (a 16-bit P carried across the two key loops cost 32-64 per tile)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    import triton
+
+    from triforge import _runtime
+
+    if _runtime.HAS_CUDA and not _runtime.INTERPRET:
+        pytest.skip("compile-only check for machines without a GPU")
+    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")):
+        pytest.skip("triton's bundled ptxas is not installed")
+    cases = [dict(D=128, BLOCK_N=128, num_stages=3, dtype=dt, causal=c, res=r)
+             for dt, c, r in (("bf16", False, False), ("bf16", True, True), ("fp16", False, True))]
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    out = subprocess.run([sys.executable, "-c", _SM90_GLUON, json.dumps(cases)], capture_output=True, text=True,
+                         env=env, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    for r in json.loads(out.stdout.split("RESULT", 1)[1]):
+        assert r["shared"] <= 227 * 1024 and not r["serialized"], r
+        hot = [lp for lp in r["loops"] if "FSEL" not in lp]
+        assert len(hot) == 2, r  # one unmasked key loop per consumer warpgroup
+        for lp in hot:
+            assert not any(op.startswith(("LDL", "STL", "PRMT")) for op in lp), lp
+            assert lp["MUFU.EX2"] >= 64, lp  # the 64 x 128 tile's exponentials (one per element per thread: 64)

@@ -5,11 +5,11 @@ Used by ``attn_fwd`` where the sm90 config says ``GLUON`` (16-bit q/k/v contiguo
 Gluon (triton.experimental.gluon) states layouts, shared memory, mbarriers and the warp partition explicitly; it has
 no interpreter, so this file is imported only on that path.
 
-One program = one (batch, head, BM = 64 NUM_WG query rows) tile, heaviest tiles first under causal masking; partitions:
+One program = one (batch, head, 128 query rows) tile, heaviest tiles first under causal masking; three partitions:
 - a loader warp: the two 64-row halves of Q once, then K and V tiles of BN keys by TMA into a ring of STAGES slots
-  (``k_ready`` / ``v_ready`` mbarriers with the byte count; a slot is refilled once every consumer released it on
+  (``k_ready`` / ``v_ready`` mbarriers with the byte count; a slot is refilled once both consumers released it on
   ``kv_empty``);
-- NUM_WG (2 or 3) consumer warpgroups, 64 query rows each: S = Q K^T by wgmma from shared memory, the online softmax in registers
+- two consumer warpgroups, 64 query rows each: S = Q K^T by wgmma from shared memory, the online softmax in registers
   (log2 domain), P converted in registers into the A operand of O += P V (V from shared memory). S_j and P_{j-1} V_{j-1}
   are issued together and the softmax of S_j runs while the PV product is on the tensor cores (FA3's intra-warpgroup
   overlap); the two warpgroups interleave on their own.
@@ -35,10 +35,10 @@ LN2 = gl.constexpr(0.6931471805599453)
 
 @gluon.jit
 def _loader(q_desc, k_desc, v_desc, q_s, k_s, v_s, q_bar, k_ready, v_ready, kv_empty, q_row, kv_row, q_col, kv_col,
-            n_kv, BMW: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, NUM_WG: gl.constexpr):
-    mbarrier.expect(q_bar, NUM_WG * q_desc.block_type.nbytes)
-    for w in gl.static_range(NUM_WG):
-        tma.async_copy_global_to_shared(q_desc, [q_row + w * BMW, q_col], q_bar, q_s.index(w))
+            n_kv, BMW: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr):
+    mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [q_row, q_col], q_bar, q_s.index(0))
+    tma.async_copy_global_to_shared(q_desc, [q_row + BMW, q_col], q_bar, q_s.index(1))
     for j in range(n_kv):
         s = j % STAGES
         mbarrier.wait(kv_empty.index(s), ((j // STAGES) & 1) ^ 1)  # both consumers freed slot s (first pass: free)
@@ -163,8 +163,8 @@ def _consumer(q_s, k_s, v_s, q_bar, k_ready, v_ready, kv_empty, o_ptr, res_ptr, 
 def flash_attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_ptr, res_ptr, lse_ptr, S_q, S_k, H, GROUP, qk_scale,
                              BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
                              CAUSAL: gl.constexpr, STORE_RES: gl.constexpr, CONS_REGS: gl.constexpr,
-                             LOADER_REGS: gl.constexpr, NUM_WG: gl.constexpr):
-    BMW: gl.constexpr = BM // NUM_WG
+                             LOADER_REGS: gl.constexpr):
+    BMW: gl.constexpr = BM // 2
     if CAUSAL:  # the longest rows first
         pid_m = gl.cdiv(S_q, BM) - 1 - gl.program_id(0)
     else:
@@ -182,7 +182,7 @@ def flash_attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_ptr, res_ptr, lse_ptr, S_
     else:
         n_kv = n_all
         n_full = S_k // BN
-    q_s = gl.allocate_shared_memory(q_desc.dtype, [NUM_WG, BMW, D], q_desc.layout)
+    q_s = gl.allocate_shared_memory(q_desc.dtype, [2, BMW, D], q_desc.layout)
     k_s = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BN, D], k_desc.layout)
     v_s = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BN, D], v_desc.layout)
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -193,30 +193,18 @@ def flash_attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_ptr, res_ptr, lse_ptr, S_
     for s in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(s), count=1)
         mbarrier.init(v_ready.index(s), count=1)
-        mbarrier.init(kv_empty.index(s), count=NUM_WG)
+        mbarrier.init(kv_empty.index(s), count=2)
     q_tok0 = b * S_q  # token rows of the [B S, H D] views
     lse_base = bh.to(gl.int64) * S_q
     stride_o = H * D
-    if NUM_WG == 2:
-        gl.warp_specialize([
-            (_consumer, (q_s, k_s, v_s, q_bar, k_ready, v_ready, kv_empty, o_ptr, res_ptr, lse_ptr, 0, q_tok0, m0, h * D,
-                         lse_base, n_kv, n_full, S_q, S_k, qk_scale, stride_o, BMW, BN, D, STAGES, CAUSAL, STORE_RES)),
-            (_consumer, (q_s, k_s, v_s, q_bar, k_ready, v_ready, kv_empty, o_ptr, res_ptr, lse_ptr, 1, q_tok0, m0, h * D,
-                         lse_base, n_kv, n_full, S_q, S_k, qk_scale, stride_o, BMW, BN, D, STAGES, CAUSAL, STORE_RES)),
-            (_loader, (q_desc, k_desc, v_desc, q_s, k_s, v_s, q_bar, k_ready, v_ready, kv_empty, q_tok0 + m0, b * S_k,
-                       h * D, (h // GROUP) * D, n_kv, BMW, BN, STAGES, NUM_WG)),
-        ], [4, 1], [CONS_REGS, LOADER_REGS])
-    else:  # three consumer warpgroups (BM = 192)
-        gl.warp_specialize([
-            (_consumer, (q_s, k_s, v_s, q_bar, k_ready, v_ready, kv_empty, o_ptr, res_ptr, lse_ptr, 0, q_tok0, m0, h * D,
-                         lse_base, n_kv, n_full, S_q, S_k, qk_scale, stride_o, BMW, BN, D, STAGES, CAUSAL, STORE_RES)),
-            (_consumer, (q_s, k_s, v_s, q_bar, k_ready, v_ready, kv_empty, o_ptr, res_ptr, lse_ptr, 1, q_tok0, m0, h * D,
-                         lse_base, n_kv, n_full, S_q, S_k, qk_scale, stride_o, BMW, BN, D, STAGES, CAUSAL, STORE_RES)),
-            (_consumer, (q_s, k_s, v_s, q_bar, k_ready, v_ready, kv_empty, o_ptr, res_ptr, lse_ptr, 2, q_tok0, m0, h * D,
-                         lse_base, n_kv, n_full, S_q, S_k, qk_scale, stride_o, BMW, BN, D, STAGES, CAUSAL, STORE_RES)),
-            (_loader, (q_desc, k_desc, v_desc, q_s, k_s, v_s, q_bar, k_ready, v_ready, kv_empty, q_tok0 + m0, b * S_k,
-                       h * D, (h // GROUP) * D, n_kv, BMW, BN, STAGES, NUM_WG)),
-        ], [4, 4, 1], [CONS_REGS, CONS_REGS, LOADER_REGS])
+    gl.warp_specialize([
+        (_consumer, (q_s, k_s, v_s, q_bar, k_ready, v_ready, kv_empty, o_ptr, res_ptr, lse_ptr, 0, q_tok0, m0, h * D,
+                     lse_base, n_kv, n_full, S_q, S_k, qk_scale, stride_o, BMW, BN, D, STAGES, CAUSAL, STORE_RES)),
+        (_consumer, (q_s, k_s, v_s, q_bar, k_ready, v_ready, kv_empty, o_ptr, res_ptr, lse_ptr, 1, q_tok0, m0, h * D,
+                     lse_base, n_kv, n_full, S_q, S_k, qk_scale, stride_o, BMW, BN, D, STAGES, CAUSAL, STORE_RES)),
+        (_loader, (q_desc, k_desc, v_desc, q_s, k_s, v_s, q_bar, k_ready, v_ready, kv_empty, q_tok0 + m0, b * S_k,
+                   h * D, (h // GROUP) * D, n_kv, BMW, BN, STAGES)),
+    ], [4, 1], [CONS_REGS, LOADER_REGS])
     mbarrier.invalidate(q_bar)
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(k_ready.index(s))
@@ -233,12 +221,12 @@ def usable(q, k, v) -> bool:
 
 def attn_fwd_ws(q, k, v, causal, softmax_scale, cfg, residual=False):
     """(o, lse, o_res) as ``attn_fwd`` returns them, by ``flash_attn_fwd_ws_kernel`` (``usable`` inputs, sm90).
-    cfg: BLOCK_N (keys per tile), num_stages (ring slots), NUM_WG (consumer warpgroups of 64 query rows: 2 or 3),
-    CONS_REGS / LOADER_REGS (registers per thread of the consumer / loader partitions)."""
+    cfg: BLOCK_N (keys per tile), num_stages (ring slots), CONS_REGS / LOADER_REGS (registers per thread of the
+    consumer / loader partitions); the query tile is 128 rows (two warpgroups of 64). Three consumer warpgroups
+    (192-row tiles) measured no faster at D = 64 (benchmarks/NOTES.md, session 37; code at 6d0f533)."""
     B, S_q, H, D = q.shape
     S_k, H_kv = k.shape[1], k.shape[2]
-    n_wg = cfg.get("NUM_WG", 2)
-    bm, bn, stages = 64 * n_wg, cfg["BLOCK_N"], cfg["num_stages"]
+    bm, bn, stages = 128, cfg["BLOCK_N"], cfg["num_stages"]
     g16 = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
     q_l = gl.NVMMASharedLayout.get_default_for([64, D], g16)
     k_l = gl.NVMMASharedLayout.get_default_for([bn, D], g16)
@@ -255,7 +243,6 @@ def attn_fwd_ws(q, k, v, causal, softmax_scale, cfg, residual=False):
         softmax_scale * math.log2(math.e),
         nbytes=e * ((3 if residual else 2) * q.numel() + k.numel() + v.numel()) + 4 * lse.numel(),
         BM=bm, BN=bn, D=D, STAGES=stages, CAUSAL=bool(causal), STORE_RES=bool(residual),
-        CONS_REGS=cfg.get("CONS_REGS", 240 if n_wg == 2 else 160), LOADER_REGS=cfg.get("LOADER_REGS", 24),
-        NUM_WG=n_wg, num_warps=4,
+        CONS_REGS=cfg.get("CONS_REGS", 240), LOADER_REGS=cfg.get("LOADER_REGS", 24), num_warps=4,
     )
     return o, lse, o_res
