@@ -847,7 +847,8 @@ print("RESULT" + json.dumps(rows))
 _KERNELS = ("flash_attn_fwd", "flash_attn_bwd_dkdv", "flash_attn_bwd_dq")
 
 
-def _sm90_compile(cases):
+def _sm90_compile(cases, script=None):
+    """Run ``script`` (default: _SM90_COMPILE) on ``cases`` in a TRITON_INTERPRET=0 subprocess; its RESULT rows."""
     import json
     import os
     import subprocess
@@ -868,8 +869,8 @@ def _sm90_compile(cases):
     env = dict(os.environ, TRITON_INTERPRET="0")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    out = subprocess.run([sys.executable, "-c", _SM90_COMPILE, json.dumps(cases)], capture_output=True, text=True,
-                         env=env, timeout=900)
+    out = subprocess.run([sys.executable, "-c", script or _SM90_COMPILE, json.dumps(cases)], capture_output=True,
+                         text=True, env=env, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.split("RESULT", 1)[1])
 
@@ -1123,28 +1124,9 @@ def test_gluon_forward_compiles_for_sm90():
     """forward_ws.py's kernel as the H100 builds it (Gluon, sm90a, the wheel's ptxas; no GPU here): it fits in shared
     memory, ptxas keeps the wgmma pipeline asynchronous, and each unmasked key loop (the hot loop) holds its 16 wgmma
     with no local-memory traffic and no PRMT (a 16-bit P carried across the two key loops cost 32-64 per tile)."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    import triton
-
-    from triforge import _runtime
-
-    if _runtime.HAS_CUDA and not _runtime.INTERPRET:
-        pytest.skip("compile-only check for machines without a GPU")
-    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")):
-        pytest.skip("triton's bundled ptxas is not installed")
     cases = [dict(D=128, BLOCK_N=128, num_stages=3, dtype=dt, causal=c, res=r)
              for dt, c, r in (("bf16", False, False), ("bf16", True, True), ("fp16", False, True))]
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    out = subprocess.run([sys.executable, "-c", _SM90_GLUON, json.dumps(cases)], capture_output=True, text=True,
-                         env=env, timeout=900)
-    assert out.returncode == 0, out.stderr[-3000:]
-    for r in json.loads(out.stdout.split("RESULT", 1)[1]):
+    for r in _sm90_compile(cases, _SM90_GLUON):
         assert r["shared"] <= 227 * 1024 and not r["serialized"], r
         hot = [lp for lp in r["loops"] if "FSEL" not in lp]
         assert len(hot) == 2, r  # one unmasked key loop per consumer warpgroup
