@@ -1090,11 +1090,11 @@ for case in json.loads(sys.argv[1]):
     g = gl.bfloat16 if dt == "bf16" else gl.float16
     ql, kl = gl.NVMMASharedLayout.get_default_for([64, D], g), gl.NVMMASharedLayout.get_default_for([bn, D], g)
     fn = W.flash_attn_fwd_ws_kernel
-    consts = dict(BM=128, BN=bn, D=D, STAGES=st, CAUSAL=case["causal"], STORE_RES=case["res"], CONS_REGS=240,
-                  LOADER_REGS=24)
+    consts = dict(BM=128, BN=bn, D=D, STAGES=st, CAUSAL=case["causal"], STORE_RES=case["res"],
+                  VARLEN=case.get("varlen", False), CONS_REGS=240, LOADER_REGS=24)
     types = {"q_desc": f"tensordesc<{dt}[64, {D}],{ql!r}>", "k_desc": f"tensordesc<{dt}[{bn}, {D}],{kl!r}>",
              "v_desc": f"tensordesc<{dt}[{bn}, {D}],{kl!r}>", "o_ptr": f"*{dt}", "res_ptr": f"*{dt}",
-             "lse_ptr": "*fp32", "qk_scale": "fp32"}
+             "lse_ptr": "*fp32", "cu_q_ptr": "*i32", "cu_k_ptr": "*i32", "qk_scale": "fp32"}
     sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in ("o_ptr", "res_ptr", "lse_ptr")}
     k = triton.compile(GluonASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
@@ -1124,8 +1124,9 @@ def test_gluon_forward_compiles_for_sm90():
     """forward_ws.py's kernel as the H100 builds it (Gluon, sm90a, the wheel's ptxas; no GPU here): it fits in shared
     memory, ptxas keeps the wgmma pipeline asynchronous, and each unmasked key loop (the hot loop) holds its 16 wgmma
     with no local-memory traffic and no PRMT (a 16-bit P carried across the two key loops cost 32-64 per tile)."""
-    cases = [dict(D=128, BLOCK_N=128, num_stages=3, dtype=dt, causal=c, res=r)
-             for dt, c, r in (("bf16", False, False), ("bf16", True, True), ("fp16", False, True))]
+    cases = [dict(D=128, BLOCK_N=128, num_stages=3, dtype=dt, causal=c, res=r, varlen=vl)
+             for dt, c, r, vl in (("bf16", False, False, False), ("bf16", True, True, False),
+                                  ("fp16", False, True, False), ("bf16", True, True, True))]
     for r in _sm90_compile(cases, _SM90_GLUON):
         assert r["shared"] <= 227 * 1024 and not r["serialized"], r
         hot = [lp for lp in r["loops"] if "FSEL" not in lp]

@@ -78,7 +78,7 @@ def _c(bm, bn, w, s, **variant):
 #   (3 warpgroups in all); one key loop with every tile masked when causal or Sk % BLOCK_N != 0.
 # - GLUON (forward, sm90 configs only): {BLOCK_N, num_stages} of forward_ws.py's warp-specialized Gluon kernel (a TMA
 #   loader warp, two consumer warpgroups of 64 query rows, FA3's overlap of softmax and PV product), which then takes
-#   compiled launches of contiguous 16-bit [B, S, H, D] inputs at D = 64 / 128 (not varlen); TRIFORGE_ATTN_GLUON=0 / 1
+#   compiled launches of contiguous 16-bit [B, S, H, D] (or packed) inputs at D = 64 / 128; TRIFORGE_ATTN_GLUON=0 / 1
 #   turns it off / on everywhere it can run. `triforge tune` keeps it across re-tunes (tune.write_config).
 # - ATOMIC_DQ (dK/dV kernel): FlashAttention-2's backward: dQ accumulated by the dK/dV kernel in fp32
 #   (1: atomic adds, 2: TMA bulk reductions), then scaled into q's dtype; no dQ kernel. dq is then
@@ -226,11 +226,11 @@ GLUON_ENV = "TRIFORGE_ATTN_GLUON"
 
 def _gluon_cfg(cfg, q, k, v, varlen):
     """The Gluon forward's launch config (forward_ws.py) where it takes this call, else None: the sm90 config's
-    ``GLUON`` entry (BLOCK_N, num_stages) for compiled sm90 launches of contiguous 16-bit [B, S, H, D] q/k/v at head
-    dim 64 or 128, not varlen. ``TRIFORGE_ATTN_GLUON=0`` never takes it; ``=1`` takes it wherever it can run, with the
-    entry or a default (128 keys per tile, 3 slots at D = 128, 4 at D = 64)."""
+    ``GLUON`` entry (BLOCK_N, num_stages) for compiled sm90 launches of contiguous 16-bit [B, S, H, D] q/k/v (or packed
+    sequences: the varlen key's entry) at head dim 64 or 128. ``TRIFORGE_ATTN_GLUON=0`` never takes it; ``=1`` takes it
+    wherever it can run, with the entry or a default (128 keys per tile, 3 slots at D = 128, 4 at D = 64)."""
     mode = os.environ.get(GLUON_ENV, "")
-    if mode == "0" or _runtime.INTERPRET or varlen is not None or not q.is_cuda:
+    if mode == "0" or _runtime.INTERPRET or not q.is_cuda:
         return None
     D = q.shape[-1]
     if q.dtype not in (torch.float16, torch.bfloat16) or D not in (64, 128):
@@ -264,7 +264,7 @@ def attn_fwd(q, k, v, causal, softmax_scale, cfg=None, residual=False, varlen=No
     if ws is not None:  # Hopper: the warp-specialized Gluon kernel (imported only here: Gluon has no interpreter)
         from triforge.ops.attention.forward_ws import attn_fwd_ws
 
-        return attn_fwd_ws(q, k, v, causal, softmax_scale, ws, residual)
+        return attn_fwd_ws(q, k, v, causal, softmax_scale, ws, residual, varlen)
     o = new_output((B, Sq, H, D), q.dtype, q.device)
     o_res = new_output((B, Sq, H, D), q.dtype, q.device) if residual else q.new_empty(0)
     lse = new_output((B, H, Sq), torch.float32, q.device)

@@ -1,7 +1,8 @@
 """Attention forward for Hopper (sm90), warp-specialized in Gluon: FlashAttention-3's structure.
 
-Used by ``attn_fwd`` where the sm90 config says ``GLUON`` (16-bit q/k/v contiguous as [B, S, H, D], head_dim 64 or
-128, not varlen, compiled on sm90); the Triton kernel (forward.py) serves every other case and the interpreter.
+Used by ``attn_fwd`` where the sm90 config says ``GLUON`` (16-bit q/k/v contiguous as [B, S, H, D] or packed
+[T, H, D] sequences, head_dim 64 or 128, compiled on sm90); the Triton kernel (forward.py) serves every other case and
+the interpreter.
 Gluon (triton.experimental.gluon) states layouts, shared memory, mbarriers and the warp partition explicitly; it has
 no interpreter, so this file is imported only on that path.
 
@@ -14,9 +15,10 @@ One program = one (batch, head, 128 query rows) tile, heaviest tiles first under
   are issued together and the softmax of S_j runs while the PV product is on the tensor cores (FA3's intra-warpgroup
   overlap); the two warpgroups interleave on their own.
 
-Masks: the descriptors view q/k/v as [B S, H D] matrices (one row per token and head group), so a tile that crosses
+Masks: the descriptors view q/k/v as [B S, H D] (packed: [T, H D]) matrices, one row per token, so a tile that crosses
 the end of a sequence reads the next sequence's rows (or TMA's zero fill past the tensor): their scores are set to
--inf (keys >= S_k; causal: key j > query i + S_k - S_q, bottom-right aligned) and query rows >= S_q are not stored.
+-inf (keys >= S_k; causal: key j > query i + S_k - S_q, bottom-right aligned, per sequence) and query rows >= S_q are
+not stored.
 A row that sees no key gets o = 0 and lse = -inf (the max is taken as 0 there: no -inf - -inf).
 """
 
@@ -125,7 +127,8 @@ def _pipeline(q, k_s, v_s, k_ready, v_ready, kv_empty, acc, m_i, l_i, n_kv, n_fu
 @gluon.jit
 def _consumer(q_s, k_s, v_s, q_bar, k_ready, v_ready, kv_empty, o_ptr, res_ptr, lse_ptr, WG: gl.constexpr, q_tok0, m0,
               o_col, lse_base, n_kv, n_full, S_q, S_k, qk_scale, stride_o, BMW: gl.constexpr, BN: gl.constexpr,
-              D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, STORE_RES: gl.constexpr):
+              D: gl.constexpr, STAGES: gl.constexpr, GUARD: gl.constexpr, CAUSAL: gl.constexpr,
+              STORE_RES: gl.constexpr):
     s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
     o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
     p_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
@@ -137,11 +140,11 @@ def _consumer(q_s, k_s, v_s, q_bar, k_ready, v_ready, kv_empty, o_ptr, res_ptr, 
     l_i = gl.zeros([BMW], gl.float32, gl.SliceLayout(1, s_l))
     acc = gl.zeros([BMW, D], gl.float32, o_l)
     mbarrier.wait(q_bar, 0)
-    if CAUSAL:  # a tile may see no key at all
+    if GUARD:  # causal or packed: a tile may see no key at all
         if n_kv > 0:
             acc, m_i, l_i = _pipeline(q, k_s, v_s, k_ready, v_ready, kv_empty, acc, m_i, l_i, n_kv, n_full, rows, S_k,
                                       diag, qk_scale, BMW, BN, STAGES, CAUSAL, s_l, o_l, p_l)
-    else:  # S_k >= 1: every tile has keys
+    else:  # dense, S_k >= 1: every tile has keys
         acc, m_i, l_i = _pipeline(q, k_s, v_s, k_ready, v_ready, kv_empty, acc, m_i, l_i, n_kv, n_full, rows, S_k,
                                   diag, qk_scale, BMW, BN, STAGES, CAUSAL, s_l, o_l, p_l)
     seen = l_i > 0.0
@@ -160,28 +163,42 @@ def _consumer(q_s, k_s, v_s, q_bar, k_ready, v_ready, kv_empty, o_ptr, res_ptr, 
 
 
 @gluon.jit
-def flash_attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_ptr, res_ptr, lse_ptr, S_q, S_k, H, GROUP, qk_scale,
-                             BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
-                             CAUSAL: gl.constexpr, STORE_RES: gl.constexpr, CONS_REGS: gl.constexpr,
-                             LOADER_REGS: gl.constexpr):
+def flash_attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_ptr, res_ptr, lse_ptr, cu_q_ptr, cu_k_ptr, S_q, S_k, H, GROUP,
+                             qk_scale, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
+                             CAUSAL: gl.constexpr, STORE_RES: gl.constexpr, VARLEN: gl.constexpr,
+                             CONS_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
     BMW: gl.constexpr = BM // 2
     if CAUSAL:  # the longest rows first
-        pid_m = gl.cdiv(S_q, BM) - 1 - gl.program_id(0)
+        pid_m = gl.num_programs(0) - 1 - gl.program_id(0)
     else:
         pid_m = gl.program_id(0)
     bh = gl.program_id(1)
     b = bh // H
     h = bh % H
     m0 = pid_m * BM
-    n_all = gl.cdiv(S_k, BN)
+    if VARLEN:  # sequence b: rows cu_q[b] .. cu_q[b + 1] - 1 of the packed q (S_q: all of them), cu_k for k / v
+        q_tok0 = gl.load(cu_q_ptr + b)
+        k_tok0 = gl.load(cu_k_ptr + b)
+        len_q = gl.load(cu_q_ptr + b + 1) - q_tok0
+        len_k = gl.load(cu_k_ptr + b + 1) - k_tok0
+        lse_base = h.to(gl.int64) * S_q + q_tok0  # lse [1, H, S_q]
+    else:
+        q_tok0 = b * S_q  # token rows of the [B S, H D] views
+        k_tok0 = b * S_k
+        len_q = S_q
+        len_k = S_k
+        lse_base = bh.to(gl.int64) * S_q
+    n_all = gl.cdiv(len_k, BN)
     if CAUSAL:
-        # keys 0 .. last row + S_k - S_q are visible to some row of the tile; tiles past the first row's last key
-        # (or holding keys >= S_k) need the mask
-        n_kv = gl.minimum(n_all, gl.maximum(gl.cdiv(gl.minimum(m0 + BM, S_q) + S_k - S_q, BN), 0))
-        n_full = gl.minimum(S_k // BN, gl.maximum((m0 + S_k - S_q + 1) // BN, 0))
+        # keys 0 .. last row + len_k - len_q are visible to some row of the tile; tiles past the first row's last key
+        # (or holding keys >= len_k) need the mask
+        n_kv = gl.minimum(n_all, gl.maximum(gl.cdiv(gl.minimum(m0 + BM, len_q) + len_k - len_q, BN), 0))
+        n_full = gl.minimum(len_k // BN, gl.maximum((m0 + len_k - len_q + 1) // BN, 0))
     else:
         n_kv = n_all
-        n_full = S_k // BN
+        n_full = len_k // BN
+    if VARLEN:  # the grid spans the longest sequence: a tile past this one's end loads nothing and stores nothing
+        n_kv = gl.where(m0 < len_q, n_kv, 0)
     q_s = gl.allocate_shared_memory(q_desc.dtype, [2, BMW, D], q_desc.layout)
     k_s = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BN, D], k_desc.layout)
     v_s = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BN, D], v_desc.layout)
@@ -194,15 +211,15 @@ def flash_attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_ptr, res_ptr, lse_ptr, S_
         mbarrier.init(k_ready.index(s), count=1)
         mbarrier.init(v_ready.index(s), count=1)
         mbarrier.init(kv_empty.index(s), count=2)
-    q_tok0 = b * S_q  # token rows of the [B S, H D] views
-    lse_base = bh.to(gl.int64) * S_q
     stride_o = H * D
     gl.warp_specialize([
         (_consumer, (q_s, k_s, v_s, q_bar, k_ready, v_ready, kv_empty, o_ptr, res_ptr, lse_ptr, 0, q_tok0, m0, h * D,
-                     lse_base, n_kv, n_full, S_q, S_k, qk_scale, stride_o, BMW, BN, D, STAGES, CAUSAL, STORE_RES)),
+                     lse_base, n_kv, n_full, len_q, len_k, qk_scale, stride_o, BMW, BN, D, STAGES, CAUSAL or VARLEN,
+                     CAUSAL, STORE_RES)),
         (_consumer, (q_s, k_s, v_s, q_bar, k_ready, v_ready, kv_empty, o_ptr, res_ptr, lse_ptr, 1, q_tok0, m0, h * D,
-                     lse_base, n_kv, n_full, S_q, S_k, qk_scale, stride_o, BMW, BN, D, STAGES, CAUSAL, STORE_RES)),
-        (_loader, (q_desc, k_desc, v_desc, q_s, k_s, v_s, q_bar, k_ready, v_ready, kv_empty, q_tok0 + m0, b * S_k,
+                     lse_base, n_kv, n_full, len_q, len_k, qk_scale, stride_o, BMW, BN, D, STAGES, CAUSAL or VARLEN,
+                     CAUSAL, STORE_RES)),
+        (_loader, (q_desc, k_desc, v_desc, q_s, k_s, v_s, q_bar, k_ready, v_ready, kv_empty, q_tok0 + m0, k_tok0,
                    h * D, (h // GROUP) * D, n_kv, BMW, BN, STAGES)),
     ], [4, 1], [CONS_REGS, LOADER_REGS])
     mbarrier.invalidate(q_bar)
@@ -219,8 +236,9 @@ def usable(q, k, v) -> bool:
             and all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (q, k, v)))
 
 
-def attn_fwd_ws(q, k, v, causal, softmax_scale, cfg, residual=False):
-    """(o, lse, o_res) as ``attn_fwd`` returns them, by ``flash_attn_fwd_ws_kernel`` (``usable`` inputs, sm90).
+def attn_fwd_ws(q, k, v, causal, softmax_scale, cfg, residual=False, varlen=None):
+    """(o, lse, o_res) as ``attn_fwd`` returns them, by ``flash_attn_fwd_ws_kernel`` (``usable`` inputs, sm90); with
+    ``varlen`` (attention.Varlen) the packed sequences as a batch of one.
     cfg: BLOCK_N (keys per tile), num_stages (ring slots), CONS_REGS / LOADER_REGS (registers per thread of the
     consumer / loader partitions); the query tile is 128 rows (two warpgroups of 64). Three consumer warpgroups
     (192-row tiles) measured no faster at D = 64 (benchmarks/NOTES.md, session 37; code at 6d0f533)."""
@@ -237,12 +255,17 @@ def attn_fwd_ws(q, k, v, causal, softmax_scale, cfg, residual=False):
     o_res = launch.new_output((B, S_q, H, D), q.dtype, q.device) if residual else q.new_empty(0)
     lse = launch.new_output((B, H, S_q), torch.float32, q.device)
     e = q.element_size()
+    if varlen is None:
+        grid, cu = (launch.cdiv(S_q, bm), B * H), (lse, lse)
+    else:
+        grid = (launch.cdiv(varlen.max_seqlen_q, bm), (varlen.cu_seqlens_q.numel() - 1) * H)
+        cu = (varlen.cu_seqlens_q, varlen.cu_seqlens_k)
     launch.launch(
-        "flash_attn_fwd", flash_attn_fwd_ws_kernel, (launch.cdiv(S_q, bm), B * H),
-        q_desc, k_desc, v_desc, o, o_res if residual else o, lse, S_q, S_k, H, H // H_kv,
+        "flash_attn_fwd", flash_attn_fwd_ws_kernel, grid,
+        q_desc, k_desc, v_desc, o, o_res if residual else o, lse, *cu, S_q, S_k, H, H // H_kv,
         softmax_scale * math.log2(math.e),
         nbytes=e * ((3 if residual else 2) * q.numel() + k.numel() + v.numel()) + 4 * lse.numel(),
-        BM=bm, BN=bn, D=D, STAGES=stages, CAUSAL=bool(causal), STORE_RES=bool(residual),
+        BM=bm, BN=bn, D=D, STAGES=stages, CAUSAL=bool(causal), STORE_RES=bool(residual), VARLEN=varlen is not None,
         CONS_REGS=cfg.get("CONS_REGS", 240), LOADER_REGS=cfg.get("LOADER_REGS", 24), num_warps=4,
     )
     return o, lse, o_res
