@@ -131,6 +131,18 @@ def test_dispatch(monkeypatch):
     q64, k64, v64 = _qkv(1, 130, 130, 2, 2, 64, dtype, seed=6)
     flash_attn_func(q64, k64, v64)
     assert not calls  # D = 64: no GLUON entry (the Triton kernel measured faster there)
+    # packed sequences: the Triton kernel unless forced (the Gluon kernel measured slower on the varlen bench)
+    from triforge.ops.attention import flash_attn_varlen_func
+
+    cu = torch.tensor([0, 60, 130], dtype=torch.int32, device="cuda")
+    for env, expect in ((None, 0), ("1", 1)):
+        if env is None:
+            monkeypatch.delenv("TRIFORGE_ATTN_GLUON", raising=False)
+        else:
+            monkeypatch.setenv("TRIFORGE_ATTN_GLUON", env)
+        calls.clear()
+        flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, 70, 70)
+        assert len(calls) == expect, env
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
