@@ -232,19 +232,17 @@ def _gluon_cfg(cfg, q, k, v, varlen):
     take it only then: on the varlen bench (8 sequences, 16k tokens, D = 128, causal) it ran 0.88x the Triton kernel
     (its grid spans the longest sequence; benchmarks/NOTES.md, session 37)."""
     mode = os.environ.get(GLUON_ENV, "")
-    if mode == "0" or _runtime.INTERPRET or not q.is_cuda or (varlen is not None and mode != "1"):
+    ws = cfg.get("GLUON")
+    if mode == "0" or (mode != "1" and (ws is None or varlen is not None)):
         return None
     D = q.shape[-1]
+    if _runtime.INTERPRET or not q.is_cuda or _runtime.arch() != "sm90":  # (arch: cached per device)
+        return None
     if q.dtype not in (torch.float16, torch.bfloat16) or D not in (64, 128):
         return None
     if not all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (q, k, v)) or min(q.shape[1], k.shape[1]) < 1:
         return None
-    if torch.cuda.get_device_capability(q.device) != (9, 0):
-        return None
-    ws = cfg.get("GLUON")
-    if ws is None and mode == "1":
-        ws = {"BLOCK_N": 128, "num_stages": 3 if D == 128 else 4}
-    return ws
+    return ws if ws is not None else {"BLOCK_N": 128, "num_stages": 3 if D == 128 else 4}
 
 
 # ----------------------------------------------------------------------------- launchers

@@ -22,8 +22,6 @@ not stored.
 A row that sees no key gets o = 0 and lse = -inf (the max is taken as 0 there: no -inf - -inf).
 """
 
-import math
-
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -31,8 +29,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from triforge import launch
-
-LN2 = gl.constexpr(0.6931471805599453)
+from triforge.ops.attention.forward import LN2, LOG2E
 
 
 @gluon.jit
@@ -148,7 +145,8 @@ def _consumer(q_s, k_s, v_s, q_bar, k_ready, v_ready, kv_empty, o_ptr, res_ptr, 
         acc, m_i, l_i = _pipeline(q, k_s, v_s, k_ready, v_ready, kv_empty, acc, m_i, l_i, n_kv, n_full, rows, S_k,
                                   diag, qk_scale, BMW, BN, STAGES, CAUSAL, s_l, o_l, p_l)
     seen = l_i > 0.0
-    l_o = gl.convert_layout(gl.where(seen, l_i, 1.0), gl.SliceLayout(1, o_l))
+    l_safe = gl.where(seen, l_i, 1.0)
+    l_o = gl.convert_layout(l_safe, gl.SliceLayout(1, o_l))
     o = acc / l_o[:, None]  # rows with no key: acc = 0
     r_o = m0 + WG * BMW + gl.arange(0, BMW, layout=gl.SliceLayout(1, o_l))
     c_o = gl.arange(0, D, layout=gl.SliceLayout(0, o_l))
@@ -158,7 +156,7 @@ def _consumer(q_s, k_s, v_s, q_bar, k_ready, v_ready, kv_empty, o_ptr, res_ptr, 
     gl.store(o_ptr + off, o16, mask=m_o)
     if STORE_RES:  # o's rounding error, for the backward's delta
         gl.store(res_ptr + off, (o - o16.to(gl.float32)).to(o_ptr.dtype.element_ty), mask=m_o)
-    lse = gl.where(seen, (m_i + gl.log2(gl.where(seen, l_i, 1.0))) * LN2, float("-inf"))
+    lse = gl.where(seen, (m_i + gl.log2(l_safe)) * LN2, float("-inf"))
     gl.store(lse_ptr + lse_base + rows, lse, mask=rows < S_q)
 
 
@@ -229,15 +227,9 @@ def flash_attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_ptr, res_ptr, lse_ptr, cu
         mbarrier.invalidate(kv_empty.index(s))
 
 
-def usable(q, k, v) -> bool:
-    """Whether ``attn_fwd_ws`` takes these inputs: 16-bit, head_dim 64 or 128, contiguous [B, S, H, D] (the [B S, H D]
-    views) with 16-byte aligned starts."""
-    return (q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] in (64, 128)
-            and all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (q, k, v)))
-
-
 def attn_fwd_ws(q, k, v, causal, softmax_scale, cfg, residual=False, varlen=None):
-    """(o, lse, o_res) as ``attn_fwd`` returns them, by ``flash_attn_fwd_ws_kernel`` (``usable`` inputs, sm90); with
+    """(o, lse, o_res) as ``attn_fwd`` returns them, by ``flash_attn_fwd_ws_kernel`` (the inputs ``attention._gluon_cfg``
+    admits: contiguous 16-bit [B, S, H, D], head_dim 64 or 128, sm90); with
     ``varlen`` (attention.Varlen) the packed sequences as a batch of one.
     cfg: BLOCK_N (keys per tile), num_stages (ring slots), CONS_REGS / LOADER_REGS (registers per thread of the
     consumer / loader partitions); the query tile is 128 rows (two warpgroups of 64). Three consumer warpgroups
@@ -263,7 +255,7 @@ def attn_fwd_ws(q, k, v, causal, softmax_scale, cfg, residual=False, varlen=None
     launch.launch(
         "flash_attn_fwd", flash_attn_fwd_ws_kernel, grid,
         q_desc, k_desc, v_desc, o, o_res if residual else o, lse, *cu, S_q, S_k, H, H // H_kv,
-        softmax_scale * math.log2(math.e),
+        softmax_scale * LOG2E,
         nbytes=e * ((3 if residual else 2) * q.numel() + k.numel() + v.numel()) + 4 * lse.numel(),
         BM=bm, BN=bn, D=D, STAGES=stages, CAUSAL=bool(causal), STORE_RES=bool(residual), VARLEN=varlen is not None,
         CONS_REGS=cfg.get("CONS_REGS", 240), LOADER_REGS=cfg.get("LOADER_REGS", 24), num_warps=4,
