@@ -2,7 +2,8 @@
 
 At the bench's (B, H, S, D) shapes, causal and not, bf16: each Gluon config checked against the Triton kernel's
 output, then timed with CUDA events beside the Triton path (TRIFORGE_ATTN_GLUON=0) and torch SDPA's cuDNN backend,
-interleaved round by round (``time_all``); TFLOP/s = 4 B H S^2 D / t (half causal). (Session 37 calls 4-9 also timed
+interleaved round by round (``time_all``); TFLOP/s = 4 B H S^2 D / t (half causal). Session 38: both kernels with
+EMU of every 8 exponentials of unmasked tiles computed on the FMA pipes (triforge.ops._tl.exp2_emu). (Session 37 calls 4-9 also timed
 the first form of the kernel and three consumer warpgroups at D = 64: code at 6d0f533.)
 
     PYTHONPATH=. python benchmarks/attn_ws_probe.py [--json PATH] [--shapes 4x16x8192x128 ...]
@@ -16,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 import triforge
+from triforge.ops import attention
 from triforge.ops.attention.forward_ws import attn_fwd_ws
 
 SHAPES = ["16x16x2048x64", "8x16x4096x64", "4x16x8192x128", "2x16x16384x128"]
@@ -40,9 +42,16 @@ def time_all(fns, rounds=12, calls=5):
 
 
 def grid(D):
+    """Gluon configs: EMU of every 8 exponentials of unmasked tiles on the FMA pipes (triforge.ops._tl.exp2_emu)."""
     if D == 128:
-        return [{"BLOCK_N": 128, "num_stages": 3}]
-    return [{"BLOCK_N": 128, "num_stages": s} for s in (3, 4)]
+        return [{"BLOCK_N": 128, "num_stages": 3, "EMU": e} for e in (0, 1, 2)]
+    return [{"BLOCK_N": 128, "num_stages": 4, "EMU": e} for e in (0, 2, 3)]
+
+
+def triton_grid(D, causal):
+    """The Triton kernel's tuned config (without GLUON) and the same with EMU."""
+    base = {k: v for k, v in attention._cfg("flash_attn_fwd", D, causal, torch.bfloat16).items() if k != "GLUON"}
+    return [dict(base, EMU=e) for e in (1, 2, 3)] if D == 64 else []
 
 
 def run(B, H, S, D, causal):
@@ -53,30 +62,33 @@ def run(B, H, S, D, causal):
     o_tri = triforge.flash_attn_func(q, k, v, causal=causal)
     qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
     row = {"shape": [B, H, S, D], "causal": causal, "checks": []}
+    scale = D ** -0.5
 
     def cudnn():
         with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.CUDNN_ATTENTION):
             return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
 
     fns = {"cudnn": cudnn, "triton": lambda: triforge.flash_attn_func(q, k, v, causal=causal)}
-    for cfg in grid(D):
-        name = f"gluon n{cfg['BLOCK_N']} s{cfg['num_stages']}"
+    cands = [(f"gluon n{c['BLOCK_N']} s{c['num_stages']} e{c['EMU']}", c, attn_fwd_ws) for c in grid(D)]
+    cands += [(f"triton e{c['EMU']}", c, attention.attn_fwd) for c in triton_grid(D, causal)]
+    for name, cfg, fn in cands:
         try:
-            o, _, _ = attn_fwd_ws(q, k, v, causal, D ** -0.5, cfg)
+            o, _, _ = fn(q, k, v, causal, scale, cfg)
             diff = (o.float() - o_tri.float()).abs().max().item()
             ok = bool(torch.isfinite(o).all()) and diff < 2e-2
-            row["checks"].append({"config": cfg, "max_diff_vs_triton": diff, "ok": ok})
+            row["checks"].append({"name": name, "config": cfg, "max_diff_vs_triton": diff, "ok": ok})
             if ok:
-                fns[name] = lambda cfg=cfg: attn_fwd_ws(q, k, v, causal, D ** -0.5, cfg)
+                fns[name] = lambda cfg=cfg, fn=fn: fn(q, k, v, causal, scale, cfg)
         except Exception as e:
-            print(f"  {cfg}: {type(e).__name__}: {str(e)[:200]}", flush=True)
-            row["checks"].append({"config": cfg, "error": f"{type(e).__name__}: {str(e)[:300]}", "ok": False})
+            print(f"  {name}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+            row["checks"].append({"name": name, "config": cfg, "error": f"{type(e).__name__}: {str(e)[:300]}",
+                                  "ok": False})
     ms = time_all(fns)
     row["ms"] = ms
     c = ms["cudnn"]
     print(f"({B},{H},{S},{D}) {'causal' if causal else 'full'}:", flush=True)
     for name, t in sorted(ms.items(), key=lambda kv: kv[1]):
-        print(f"   {name:14s} {t:.3f} ms {flops / t / 1e9:4.0f} TFLOP/s {c / t:.3f}x cuDNN {ms['triton'] / t:.3f}x Triton",
+        print(f"   {name:18s} {t:.3f} ms {flops / t / 1e9:4.0f} TFLOP/s {c / t:.3f}x cuDNN {ms['triton'] / t:.3f}x Triton",
               flush=True)
     bad = [t for t in row["checks"] if not t["ok"]]
     if bad:

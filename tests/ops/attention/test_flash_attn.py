@@ -823,7 +823,8 @@ for kernel, dt, D, causal, *extra in json.loads(sys.argv[1]):
     if kernel == "flash_attn_fwd":
         ptrs = {n: "*" + t for n in ("q_ptr", "k_ptr", "v_ptr", "o_ptr", "ores_ptr")}
         ptrs.update(lse_ptr="*fp32", **cu)
-        consts.update(STORE_RES=dtype != torch.float32, TMA=tma, WARP_SPEC=ws, EVEN_N=False, GUARD=guard)
+        consts.update(STORE_RES=dtype != torch.float32, TMA=tma, WARP_SPEC=ws, EVEN_N=False, GUARD=guard,
+                      EMU=attn._emu(cfg, dtype))
         r = compile_(fw.flash_attn_fwd_kernel, ptrs, ("qk_scale",), consts, opts)
     elif kernel == "flash_attn_bwd_dkdv":
         ptrs = {n: "*" + t for n in ("q_ptr", "k_ptr", "v_ptr", "do_ptr", "dk_ptr", "dv_ptr")}
@@ -1091,7 +1092,7 @@ for case in json.loads(sys.argv[1]):
     ql, kl = gl.NVMMASharedLayout.get_default_for([64, D], g), gl.NVMMASharedLayout.get_default_for([bn, D], g)
     fn = W.flash_attn_fwd_ws_kernel
     consts = dict(BM=128, BN=bn, D=D, STAGES=st, CAUSAL=case["causal"], STORE_RES=case["res"],
-                  VARLEN=case.get("varlen", False), CONS_REGS=240, LOADER_REGS=24)
+                  VARLEN=case.get("varlen", False), CONS_REGS=240, LOADER_REGS=24, EMU=case.get("EMU", 0))
     types = {"q_desc": f"tensordesc<{dt}[64, {D}],{ql!r}>", "k_desc": f"tensordesc<{dt}[{bn}, {D}],{kl!r}>",
              "v_desc": f"tensordesc<{dt}[{bn}, {D}],{kl!r}>", "o_ptr": f"*{dt}", "res_ptr": f"*{dt}",
              "lse_ptr": "*fp32", "cu_q_ptr": "*i32", "cu_k_ptr": "*i32", "qk_scale": "fp32"}
@@ -1123,14 +1124,17 @@ print("RESULT" + json.dumps(rows))
 def test_gluon_forward_compiles_for_sm90():
     """forward_ws.py's kernel as the H100 builds it (Gluon, sm90a, the wheel's ptxas; no GPU here): it fits in shared
     memory, ptxas keeps the wgmma pipeline asynchronous, and each unmasked key loop (the hot loop) holds its 16 wgmma
-    with no local-memory traffic and no PRMT (a 16-bit P carried across the two key loops cost 32-64 per tile)."""
-    cases = [dict(D=128, BLOCK_N=128, num_stages=3, dtype=dt, causal=c, res=r, varlen=vl)
-             for dt, c, r, vl in (("bf16", False, False, False), ("bf16", True, True, False),
-                                  ("fp16", False, True, False), ("bf16", True, True, True))]
+    with no local-memory traffic and no PRMT (a 16-bit P carried across the two key loops cost 32-64 per tile); with
+    EMU, that many of every 8 of its exponentials leave the MUFU unit (_tl.exp2_emu)."""
+    cases = [dict(D=128, BLOCK_N=128, num_stages=3, dtype=dt, causal=c, res=r, varlen=vl, EMU=e)
+             for dt, c, r, vl, e in (("bf16", False, False, False, 0), ("bf16", True, True, False, 0),
+                                     ("fp16", False, True, False, 0), ("bf16", True, True, True, 0),
+                                     ("bf16", False, False, False, 2), ("fp16", False, True, False, 3))]
     for r in _sm90_compile(cases, _SM90_GLUON):
         assert r["shared"] <= 227 * 1024 and not r["serialized"], r
         hot = [lp for lp in r["loops"] if "FSEL" not in lp]
         assert len(hot) == 2, r  # one unmasked key loop per consumer warpgroup
         for lp in hot:
             assert not any(op.startswith(("LDL", "STL", "PRMT")) for op in lp), lp
-            assert lp["MUFU.EX2"] >= 64, lp  # the 64 x 128 tile's exponentials (one per element per thread: 64)
+            # the 64 x 128 tile's exponentials (64 per thread) and alpha's, less EMU of every 8 on the FMA pipes
+            assert lp["MUFU.EX2"] == 64 - 8 * r["EMU"] + 2, lp

@@ -205,6 +205,12 @@ def _guard(cfg, dtype):
     return bool(cfg.get("GUARD", 1)) and dtype != torch.float32
 
 
+def _emu(cfg, dtype):
+    """EMU of the forward kernels: of every 8 exponentials of an unmasked tile, how many the FMA pipes compute
+    (_tl.exp2_emu; inline PTX, so compiled launches only; 16-bit inputs, whose P is rounded to 16 bits anyway)."""
+    return 0 if _runtime.INTERPRET or dtype == torch.float32 else int(cfg.get("EMU", 0))
+
+
 def _fwd_variant(cfg, q, k, v, varlen, Sk):
     """The forward kernel's TMA / WARP_SPEC / EVEN_N flags and warp count for one launch.
 
@@ -217,7 +223,8 @@ def _fwd_variant(cfg, q, k, v, varlen, Sk):
     tma = bool(cfg.get("TMA", 0)) and _tma_ok(q, k, v)
     ws = ws and tma and varlen is None
     num_warps = cfg["num_warps"] // 2 if ws else cfg["num_warps"]
-    flags = {"TMA": tma, "WARP_SPEC": ws, "EVEN_N": ws and Sk % cfg["BLOCK_N"] == 0, "GUARD": _guard(cfg, q.dtype)}
+    flags = {"TMA": tma, "WARP_SPEC": ws, "EVEN_N": ws and Sk % cfg["BLOCK_N"] == 0, "GUARD": _guard(cfg, q.dtype),
+             "EMU": _emu(cfg, q.dtype)}
     return flags, num_warps
 
 

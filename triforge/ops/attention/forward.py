@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from triforge.ops._tl import cast as _cast
+from triforge.ops._tl import exp2_emu
 
 LOG2E = 1.4426950408889634  # host side: the launchers pass softmax_scale * LOG2E
 LN2 = tl.constexpr(0.6931471805599453)  # a constexpr global, readable inside @triton.jit functions
@@ -57,7 +58,7 @@ def _dot(a, b, acc, UPCAST: tl.constexpr, IEEE: tl.constexpr):
 def _fwd_loop(
     acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, offs_m, offs_d, lo, hi, Sk, shift, qk_scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
-    UPCAST: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr, WARP_SPEC: tl.constexpr,
+    UPCAST: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr, WARP_SPEC: tl.constexpr, EMU: tl.constexpr,
 ):
     """The key loop of ``_fwd_inner`` over tiles [lo, hi)."""
     offs_n0 = tl.arange(0, BLOCK_N)
@@ -88,7 +89,8 @@ def _fwd_loop(
             # the max subtraction are one FMA per score
             m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
             m_use = m_new
-            p = tl.exp2(qk * qk_scale - m_use[:, None])
+            # (EMU of every 8 exponentials on the FMA pipes: _tl.exp2_emu; its arguments are finite here)
+            p = exp2_emu(qk * qk_scale - m_use[:, None], EMU)
         if TMA:
             v = v_src.load([start_n, 0])
         elif MASKED:
@@ -122,6 +124,7 @@ def _fwd_inner(
     TMA: tl.constexpr,  # K/V tiles by tensor descriptor (TMA on Hopper; rows past Sk read as 0)
     WARP_SPEC: tl.constexpr,  # Hopper: a producer warpgroup issues the TMA loads, two consumers compute
     GUARD: tl.constexpr,  # the loop inside ``if lo < hi`` (not with WARP_SPEC, whose pass takes a bare loop)
+    EMU: tl.constexpr,  # unmasked tiles: EMU of every 8 exponentials emulated on the FMA pipes (_tl.exp2_emu)
 ):
     if GUARD and not WARP_SPEC:
         # the loop inside ``if lo < hi``: a loop that may run no trip leaves, on that path, its initial acc
@@ -130,10 +133,11 @@ def _fwd_inner(
         # multiple of BLOCK_N). Inside the guard the loop always runs and the initial values merge past the wait.
         if lo < hi:
             acc, l_i, m_i = _fwd_loop(acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, offs_m, offs_d, lo, hi, Sk,
-                                      shift, qk_scale, BLOCK_M, BLOCK_N, MASKED, CAUSAL, UPCAST, IEEE, TMA, WARP_SPEC)
+                                      shift, qk_scale, BLOCK_M, BLOCK_N, MASKED, CAUSAL, UPCAST, IEEE, TMA, WARP_SPEC,
+                                      EMU)
     else:
         acc, l_i, m_i = _fwd_loop(acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, offs_m, offs_d, lo, hi, Sk,
-                                  shift, qk_scale, BLOCK_M, BLOCK_N, MASKED, CAUSAL, UPCAST, IEEE, TMA, WARP_SPEC)
+                                  shift, qk_scale, BLOCK_M, BLOCK_N, MASKED, CAUSAL, UPCAST, IEEE, TMA, WARP_SPEC, EMU)
     return acc, l_i, m_i
 
 
@@ -213,6 +217,7 @@ def flash_attn_fwd_kernel(
     WARP_SPEC: tl.constexpr = False,  # with TMA, not VARLEN: Hopper producer/consumer warpgroups
     EVEN_N: tl.constexpr = False,  # Sk % BLOCK_N == 0 (not VARLEN): WARP_SPEC needs no key-bound mask
     GUARD: tl.constexpr = True,  # each key loop inside ``if lo < hi`` (_fwd_inner: keeps ptxas from serializing wgmma)
+    EMU: tl.constexpr = 0,  # compiled only: EMU of every 8 exponentials of unmasked tiles on the FMA pipes
 ):
     i_m = tl.program_id(0)
     if CAUSAL:  # the longest rows (most key blocks) start first
@@ -256,14 +261,14 @@ def flash_attn_fwd_kernel(
     if WARP_SPEC:  # the warp-specialising pass takes one loop: every tile masked if any tile needs it
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, offs_m, offs_d,
                                    0, hi, Sk, shift, qk_scale,
-                                   BLOCK_M, BLOCK_N, CAUSAL or not EVEN_N, CAUSAL, UPCAST, IEEE, TMA, True, GUARD)
+                                   BLOCK_M, BLOCK_N, CAUSAL or not EVEN_N, CAUSAL, UPCAST, IEEE, TMA, True, GUARD, EMU)
     else:
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, offs_m, offs_d,
                                    0, full_end, Sk, shift, qk_scale,
-                                   BLOCK_M, BLOCK_N, False, CAUSAL, UPCAST, IEEE, TMA, False, GUARD)
+                                   BLOCK_M, BLOCK_N, False, CAUSAL, UPCAST, IEEE, TMA, False, GUARD, EMU)
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, offs_m, offs_d,
                                    full_end, hi, Sk, shift, qk_scale,
-                                   BLOCK_M, BLOCK_N, True, CAUSAL, UPCAST, IEEE, TMA, False, GUARD)
+                                   BLOCK_M, BLOCK_N, True, CAUSAL, UPCAST, IEEE, TMA, False, GUARD, EMU)
 
     empty = l_i == 0.0  # the row saw no key
     l_safe = tl.where(empty, 1.0, l_i)

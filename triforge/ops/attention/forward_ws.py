@@ -29,7 +29,22 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from triforge import launch
+from triforge.ops._tl import EXP2_CONSTRAINTS, EXP2_EMU1, EXP2_EMU2, EXP2_EMU3, EXP2_EMU4, EXP2_PACK
 from triforge.ops.attention.forward import LN2, LOG2E
+
+
+@gluon.jit
+def _exp2(x, EMU: gl.constexpr):
+    """2^x with EMU (1-4) of every 8 exponentials on the FMA pipes (triforge.ops._tl.exp2_emu: the same PTX)."""
+    if EMU == 1:
+        return gl.inline_asm_elementwise(EXP2_EMU1, EXP2_CONSTRAINTS, [x], gl.float32, True, EXP2_PACK)
+    elif EMU == 2:
+        return gl.inline_asm_elementwise(EXP2_EMU2, EXP2_CONSTRAINTS, [x], gl.float32, True, EXP2_PACK)
+    elif EMU == 3:
+        return gl.inline_asm_elementwise(EXP2_EMU3, EXP2_CONSTRAINTS, [x], gl.float32, True, EXP2_PACK)
+    else:
+        gl.static_assert(EMU == 4, "EMU is 0-4 of every 8")
+        return gl.inline_asm_elementwise(EXP2_EMU4, EXP2_CONSTRAINTS, [x], gl.float32, True, EXP2_PACK)
 
 
 @gluon.jit
@@ -50,10 +65,10 @@ def _loader(q_desc, k_desc, v_desc, q_s, k_s, v_s, q_bar, k_ready, v_ready, kv_e
 
 @gluon.jit
 def _softmax(s, m_i, l_i, j, rows, S_k, diag, qk_scale, BN: gl.constexpr, CAUSAL: gl.constexpr, MASK: gl.constexpr,
-             s_l: gl.constexpr):
+             s_l: gl.constexpr, EMU: gl.constexpr):
     """One key tile of the online softmax: (p, alpha, m, l). MASK: keys >= S_k (causal: key > row + diag) score -inf,
     and a row that has seen no key yet takes 0 as its max (no -inf - -inf). Without MASK every key of the tile is
-    visible to every row, so the new max is finite."""
+    visible to every row, so the new max is finite (and EMU of every 8 exponentials may go to the FMA pipes)."""
     if MASK:
         cols = j * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, s_l))
         valid = (cols < S_k)[None, :]
@@ -65,7 +80,10 @@ def _softmax(s, m_i, l_i, j, rows, S_k, diag, qk_scale, BN: gl.constexpr, CAUSAL
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
     else:
         m_use = m_new
-    p = gl.exp2(s * qk_scale - m_use[:, None])
+    if MASK or EMU == 0:
+        p = gl.exp2(s * qk_scale - m_use[:, None])
+    else:
+        p = _exp2(s * qk_scale - m_use[:, None], EMU)
     alpha = gl.exp2(m_i - m_use)
     return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
 
@@ -73,7 +91,7 @@ def _softmax(s, m_i, l_i, j, rows, S_k, diag, qk_scale, BN: gl.constexpr, CAUSAL
 @gluon.jit
 def _step(q, k_s, v_s, k_ready, v_ready, kv_empty, acc, p, m_i, l_i, j, rows, S_k, diag, qk_scale, BMW: gl.constexpr,
           BN: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASK: gl.constexpr, s_l: gl.constexpr,
-          o_l: gl.constexpr, p_l: gl.constexpr):
+          o_l: gl.constexpr, p_l: gl.constexpr, EMU: gl.constexpr):
     """Key tile j >= 1: S_j = Q K_j^T and O += P_{j-1} V_{j-1} issued together; the softmax of S_j runs while the PV
     product is on the tensor cores; then O is rescaled. P crosses iterations in fp32 and becomes the 16-bit A operand
     inside the iteration that reads it (a 16-bit P carried between the two key loops cost ptxas 32-64 PRMTs per tile
@@ -87,7 +105,7 @@ def _step(q, k_s, v_s, k_ready, v_ready, kv_empty, acc, p, m_i, l_i, j, rows, S_
     mbarrier.wait(v_ready.index(sp), ((j - 1) // STAGES) & 1)
     acc = warpgroup_mma(pa, v_s.index(sp), acc, is_async=True)
     s_j = warpgroup_mma_wait(1, deps=[s_j])  # S_j done; the PV product may still run
-    p, alpha, m_i, l_i = _softmax(s_j, m_i, l_i, j, rows, S_k, diag, qk_scale, BN, CAUSAL, MASK, s_l)
+    p, alpha, m_i, l_i = _softmax(s_j, m_i, l_i, j, rows, S_k, diag, qk_scale, BN, CAUSAL, MASK, s_l, EMU)
     acc, pa = warpgroup_mma_wait(0, deps=[acc, pa])
     mbarrier.arrive(kv_empty.index(sp))  # K_{j-1} and V_{j-1} read
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
@@ -97,21 +115,21 @@ def _step(q, k_s, v_s, k_ready, v_ready, kv_empty, acc, p, m_i, l_i, j, rows, S_
 @gluon.jit
 def _pipeline(q, k_s, v_s, k_ready, v_ready, kv_empty, acc, m_i, l_i, n_kv, n_full, rows, S_k, diag, qk_scale,
               BMW: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, s_l: gl.constexpr,
-              o_l: gl.constexpr, p_l: gl.constexpr):
+              o_l: gl.constexpr, p_l: gl.constexpr, EMU: gl.constexpr):
     """One warpgroup's key loop over n_kv >= 1 tiles: (acc, m, l)."""
     mbarrier.wait(k_ready.index(0), 0)
     s0 = warpgroup_mma(q, k_s.index(0).permute((1, 0)), gl.zeros([BMW, BN], gl.float32, s_l), use_acc=False,
                        is_async=True)
     s0 = warpgroup_mma_wait(0, deps=[s0])
     # the first tile takes the masked path whether or not it needs it (once per program: no branch)
-    p, alpha, m_i, l_i = _softmax(s0, m_i, l_i, 0, rows, S_k, diag, qk_scale, BN, CAUSAL, True, s_l)
+    p, alpha, m_i, l_i = _softmax(s0, m_i, l_i, 0, rows, S_k, diag, qk_scale, BN, CAUSAL, True, s_l, 0)
     # tiles every row sees whole, then the masked ones (the causal diagonal, keys past S_k)
     for j in range(1, n_full):
         acc, p, m_i, l_i = _step(q, k_s, v_s, k_ready, v_ready, kv_empty, acc, p, m_i, l_i, j, rows, S_k, diag,
-                                 qk_scale, BMW, BN, STAGES, CAUSAL, False, s_l, o_l, p_l)
+                                 qk_scale, BMW, BN, STAGES, CAUSAL, False, s_l, o_l, p_l, EMU)
     for j in range(gl.maximum(n_full, 1), n_kv):
         acc, p, m_i, l_i = _step(q, k_s, v_s, k_ready, v_ready, kv_empty, acc, p, m_i, l_i, j, rows, S_k, diag,
-                                 qk_scale, BMW, BN, STAGES, CAUSAL, True, s_l, o_l, p_l)
+                                 qk_scale, BMW, BN, STAGES, CAUSAL, True, s_l, o_l, p_l, 0)
     sl = (n_kv - 1) % STAGES
     pa = gl.convert_layout(p.to(q.dtype), p_l)
     mbarrier.wait(v_ready.index(sl), ((n_kv - 1) // STAGES) & 1)
@@ -125,7 +143,7 @@ def _pipeline(q, k_s, v_s, k_ready, v_ready, kv_empty, acc, m_i, l_i, n_kv, n_fu
 def _consumer(q_s, k_s, v_s, q_bar, k_ready, v_ready, kv_empty, o_ptr, res_ptr, lse_ptr, WG: gl.constexpr, q_tok0, m0,
               o_col, lse_base, n_kv, n_full, S_q, S_k, qk_scale, stride_o, BMW: gl.constexpr, BN: gl.constexpr,
               D: gl.constexpr, STAGES: gl.constexpr, GUARD: gl.constexpr, CAUSAL: gl.constexpr,
-              STORE_RES: gl.constexpr):
+              STORE_RES: gl.constexpr, EMU: gl.constexpr):
     s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
     o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
     p_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
@@ -140,10 +158,10 @@ def _consumer(q_s, k_s, v_s, q_bar, k_ready, v_ready, kv_empty, o_ptr, res_ptr, 
     if GUARD:  # causal or packed: a tile may see no key at all
         if n_kv > 0:
             acc, m_i, l_i = _pipeline(q, k_s, v_s, k_ready, v_ready, kv_empty, acc, m_i, l_i, n_kv, n_full, rows, S_k,
-                                      diag, qk_scale, BMW, BN, STAGES, CAUSAL, s_l, o_l, p_l)
+                                      diag, qk_scale, BMW, BN, STAGES, CAUSAL, s_l, o_l, p_l, EMU)
     else:  # dense, S_k >= 1: every tile has keys
         acc, m_i, l_i = _pipeline(q, k_s, v_s, k_ready, v_ready, kv_empty, acc, m_i, l_i, n_kv, n_full, rows, S_k,
-                                  diag, qk_scale, BMW, BN, STAGES, CAUSAL, s_l, o_l, p_l)
+                                  diag, qk_scale, BMW, BN, STAGES, CAUSAL, s_l, o_l, p_l, EMU)
     seen = l_i > 0.0
     l_safe = gl.where(seen, l_i, 1.0)
     l_o = gl.convert_layout(l_safe, gl.SliceLayout(1, o_l))
@@ -164,7 +182,7 @@ def _consumer(q_s, k_s, v_s, q_bar, k_ready, v_ready, kv_empty, o_ptr, res_ptr, 
 def flash_attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_ptr, res_ptr, lse_ptr, cu_q_ptr, cu_k_ptr, S_q, S_k, H, GROUP,
                              qk_scale, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
                              CAUSAL: gl.constexpr, STORE_RES: gl.constexpr, VARLEN: gl.constexpr,
-                             CONS_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
+                             CONS_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, EMU: gl.constexpr = 0):
     BMW: gl.constexpr = BM // 2
     if CAUSAL:  # the longest rows first
         pid_m = gl.num_programs(0) - 1 - gl.program_id(0)
@@ -213,10 +231,10 @@ def flash_attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_ptr, res_ptr, lse_ptr, cu
     gl.warp_specialize([
         (_consumer, (q_s, k_s, v_s, q_bar, k_ready, v_ready, kv_empty, o_ptr, res_ptr, lse_ptr, 0, q_tok0, m0, h * D,
                      lse_base, n_kv, n_full, len_q, len_k, qk_scale, stride_o, BMW, BN, D, STAGES, CAUSAL or VARLEN,
-                     CAUSAL, STORE_RES)),
+                     CAUSAL, STORE_RES, EMU)),
         (_consumer, (q_s, k_s, v_s, q_bar, k_ready, v_ready, kv_empty, o_ptr, res_ptr, lse_ptr, 1, q_tok0, m0, h * D,
                      lse_base, n_kv, n_full, len_q, len_k, qk_scale, stride_o, BMW, BN, D, STAGES, CAUSAL or VARLEN,
-                     CAUSAL, STORE_RES)),
+                     CAUSAL, STORE_RES, EMU)),
         (_loader, (q_desc, k_desc, v_desc, q_s, k_s, v_s, q_bar, k_ready, v_ready, kv_empty, q_tok0 + m0, k_tok0,
                    h * D, (h // GROUP) * D, n_kv, BMW, BN, STAGES)),
     ], [4, 1], [CONS_REGS, LOADER_REGS])
@@ -232,7 +250,8 @@ def attn_fwd_ws(q, k, v, causal, softmax_scale, cfg, residual=False, varlen=None
     admits: contiguous 16-bit [B, S, H, D], head_dim 64 or 128, sm90); with
     ``varlen`` (attention.Varlen) the packed sequences as a batch of one.
     cfg: BLOCK_N (keys per tile), num_stages (ring slots), CONS_REGS / LOADER_REGS (registers per thread of the
-    consumer / loader partitions); the query tile is 128 rows (two warpgroups of 64). Three consumer warpgroups
+    consumer / loader partitions), EMU (of every 8 exponentials of unmasked tiles, how many the FMA pipes compute:
+    _tl.exp2_emu); the query tile is 128 rows (two warpgroups of 64). Three consumer warpgroups
     (192-row tiles) measured no faster at D = 64 (benchmarks/NOTES.md, session 37; code at 6d0f533)."""
     B, S_q, H, D = q.shape
     S_k, H_kv = k.shape[1], k.shape[2]
@@ -258,6 +277,6 @@ def attn_fwd_ws(q, k, v, causal, softmax_scale, cfg, residual=False, varlen=None
         softmax_scale * LOG2E,
         nbytes=e * ((3 if residual else 2) * q.numel() + k.numel() + v.numel()) + 4 * lse.numel(),
         BM=bm, BN=bn, D=D, STAGES=stages, CAUSAL=bool(causal), STORE_RES=bool(residual), VARLEN=varlen is not None,
-        CONS_REGS=cfg.get("CONS_REGS", 240), LOADER_REGS=cfg.get("LOADER_REGS", 24), num_warps=4,
+        CONS_REGS=cfg.get("CONS_REGS", 240), LOADER_REGS=cfg.get("LOADER_REGS", 24), EMU=cfg.get("EMU", 0), num_warps=4,
     )
     return o, lse, o_res
