@@ -394,7 +394,7 @@ def test_tma_falls_back_on_misaligned_inputs(gen):
     q_off.copy_(q)
     assert not attn._tma_ok(q_off, k, v) and attn._tma_ok(q, k, v)
     cfg = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 8, "num_stages": 1, "TMA": 1, "WARP_SPEC": 1}
-    flags = {"TMA": False, "WARP_SPEC": False, "EVEN_N": False, "GUARD": True}
+    flags = {"TMA": False, "WARP_SPEC": False, "EVEN_N": False, "GUARD": True, "EMU": 0}
     assert attn._fwd_variant(cfg, q_off, k, v, None, 19) == (flags, 8)
     assert attn._fwd_variant(cfg, q, k, v, None, 32)[1] == 4  # one consumer warpgroup's warps
     with pytest.raises(ValueError, match="WARP_SPEC needs TMA"):
