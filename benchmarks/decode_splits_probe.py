@@ -11,8 +11,7 @@ float64 attention on the first set). Prints one line per shape; writes JSON.
 ``--configs``: instead, the split kernel's launch configs (BLOCK_N x stages x warps, one program per SM in all,
 the heuristic's split count for each BLOCK_N) through ``flash_decode_fwd`` with PDL, each checked the same way.
 ``--l2pf``: the same, over the fallback config's L2 prefetch depth (L2PF key blocks asked of L2 before the PDL wait)
-at one and two programs per SM. ``--tma``: the fallback against its cached blocks read through tensor descriptors
-(TMA 1) at BLOCK_N 64 / 128 and 2-4 stages.
+at one and two programs per SM.
 """
 
 import argparse
@@ -53,13 +52,7 @@ def check_and_time(call, sets, ref):
 
 # the fallback config with its first L2PF key blocks prefetched into L2 before the PDL wait, at 1 and 2 programs per SM
 L2PF_CONFIGS = [dict(CONFIGS[0], BLOCK_N=64, num_stages=3, num_warps=4, programs_per_sm=pps, L2PF=n)
-                for n in (0, 1, 2, 4, 8, 64) for pps in (1, 2)]
-
-
-# session 38: the cached blocks through tensor descriptors (TMA) against the fallback's pointer loads (cp.async)
-TMA_CONFIGS = [dict(CONFIGS[0], BLOCK_N=64, num_stages=3, num_warps=4, L2PF=1)]
-TMA_CONFIGS += [dict(CONFIGS[0], BLOCK_N=bn, num_stages=st, num_warps=4, L2PF=1, TMA=1) for bn in (64, 128)
-                for st in (2, 3, 4)]
+                for pps in (1, 2) for n in (0, 1, 2, 4, 8, 64)]
 
 
 def config_sweep(B, S, sets, ref, configs=None):
@@ -79,12 +72,13 @@ def config_sweep(B, S, sets, ref, configs=None):
                                "splits": decode.choose_num_splits(B, 2, S, 1, cfg["BLOCK_N"], cfg["programs_per_sm"],
                                                                   2)})
     good = sorted((c for c in out["configs"] if c["us"]), key=lambda c: c["us"])
-    cur = out["configs"][0]  # the first config of each list is the fallback (L2PF 0 in the first lists)
+    cur = next(c for c in out["configs"] if c["config"]["BLOCK_N"] == 64 and c["config"]["num_stages"] == 3
+               and c["config"]["num_warps"] == 4 and c["config"]["programs_per_sm"] == 1
+               and not c["config"].get("L2PF"))
     kv_bytes = 2 * B * S * 2 * 128 * 2
-    print(f"B={B} S={S}: first config {cur['us']:.1f} us; best "
+    print(f"B={B} S={S}: fallback (64, 3 stages, 4 warps) {cur['us']:.1f} us; best "
           + "; ".join(f"{c['config']['BLOCK_N']}/{c['config']['num_stages']}/{c['config']['num_warps']}"
-                      f"/pps {c['config']['programs_per_sm']}/L2PF {c['config'].get('L2PF', 0)}"
-                      f"/TMA {c['config'].get('TMA', 0)} "
+                      f"/pps {c['config']['programs_per_sm']}/L2PF {c['config'].get('L2PF', 0)} "
                       f"{c['us']:.1f} us ({kv_bytes / c['us'] / 3e6:.0%}){'' if c['ok'] else ' FAIL'}" for c in good[:5]),
           flush=True)
     return out
@@ -98,7 +92,6 @@ def main():
     ap.add_argument("--ppsm", type=int, default=3, help="the heuristic's programs per SM (the config's)")
     ap.add_argument("--configs", action="store_true", help="sweep the split kernel's configs instead")
     ap.add_argument("--l2pf", action="store_true", help="sweep the L2 prefetch depth before the PDL wait instead")
-    ap.add_argument("--tma", action="store_true", help="the cached blocks by TMA (BLOCK_N x stages) instead")
     args = ap.parse_args()
     gen = torch.Generator().manual_seed(0)
     rows = []
@@ -111,8 +104,8 @@ def main():
         i0 = sets[0]
         ref = kvcache_attention_ref(i0["q"].double(), i0["k_cache"].double(), i0["v_cache"].double(),
                                     i0["cache_seqlens"], i0["k"].double(), i0["v"].double(), causal=True)[0]["o"]
-        if args.configs or args.l2pf or args.tma:
-            rows.append(config_sweep(B, S, sets, ref, L2PF_CONFIGS if args.l2pf else TMA_CONFIGS if args.tma else None))
+        if args.configs or args.l2pf:
+            rows.append(config_sweep(B, S, sets, ref, L2PF_CONFIGS if args.l2pf else None))
             del sets
             torch.cuda.empty_cache()
             continue

@@ -130,20 +130,6 @@ def test_matches_reference(dtype, D, G, Sq, Sn, num_splits, gen, device):
                             device=device), num_splits=num_splits)
 
 
-@pytest.mark.parametrize("Sq,Sn,num_splits", [(1, 1, 1), (1, 0, 2), (3, 3, 9), (1, 2, 0), (3, 0, 3)],
-                         ids=["direct", "split2", "split9-append3", "heuristic", "split3-sq3"])
-def test_tma_cached_blocks(Sq, Sn, num_splits, gen, device, monkeypatch):
-    """The split kernel with TMA (its cached blocks through [n_cache, D] tensor descriptors: rows past the length load
-    as zeros, the next split's rows are masked) against float64, the append bitwise; lengths 0, 1 and a full cache."""
-    base = decode._split_config
-    monkeypatch.setattr(decode, "_split_config", lambda *a: dict(base(*a), TMA=1))
-    B, S, Hkv, G = 4, 40, 2, 2
-    seqlens = [0 if Sn else 5, 1, S - Sn, 23][:B]
-    for dtype in (torch.float16, torch.bfloat16):
-        _run_and_check(*_inputs(gen, B=B, Sq=Sq, H=G * Hkv, Hkv=Hkv, D=64, S=S, Sn=Sn, dtype=dtype, seqlens=seqlens,
-                                device=device), num_splits=num_splits)
-
-
 def test_fp32(gen, device):
     _run_and_check(*_inputs(gen, B=2, Sq=2, H=4, Hkv=2, D=64, S=40, Sn=2, dtype=torch.float32, device=device),
                    num_splits=3)

@@ -52,7 +52,6 @@ from triforge import _runtime, launch
 from triforge.launch import new_output
 from triforge.ops._checks import check_same_device, check_tensor
 from triforge.ops._tl import prefetch_l2
-from triforge.ops.attention.forward import _rows_desc
 from triforge.ops.attention.reference import kvcache_attention_ref
 from triforge.registry import OpSpec, register
 from triforge.tune import Tunable
@@ -160,7 +159,6 @@ def flash_decode_split_kernel(
     PDL: tl.constexpr,  # programmatic dependent launch: wait for the previous kernel before any access
     DIRECT: tl.constexpr,  # NUM_SPLITS == 1: write the normalised o and lse (no merge kernel)
     L2PF: tl.constexpr,  # key blocks of this split's cached K/V rows asked of L2 before the PDL wait (0: none)
-    TMA: tl.constexpr = False,  # the cached blocks through device-built tensor descriptors (rows >= n_cache read 0)
 ):
     i_s = tl.program_id(0)
     i_bg = tl.program_id(1)
@@ -219,22 +217,12 @@ def flash_decode_split_kernel(
         mid = lo + tl.maximum(tl.minimum(hi, n_cache) - lo, 0) // BLOCK_N * BLOCK_N
     else:
         mid = hi
-    if TMA:
-        # [n_cache, D] views of this (batch, kv head)'s cached rows: a block's rows past n_cache load as zeros, rows
-        # past hi (the next split's) load and are masked in the scores
-        d_k = _rows_desc(p_k, n_cache, stride_ks, BLOCK_N, HEAD_DIM)
-        d_v = _rows_desc(p_v, n_cache, stride_vs, BLOCK_N, HEAD_DIM)
-        for start in range(lo, mid, BLOCK_N):
-            o_pos = start + o_n
-            b_m, b_l, b_acc = _attend_block(b_q, d_k.load([start, 0]), d_v.load([start, 0]), o_pos, o_pos < hi, lim,
-                                            b_m, b_l, b_acc, qk_scale, CAUSAL, UPCAST, IEEE)
-    else:
-        for start in range(lo, mid, BLOCK_N):
-            o_pos = start + o_n
-            m_n = o_pos < hi
-            o_pos64 = o_pos.to(tl.int64)[:, None]
-            b_m, b_l, b_acc = _load_attend(p_k + o_pos64 * stride_ks, p_v + o_pos64 * stride_vs, o_d, o_pos, m_n, lim,
-                                           b_q, b_m, b_l, b_acc, qk_scale, CAUSAL, UPCAST, IEEE)
+    for start in range(lo, mid, BLOCK_N):
+        o_pos = start + o_n
+        m_n = o_pos < hi
+        o_pos64 = o_pos.to(tl.int64)[:, None]
+        b_m, b_l, b_acc = _load_attend(p_k + o_pos64 * stride_ks, p_v + o_pos64 * stride_vs, o_d, o_pos, m_n, lim, b_q,
+                                       b_m, b_l, b_acc, qk_scale, CAUSAL, UPCAST, IEEE)
     if APPEND:
         for start in range(mid, hi, BLOCK_N):
             o_pos = start + o_n
@@ -447,11 +435,6 @@ def flash_decode_split(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax
         o, lse = q, m_part
         out_bytes = acc.numel() * 4 + 8 * m_part.numel()
     kn, vn = (k, v) if append else (k_cache, v_cache)
-    from triforge.ops.attention import _tma_ok  # (the package imports this module)
-
-    tma = bool(cfg.get("TMA", 0)) and _tma_ok(k_cache, v_cache)
-    if tma:
-        launch.use_tensor_descriptors()
     # byte model: the cached rows up to S_max at most (lengths are on the device), new rows read + written
     kv_bytes = 2 * B * S_max * Hkv * D * e + 4 * B * S_new * Hkv * D * e
     launch.launch(
@@ -469,7 +452,7 @@ def flash_decode_split(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax
         BLOCK_NEW=max(16, min(block_n, launch.next_power_of_2(max(S_new, 1)))),
         CAUSAL=bool(causal) and Sq > 1, APPEND=append,
         UPCAST=_runtime.INTERPRET and q.dtype == torch.bfloat16, IEEE=q.dtype == torch.float32,
-        DIRECT=direct, L2PF=0 if _runtime.INTERPRET else cfg.get("L2PF", 0), TMA=tma,
+        DIRECT=direct, L2PF=0 if _runtime.INTERPRET else cfg.get("L2PF", 0),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch.pdl_options(pdl),
     )
     return (o, lse) if direct else (acc, m_part, l_part)
