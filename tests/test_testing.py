@@ -691,21 +691,23 @@ def config_dir(tmp_path, monkeypatch):
     launch.reload()
 
 
-def test_write_config_keeps_a_gluon_entry(config_dir, monkeypatch):
-    """A re-tune replaces an entry's tiles but keeps its GLUON entry (the Gluon attention forward's, not in the tuning
-    space) and that entry's provenance note."""
+def test_write_config_keeps_keys_outside_the_space(config_dir, monkeypatch):
+    """A re-tune replaces an entry's tiles but keeps its keys outside the tuning space (the attention forward's GLUON
+    and EMU) and their provenance notes."""
     arch = "sm_test_arch_g"
     monkeypatch.setattr(_runtime, "arch", lambda: arch)
     (config_dir / f"{arch}.json").write_text(json.dumps({
-        "arch": arch, "kernels": {"fake_kernel": {"fake-key-5": {"p": 9, "q": 9, "GLUON": {"BLOCK_N": 128}}}},
-        "provenance": {"fake_kernel[fake-key-5]": {"ms": 1e9, "gluon": "why"}}}))
+        "arch": arch,
+        "kernels": {"fake_kernel": {"fake-key-5": {"p": 9, "q": 9, "GLUON": {"BLOCK_N": 128}, "EMU": 1}}},
+        "provenance": {"fake_kernel[fake-key-5]": {"ms": 1e9, "gluon": "why", "emu": "because"}}}))
     launch.reload()
     t, timer = _fake_tunable()
     res = tune.tune(t, {"M": 5}, torch.float32, timer=timer)
     assert tune.write_config(res, force=True)
     data = json.loads((config_dir / f"{arch}.json").read_text())
-    assert data["kernels"]["fake_kernel"]["fake-key-5"] == {"p": 2, "q": 10, "GLUON": {"BLOCK_N": 128}}
-    assert data["provenance"]["fake_kernel[fake-key-5]"]["gluon"] == "why"
+    assert data["kernels"]["fake_kernel"]["fake-key-5"] == {"p": 2, "q": 10, "GLUON": {"BLOCK_N": 128}, "EMU": 1}
+    prov = data["provenance"]["fake_kernel[fake-key-5]"]
+    assert prov["gluon"] == "why" and prov["emu"] == "because"
 
 
 

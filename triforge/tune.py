@@ -195,9 +195,14 @@ def write_config(result: dict, arch: str | None = None, force: bool = False) -> 
     prov_key = f"{result['kernel']}[{result['key']}]"
     old = data.get("kernels", {}).get(result["kernel"], {}).get(result["key"], {})
     provenance = {"device": result["device"], "shape": result["shape"], "ms": result["best"]["ms"]}
-    if "GLUON" in old and "GLUON" not in entry:  # the Gluon attention forward's entry is not in the tuning space
-        entry["GLUON"] = old["GLUON"]
-        provenance["gluon"] = data.get("provenance", {}).get(prov_key, {}).get("gluon", "")
+    # keys of the entry that the tuning space does not hold (the attention forward's GLUON and EMU) stay, with their
+    # provenance notes (under the key's lower-case name)
+    space = _TUNABLES[result["kernel"]].space if result["kernel"] in _TUNABLES else {}
+    for key in sorted(set(old) - set(entry) - set(space)):
+        entry[key] = old[key]
+        note = data.get("provenance", {}).get(prov_key, {}).get(key.lower())
+        if note is not None:
+            provenance[key.lower()] = note
     data.setdefault("kernels", {}).setdefault(result["kernel"], {})[result["key"]] = entry
     data.setdefault("provenance", {})[prov_key] = provenance
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")

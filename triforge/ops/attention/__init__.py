@@ -79,7 +79,14 @@ def _c(bm, bn, w, s, **variant):
 # - GLUON (forward, sm90 configs only): {BLOCK_N, num_stages} of forward_ws.py's warp-specialized Gluon kernel (a TMA
 #   loader warp, two consumer warpgroups of 64 query rows, FA3's overlap of softmax and PV product), which then takes
 #   compiled launches of contiguous 16-bit [B, S, H, D] inputs at D = 64 / 128; TRIFORGE_ATTN_GLUON=0 / 1 turns it
-#   off / on everywhere it can run (=1 also for packed sequences, which otherwise keep the Triton kernel). `triforge tune` keeps it across re-tunes (tune.write_config).
+#   off / on everywhere it can run (=1 also for packed sequences, which otherwise keep the Triton kernel). `triforge
+#   tune` keeps it across re-tunes (tune.write_config keeps an entry's keys that are outside the tuning space).
+# - EMU (forward, compiled 16-bit launches): of every 8 exponentials of an unmasked key tile, how many the FMA pipes
+#   compute (a degree-4 polynomial in inline PTX, _tl.exp2_emu) instead of the MUFU unit, whose 16 results per clock
+#   per SM equal the tensor cores' time at D = 64 (FlashAttention-4's offload). On the H100 (session 38, attn_ws_probe,
+#   two calls) EMU 1 ran 1.00-1.07x the Triton kernel at D = 64 and EMU 2-3 0.91-1.06x; in the Gluon kernel at D = 128
+#   0.96-0.99x (EMU 1) and 0.93-0.97x (EMU 2). sm90's D = 64 forward entries carry EMU 1 (not in the tuning space:
+#   `triforge tune` keeps it across re-tunes, as GLUON).
 # - ATOMIC_DQ (dK/dV kernel): FlashAttention-2's backward: dQ accumulated by the dK/dV kernel in fp32
 #   (1: atomic adds, 2: TMA bulk reductions), then scaled into q's dtype; no dQ kernel. dq is then
 #   not bitwise reproducible: flash_attn_func(deterministic=True) and varlen use the dQ kernel.
