@@ -49,12 +49,20 @@ def grid(D):
 
 
 def triton_grid(D, causal):
-    """The Triton kernel's tuned config (without GLUON) and the same with EMU."""
+    """The Triton kernel's config in use (without GLUON) with EMU 0-2, and at D = 64 other tiles with EMU 0 / 1."""
     base = {k: v for k, v in attention._cfg("flash_attn_fwd", D, causal, torch.bfloat16).items() if k != "GLUON"}
-    return [dict(base, EMU=e) for e in (1, 2, 3)] if D == 64 else []
+    if D != 64:
+        return []
+    out = [dict(base, EMU=e) for e in (0, 1, 2) if e != base.get("EMU", 0)]
+    tiles = [dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2, TMA=0),
+             dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2, TMA=0),
+             dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, TMA=1)]
+    if causal:
+        tiles.append(dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, TMA=0))
+    return out + [dict(t, EMU=e) for t in tiles for e in (0, 1)]
 
 
-def run(B, H, S, D, causal):
+def run(B, H, S, D, causal, gluon=True):
     torch.manual_seed(1)
     q, k, v = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     flops = 4 * B * H * S * S * D // (2 if causal else 1)
@@ -69,8 +77,9 @@ def run(B, H, S, D, causal):
             return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
 
     fns = {"cudnn": cudnn, "triton": lambda: triforge.flash_attn_func(q, k, v, causal=causal)}
-    cands = [(f"gluon n{c['BLOCK_N']} s{c['num_stages']} e{c['EMU']}", c, attn_fwd_ws) for c in grid(D)]
-    cands += [(f"triton e{c['EMU']}", c, attention.attn_fwd) for c in triton_grid(D, causal)]
+    cands = [(f"gluon n{c['BLOCK_N']} s{c['num_stages']} e{c['EMU']}", c, attn_fwd_ws) for c in grid(D) if gluon]
+    cands += [(f"triton {c['BLOCK_M']}x{c['BLOCK_N']}w{c['num_warps']}s{c['num_stages']}t{c.get('TMA', 0)}"
+               f"g{c.get('GUARD', 1)} e{c['EMU']}", c, attention.attn_fwd) for c in triton_grid(D, causal)]
     for name, cfg, fn in cands:
         try:
             o, _, _ = fn(q, k, v, causal, scale, cfg)
@@ -88,7 +97,7 @@ def run(B, H, S, D, causal):
     c = ms["cudnn"]
     print(f"({B},{H},{S},{D}) {'causal' if causal else 'full'}:", flush=True)
     for name, t in sorted(ms.items(), key=lambda kv: kv[1]):
-        print(f"   {name:18s} {t:.3f} ms {flops / t / 1e9:4.0f} TFLOP/s {c / t:.3f}x cuDNN {ms['triton'] / t:.3f}x Triton",
+        print(f"   {name:30s} {t:.3f} ms {flops / t / 1e9:4.0f} TFLOP/s {c / t:.3f}x cuDNN {ms['triton'] / t:.3f}x Triton",
               flush=True)
     bad = [t for t in row["checks"] if not t["ok"]]
     if bad:
@@ -101,12 +110,13 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json")
     ap.add_argument("--shapes", nargs="*", default=SHAPES)
+    ap.add_argument("--no-gluon", action="store_true", help="time the Triton kernel's configs and cuDNN only")
     args = ap.parse_args()
     out = {"meta": {"device": torch.cuda.get_device_name(), "torch": torch.__version__}, "rows": []}
     for s in args.shapes:
         B, H, S, D = (int(x) for x in s.split("x"))
         for causal in (False, True):
-            out["rows"].append(run(B, H, S, D, causal))
+            out["rows"].append(run(B, H, S, D, causal, gluon=not args.no_gluon))
             if args.json:
                 with open(args.json, "w") as f:
                     json.dump(out, f, indent=1)
