@@ -83,10 +83,9 @@ def _c(bm, bn, w, s, **variant):
 #   tune` keeps it across re-tunes (tune.write_config keeps an entry's keys that are outside the tuning space).
 # - EMU (forward, compiled 16-bit launches): of every 8 exponentials of an unmasked key tile, how many the FMA pipes
 #   compute (a degree-4 polynomial in inline PTX, _tl.exp2_emu) instead of the MUFU unit, whose 16 results per clock
-#   per SM equal the tensor cores' time at D = 64 (FlashAttention-4's offload). On the H100 (session 38, attn_ws_probe,
-#   two calls) EMU 1 ran 1.00-1.07x the Triton kernel at D = 64 and EMU 2-3 0.91-1.06x; in the Gluon kernel at D = 128
-#   0.96-0.99x (EMU 1) and 0.93-0.97x (EMU 2). sm90's D = 64 forward entries carry EMU 1 (not in the tuning space:
-#   `triforge tune` keeps it across re-tunes, as GLUON).
+#   per SM equal the tensor cores' time at D = 64 (FlashAttention-4's offload). Measured slower on the H100 (session
+#   38, attn_ws_probe, each launcher called directly): at D = 64 the Triton kernel 0.95x / 0.94x with EMU 1 / 2
+#   ((16, 16, 2048, 64)), the Gluon kernel at D = 128 0.96-0.99x with EMU 1; no sm90 entry sets it.
 # - ATOMIC_DQ (dK/dV kernel): FlashAttention-2's backward: dQ accumulated by the dK/dV kernel in fp32
 #   (1: atomic adds, 2: TMA bulk reductions), then scaled into q's dtype; no dQ kernel. dq is then
 #   not bitwise reproducible: flash_attn_func(deterministic=True) and varlen use the dQ kernel.
