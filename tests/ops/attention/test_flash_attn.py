@@ -571,6 +571,26 @@ def test_expanded_upstream_gradient(gen):
         _assert_ok(name, r, g, torch.float16)
 
 
+def test_eager_calls_without_autograd_skip_the_custom_op(gen, monkeypatch):
+    """flash_attn_func with no input requiring grad (or under no_grad) calls the launcher directly, skipping the custom
+    op's dispatch (host time), with the op's result bit for bit; with autograd it goes through the op."""
+    q, k, v = _qkv(2, 37, 50, 4, 2, 32, torch.bfloat16, gen)
+    via_op = []
+    real = torch.ops.triforge.flash_attn_fwd
+    monkeypatch.setattr(torch.ops.triforge, "flash_attn_fwd", lambda *a: (via_op.append(1), real(*a))[1])
+    with poisoned():
+        o, lse = attn.flash_attn_func(q, k, v, causal=True, return_lse=True)
+        o_op, lse_op, _ = real(q, k, v, True, 32**-0.5, False, False)
+    assert not via_op
+    assert torch.equal(o, o_op) and torch.equal(lse, lse_op)
+    qg = q.clone().requires_grad_()
+    attn.flash_attn_func(qg, k, v, causal=True).float().sum().backward()
+    assert via_op == [1] and qg.grad is not None and torch.isfinite(qg.grad).all()
+    with torch.no_grad():
+        attn.flash_attn_func(qg, k, v, causal=True)
+    assert via_op == [1]
+
+
 def test_torch_compile_fullgraph(gen):
     dtype = torch.bfloat16
 
