@@ -12,14 +12,15 @@ per entry point (the public function, the custom op, the launcher, torch SDPA's 
 
 import argparse
 import json
-import time
-
 import torch
 import torch.nn.functional as F
 
 import triforge
 from triforge import bench
 from triforge.ops import attention
+
+from attn_ws_probe import time_all  # noqa: E402  (benchmarks/ is the script's directory)
+from host_overhead_probe import host_us  # noqa: E402
 
 
 def entry_points(q, k, v, causal):
@@ -38,31 +39,9 @@ def entry_points(q, k, v, causal):
     }
 
 
-def host_us(fn, n=200):
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    return (t1 - t0) / n * 1e6
-
-
 def rounds_ms(fn, calls, rounds=10):
-    fn()
-    per = []
-    for _ in range(rounds):
-        torch.cuda.synchronize()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(calls):
-            fn()
-        b.record()
-        b.synchronize()
-        per.append(a.elapsed_time(b) / calls)
-    return sorted(per)[len(per) // 2]
+    """Per-call ms over rounds of ``calls`` back-to-back calls, each round started on an idle GPU (time_all's timer)."""
+    return time_all({"fn": fn}, rounds=rounds, calls=calls)["fn"]
 
 
 def main():
@@ -73,7 +52,7 @@ def main():
     mk = lambda B, S, H, D: [torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3)]  # noqa: E731
     tiny = mk(1, 128, 2, 64)
     for name, fn in entry_points(*tiny, False).items():
-        out["host_us"][name] = host_us(fn)
+        out["host_us"][name] = host_us(fn, n=200)
     print("host us per call (tiny input, 200 calls enqueued): "
           + ", ".join(f"{n} {t:.1f}" for n, t in out["host_us"].items()), flush=True)
     for B, S, D in ((16, 2048, 64), (8, 4096, 64), (4, 8192, 128)):

@@ -25,7 +25,9 @@ SHAPES = ["16x16x2048x64", "8x16x4096x64", "4x16x8192x128", "2x16x16384x128"]
 
 def time_all(fns, rounds=12, calls=5):
     """Per-call ms of each fn: rounds of ``calls`` back-to-back calls, the candidates interleaved round by round (clock
-    drift spreads over all of them); median over rounds. Every input here exceeds the L2."""
+    drift spreads over all of them); median over rounds. Every input here exceeds the L2. Each round starts on an idle
+    GPU, so a call's host time beyond its kernel's shows in the first call of a round (benchmarks/attn_overhead_probe.py:
+    compare candidates through the same entry point)."""
     for f in fns.values():
         f()
     per = {k: [] for k in fns}

@@ -77,11 +77,7 @@ def exp2_asm(n_emu: int, pack: int = 8) -> str:
 
 EXP2_PACK = tl.constexpr(8)
 EXP2_CONSTRAINTS = tl.constexpr(",".join(["=f"] * 8 + ["f"] * 8))
-EXP2_EMU1 = tl.constexpr(exp2_asm(1))
-EXP2_EMU2 = tl.constexpr(exp2_asm(2))
-EXP2_EMU3 = tl.constexpr(exp2_asm(3))
-EXP2_EMU4 = tl.constexpr(exp2_asm(4))
-EXP2_EMU8 = tl.constexpr(exp2_asm(8))
+EXP2_ASM = tl.constexpr(tuple(exp2_asm(n) for n in range(9)))  # by the number emulated of every 8
 
 
 @triton.jit
@@ -91,19 +87,6 @@ def exp2_emu(x, EMU: tl.constexpr):
     thread's elements go 8 at a time, so its element count must be a multiple of 8 when EMU > 0."""
     if EMU == 0:
         return tl.exp2(x)
-    elif EMU == 1:
-        return tl.inline_asm_elementwise(EXP2_EMU1, EXP2_CONSTRAINTS, [x], dtype=tl.float32, is_pure=True,
-                                         pack=EXP2_PACK)
-    elif EMU == 2:
-        return tl.inline_asm_elementwise(EXP2_EMU2, EXP2_CONSTRAINTS, [x], dtype=tl.float32, is_pure=True,
-                                         pack=EXP2_PACK)
-    elif EMU == 3:
-        return tl.inline_asm_elementwise(EXP2_EMU3, EXP2_CONSTRAINTS, [x], dtype=tl.float32, is_pure=True,
-                                         pack=EXP2_PACK)
-    elif EMU == 4:
-        return tl.inline_asm_elementwise(EXP2_EMU4, EXP2_CONSTRAINTS, [x], dtype=tl.float32, is_pure=True,
-                                         pack=EXP2_PACK)
-    else:
-        tl.static_assert(EMU == 8, "exp2_emu: EMU is 0-4 or 8 of every 8")
-        return tl.inline_asm_elementwise(EXP2_EMU8, EXP2_CONSTRAINTS, [x], dtype=tl.float32, is_pure=True,
-                                         pack=EXP2_PACK)
+    tl.static_assert(0 < EMU and EMU <= 8, "exp2_emu: EMU is 0-8 of every 8")
+    return tl.inline_asm_elementwise(EXP2_ASM[EMU], EXP2_CONSTRAINTS, [x], dtype=tl.float32, is_pure=True,
+                                     pack=EXP2_PACK)

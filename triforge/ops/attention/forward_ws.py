@@ -29,22 +29,15 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from triforge import launch
-from triforge.ops._tl import EXP2_CONSTRAINTS, EXP2_EMU1, EXP2_EMU2, EXP2_EMU3, EXP2_EMU4, EXP2_PACK
+from triforge.ops._tl import EXP2_ASM, EXP2_CONSTRAINTS, EXP2_PACK
 from triforge.ops.attention.forward import LN2, LOG2E
 
 
 @gluon.jit
 def _exp2(x, EMU: gl.constexpr):
-    """2^x with EMU (1-4) of every 8 exponentials on the FMA pipes (triforge.ops._tl.exp2_emu: the same PTX)."""
-    if EMU == 1:
-        return gl.inline_asm_elementwise(EXP2_EMU1, EXP2_CONSTRAINTS, [x], gl.float32, True, EXP2_PACK)
-    elif EMU == 2:
-        return gl.inline_asm_elementwise(EXP2_EMU2, EXP2_CONSTRAINTS, [x], gl.float32, True, EXP2_PACK)
-    elif EMU == 3:
-        return gl.inline_asm_elementwise(EXP2_EMU3, EXP2_CONSTRAINTS, [x], gl.float32, True, EXP2_PACK)
-    else:
-        gl.static_assert(EMU == 4, "EMU is 0-4 of every 8")
-        return gl.inline_asm_elementwise(EXP2_EMU4, EXP2_CONSTRAINTS, [x], gl.float32, True, EXP2_PACK)
+    """2^x with EMU (1-8) of every 8 exponentials on the FMA pipes (triforge.ops._tl.exp2_emu: the same PTX)."""
+    gl.static_assert(0 < EMU and EMU <= 8, "EMU is 0-8 of every 8")
+    return gl.inline_asm_elementwise(EXP2_ASM[EMU], EXP2_CONSTRAINTS, [x], gl.float32, True, EXP2_PACK)
 
 
 @gluon.jit
