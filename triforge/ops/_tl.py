@@ -87,6 +87,7 @@ def exp2_emu(x, EMU: tl.constexpr):
     thread's elements go 8 at a time, so its element count must be a multiple of 8 when EMU > 0."""
     if EMU == 0:
         return tl.exp2(x)
-    tl.static_assert(0 < EMU and EMU <= 8, "exp2_emu: EMU is 0-8 of every 8")
-    return tl.inline_asm_elementwise(EXP2_ASM[EMU], EXP2_CONSTRAINTS, [x], dtype=tl.float32, is_pure=True,
-                                     pack=EXP2_PACK)
+    else:  # (an else, not code after the return: Triton compiles the statements after a constexpr-if's return)
+        tl.static_assert(0 < EMU and EMU <= 8, "exp2_emu: EMU is 0-8 of every 8")
+        return tl.inline_asm_elementwise(EXP2_ASM[EMU], EXP2_CONSTRAINTS, [x], dtype=tl.float32, is_pure=True,
+                                         pack=EXP2_PACK)
