@@ -56,13 +56,16 @@ def _f32_hex(v: float) -> str:
     return "0f%08X" % struct.unpack("<I", struct.pack("<f", v))[0]
 
 
-def exp2_asm(n_emu: int, pack: int = 8) -> str:
-    """PTX for ``pack`` fp32 exponentials ($0.. outputs, $pack.. inputs): the first ``n_emu`` emulated, the rest by
+_PACK = 8  # exponentials per inline-PTX instance
+
+
+def exp2_asm(n_emu: int) -> str:
+    """PTX for 8 fp32 exponentials ($0..$7 outputs, $8..$15 inputs): the first ``n_emu`` emulated, the rest by
     ex2.approx.ftz.f32."""
     c4, c3, c2, c1, c0 = (_f32_hex(c) for c in EXP2_POLY)
     parts = []
-    for i in range(pack):
-        o, x = f"${i}", f"${i + pack}"
+    for i in range(_PACK):
+        o, x = f"${i}", f"${i + _PACK}"
         if i >= n_emu:
             parts.append(f"ex2.approx.ftz.f32 {o}, {x};")
             continue
@@ -75,9 +78,9 @@ def exp2_asm(n_emu: int, pack: int = 8) -> str:
     return " ".join(parts)
 
 
-EXP2_PACK = tl.constexpr(8)
-EXP2_CONSTRAINTS = tl.constexpr(",".join(["=f"] * 8 + ["f"] * 8))
-EXP2_ASM = tl.constexpr(tuple(exp2_asm(n) for n in range(9)))  # by the number emulated of every 8
+EXP2_PACK = tl.constexpr(_PACK)
+EXP2_CONSTRAINTS = tl.constexpr(",".join(["=f"] * _PACK + ["f"] * _PACK))
+EXP2_ASM = tl.constexpr(tuple(exp2_asm(n) for n in range(_PACK + 1)))  # by the number emulated of every 8
 
 
 @triton.jit

@@ -10,9 +10,9 @@ blocks, masked diagonal blocks and multi-block loops, and the grid (sized by the
 has programs past the end of the shorter sequences.
 """
 
-import contextlib
 import itertools
 import os
+from unittest import mock
 
 import pytest
 import torch
@@ -75,19 +75,6 @@ def _ref(q, k, v, cu_q, cu_k, causal, scale=None):
     return varlen_attention_ref(q.double(), k.double(), v.double(), cu_q, cu_k, causal, scale)
 
 
-@contextlib.contextmanager
-def _env(name, value):
-    old = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(name)
-        else:
-            os.environ[name] = old
-
-
 def _check_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, dtype, scale=None):
     with poisoned():
         o, lse = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal, softmax_scale=scale,
@@ -106,7 +93,7 @@ def _check_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, dtype, scale=None)
     # each sequence alone through flash_attn_func (the same Triton kernel, not VARLEN): the same numbers. On sm90 the
     # dense call at D = 128 would take the Gluon kernel (forward_ws.py: same o, lse rounded differently), so it is
     # turned off here; tests/ops/attention/test_flash_attn_ws.py checks that kernel on packed sequences
-    with poisoned(), _env(attn.GLUON_ENV, "0"):
+    with poisoned(), mock.patch.dict(os.environ, {attn.GLUON_ENV: "0"}):
         for rq, rk in _sequences(cu_q, cu_k):
             if rq.start == rq.stop or rk.start == rk.stop:
                 continue  # flash_attn_func takes no empty tensors
