@@ -20,9 +20,6 @@ x tiles of 8 rows (mma.sync instead of wgmma, fewer registers) at M <= 8. ``--sw
 split-K fix-up by the tile's last split waiting for the others (WAIT 1: Triton atomics; 2: PTX, per-warp arrivals and
 per-thread polls) instead of the last to arrive summing (WAIT 0), at split targets 2..8. ``--sweep red``: the split-K sum
 as a second launch (FIXUP 0): elements per program, all partials loaded at once, launched as a programmatic dependent.
-``--sweep cluster``: the split-K sum inside a thread-block cluster (CLUSTER 1: the tile's splits add their partials in
-the first split's shared memory; one launch) against the config in use, at several split targets (outputs compared
-bit for bit with the same config summed in global memory).
 """
 
 import argparse
@@ -180,14 +177,6 @@ def run_sweep(N, K, ms, gen, which="main", base_only=False, rotate_x=False):
             cur = base[0]
             extra = [dict(cur, FIXUP=0, RED=r) for r in ((256, True, True), (128, True, True), (1024, False, False))]
             extra += [dict(cur, FIXUP=1), dict(cur)]
-        if which == "cluster":  # the split-K sum in a thread-block cluster (CLUSTER 1: the tile's splits sum in the first
-            # split's shared memory, one launch) against the config in use (graph capture: the reduce launch) and its
-            # in-kernel sum (FIXUP 1), at the config's split target and others; the current config re-timed last
-            cur = base[0]
-            extra = [dict(cur, FIXUP=1), dict(cur, CLUSTER=1)]
-            extra += [dict(cur, CLUSTER=1, programs_per_sm=pps) for pps in (2, 3, 4, 6, 8)
-                      if pps != cur.get("programs_per_sm")]
-            extra += [dict(cur)]
         if which == "pdl":
             # the config in use with the split-K sum read one partial (FIX4 0) or four (1) at a time, launched
             # with PDL or not; then its split targets under PDL (M <= 16), or the M >= 64 grid under PDL
@@ -203,11 +192,6 @@ def run_sweep(N, K, ms, gen, which="main", base_only=False, rotate_x=False):
             try:
                 y = tc.ternary_matmul_tc(x, tts[0], codes=cs[0], cfg=cfg)
                 ok = compare("sweep", ref, y, dtype=torch.bfloat16, verbose=False).ok
-                if which == "cluster" and timed:  # same split count: same bits as the config in use
-                    y0 = tc.ternary_matmul_tc(x, tts[0], codes=cs[0], cfg=dict(cfg, CLUSTER=0))
-                    if not torch.equal(y, y0):
-                        print(f"  {cfg}: not bit-equal to the same config without CLUSTER", flush=True)
-                        ok = False
                 us = graph_us([lambda t=t, c=c, xi=xi: tc.ternary_matmul_tc(xi, t, codes=c, cfg=cfg)
                                for t, c, xi in zip(tts, cs, xs)]) if ok else None
             except Exception as e:  # out of resources: reported, skipped
@@ -243,8 +227,7 @@ def main():
     ap.add_argument("--json", help="write the rows here")
     ap.add_argument("--shapes", nargs="*", help="NxK, e.g. 8192x8192 (default: the issue's five)")
     ap.add_argument("--m", nargs="*", type=int, default=MS)
-    ap.add_argument("--sweep", nargs="?", const="main", choices=["main", "xpre", "tiles", "pdl", "m256", "m1", "m8", "wait", "red",
-                                                               "cluster"],
+    ap.add_argument("--sweep", nargs="?", const="main", choices=["main", "xpre", "tiles", "pdl", "m256", "m1", "m8", "wait", "red"],
                     help="time the sweep's launch configs instead (CUDA graphs)")
     ap.add_argument("--base-only", action="store_true", help="with --sweep: the config in use and the fallback only")
     ap.add_argument("--rotate-x", action="store_true", help="with --sweep: an x per weight set (as triforge bench)")

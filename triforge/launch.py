@@ -158,51 +158,6 @@ def launch(kernel_name: str, jit_fn, grid, *args, nbytes: int | None = None, **k
     return compiled
 
 
-
-def launch_cluster(kernel_name: str, jit_fn, grid, cluster: int, extra_shared: int, *args, nbytes: int | None = None,
-                   **kwargs):
-    """Launch a compiled Triton kernel as thread-block clusters of ``cluster`` CTAs along axis 0 (sm90+), with
-    ``extra_shared`` bytes of dynamic shared memory past what the kernel allocates (``_tl.dsmem_store_tail`` /
-    ``smem_load_tail`` address them from the end).
-
-    ``grid[0]`` counts CTAs (a multiple of ``cluster``); each CTA's ``tl.program_id(0)`` is its own index, so CTAs
-    ``c * cluster .. c * cluster + cluster - 1`` form cluster ``c`` with ranks 0..cluster-1. The kernel is compiled
-    as for a plain launch (Triton's ``num_ctas`` stays 1: it would split every tensor across the cluster's CTAs)
-    and launched through its own launcher with the cluster size and the shared memory of the launch set in the
-    packed metadata. Kernels needing Triton's global scratch (device-side tensor descriptors) are refused: the
-    launcher sizes it per cluster, not per CTA."""
-    if cluster < 1 or grid[0] % cluster:
-        raise ValueError(f"grid[0] ({grid[0]}) must be a multiple of the cluster size ({cluster})")
-    key = specialization_key(jit_fn, grid, args, kwargs)
-    entry = _cluster_fast.get(key) if key is not None else None
-    if entry is None:
-        compiled = jit_fn.warmup(*args, grid=grid, **kwargs)
-        compiled._init_handles()
-        if compiled.metadata.global_scratch_size:
-            raise ValueError(f"{kernel_name}: a cluster launch cannot give the kernel its global scratch")
-        shared = compiled.metadata.shared + extra_shared
-        if shared > 49152 and compiled.metadata.shared <= 49152:  # the opt-in is set only past 48 KB
-            raise ValueError(f"{kernel_name}: {shared} bytes of shared memory need the kernel's opt-in (> 48 KB)")
-        tail = _tail(jit_fn, len(args), kwargs)
-        if tail is None:
-            raise ValueError(f"{kernel_name}: a cluster launch takes run-time arguments by position only")
-        entry = (compiled, (compiled.metadata.num_warps, cluster, shared), tail)
-        if key is not None:
-            _cluster_fast[key] = entry
-    compiled, packed, tail = entry
-    g = (grid[0] // cluster, grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
-    stream = torch._C._cuda_getCurrentRawStream(_device_index())
-    if nbytes is not None and torch.autograd.profiler._is_profiler_enabled:
-        with torch.profiler.record_function(f"triforge::{getattr(jit_fn, '__name__', kernel_name)} bytes={int(nbytes)}"):
-            compiled.run(*g, stream, compiled.function, packed, None, None, None, *args, *tail)
-    else:
-        compiled.run(*g, stream, compiled.function, packed, None, None, None, *args, *tail)
-    _compiled[kernel_name] = compiled
-    return compiled
-
-
-_cluster_fast: dict = {}  # specialization key -> (CompiledKernel, packed metadata of the cluster launch, constexprs)
-
 # ------------------------------------------------------------------ the fast path of ``launch``
 
 _FAST_ON = os.environ.get("TRIFORGE_FAST_LAUNCH", "1") != "0"  # 0: every launch through the JIT (for A/B checks)
@@ -285,22 +240,13 @@ def specialization_key(jit_fn, grid, args, kwargs):
     return tuple(key)
 
 
-def _tail(jit_fn, n_positional, kwargs):
-    """The values of the parameters after the positional ones, as a compiled kernel's launcher takes them; None
-    where one of them is a run-time parameter (given by keyword or left to its default)."""
+def _remember(key, jit_fn, compiled, n_positional, kwargs):
     names, const, defaults, _ = _signature(jit_fn)
     tail = []
     for name, c, d in zip(names[n_positional:], const[n_positional:], defaults[n_positional:]):
         if not c:
-            return None
+            return  # a runtime parameter given by keyword or left to its default: keep the JIT's path
         tail.append(kwargs[name] if name in kwargs else d)
-    return tail
-
-
-def _remember(key, jit_fn, compiled, n_positional, kwargs):
-    tail = _tail(jit_fn, n_positional, kwargs)
-    if tail is None:
-        return  # keep the JIT's path
     compiled._init_handles()
     if len(_fast) >= _FAST_MAX:
         _fast.clear()

@@ -35,59 +35,6 @@ def prefetch_l2(ptrs, mask):
         "=r,l,r", [ptrs, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
 
 
-
-# ----------------------------------------------------------------------------- thread-block clusters (sm90)
-# A cluster's CTAs run at once on SMs of one GPC and may write each other's shared memory (DSMEM). The helpers below
-# use the last ``total`` bytes of the dynamic shared memory (a region the launch adds past what Triton allocates:
-# ``launch.launch_cluster``'s ``extra_shared``), addressed from Triton's ``global_smem`` symbol, so they compile only
-# in kernels that use shared memory. Compiled kernels only (inline PTX). Each returns a dummy int32 that callers drop;
-# every thread of the CTA must call the barrier helpers (``.aligned``), in program order.
-
-@triton.jit
-def cluster_arrive(RELEASE: tl.constexpr):
-    """``barrier.cluster.arrive``: relaxed (announces only that this CTA runs) or release (this thread's earlier
-    shared-memory writes into other CTAs are visible to any CTA that waits on this phase)."""
-    if RELEASE:
-        return tl.inline_asm_elementwise("barrier.cluster.arrive.release.aligned; mov.b32 $0, 0;", "=r", [],
-                                         dtype=tl.int32, is_pure=False, pack=1)
-    else:
-        return tl.inline_asm_elementwise("barrier.cluster.arrive.relaxed.aligned; mov.b32 $0, 0;", "=r", [],
-                                         dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def cluster_wait():
-    """``barrier.cluster.wait`` (acquire): every thread of every CTA in the cluster has arrived at this phase."""
-    return tl.inline_asm_elementwise("barrier.cluster.wait.acquire.aligned; mov.b32 $0, 0;", "=r", [],
-                                     dtype=tl.int32, is_pure=False, pack=1)
-
-
-# byte $1 of the dynamic shared memory's last $2 bytes, into register a
-_TAIL_ADDR = ("mov.u32 a, global_smem; mov.u32 sz, %dynamic_smem_size; add.u32 a, a, sz; sub.u32 a, a, $2; "
-              "add.u32 a, a, $1;")
-DSMEM_STORE_TAIL_ASM = tl.constexpr(
-    "{ .reg .b32 a, r, sz; .reg .pred p; " + _TAIL_ADDR + " mapa.shared::cluster.u32 r, a, $4; setp.ne.b32 p, $3, 0; "
-    "@p st.shared::cluster.f32 [r], $5; mov.b32 $0, 0; }")
-SMEM_LOAD_TAIL_ASM = tl.constexpr(
-    "{ .reg .b32 a, sz; .reg .pred p; " + _TAIL_ADDR + " setp.ne.b32 p, $3, 0; mov.b32 $0, 0; @p ld.shared.f32 $0, [a]; }")
-
-
-@triton.jit
-def dsmem_store_tail(vals, off, mask, total, rank):
-    """fp32 ``vals`` stored where ``mask`` at byte ``off`` of the last ``total`` bytes of CTA ``rank``'s dynamic
-    shared memory (``mapa`` + ``st.shared::cluster``; ``rank`` is the CTA's rank in the cluster)."""
-    return tl.inline_asm_elementwise(DSMEM_STORE_TAIL_ASM, "=r,r,r,r,r,f",
-                                     [off, total, mask.to(tl.int32), rank, vals.to(tl.float32)], dtype=tl.int32,
-                                     is_pure=False, pack=1)
-
-
-@triton.jit
-def smem_load_tail(off, mask, total):
-    """fp32 at byte ``off`` of this CTA's last ``total`` bytes of dynamic shared memory where ``mask``, else 0."""
-    return tl.inline_asm_elementwise(SMEM_LOAD_TAIL_ASM, "=f,r,r,r", [off, total, mask.to(tl.int32)],
-                                     dtype=tl.float32, is_pure=False, pack=1)
-
-
 # ----------------------------------------------------------------------------- exp2 off the MUFU unit
 # H100 runs ex2 on the MUFU unit at 16 results per clock per SM against 128 lanes of FP32 FMA. In the attention forward
 # at head_dim 64 each score takes one exponential against 2 x 64 multiply-adds of matmul, and the MUFU time per tile

@@ -136,60 +136,6 @@ def test_graph_capture_sums_splits_in_a_second_launch(gen):
             assert compare(f"graph m={m}", matmul_dense_ref(x, tt), y, dtype=torch.bfloat16).ok
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
-def test_cluster_split_sum(dtype, gen):
-    """CLUSTER 1: a tile's K splits run as one thread-block cluster and sum their partials in the first split's
-    shared memory (one launch, no fp32 partials in global memory). Against float64 and bit for bit against the same
-    config summed through global memory (same partials, same order), at split counts 2-8, M = 1 / 3 / 16, odd N
-    (a partial weight tile) and K (not a multiple of 128), with and without bias; eagerly and replayed from a CUDA
-    graph on fresh x; and the launch is a cluster launch (the packed metadata's CTA count is the split count)."""
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
-        pytest.skip("needs an sm90 GPU")
-    from triforge import launch
-
-    for m, n, k, pps in [(1, 8192, 8192, 4), (1, 1000, 2000, 8), (3, 4864, 896, 8), (16, 200, 1100, 64),
-                         (1, 8192, 28672, 4)]:
-        tt = TernaryTensor.from_trits(random_trits(n, k, gen), random_scales(n, gen)).to("cuda").compact()
-        codes = tt.tc_codes()
-        cfg = dict(tc.tc_config(m, n, k), programs_per_sm=pps, CLUSTER=1)
-        plan = tc._tc_plan(m, n, k, codes.shape[1], tuple(sorted(cfg.items())))
-        splits = plan[11][2]
-        assert 2 <= splits <= 8 and plan[-1] == splits, (m, n, k, plan)
-        for has_bias in (False, True):
-            x = torch.randn(m, k, generator=gen).to(device="cuda", dtype=dtype)
-            bias = torch.randn(n, generator=gen).to(device="cuda", dtype=dtype) if has_bias else None
-            with poisoned():
-                y = tc.ternary_matmul_tc(x, tt, bias, codes=codes, cfg=cfg)
-                y_glob = tc.ternary_matmul_tc(x, tt, bias, codes=codes, cfg=dict(cfg, CLUSTER=0))
-            assert launch._compiled["ternary_tc"] is not None
-            assert compare(f"cluster m={m} n={n} k={k} splits={splits}", matmul_dense_ref(x, tt, bias), y,
-                           dtype=dtype).ok
-            assert torch.equal(y, y_glob), (m, n, k, (y.float() - y_glob.float()).abs().max())
-        packed = [e[1] for e in launch._cluster_fast.values()]
-        assert any(p[1] == splits for p in packed), packed
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            yg = tc.ternary_matmul_tc(x, tt, bias, codes=codes, cfg=cfg)
-        for _ in range(2):
-            x.copy_(torch.randn(m, k, generator=gen).to(dtype))
-            yg.fill_(float("nan"))
-            graph.replay()
-            torch.cuda.synchronize()
-            assert torch.equal(yg, tc.ternary_matmul_tc(x, tt, bias, codes=codes, cfg=dict(cfg, CLUSTER=0)))
-
-
-def test_cluster_plan_falls_back(device):
-    """CLUSTER is honoured only where it can run: 2-8 splits, one x tile, a compiled sm90 kernel. Elsewhere (the
-    interpreter, no split, more x tiles than one) the plan keeps the global-memory sum (cluster 0)."""
-    for m, n, k, pps in [(1, 8192, 8192, 4), (1, 64, 128, 4), (300, 64, 4096, 8)]:
-        cfg = dict(tc.tc_config(m, n, k), programs_per_sm=pps, CLUSTER=1)
-        plan = tc._tc_plan(m, n, k, tc.code_words(k), tuple(sorted(cfg.items())))
-        splits, tiles_m = plan[11][2], plan[11][1]
-        cluster_ok = 2 <= splits <= 8 and tiles_m == 1 and device == "cuda" and torch.cuda.get_device_capability()[0] >= 9
-        assert plan[-1] == (splits if cluster_ok else 0), (m, n, k, plan)
-
-
 @pytest.mark.parametrize("cfg", [{"BLOCKS_K": 2}, {"ROW_REPS": 2}, {"num_warps": 8, "BLOCK_M": 32},
                                  {"PREFETCH": 2}, {"PREFETCH": 3, "programs_per_sm": 4},
                                  {"PREFETCH": 3, "BLOCKS_K": 2}, {"XPRE": 1}, {"XPRE": 1, "PREFETCH": 2},
@@ -433,35 +379,3 @@ def test_tc_kernel_compiles_for_sm90():
         if cx["TMA"]:  # x arrives by TMA, weights stay in registers
             assert not any(op.startswith("STS") for op in loop), loop
         assert total <= (2.25 if case["options"]["num_stages"] == 1 else 3.5) * weights, loop
-
-
-def test_cluster_kernel_compiles_for_sm90():
-    """The CLUSTER form at 8192^2 M = 1 (8 splits, the sm90 config's tile) built for sm90a: no spills; two cluster
-    barrier phases (arrive / wait twice: every CTA runs, then the partials are in); the partials go to the first
-    split's shared memory (generic stores through the shared window) and are read back by shared loads; the only
-    global stores are y's (none of fp32 partials), and there are no atomics (no arrival counters)."""
-    from ...sm90 import compile_for_sm90
-
-    cfg = dict(tc.tc_config(1, 8192, 8192), CLUSTER=1)
-    x = "*bf16"
-    case = {
-        "kernel": "triforge.ops.ternary.tc:ternary_tc_kernel",
-        "signature": {"x_ptr": x, "codes_ptr": "*i32", "scale_ptr": "*fp32", "bias_ptr": x, "y_ptr": x,
-                      "part_ptr": "*fp32", "cnt_ptr": "*i32"},
-        "constexprs": dict(BLOCK_M=16, ROW_REPS=cfg["ROW_REPS"], BLOCKS_K=cfg["BLOCKS_K"], WARPS=cfg["num_warps"],
-                           IS_BF16=True, USE_ASM=True, TMA=False, FINAL=False, PREFETCH=cfg.get("PREFETCH", 1),
-                           XPRE=bool(cfg.get("XPRE", 0)), FIXUP=False, FIX4=True, HAS_BIAS=True, RNE=False,
-                           TR=tc.TILE_ROWS, PDL=True, CLUSTER=8),
-        "divisible": ["x_ptr", "codes_ptr", "scale_ptr", "bias_ptr", "y_ptr", "part_ptr", "cnt_ptr", "magic", "N", "K",
-                      "KC"],
-        "options": {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]},
-    }
-    (r,) = compile_for_sm90([case])
-    sass = r["sass"]
-    print({k: v for k, v in sass.items() if k.startswith(("UCGA", "ST", "LD", "ATOM", "RED", "MEMBAR"))})
-    assert r["spill_bytes"] == 0, r["spill_bytes"]
-    assert sass.get("UCGABAR_ARV", 0) == 2 and sass.get("UCGABAR_WAIT", 0) == 2, sass
-    assert sass.get("ST.E", 0) > 0 and any(op.startswith("LDS") for op in sass), sass
-    assert not any(op.startswith(("ATOM", "RED")) for op in sass), sass
-    stg = sum(n for op, n in sass.items() if op.startswith("STG"))
-    assert 0 < stg <= 2, sass  # y's 16-bit tile: the sum's BLOCK_N x BLOCK_M elements over 128 threads

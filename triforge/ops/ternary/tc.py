@@ -45,7 +45,6 @@ import triton.language as tl
 
 from triforge import _runtime, launch
 from triforge.launch import new_output
-from triforge.ops import _tl
 from triforge.ops._tl import cast as _cast
 from triforge.ops.ternary.kernels import gemv_splits, reduce_splits
 
@@ -221,17 +220,10 @@ def ternary_tc_kernel(
     RNE: tl.constexpr,
     TR: tl.constexpr,  # rows per storage tile of the codes (pack_tc's tile_rows)
     PDL: tl.constexpr,  # programmatic dependent launch: the first words in flight before griddepcontrol.wait
-    CLUSTER: tl.constexpr = 0,  # > 0: the splits (= CLUSTER) of a tile form one thread-block cluster (launched by
-    #                             launch.launch_cluster, axis 0 = tile x CLUSTER + split, M <= BLOCK_M) and sum their
-    #                             partials in the first split's shared memory (sm90; compiled kernels only)
 ):
     BLOCK_N: tl.constexpr = 16 * WARPS * ROW_REPS
     BK: tl.constexpr = 128 * BLOCKS_K
-    if CLUSTER > 0:
-        i_n, i_m, i_s = tl.program_id(0) // CLUSTER, 0, tl.program_id(0) % CLUSTER
-        _tl.cluster_arrive(False)  # phase 1: this CTA runs (waited on before any CTA writes another's memory)
-    else:
-        i_n, i_m, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_n, i_m, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     # the words of a step as [t 4, rlo 8, w WARPS, b3 2, r ROW_REPS, blk BLOCKS_K, u 2]: block row
     # 16 WARPS r + 16 w + 8 b3 + rlo, word 8 blk + 2 t + u. The dims stand in this order so that the
     # load's coalesced layout (u in-thread, then t and rlo across lanes, w across warps, the rest in
@@ -337,24 +329,6 @@ def ternary_tc_kernel(
     m_y = m_n[:, None] & m_m[None, :]
     if FINAL:
         _store_y(acc, scale_ptr, stride_scale, bias_ptr, y_ptr, o_m, o_n, m_y, N, HAS_BIAS, RNE)
-    elif CLUSTER > 0:
-        # split-K sum in the cluster: each split's partial (M columns x BLOCK_N rows, fp32) goes into slot i_s of the
-        # first split's extra shared memory; after the release/acquire phase that split sums slots 0..CLUSTER-1 in
-        # order from 0.0 (the reduce kernel's order: same bits) and stores y. The other splits exit after arriving.
-        slot = M * (BLOCK_N * 4)
-        total = CLUSTER * slot
-        a_n = tl.arange(0, BLOCK_N)[:, None]
-        o_sl = o_m[None, :] * (BLOCK_N * 4) + a_n * 4  # [BLOCK_N, BLOCK_M] byte offsets in a slot (o_m < M)
-        m_sl = m_m[None, :] & (a_n < BLOCK_N)
-        _tl.cluster_wait()  # every CTA of the cluster runs: its shared memory may be written
-        _tl.dsmem_store_tail(acc, i_s * slot + o_sl, m_sl, total, 0)
-        _tl.cluster_arrive(True)
-        if i_s == 0:
-            _tl.cluster_wait()
-            y = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-            for s2 in tl.static_range(CLUSTER):
-                y += _tl.smem_load_tail(s2 * slot + o_sl, m_sl, total)
-            _store_y(y, scale_ptr, stride_scale, bias_ptr, y_ptr, o_m, o_n, m_y, N, HAS_BIAS, RNE)
     else:
         o_p = (i_s.to(tl.int64) * M + o_m[None, :]) * N + o_n[:, None]
         tl.store(part_ptr + o_p, acc, mask=m_y)
@@ -515,15 +489,8 @@ def _tc_plan(M: int, N: int, K: int, kc: int, cfg_items=None):
     grid = (launch.cdiv(N, bn), launch.cdiv(M, bm), splits)
     opts = launch.maxnreg_option(cfg)  # more programs per SM, hence more code words in flight
     fixup = cfg.get("FIXUP")  # None: by context (``_fixup_in_kernel``)
-    # CLUSTER: the splits of a tile as one thread-block cluster summing in shared memory (sm90, 2-8 splits, one x
-    # tile, x by pointer loads: a cluster launch gives no global scratch for device-side descriptors)
-    cluster = splits if (cfg.get("CLUSTER", 0) and 2 <= splits <= 8 and grid[1] == 1 and not _runtime.INTERPRET
-                         and launch.pdl_supported()) else 0
-    if cluster:
-        use_tma = False
     return (bm, nbk, reps, warps, cfg["num_stages"], cfg.get("PREFETCH", 1), xpre, None if fixup is None else bool(fixup),
-            bool(cfg.get("FIX4", reps * bm <= 32)), bool(cfg.get("PDL", bm <= 64)), use_tma, grid, per_split, opts,
-            cluster)
+            bool(cfg.get("FIX4", reps * bm <= 32)), bool(cfg.get("PDL", bm <= 64)), use_tma, grid, per_split, opts)
 
 
 PDL_ENV = "TRIFORGE_TERNARY_PDL"
@@ -583,38 +550,32 @@ def ternary_matmul_tc(x2d: torch.Tensor, tt, bias: torch.Tensor | None = None, c
     if tuple(codes.shape) != (code_rows(N, tr), code_words(K)):
         raise ValueError(f"codes must have shape {(code_rows(N, tr), code_words(K))} (pack_tc) for {N} x {K} weights, "
                          f"got {tuple(codes.shape)}")
-    bm, nbk, reps, warps, stages, prefetch, xpre, fixup_on, fix4, pdl, use_tma, grid, per_split, opts, cluster = \
-        _tc_plan(M, N, K, kc, None if cfg is None else tuple(sorted(cfg.items())))
+    bm, nbk, reps, warps, stages, prefetch, xpre, fixup_on, fix4, pdl, use_tma, grid, per_split, opts = _tc_plan(
+        M, N, K, kc, None if cfg is None else tuple(sorted(cfg.items())))
     splits = grid[2]
     # TMA needs 16-byte row strides and base (else pointer loads)
     tma = use_tma and x2d.data_ptr() % 16 == 0
     if tma:
         launch.use_tensor_descriptors()
     final = splits == 1
-    fixup = not final and not cluster and (_fixup_in_kernel(x2d) if fixup_on is None else fixup_on)
+    fixup = not final and (_fixup_in_kernel(x2d) if fixup_on is None else fixup_on)
     rne = _runtime.INTERPRET and x2d.dtype == torch.bfloat16  # the interpreter truncates fp32 -> bf16 casts
     is_bf16 = x2d.dtype == torch.bfloat16
     y = new_output((M, N), x2d.dtype, x2d.device)
-    part = y if final or cluster else new_output((splits, M, N), torch.float32, x2d.device)
+    part = y if final else new_output((splits, M, N), torch.float32, x2d.device)
     cnt = split_counters(x2d.device, grid[0] * grid[1]) if fixup else scales
     # PDL where the config allows it (default: M <= 64; at M = 256 it measured slower at 8192^2, 65.4 -> 71.0 us)
     # and the codes are settled
     pdl = pdl and _settled(codes)
     xsize = x2d.element_size()
-    args = (x2d, codes, scales, bias if bias is not None else scales, y, part, cnt, scales.stride(0),
-            MAGIC_BF16 if is_bf16 else MAGIC_F16, M, N, K, kc, per_split, splits)
-    consts = dict(BLOCK_M=bm, ROW_REPS=reps, BLOCKS_K=nbk, WARPS=warps, IS_BF16=is_bf16, USE_ASM=not _runtime.INTERPRET,
-                  TMA=tma, FINAL=final, PREFETCH=prefetch, XPRE=xpre, FIXUP=fixup, FIX4=fix4, HAS_BIAS=bias is not None,
-                  RNE=rne, TR=tr, num_warps=warps, num_stages=stages, **opts, **launch.pdl_options(pdl))
-    if cluster:
-        # the partials never leave the cluster: y is the only output
-        launch.launch_cluster("ternary_tc", ternary_tc_kernel, (grid[0] * cluster, 1, 1), cluster,
-                              cluster * M * (16 * warps * reps) * 4, *args,
-                              nbytes=codes.numel() * 4 + M * K * xsize + M * N * xsize, CLUSTER=cluster, **consts)
-        return y
     launch.launch(
-        "ternary_tc", ternary_tc_kernel, grid, *args,
-        nbytes=codes.numel() * 4 + M * K * xsize + M * N * (xsize if final else 8 * splits + xsize), **consts,
+        "ternary_tc", ternary_tc_kernel, grid,
+        x2d, codes, scales, bias if bias is not None else scales, y, part, cnt, scales.stride(0),
+        MAGIC_BF16 if is_bf16 else MAGIC_F16, M, N, K, kc, per_split, splits,
+        nbytes=codes.numel() * 4 + M * K * xsize + M * N * (xsize if final else 8 * splits + xsize),
+        BLOCK_M=bm, ROW_REPS=reps, BLOCKS_K=nbk, WARPS=warps, IS_BF16=is_bf16, USE_ASM=not _runtime.INTERPRET,
+        TMA=tma, FINAL=final, PREFETCH=prefetch, XPRE=xpre, FIXUP=fixup, FIX4=fix4, HAS_BIAS=bias is not None,
+        RNE=rne, TR=tr, num_warps=warps, num_stages=stages, **opts, **launch.pdl_options(pdl),
     )
     if not final and not fixup:
         # RED: (elements per program, every partial loaded at once, PDL) of the reduce launch; the default measured
