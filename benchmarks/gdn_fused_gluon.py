@@ -36,7 +36,8 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-BT = gl.constexpr(64)
+BT = gl.constexpr(64)  # the chunk (in kernels)
+BT_ = 64  # (on the host)
 
 
 @gluon.jit
@@ -164,17 +165,17 @@ def fused_forward(q, k, v, g, beta, scale, initial_state=None, l2norm=True, bv=3
 
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
-    assert T % BT == 0 and K == 128 and V % bv == 0
+    assert T % BT_ == 0 and K == 128 and V % bv == 0
     intra = C.chunk_fwd_intra(k, v, g, beta, l2norm=l2norm, store_kn=l2norm)
     w, u, gamma = intra["w"], intra["u"], intra["gamma"]
     kk = intra.get("kn", k)
     gdt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
-    lk = gl.NVMMASharedLayout.get_default_for([BT, K], gdt)
-    lv = gl.NVMMASharedLayout.get_default_for([BT, bv], gdt)
-    w_desc = TensorDescriptor.from_tensor(w.view(B * T, HV * K), [BT, K], lk)
-    k_desc = TensorDescriptor.from_tensor(kk.view(B * T, H * K), [BT, K], lk)
-    q_desc = TensorDescriptor.from_tensor((q if qn is None else qn).view(B * T, H * K), [BT, K], lk)
-    u_desc = TensorDescriptor.from_tensor(u.view(B * T, HV * V), [BT, bv], lv)
+    lk = gl.NVMMASharedLayout.get_default_for([BT_, K], gdt)
+    lv = gl.NVMMASharedLayout.get_default_for([BT_, bv], gdt)
+    w_desc = TensorDescriptor.from_tensor(w.view(B * T, HV * K), [BT_, K], lk)
+    k_desc = TensorDescriptor.from_tensor(kk.view(B * T, H * K), [BT_, K], lk)
+    q_desc = TensorDescriptor.from_tensor((q if qn is None else qn).view(B * T, H * K), [BT_, K], lk)
+    u_desc = TensorDescriptor.from_tensor(u.view(B * T, HV * V), [BT_, bv], lv)
     o = torch.empty(B, T, HV, V, dtype=v.dtype, device=v.device)
     ht = torch.empty(B, HV, K, V, dtype=torch.float32, device=v.device)
     h0 = initial_state if initial_state is not None else ht
