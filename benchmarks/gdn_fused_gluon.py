@@ -122,7 +122,7 @@ def gdn_fused_fwd_kernel(w_desc, k_desc, q_desc, u_desc, gamma_ptr, h0_ptr, ht_p
             tma.async_copy_global_to_shared(q_desc, [r, i_h * K], ready.index(ns), q_s.index(ns))
             tma.async_copy_global_to_shared(u_desc, [r, col_v], ready.index(ns), u_s.index(ns))
         mbarrier.wait(ready.index(slot), (i_t // STAGES) & 1)
-        if L2NORM:
+        if L2NORM == 1:  # q normalised in registers, stored back for the products
             qx = q_s.index(slot).load(blk_l).to(gl.float32)
             qx = qx * gl.rsqrt(gl.sum(qx * qx, 1) + 1e-6)[:, None]
             qn_s.store(qx.to(dtype))
@@ -136,14 +136,25 @@ def gdn_fused_fwd_kernel(w_desc, k_desc, q_desc, u_desc, gamma_ptr, h0_ptr, ht_p
         qs = warpgroup_mma(q_op, S_s, gl.zeros([BT, BV], gl.float32, acc_l), use_acc=False, is_async=True)
         qk = warpgroup_mma(q_op, k_s.index(slot).permute((1, 0)), gl.zeros([BT, BT], gl.float32, qk_l),
                            use_acc=False, is_async=True)
-        ws = warpgroup_mma_wait(2, deps=[ws])
+        if L2NORM == 2:  # q's row norms from the diagonal of q q^T; q S and q k^T scaled by them afterwards
+            qq = warpgroup_mma(q_op, q_op.permute((1, 0)), gl.zeros([BT, BT], gl.float32, qk_l), use_acc=False,
+                               is_async=True)
+            ws = warpgroup_mma_wait(3, deps=[ws])
+        else:
+            ws = warpgroup_mma_wait(2, deps=[ws])
         u = u_s.index(slot).load(acc_l).to(gl.float32)
         vn = u - ws
         vs = vn * gl.exp(g_last - g_acc)[:, None]
         vn_s.store(vn.to(dtype))
         vs_s.store(vs.to(dtype))
         fence_async_shared()
-        qs, qk = warpgroup_mma_wait(0, deps=[qs, qk])
+        if L2NORM == 2:
+            qs, qk, qq = warpgroup_mma_wait(0, deps=[qs, qk, qq])
+            rn = gl.rsqrt(gl.sum(gl.where(t_qk[:, None] == c_qk[None, :], qq, 0.0), 1) + 1e-6)
+            qk = qk * rn[:, None]
+            qs = qs * gl.convert_layout(rn, gl.SliceLayout(1, acc_l))[:, None]
+        else:
+            qs, qk = warpgroup_mma_wait(0, deps=[qs, qk])
         keep = t_qk[:, None] >= c_qk[None, :]
         decay = gl.exp(gl.where(keep, g_row[:, None] - g_col[None, :], float("-inf")))
         p = gl.convert_layout((qk * decay).to(dtype), p_l)
@@ -164,7 +175,7 @@ def gdn_fused_fwd_kernel(w_desc, k_desc, q_desc, u_desc, gamma_ptr, h0_ptr, ht_p
 
 
 def fused_forward(q, k, v, g, beta, scale, initial_state=None, l2norm=True, bv=32, stages=2, output_final_state=True,
-                  qn=None):
+                  qn=None, qmode=1):
     """(o, final_state): the library's intra kernel (w, u, gamma, kn), then the Gluon fused recurrence. ``qn``: q
     already l2-normalised (the kernel then skips its normalisation: a bound on what precomputing it would give)."""
     from triforge import launch
@@ -187,15 +198,16 @@ def fused_forward(q, k, v, g, beta, scale, initial_state=None, l2norm=True, bv=3
     ht = torch.empty(B, HV, K, V, dtype=torch.float32, device=v.device)
     h0 = initial_state if initial_state is not None else ht
     launch.launch("gdn_fused_gluon", gdn_fused_fwd_kernel, (V // bv, B * HV), w_desc, k_desc, q_desc, u_desc, gamma,
-                  h0, ht, o, T, scale, H=H, HV=HV, K=K, V=V, BV=bv, STAGES=stages, L2NORM=l2norm and qn is None,
+                  h0, ht, o, T, scale, H=H, HV=HV, K=K, V=V, BV=bv, STAGES=stages, L2NORM=qmode if l2norm and qn is None else 0,
                   USE_H0=initial_state is not None, STORE_FINAL=output_final_state, num_warps=4)
     return o, ht
 
 
 def parse(spec):
-    """BV:STAGES[:qn] (qn: q normalised beforehand, outside the timed call)."""
+    """BV:STAGES[:qn|:post] (qn: q normalised beforehand, outside the timed call; post: the kernel scales q S and
+    q k^T by q's row norms, taken from the diagonal of q q^T, instead of normalising q: L2NORM 2)."""
     parts = spec.split(":")
-    return int(parts[0]), int(parts[1]), "qn" in parts[2:]
+    return int(parts[0]), int(parts[1]), ("qn" if "qn" in parts[2:] else "post" if "post" in parts[2:] else None)
 
 
 def qnorm(q):
@@ -212,7 +224,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
     ap.add_argument("--shapes", nargs="*", default=["1x32768x16x32", "8x4096x16x32", "4x8192x16x16", "1x8192x32x32"])
-    ap.add_argument("--cfgs", nargs="*", default=["32:2", "32:3", "16:3", "32:2:qn", "32:3:qn"])
+    ap.add_argument("--cfgs", nargs="*", default=["32:3", "32:2:post", "32:3:post", "32:3:qn"])
     args = ap.parse_args()
     from triton.testing import do_bench
 
@@ -235,7 +247,8 @@ def main():
     for spec in args.cfgs:
         bv, st, pre = parse(spec)
         try:
-            o, s = fused_forward(q, k, v, g, beta, 128 ** -0.5, h0, bv=bv, stages=st, qn=qnorm(q) if pre else None)
+            o, s = fused_forward(q, k, v, g, beta, 128 ** -0.5, h0, bv=bv, stages=st,
+                                 qn=qnorm(q) if pre == "qn" else None, qmode=2 if pre == "post" else 1)
             torch.cuda.synchronize()
             r = {"check": "small", "cfg": spec, "o_vs_triton": rel_rms(o, ref_o), "s_vs_triton": rel_rms(s, ref_s),
                  "nan": bool(torch.isnan(o).any() or torch.isnan(s).any())}
@@ -261,10 +274,11 @@ def main():
         for spec in args.cfgs:
             bv, st, pre = parse(spec)
             try:
-                o, s = fused_forward(q, k, v, g, beta, scale, None, bv=bv, stages=st, qn=qn if pre else None)
+                kw = dict(bv=bv, stages=st, qn=qn if pre == "qn" else None, qmode=2 if pre == "post" else 1)
+                o, s = fused_forward(q, k, v, g, beta, scale, None, **kw)
                 torch.cuda.synchronize()
-                ms = do_bench(lambda: fused_forward(q, k, v, g, beta, scale, None, bv=bv, stages=st,
-                                                    qn=qn if pre else None), warmup=25, rep=200, return_mode="median")
+                ms = do_bench(lambda: fused_forward(q, k, v, g, beta, scale, None, **kw), warmup=25, rep=200,
+                              return_mode="median")
                 c = {"cfg": spec, "ms": ms, "o_vs_lib": rel_rms(o, ref_o), "s_vs_lib": rel_rms(s, ref_s),
                      "nan": bool(torch.isnan(o).any())}
             except Exception as e:  # noqa: BLE001
@@ -281,7 +295,7 @@ def main():
         good = [c for c in row["cfgs"] if "ms" in c and not c["nan"] and c["o_vs_lib"] < 2e-2 and ":qn" not in c["cfg"]]
         if good:
             b = min(good, key=lambda c: c["ms"])
-            pre = [c["ms"] for c in row["cfgs"] if "ms" in c and ":qn" in c["cfg"] and not c["nan"]]
+            pre = [c["ms"] for c in row["cfgs"] if "ms" in c and ":qn" in c["cfg"] and not c["nan"]]  # noqa: E501
             print(f"{row['shape']:16s} {row['library_ms']:9.3f} {row['intra_ms']:9.3f}   {b['ms']:9.3f} ({b['cfg']})"
                   f"   {row['library_ms'] / b['ms']:.2f}x   ({min(pre) if pre else float('nan'):.3f})")
         else:
