@@ -41,10 +41,21 @@ BT_ = 64  # (on the host)
 
 
 @gluon.jit
+def _exp(x, FTZ: gl.constexpr):
+    """e^x; FTZ: one ex2.approx.ftz (gl.exp's ex2 keeps denormal results: a compare, a select and two multiplies around
+    each MUFU.EX2 in the SASS)."""
+    if FTZ:
+        return gl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [x * 1.4426950408889634], gl.float32,
+                                         True, 1)
+    else:
+        return gl.exp(x)
+
+
+@gluon.jit
 def gdn_fused_fwd_kernel(w_desc, k_desc, q_desc, u_desc, gamma_ptr, h0_ptr, ht_ptr, o_ptr, T, scale,
                          H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr,
                          STAGES: gl.constexpr, L2NORM: gl.constexpr, USE_H0: gl.constexpr,
-                         STORE_FINAL: gl.constexpr):
+                         STORE_FINAL: gl.constexpr, FTZ: gl.constexpr = False):
     i_v = gl.program_id(0)
     i_nh = gl.program_id(1)
     i_n = i_nh // HV
@@ -144,7 +155,7 @@ def gdn_fused_fwd_kernel(w_desc, k_desc, q_desc, u_desc, gamma_ptr, h0_ptr, ht_p
             ws = warpgroup_mma_wait(2, deps=[ws])
         u = u_s.index(slot).load(acc_l).to(gl.float32)
         vn = u - ws
-        vs = vn * gl.exp(g_last - g_acc)[:, None]
+        vs = vn * _exp(g_last - g_acc, FTZ)[:, None]
         vn_s.store(vn.to(dtype))
         vs_s.store(vs.to(dtype))
         fence_async_shared()
@@ -156,12 +167,12 @@ def gdn_fused_fwd_kernel(w_desc, k_desc, q_desc, u_desc, gamma_ptr, h0_ptr, ht_p
         else:
             qs, qk = warpgroup_mma_wait(0, deps=[qs, qk])
         keep = t_qk[:, None] >= c_qk[None, :]
-        decay = gl.exp(gl.where(keep, g_row[:, None] - g_col[None, :], float("-inf")))
+        decay = _exp(gl.where(keep, g_row[:, None] - g_col[None, :], float("-inf")), FTZ)
         p = gl.convert_layout((qk * decay).to(dtype), p_l)
-        o = qs * gl.exp(g_acc)[:, None]
+        o = qs * _exp(g_acc, FTZ)[:, None]
         # level 2: P v_new, k^T (decayed v_new) into the state
         o = warpgroup_mma(p, vn_s, o, is_async=True)
-        S = S * gl.exp(g_last)
+        S = S * _exp(g_last, FTZ)
         S = warpgroup_mma(k_s.index(slot).permute((1, 0)), vs_s, S, is_async=True)
         o, S = warpgroup_mma_wait(0, deps=[o, S])
         o_off = (row0 + i_t * BT + t_acc).to(gl.int64)[:, None] * (HV * V) + i_hv * V + cols_v[None, :]
@@ -175,7 +186,7 @@ def gdn_fused_fwd_kernel(w_desc, k_desc, q_desc, u_desc, gamma_ptr, h0_ptr, ht_p
 
 
 def fused_forward(q, k, v, g, beta, scale, initial_state=None, l2norm=True, bv=32, stages=2, output_final_state=True,
-                  qn=None, qmode=1):
+                  qn=None, qmode=1, ftz=False):
     """(o, final_state): the library's intra kernel (w, u, gamma, kn), then the Gluon fused recurrence. ``qn``: q
     already l2-normalised (the kernel then skips its normalisation: a bound on what precomputing it would give)."""
     from triforge import launch
@@ -199,15 +210,16 @@ def fused_forward(q, k, v, g, beta, scale, initial_state=None, l2norm=True, bv=3
     h0 = initial_state if initial_state is not None else ht
     launch.launch("gdn_fused_gluon", gdn_fused_fwd_kernel, (V // bv, B * HV), w_desc, k_desc, q_desc, u_desc, gamma,
                   h0, ht, o, T, scale, H=H, HV=HV, K=K, V=V, BV=bv, STAGES=stages, L2NORM=qmode if l2norm and qn is None else 0,
-                  USE_H0=initial_state is not None, STORE_FINAL=output_final_state, num_warps=4)
+                  USE_H0=initial_state is not None, STORE_FINAL=output_final_state, FTZ=ftz, num_warps=4)
     return o, ht
 
 
 def parse(spec):
-    """BV:STAGES[:qn|:post] (qn: q normalised beforehand, outside the timed call; post: the kernel scales q S and
+    """BV:STAGES[:qn|:post][:ftz] (ftz: exponentials by ex2.approx.ftz; qn: q normalised beforehand, outside the timed call; post: the kernel scales q S and
     q k^T by q's row norms, taken from the diagonal of q q^T, instead of normalising q: L2NORM 2)."""
     parts = spec.split(":")
-    return int(parts[0]), int(parts[1]), ("qn" if "qn" in parts[2:] else "post" if "post" in parts[2:] else None)
+    return int(parts[0]), int(parts[1]), ("qn" if "qn" in parts[2:] else "post" if "post" in parts[2:] else None), \
+        "ftz" in parts[2:]
 
 
 def qnorm(q):
@@ -224,7 +236,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
     ap.add_argument("--shapes", nargs="*", default=["1x32768x16x32", "8x4096x16x32", "4x8192x16x16", "1x8192x32x32"])
-    ap.add_argument("--cfgs", nargs="*", default=["32:3", "32:2:post", "32:3:post", "32:3:qn"])
+    ap.add_argument("--cfgs", nargs="*", default=["32:3", "32:3:ftz", "32:3:qn", "32:3:qn:ftz"])
     args = ap.parse_args()
     from triton.testing import do_bench
 
@@ -245,10 +257,10 @@ def main():
     ref_o, ref_s = C.chunk_fwd(q, k, v, g, beta, 128 ** -0.5, h0, l2norm=True, fuse_o=False)
     f64 = R.recurrent_ref(q, k, v, g, beta, 128 ** -0.5, h0, output_final_state=True, use_qk_l2norm_in_kernel=True)
     for spec in args.cfgs:
-        bv, st, pre = parse(spec)
+        bv, st, pre, ftz = parse(spec)
         try:
             o, s = fused_forward(q, k, v, g, beta, 128 ** -0.5, h0, bv=bv, stages=st,
-                                 qn=qnorm(q) if pre == "qn" else None, qmode=2 if pre == "post" else 1)
+                                 qn=qnorm(q) if pre == "qn" else None, qmode=2 if pre == "post" else 1, ftz=ftz)
             torch.cuda.synchronize()
             r = {"check": "small", "cfg": spec, "o_vs_triton": rel_rms(o, ref_o), "s_vs_triton": rel_rms(s, ref_s),
                  "nan": bool(torch.isnan(o).any() or torch.isnan(s).any())}
@@ -272,9 +284,9 @@ def main():
         row = {"shape": shape, "library_ms": base_ms, "intra_ms": intra_ms, "cfgs": []}
         qn = qnorm(q)
         for spec in args.cfgs:
-            bv, st, pre = parse(spec)
+            bv, st, pre, ftz = parse(spec)
             try:
-                kw = dict(bv=bv, stages=st, qn=qn if pre == "qn" else None, qmode=2 if pre == "post" else 1)
+                kw = dict(bv=bv, stages=st, qn=qn if pre == "qn" else None, qmode=2 if pre == "post" else 1, ftz=ftz)
                 o, s = fused_forward(q, k, v, g, beta, scale, None, **kw)
                 torch.cuda.synchronize()
                 ms = do_bench(lambda: fused_forward(q, k, v, g, beta, scale, None, **kw), warmup=25, rep=200,
