@@ -52,6 +52,18 @@ def _exp(x, FTZ: gl.constexpr):
 
 
 @gluon.jit
+def _issue(w_desc, k_desc, q_desc, u_desc, w_s, k_s, q_s, u_s, ready, slot, row, col_w, col_k, col_v,
+           nbytes: gl.constexpr):
+    """One chunk's w, k, q and u tiles by TMA into ring slot ``slot`` (``ready[slot]`` counts their bytes)."""
+    bar = ready.index(slot)
+    mbarrier.expect(bar, nbytes)
+    tma.async_copy_global_to_shared(w_desc, [row, col_w], bar, w_s.index(slot))
+    tma.async_copy_global_to_shared(k_desc, [row, col_k], bar, k_s.index(slot))
+    tma.async_copy_global_to_shared(q_desc, [row, col_k], bar, q_s.index(slot))
+    tma.async_copy_global_to_shared(u_desc, [row, col_v], bar, u_s.index(slot))
+
+
+@gluon.jit
 def gdn_fused_fwd_kernel(w_desc, k_desc, q_desc, u_desc, gamma_ptr, h0_ptr, ht_ptr, o_ptr, T, scale,
                          H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr,
                          STAGES: gl.constexpr, L2NORM: gl.constexpr, USE_H0: gl.constexpr,
@@ -89,12 +101,8 @@ def gdn_fused_fwd_kernel(w_desc, k_desc, q_desc, u_desc, gamma_ptr, h0_ptr, ht_p
     # the first STAGES - 1 chunks in flight
     for s in gl.static_range(STAGES - 1):
         if s < NT:
-            r = row0 + s * BT
-            mbarrier.expect(ready.index(s), nbytes)
-            tma.async_copy_global_to_shared(w_desc, [r, i_hv * K], ready.index(s), w_s.index(s))
-            tma.async_copy_global_to_shared(k_desc, [r, i_h * K], ready.index(s), k_s.index(s))
-            tma.async_copy_global_to_shared(q_desc, [r, i_h * K], ready.index(s), q_s.index(s))
-            tma.async_copy_global_to_shared(u_desc, [r, col_v], ready.index(s), u_s.index(s))
+            _issue(w_desc, k_desc, q_desc, u_desc, w_s, k_s, q_s, u_s, ready, s, row0 + s * BT, i_hv * K, i_h * K,
+                   col_v, nbytes)
 
     rows_k = gl.arange(0, K, layout=gl.SliceLayout(1, acc_l))
     cols_v = i_v * BV + gl.arange(0, BV, layout=gl.SliceLayout(0, acc_l))
@@ -125,13 +133,8 @@ def gdn_fused_fwd_kernel(w_desc, k_desc, q_desc, u_desc, gamma_ptr, h0_ptr, ht_p
         # refill the slot freed by chunk i_t - 1 with chunk i_t + STAGES - 1
         nxt = i_t + STAGES - 1
         if nxt < NT:
-            ns = nxt % STAGES
-            r = row0 + nxt * BT
-            mbarrier.expect(ready.index(ns), nbytes)
-            tma.async_copy_global_to_shared(w_desc, [r, i_hv * K], ready.index(ns), w_s.index(ns))
-            tma.async_copy_global_to_shared(k_desc, [r, i_h * K], ready.index(ns), k_s.index(ns))
-            tma.async_copy_global_to_shared(q_desc, [r, i_h * K], ready.index(ns), q_s.index(ns))
-            tma.async_copy_global_to_shared(u_desc, [r, col_v], ready.index(ns), u_s.index(ns))
+            _issue(w_desc, k_desc, q_desc, u_desc, w_s, k_s, q_s, u_s, ready, nxt % STAGES, row0 + nxt * BT, i_hv * K,
+                   i_h * K, col_v, nbytes)
         mbarrier.wait(ready.index(slot), (i_t // STAGES) & 1)
         if L2NORM == 1:  # q normalised in registers, stored back for the products
             qx = q_s.index(slot).load(blk_l).to(gl.float32)
