@@ -38,6 +38,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from attention_bwd_sweep import rel_rms  # noqa: E402  (the probes' relative error)
 
 BT = gl.constexpr(64)  # the chunk (in kernels)
 BT_ = 64  # (on the host)
@@ -231,13 +233,10 @@ def parse(spec):
 
 
 def qnorm(q):
-    x = q.float()
-    return (x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + 1e-6)).to(q.dtype)
+    """q l2-normalised in fp32 (the reference's l2norm), in q's dtype."""
+    from triforge.ops.deltanet.reference import l2norm
 
-
-def rel_rms(a, b):
-    a, b = a.float(), b.float()
-    return float((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt().clamp_min(1e-30))
+    return l2norm(q.float()).to(q.dtype)
 
 
 def main():
