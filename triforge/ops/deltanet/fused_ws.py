@@ -1,0 +1,290 @@
+"""The Gated DeltaNet chunk recurrence with the output fused, warp-specialized in Gluon for Hopper (sm90).
+
+Used by ``chunk.chunk_fwd`` for forwards that keep nothing for a backward (inference, prefill) on compiled sm90
+launches of 16-bit inputs (``use_gluon``); the Triton kernels serve every other case and the interpreter. Gluon
+(triton.experimental.gluon) has no interpreter, so this file is imported only on that path.
+
+Inputs are the intra kernel's: w, u, gamma (the chunk-local cumulative gate) and the normalised k (kn). One program
+per (V-block of BV columns, sequence x value head); four partitions:
+
+- a loader warp: each chunk's w [64, K], k [64, K], q [64, K] and u [64, BV] tiles by TMA into a ring of STAGES slots
+  (``ready`` counts their bytes; a slot is refilled once the state warpgroup and the chunk's output warpgroup have
+  both released it on ``empty``);
+- the state warpgroup (the serial chain): v_new = u - w S_c (wgmma, S_c's 16-bit copy in shared memory), v_new into
+  buffer c % NB for the output, then S_{c+1} = e^(g_last) S_c + k^T (e^(g_last - g) v_new) (wgmma into the fp32
+  state in registers) and S_{c+1}'s 16-bit copy into buffer (c + 1) % NB (``full``: S_c and v_new_c are there);
+- NOUT output warpgroups, chunk c on warpgroup c % NOUT, off the state's chain: q l2-normalised in its ring slot,
+  q S_c and q k^T (wgmma), P = (q k^T) * e^(g_i - g_j) (j <= i), o = scale (e^g q S_c + P v_new_c) (wgmma with P in
+  registers), stored by row; the buffer is released on ``sfree``.
+
+The rounding points are the Triton fused kernel's (chunk.chunk_gated_delta_rule_fwd_kernel_h with FUSE_O): S cast to
+the input dtype for its products, v_new and its decayed copy cast for theirs, P cast. Sequence ends: the descriptors
+view the tensors as [B T, heads x dim] (packed: [T, ...]), so the last chunk of a sequence may read the next
+sequence's rows (or TMA's zero fill): those rows of v_new are set to 0 (no state update, no output contribution), the
+chunk's last gate is the last valid row's, and their o rows are not stored.
+"""
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from triforge import launch
+
+BT = gl.constexpr(64)  # the chunk (the intra kernel's)
+LOG2E = gl.constexpr(1.4426950408889634)
+
+
+@gluon.jit
+def _exp(x, FTZ: gl.constexpr):
+    """e^x; FTZ: one ex2.approx.ftz (gl.exp's ex2 keeps denormal results with a compare, a select and two multiplies
+    around each MUFU.EX2)."""
+    if FTZ:
+        return gl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [x * LOG2E], gl.float32, True, 1)
+    else:
+        return gl.exp(x)
+
+
+@gluon.jit
+def _span(cu_ptr, i_n, T, VARLEN: gl.constexpr):
+    """(first token row, length) of sequence i_n."""
+    if VARLEN:
+        bos = gl.load(cu_ptr + i_n)
+        return bos, gl.load(cu_ptr + i_n + 1) - bos
+    else:
+        return i_n * T, T
+
+
+@gluon.jit
+def _loader(w_desc, k_desc, q_desc, u_desc, w_s, k_s, q_s, u_s, ready, empty, bos, NT, col_w, col_k, col_v,
+            STAGES: gl.constexpr):
+    nbytes: gl.constexpr = (w_desc.block_type.nbytes + k_desc.block_type.nbytes + q_desc.block_type.nbytes
+                            + u_desc.block_type.nbytes)
+    for c in range(NT):
+        s = c % STAGES
+        mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1)  # chunk c - STAGES released (first pass: free)
+        bar = ready.index(s)
+        row = bos + c * BT
+        mbarrier.expect(bar, nbytes)
+        tma.async_copy_global_to_shared(w_desc, [row, col_w], bar, w_s.index(s))
+        tma.async_copy_global_to_shared(k_desc, [row, col_k], bar, k_s.index(s))
+        tma.async_copy_global_to_shared(q_desc, [row, col_k], bar, q_s.index(s))
+        tma.async_copy_global_to_shared(u_desc, [row, col_v], bar, u_s.index(s))
+
+
+@gluon.jit
+def _gates_state(g_base, c, L, HV: gl.constexpr, t_acc):
+    """Chunk c's gates as the state warpgroup uses them: per row (acc layout) and the last valid row's."""
+    t0 = c * BT
+    n = gl.minimum(L - t0, BT)
+    g_acc = gl.load(g_base + (t0 + t_acc).to(gl.int64) * HV, mask=t_acc < n, other=0.0)
+    g_last = gl.load(g_base + (t0 + n - 1).to(gl.int64) * HV)
+    return g_acc, g_last
+
+
+@gluon.jit
+def _state(w_s, k_s, u_s, S_s, vn_s, vs_s, ready, empty, full, sfree, g_base, h0_ptr, ht_ptr, o_state, L, NT,
+           v0, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, STAGES: gl.constexpr,
+           NB: gl.constexpr, USE_H0: gl.constexpr, STORE_FINAL: gl.constexpr, FTZ: gl.constexpr):
+    acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BV, 16])
+    dtype: gl.constexpr = w_s.dtype
+    rows_k = gl.arange(0, K, layout=gl.SliceLayout(1, acc_l))
+    cols_v = v0 + gl.arange(0, BV, layout=gl.SliceLayout(0, acc_l))
+    t_acc = gl.arange(0, BT, layout=gl.SliceLayout(1, acc_l))
+    S = gl.zeros([K, BV], gl.float32, acc_l)
+    if USE_H0:
+        S = gl.load(h0_ptr + o_state + rows_k[:, None] * V + cols_v[None, :])
+    S_s.index(0).store(S.to(dtype))  # buffer 0 starts free
+    fence_async_shared()
+    gl.thread_barrier()
+    n_acc, n_last = _gates_state(g_base, 0, L, HV, t_acc)
+    for c in range(NT):
+        slot = c % STAGES
+        b = c % NB
+        g_acc, g_last = n_acc, n_last
+        n_acc, n_last = _gates_state(g_base, gl.minimum(c + 1, NT - 1), L, HV, t_acc)  # one chunk ahead
+        mbarrier.wait(ready.index(slot), (c // STAGES) & 1)
+        ws = warpgroup_mma(w_s.index(slot), S_s.index(b), gl.zeros([BT, BV], gl.float32, acc_l), use_acc=False,
+                           is_async=True)
+        ws = warpgroup_mma_wait(0, deps=[ws])
+        u = u_s.index(slot).load(acc_l).to(gl.float32)
+        vn = gl.where((t_acc < L - c * BT)[:, None], u - ws, 0.0)  # rows past the sequence's end: no update
+        vs = vn * _exp(g_last - g_acc, FTZ)[:, None]
+        vn_s.index(b).store(vn.to(dtype))
+        vs_s.store(vs.to(dtype))
+        fence_async_shared()
+        gl.thread_barrier()
+        mbarrier.arrive(full.index(b))  # S_c and v_new_c are in buffer b
+        S = S * _exp(g_last, FTZ)
+        S = warpgroup_mma(k_s.index(slot).permute((1, 0)), vs_s, S, is_async=True)
+        S = warpgroup_mma_wait(0, deps=[S])
+        mbarrier.arrive(empty.index(slot))  # w, k and u of chunk c read
+        nb = (c + 1) % NB
+        mbarrier.wait(sfree.index(nb), (((c + 1) // NB) & 1) ^ 1)  # chunk c + 1 - NB's output done
+        S_s.index(nb).store(S.to(dtype))
+        fence_async_shared()
+        gl.thread_barrier()
+    if STORE_FINAL:
+        gl.store(ht_ptr + o_state + rows_k[:, None] * V + cols_v[None, :], S)
+
+
+@gluon.jit
+def _gates_out(g_base, c, L, HV: gl.constexpr, t_acc, t_qk, c_qk):
+    t0 = c * BT
+    n = L - t0
+    g_acc = gl.load(g_base + (t0 + t_acc).to(gl.int64) * HV, mask=t_acc < n, other=0.0)
+    g_row = gl.load(g_base + (t0 + t_qk).to(gl.int64) * HV, mask=t_qk < n, other=0.0)
+    g_col = gl.load(g_base + (t0 + c_qk).to(gl.int64) * HV, mask=c_qk < n, other=0.0)
+    return g_acc, g_row, g_col
+
+
+@gluon.jit
+def _output(q_s, k_s, S_s, vn_s, ready, empty, full, sfree, g_base, o_ptr, bos, L, NT, o_col, scale,
+            J: gl.constexpr, NOUT: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr,
+            BV: gl.constexpr, STAGES: gl.constexpr, NB: gl.constexpr, L2NORM: gl.constexpr, FTZ: gl.constexpr):
+    acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BV, 16])
+    qk_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BT, 16])
+    p_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=2)
+    blk_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    dtype: gl.constexpr = q_s.dtype
+    t_acc = gl.arange(0, BT, layout=gl.SliceLayout(1, acc_l))
+    t_qk = gl.arange(0, BT, layout=gl.SliceLayout(1, qk_l))
+    c_qk = gl.arange(0, BT, layout=gl.SliceLayout(0, qk_l))
+    c_v = gl.arange(0, BV, layout=gl.SliceLayout(0, acc_l))
+    keep = t_qk[:, None] >= c_qk[None, :]
+    n_acc, n_row, n_col = _gates_out(g_base, J, L, HV, t_acc, t_qk, c_qk)
+    for c in range(J, NT, NOUT):
+        slot = c % STAGES
+        b = c % NB
+        g_acc, g_row, g_col = n_acc, n_row, n_col
+        n_acc, n_row, n_col = _gates_out(g_base, gl.minimum(c + NOUT, NT - 1), L, HV, t_acc, t_qk, c_qk)
+        mbarrier.wait(ready.index(slot), (c // STAGES) & 1)
+        q_op = q_s.index(slot)
+        if L2NORM:  # q normalised in its ring slot (only this warpgroup reads it)
+            qx = q_op.load(blk_l).to(gl.float32)
+            qx = qx * gl.rsqrt(gl.sum(qx * qx, 1) + 1e-6)[:, None]
+            q_op.store(qx.to(dtype))
+            fence_async_shared()
+            gl.thread_barrier()
+        qk = warpgroup_mma(q_op, k_s.index(slot).permute((1, 0)), gl.zeros([BT, BT], gl.float32, qk_l),
+                           use_acc=False, is_async=True)
+        mbarrier.wait(full.index(b), (c // NB) & 1)
+        qs = warpgroup_mma(q_op, S_s.index(b), gl.zeros([BT, BV], gl.float32, acc_l), use_acc=False, is_async=True)
+        qk, qs = warpgroup_mma_wait(0, deps=[qk, qs])
+        mbarrier.arrive(empty.index(slot))  # q and k of chunk c read
+        decay = _exp(gl.where(keep, g_row[:, None] - g_col[None, :], float("-inf")), FTZ)
+        p = gl.convert_layout((qk * decay).to(dtype), p_l)
+        o = qs * _exp(g_acc, FTZ)[:, None]
+        o = warpgroup_mma(p, vn_s.index(b), o, is_async=True)
+        o = warpgroup_mma_wait(0, deps=[o])
+        mbarrier.arrive(sfree.index(b))  # S_c and v_new_c read
+        rows = c * BT + t_acc
+        off = (bos + rows).to(gl.int64)[:, None] * (HV * V) + o_col + c_v[None, :]
+        gl.store(o_ptr + off, (o * scale).to(dtype), mask=(rows < L)[:, None])
+
+
+@gluon.jit
+def gdn_fwd_ws_kernel(w_desc, k_desc, q_desc, u_desc, gamma_ptr, h0_ptr, ht_ptr, o_ptr, cu_ptr, T, scale,
+                      H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr,
+                      STAGES: gl.constexpr, NB: gl.constexpr, NOUT: gl.constexpr, L2NORM: gl.constexpr,
+                      USE_H0: gl.constexpr, STORE_FINAL: gl.constexpr, VARLEN: gl.constexpr, FTZ: gl.constexpr,
+                      OUT_REGS: gl.constexpr, LOAD_REGS: gl.constexpr):
+    gl.static_assert(NOUT == 1 or NOUT == 2, "one or two output warpgroups")
+    gl.static_assert(NB >= 2, "at least two state / v_new buffers")
+    i_v = gl.program_id(0)
+    i_nh = gl.program_id(1)
+    i_n = i_nh // HV
+    i_hv = i_nh % HV
+    i_h = i_hv // (HV // H)
+    bos, L = _span(cu_ptr, i_n, T, VARLEN)
+    NT = gl.cdiv(L, BT)
+    col_v = i_hv * V + i_v * BV
+    o_state = i_nh.to(gl.int64) * K * V
+    g_base = gamma_ptr + bos.to(gl.int64) * HV + i_hv
+    dtype: gl.constexpr = w_desc.dtype
+    s_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([K, BV], dtype)
+    v_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BT, BV], dtype)
+
+    w_s = gl.allocate_shared_memory(dtype, [STAGES, BT, K], w_desc.layout)
+    k_s = gl.allocate_shared_memory(dtype, [STAGES, BT, K], k_desc.layout)
+    q_s = gl.allocate_shared_memory(dtype, [STAGES, BT, K], q_desc.layout)
+    u_s = gl.allocate_shared_memory(dtype, [STAGES, BT, BV], u_desc.layout)
+    S_s = gl.allocate_shared_memory(dtype, [NB, K, BV], s_sl)
+    vn_s = gl.allocate_shared_memory(dtype, [NB, BT, BV], v_sl)
+    vs_s = gl.allocate_shared_memory(dtype, [BT, BV], v_sl)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    full = gl.allocate_shared_memory(gl.int64, [NB, 1], mbarrier.MBarrierLayout())
+    sfree = gl.allocate_shared_memory(gl.int64, [NB, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=2)  # the state warpgroup and the chunk's output warpgroup
+    for s in gl.static_range(NB):
+        mbarrier.init(full.index(s), count=1)
+        mbarrier.init(sfree.index(s), count=1)
+
+    # (the partitions' arguments written out in each call: constexprs passed through a tuple variable lose it)
+    if NOUT == 1:
+        gl.warp_specialize([
+            (_state, (w_s, k_s, u_s, S_s, vn_s, vs_s, ready, empty, full, sfree, g_base, h0_ptr, ht_ptr, o_state, L,
+                      NT, i_v * BV, HV, K, V, BV, STAGES, NB, USE_H0, STORE_FINAL, FTZ)),
+            (_output, (q_s, k_s, S_s, vn_s, ready, empty, full, sfree, g_base, o_ptr, bos, L, NT, col_v, scale, 0,
+                       NOUT, HV, K, V, BV, STAGES, NB, L2NORM, FTZ)),
+            (_loader, (w_desc, k_desc, q_desc, u_desc, w_s, k_s, q_s, u_s, ready, empty, bos, NT, i_hv * K, i_h * K,
+                       col_v, STAGES)),
+        ], [4, 1], [OUT_REGS, LOAD_REGS])
+    else:
+        gl.warp_specialize([
+            (_state, (w_s, k_s, u_s, S_s, vn_s, vs_s, ready, empty, full, sfree, g_base, h0_ptr, ht_ptr, o_state, L,
+                      NT, i_v * BV, HV, K, V, BV, STAGES, NB, USE_H0, STORE_FINAL, FTZ)),
+            (_output, (q_s, k_s, S_s, vn_s, ready, empty, full, sfree, g_base, o_ptr, bos, L, NT, col_v, scale, 0,
+                       NOUT, HV, K, V, BV, STAGES, NB, L2NORM, FTZ)),
+            (_output, (q_s, k_s, S_s, vn_s, ready, empty, full, sfree, g_base, o_ptr, bos, L, NT, col_v, scale, 1,
+                       NOUT, HV, K, V, BV, STAGES, NB, L2NORM, FTZ)),
+            (_loader, (w_desc, k_desc, q_desc, u_desc, w_s, k_s, q_s, u_s, ready, empty, bos, NT, i_hv * K, i_h * K,
+                       col_v, STAGES)),
+        ], [4, 4, 1], [OUT_REGS, OUT_REGS, LOAD_REGS])
+    for s in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(s))
+        mbarrier.invalidate(empty.index(s))
+    for s in gl.static_range(NB):
+        mbarrier.invalidate(full.index(s))
+        mbarrier.invalidate(sfree.index(s))
+
+
+DEFAULT_CFG = {"BV": 32, "STAGES": 3, "NB": 3, "NOUT": 2, "FTZ": 1, "OUT_REGS": 168, "LOAD_REGS": 24}
+
+
+def fwd_ws(q, kn, w, u, gamma, initial_state, scale, *, l2norm, cu_seqlens=None, output_final_state=True, cfg=None):
+    """(o [B, T, HV, V], final state [N, HV, K, V] fp32) from the intra kernel's outputs (kn: k, normalised when
+    l2norm); q is normalised in the kernel when l2norm. cfg: BV, STAGES, NB, NOUT, FTZ, OUT_REGS, LOAD_REGS
+    (DEFAULT_CFG)."""
+    cfg = dict(DEFAULT_CFG, **(cfg or {}))
+    B, T, H, K = q.shape
+    HV, V = u.shape[2], u.shape[3]
+    bv = cfg["BV"]
+    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    g16 = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
+    lk = gl.NVMMASharedLayout.get_default_for([64, K], g16)
+    lv = gl.NVMMASharedLayout.get_default_for([64, bv], g16)
+    w_desc = TensorDescriptor.from_tensor(w.view(B * T, HV * K), [64, K], lk)
+    k_desc = TensorDescriptor.from_tensor(kn.view(B * T, H * K), [64, K], lk)
+    q_desc = TensorDescriptor.from_tensor(q.view(B * T, H * K), [64, K], lk)
+    u_desc = TensorDescriptor.from_tensor(u.view(B * T, HV * V), [64, bv], lv)
+    o = launch.new_output((B, T, HV, V), u.dtype, u.device)
+    ht = launch.new_output((N, HV, K, V), torch.float32, u.device) if output_final_state else gamma
+    e = q.element_size()
+    launch.launch(
+        "gated_delta_rule_fwd_ws", gdn_fwd_ws_kernel, (V // bv, N * HV),
+        w_desc, k_desc, q_desc, u_desc, gamma, initial_state if initial_state is not None else ht, ht, o,
+        cu_seqlens if cu_seqlens is not None else gamma, T, scale,
+        # each V-block program reads its chunks' w, k and q whole
+        nbytes=B * T * HV * ((V // bv) * 3 * K * e + 2 * V * e + 4)
+        + N * HV * K * V * 4 * (int(output_final_state) + int(initial_state is not None)),
+        H=H, HV=HV, K=K, V=V, BV=bv, STAGES=cfg["STAGES"], NB=cfg["NB"], NOUT=cfg["NOUT"], L2NORM=bool(l2norm),
+        USE_H0=initial_state is not None, STORE_FINAL=bool(output_final_state), VARLEN=cu_seqlens is not None,
+        FTZ=bool(cfg["FTZ"]), OUT_REGS=cfg["OUT_REGS"], LOAD_REGS=cfg["LOAD_REGS"], num_warps=4,
+    )
+    return o, (ht if output_final_state else None)
