@@ -143,7 +143,8 @@ def _gates_out(g_base, c, L, HV: gl.constexpr, t_acc, t_qk, c_qk):
 @gluon.jit
 def _output(q_s, k_s, S_s, vn_s, ready, empty, full, sfree, g_base, o_ptr, bos, L, NT, o_col, scale,
             J: gl.constexpr, NOUT: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr,
-            BV: gl.constexpr, STAGES: gl.constexpr, NB: gl.constexpr, L2NORM: gl.constexpr, FTZ: gl.constexpr):
+            BV: gl.constexpr, STAGES: gl.constexpr, NB: gl.constexpr, L2NORM: gl.constexpr, FTZ: gl.constexpr,
+            SKIP: gl.constexpr = False):
     acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BV, 16])
     qk_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BT, 16])
     p_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=2)
@@ -161,28 +162,33 @@ def _output(q_s, k_s, S_s, vn_s, ready, empty, full, sfree, g_base, o_ptr, bos, 
         g_acc, g_row, g_col = n_acc, n_row, n_col
         n_acc, n_row, n_col = _gates_out(g_base, gl.minimum(c + NOUT, NT - 1), L, HV, t_acc, t_qk, c_qk)
         mbarrier.wait(ready.index(slot), (c // STAGES) & 1)
-        q_op = q_s.index(slot)
-        if L2NORM:  # q normalised in its ring slot (only this warpgroup reads it)
-            qx = q_op.load(blk_l).to(gl.float32)
-            qx = qx * gl.rsqrt(gl.sum(qx * qx, 1) + 1e-6)[:, None]
-            q_op.store(qx.to(dtype))
-            fence_async_shared()
-            gl.thread_barrier()
-        qk = warpgroup_mma(q_op, k_s.index(slot).permute((1, 0)), gl.zeros([BT, BT], gl.float32, qk_l),
-                           use_acc=False, is_async=True)
-        mbarrier.wait(full.index(b), (c // NB) & 1)
-        qs = warpgroup_mma(q_op, S_s.index(b), gl.zeros([BT, BV], gl.float32, acc_l), use_acc=False, is_async=True)
-        qk, qs = warpgroup_mma_wait(0, deps=[qk, qs])
-        mbarrier.arrive(empty.index(slot))  # q and k of chunk c read
-        decay = _exp(gl.where(keep, g_row[:, None] - g_col[None, :], float("-inf")), FTZ)
-        p = gl.convert_layout((qk * decay).to(dtype), p_l)
-        o = qs * _exp(g_acc, FTZ)[:, None]
-        o = warpgroup_mma(p, vn_s.index(b), o, is_async=True)
-        o = warpgroup_mma_wait(0, deps=[o])
-        mbarrier.arrive(sfree.index(b))  # S_c and v_new_c read
-        rows = c * BT + t_acc
-        off = (bos + rows).to(gl.int64)[:, None] * (HV * V) + o_col + c_v[None, :]
-        gl.store(o_ptr + off, (o * scale).to(dtype), mask=(rows < L)[:, None])
+        if SKIP:  # (probe) no output: the state chain's own time
+            mbarrier.wait(full.index(b), (c // NB) & 1)
+            mbarrier.arrive(empty.index(slot))
+            mbarrier.arrive(sfree.index(b))
+        else:
+            q_op = q_s.index(slot)
+            if L2NORM:  # q normalised in its ring slot (only this warpgroup reads it)
+                qx = q_op.load(blk_l).to(gl.float32)
+                qx = qx * gl.rsqrt(gl.sum(qx * qx, 1) + 1e-6)[:, None]
+                q_op.store(qx.to(dtype))
+                fence_async_shared()
+                gl.thread_barrier()
+            qk = warpgroup_mma(q_op, k_s.index(slot).permute((1, 0)), gl.zeros([BT, BT], gl.float32, qk_l),
+                               use_acc=False, is_async=True)
+            mbarrier.wait(full.index(b), (c // NB) & 1)
+            qs = warpgroup_mma(q_op, S_s.index(b), gl.zeros([BT, BV], gl.float32, acc_l), use_acc=False, is_async=True)
+            qk, qs = warpgroup_mma_wait(0, deps=[qk, qs])
+            mbarrier.arrive(empty.index(slot))  # q and k of chunk c read
+            decay = _exp(gl.where(keep, g_row[:, None] - g_col[None, :], float("-inf")), FTZ)
+            p = gl.convert_layout((qk * decay).to(dtype), p_l)
+            o = qs * _exp(g_acc, FTZ)[:, None]
+            o = warpgroup_mma(p, vn_s.index(b), o, is_async=True)
+            o = warpgroup_mma_wait(0, deps=[o])
+            mbarrier.arrive(sfree.index(b))  # S_c and v_new_c read
+            rows = c * BT + t_acc
+            off = (bos + rows).to(gl.int64)[:, None] * (HV * V) + o_col + c_v[None, :]
+            gl.store(o_ptr + off, (o * scale).to(dtype), mask=(rows < L)[:, None])
 
 
 @gluon.jit
@@ -190,7 +196,7 @@ def gdn_fwd_ws_kernel(w_desc, k_desc, q_desc, u_desc, gamma_ptr, h0_ptr, ht_ptr,
                       H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr,
                       STAGES: gl.constexpr, NB: gl.constexpr, NOUT: gl.constexpr, L2NORM: gl.constexpr,
                       USE_H0: gl.constexpr, STORE_FINAL: gl.constexpr, VARLEN: gl.constexpr, FTZ: gl.constexpr,
-                      OUT_REGS: gl.constexpr, LOAD_REGS: gl.constexpr):
+                      OUT_REGS: gl.constexpr, LOAD_REGS: gl.constexpr, SKIP: gl.constexpr = False):
     gl.static_assert(NOUT == 1 or NOUT == 2, "one or two output warpgroups")
     gl.static_assert(NB >= 2, "at least two state / v_new buffers")
     i_v = gl.program_id(0)
@@ -231,7 +237,7 @@ def gdn_fwd_ws_kernel(w_desc, k_desc, q_desc, u_desc, gamma_ptr, h0_ptr, ht_ptr,
             (_state, (w_s, k_s, u_s, S_s, vn_s, vs_s, ready, empty, full, sfree, g_base, h0_ptr, ht_ptr, o_state, L,
                       NT, i_v * BV, HV, K, V, BV, STAGES, NB, USE_H0, STORE_FINAL, FTZ)),
             (_output, (q_s, k_s, S_s, vn_s, ready, empty, full, sfree, g_base, o_ptr, bos, L, NT, col_v, scale, 0,
-                       NOUT, HV, K, V, BV, STAGES, NB, L2NORM, FTZ)),
+                       NOUT, HV, K, V, BV, STAGES, NB, L2NORM, FTZ, SKIP)),
             (_loader, (w_desc, k_desc, q_desc, u_desc, w_s, k_s, q_s, u_s, ready, empty, bos, NT, i_hv * K, i_h * K,
                        col_v, STAGES)),
         ], [4, 1], [OUT_REGS, LOAD_REGS])
@@ -240,9 +246,9 @@ def gdn_fwd_ws_kernel(w_desc, k_desc, q_desc, u_desc, gamma_ptr, h0_ptr, ht_ptr,
             (_state, (w_s, k_s, u_s, S_s, vn_s, vs_s, ready, empty, full, sfree, g_base, h0_ptr, ht_ptr, o_state, L,
                       NT, i_v * BV, HV, K, V, BV, STAGES, NB, USE_H0, STORE_FINAL, FTZ)),
             (_output, (q_s, k_s, S_s, vn_s, ready, empty, full, sfree, g_base, o_ptr, bos, L, NT, col_v, scale, 0,
-                       NOUT, HV, K, V, BV, STAGES, NB, L2NORM, FTZ)),
+                       NOUT, HV, K, V, BV, STAGES, NB, L2NORM, FTZ, SKIP)),
             (_output, (q_s, k_s, S_s, vn_s, ready, empty, full, sfree, g_base, o_ptr, bos, L, NT, col_v, scale, 1,
-                       NOUT, HV, K, V, BV, STAGES, NB, L2NORM, FTZ)),
+                       NOUT, HV, K, V, BV, STAGES, NB, L2NORM, FTZ, SKIP)),
             (_loader, (w_desc, k_desc, q_desc, u_desc, w_s, k_s, q_s, u_s, ready, empty, bos, NT, i_hv * K, i_h * K,
                        col_v, STAGES)),
         ], [4, 4, 1], [OUT_REGS, OUT_REGS, LOAD_REGS])
@@ -285,6 +291,7 @@ def fwd_ws(q, kn, w, u, gamma, initial_state, scale, *, l2norm, cu_seqlens=None,
         + N * HV * K * V * 4 * (int(output_final_state) + int(initial_state is not None)),
         H=H, HV=HV, K=K, V=V, BV=bv, STAGES=cfg["STAGES"], NB=cfg["NB"], NOUT=cfg["NOUT"], L2NORM=bool(l2norm),
         USE_H0=initial_state is not None, STORE_FINAL=bool(output_final_state), VARLEN=cu_seqlens is not None,
-        FTZ=bool(cfg["FTZ"]), OUT_REGS=cfg["OUT_REGS"], LOAD_REGS=cfg["LOAD_REGS"], num_warps=4,
+        FTZ=bool(cfg["FTZ"]), OUT_REGS=cfg["OUT_REGS"], LOAD_REGS=cfg["LOAD_REGS"], SKIP=bool(cfg.get("SKIP", 0)),
+        num_warps=4,
     )
     return o, (ht if output_final_state else None)
