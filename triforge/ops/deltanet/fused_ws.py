@@ -168,7 +168,7 @@ def _output(q_s, k_s, S_s, vn_s, ready, empty, full, sfree, g_base, o_ptr, bos, 
             mbarrier.arrive(sfree.index(b))
         else:
             q_op = q_s.index(slot)
-            if L2NORM:  # q normalised in its ring slot (only this warpgroup reads it)
+            if L2NORM == 1:  # q normalised in its ring slot (only this warpgroup reads it)
                 qx = q_op.load(blk_l).to(gl.float32)
                 qx = qx * gl.rsqrt(gl.sum(qx * qx, 1) + 1e-6)[:, None]
                 q_op.store(qx.to(dtype))
@@ -176,9 +176,17 @@ def _output(q_s, k_s, S_s, vn_s, ready, empty, full, sfree, g_base, o_ptr, bos, 
                 gl.thread_barrier()
             qk = warpgroup_mma(q_op, k_s.index(slot).permute((1, 0)), gl.zeros([BT, BT], gl.float32, qk_l),
                                use_acc=False, is_async=True)
+            if L2NORM == 2:  # q's inverse row norms, read while q k^T runs; q k^T and q S scaled by them afterwards
+                qa = q_op.slice(0, K // 2, dim=1).load(blk_l).to(gl.float32)  # (in halves: fewer live registers)
+                qb = q_op.slice(K // 2, K // 2, dim=1).load(blk_l).to(gl.float32)
+                rn = gl.rsqrt(gl.sum(qa * qa, 1) + gl.sum(qb * qb, 1) + 1e-6)
             mbarrier.wait(full.index(b), (c // NB) & 1)
-            qs = warpgroup_mma(q_op, S_s.index(b), gl.zeros([BT, BV], gl.float32, acc_l), use_acc=False, is_async=True)
+            qs = warpgroup_mma(q_op, S_s.index(b), gl.zeros([BT, BV], gl.float32, acc_l), use_acc=False,
+                               is_async=True)
             qk, qs = warpgroup_mma_wait(0, deps=[qk, qs])
+            if L2NORM == 2:
+                qk = qk * gl.convert_layout(rn, gl.SliceLayout(1, qk_l))[:, None]
+                qs = qs * gl.convert_layout(rn, gl.SliceLayout(1, acc_l))[:, None]
             mbarrier.arrive(empty.index(slot))  # q and k of chunk c read
             decay = _exp(gl.where(keep, g_row[:, None] - g_col[None, :], float("-inf")), FTZ)
             p = gl.convert_layout((qk * decay).to(dtype), p_l)
@@ -289,7 +297,7 @@ def fwd_ws(q, kn, w, u, gamma, initial_state, scale, *, l2norm, cu_seqlens=None,
         # each V-block program reads its chunks' w, k and q whole
         nbytes=B * T * HV * ((V // bv) * 3 * K * e + 2 * V * e + 4)
         + N * HV * K * V * 4 * (int(output_final_state) + int(initial_state is not None)),
-        H=H, HV=HV, K=K, V=V, BV=bv, STAGES=cfg["STAGES"], NB=cfg["NB"], NOUT=cfg["NOUT"], L2NORM=bool(l2norm),
+        H=H, HV=HV, K=K, V=V, BV=bv, STAGES=cfg["STAGES"], NB=cfg["NB"], NOUT=cfg["NOUT"], L2NORM=(2 if cfg.get("QSCALE", 0) else 1) if l2norm else 0,
         USE_H0=initial_state is not None, STORE_FINAL=bool(output_final_state), VARLEN=cu_seqlens is not None,
         FTZ=bool(cfg["FTZ"]), OUT_REGS=cfg["OUT_REGS"], LOAD_REGS=cfg["LOAD_REGS"], SKIP=bool(cfg.get("SKIP", 0)),
         num_warps=4,
