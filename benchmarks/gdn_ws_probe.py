@@ -23,8 +23,9 @@ from attention_bwd_sweep import rel_rms  # noqa: E402
 def parse(spec):
     p = spec.split(":")
     return dict(NOUT=int(p[0]), NB=int(p[1]), STAGES=int(p[2]), FTZ=int("noftz" not in p[3:]),
-                SKIP=int("skip" in p[3:]), QN=int("qn" in p[3:]), QSCALE=int("post" in p[3:]),
-                BV=64 if "bv64" in p[3:] else 32)
+                SKIP=int("skip" in p[3:]), QN=int("qn" in p[3:]),
+                L2NORM=3 if "ldn" in p[3:] else 2 if "post" in p[3:] else 1, BV=64 if "bv64" in p[3:] else 32,
+                **({"OUT_REGS": 152, "LOAD_REGS": 80} if "ldn" in p[3:] else {}))
 
 
 def ws_forward(q, k, v, g, beta, scale, h0, cfg, cu_seqlens=None, l2norm=True, qn=None):

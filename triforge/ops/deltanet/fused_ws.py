@@ -58,20 +58,51 @@ def _span(cu_ptr, i_n, T, VARLEN: gl.constexpr):
 
 
 @gluon.jit
-def _loader(w_desc, k_desc, q_desc, u_desc, w_s, k_s, q_s, u_s, ready, empty, bos, NT, col_w, col_k, col_v,
-            STAGES: gl.constexpr):
+def _issue(w_desc, k_desc, q_desc, u_desc, w_s, k_s, q_s, u_s, ready, empty, c, bos, col_w, col_k, col_v,
+           STAGES: gl.constexpr):
+    """Chunk c's w, k, q and u tiles by TMA into ring slot c % STAGES once chunk c - STAGES has released it."""
     nbytes: gl.constexpr = (w_desc.block_type.nbytes + k_desc.block_type.nbytes + q_desc.block_type.nbytes
                             + u_desc.block_type.nbytes)
+    s = c % STAGES
+    mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1)  # chunk c - STAGES released (first pass: free)
+    bar = ready.index(s)
+    row = bos + c * BT
+    mbarrier.expect(bar, nbytes)
+    tma.async_copy_global_to_shared(w_desc, [row, col_w], bar, w_s.index(s))
+    tma.async_copy_global_to_shared(k_desc, [row, col_k], bar, k_s.index(s))
+    tma.async_copy_global_to_shared(q_desc, [row, col_k], bar, q_s.index(s))
+    tma.async_copy_global_to_shared(u_desc, [row, col_v], bar, u_s.index(s))
+
+
+@gluon.jit
+def _loader(w_desc, k_desc, q_desc, u_desc, w_s, k_s, q_s, u_s, ready, empty, bos, NT, col_w, col_k, col_v,
+            STAGES: gl.constexpr):
     for c in range(NT):
-        s = c % STAGES
-        mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1)  # chunk c - STAGES released (first pass: free)
-        bar = ready.index(s)
-        row = bos + c * BT
-        mbarrier.expect(bar, nbytes)
-        tma.async_copy_global_to_shared(w_desc, [row, col_w], bar, w_s.index(s))
-        tma.async_copy_global_to_shared(k_desc, [row, col_k], bar, k_s.index(s))
-        tma.async_copy_global_to_shared(q_desc, [row, col_k], bar, q_s.index(s))
-        tma.async_copy_global_to_shared(u_desc, [row, col_v], bar, u_s.index(s))
+        _issue(w_desc, k_desc, q_desc, u_desc, w_s, k_s, q_s, u_s, ready, empty, c, bos, col_w, col_k, col_v, STAGES)
+
+
+@gluon.jit
+def _loader_norms(w_desc, k_desc, q_desc, u_desc, w_s, k_s, q_s, u_s, rn_s, ready, empty, rn_ready, bos, NT, col_w,
+                  col_k, col_v, K: gl.constexpr, STAGES: gl.constexpr):
+    """The loader as a warpgroup that also takes q's inverse row norms (into rn_s, ``rn_ready``) one chunk behind
+    its TMA issue, off the output warpgroups' chain (L2NORM 3)."""
+    blk_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    r_l: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    for c in range(NT + 1):
+        if c < NT:
+            _issue(w_desc, k_desc, q_desc, u_desc, w_s, k_s, q_s, u_s, ready, empty, c, bos, col_w, col_k, col_v,
+                   STAGES)
+        if c > 0:
+            p = c - 1
+            s = p % STAGES
+            mbarrier.wait(ready.index(s), (p // STAGES) & 1)
+            q_op = q_s.index(s)
+            qa = q_op.slice(0, K // 2, dim=1).load(blk_l).to(gl.float32)
+            qb = q_op.slice(K // 2, K // 2, dim=1).load(blk_l).to(gl.float32)
+            rn = gl.rsqrt(gl.sum(qa * qa, 1) + gl.sum(qb * qb, 1) + 1e-6)
+            rn_s.index(s).store(gl.convert_layout(rn, r_l))
+            gl.thread_barrier()
+            mbarrier.arrive(rn_ready.index(s))
 
 
 @gluon.jit
@@ -141,7 +172,7 @@ def _gates_out(g_base, c, L, HV: gl.constexpr, t_acc, t_qk, c_qk):
 
 
 @gluon.jit
-def _output(q_s, k_s, S_s, vn_s, ready, empty, full, sfree, g_base, o_ptr, bos, L, NT, o_col, scale,
+def _output(q_s, k_s, S_s, vn_s, rn_s, ready, empty, full, sfree, rn_ready, g_base, o_ptr, bos, L, NT, o_col, scale,
             J: gl.constexpr, NOUT: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr,
             BV: gl.constexpr, STAGES: gl.constexpr, NB: gl.constexpr, L2NORM: gl.constexpr, FTZ: gl.constexpr,
             SKIP: gl.constexpr = False):
@@ -180,6 +211,11 @@ def _output(q_s, k_s, S_s, vn_s, ready, empty, full, sfree, g_base, o_ptr, bos, 
                 qa = q_op.slice(0, K // 2, dim=1).load(blk_l).to(gl.float32)  # (in halves: fewer live registers)
                 qb = q_op.slice(K // 2, K // 2, dim=1).load(blk_l).to(gl.float32)
                 rn = gl.rsqrt(gl.sum(qa * qa, 1) + gl.sum(qb * qb, 1) + 1e-6)
+            if L2NORM == 3:  # the loader warpgroup's
+                mbarrier.wait(rn_ready.index(slot), (c // STAGES) & 1)
+                rn_v = rn_s.index(slot)
+                rn_qk = rn_v.load(gl.SliceLayout(1, qk_l))
+                rn_acc = rn_v.load(gl.SliceLayout(1, acc_l))
             mbarrier.wait(full.index(b), (c // NB) & 1)
             qs = warpgroup_mma(q_op, S_s.index(b), gl.zeros([BT, BV], gl.float32, acc_l), use_acc=False,
                                is_async=True)
@@ -187,6 +223,9 @@ def _output(q_s, k_s, S_s, vn_s, ready, empty, full, sfree, g_base, o_ptr, bos, 
             if L2NORM == 2:
                 qk = qk * gl.convert_layout(rn, gl.SliceLayout(1, qk_l))[:, None]
                 qs = qs * gl.convert_layout(rn, gl.SliceLayout(1, acc_l))[:, None]
+            if L2NORM == 3:
+                qk = qk * rn_qk[:, None]
+                qs = qs * rn_acc[:, None]
             mbarrier.arrive(empty.index(slot))  # q and k of chunk c read
             decay = _exp(gl.where(keep, g_row[:, None] - g_col[None, :], float("-inf")), FTZ)
             p = gl.convert_layout((qk * decay).to(dtype), p_l)
@@ -228,38 +267,63 @@ def gdn_fwd_ws_kernel(w_desc, k_desc, q_desc, u_desc, gamma_ptr, h0_ptr, ht_ptr,
     S_s = gl.allocate_shared_memory(dtype, [NB, K, BV], s_sl)
     vn_s = gl.allocate_shared_memory(dtype, [NB, BT, BV], v_sl)
     vs_s = gl.allocate_shared_memory(dtype, [BT, BV], v_sl)
+    rn_s = gl.allocate_shared_memory(gl.float32, [STAGES, BT], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     full = gl.allocate_shared_memory(gl.int64, [NB, 1], mbarrier.MBarrierLayout())
     sfree = gl.allocate_shared_memory(gl.int64, [NB, 1], mbarrier.MBarrierLayout())
+    rn_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
         mbarrier.init(ready.index(s), count=1)
         mbarrier.init(empty.index(s), count=2)  # the state warpgroup and the chunk's output warpgroup
+        mbarrier.init(rn_ready.index(s), count=1)
     for s in gl.static_range(NB):
         mbarrier.init(full.index(s), count=1)
         mbarrier.init(sfree.index(s), count=1)
 
     # (the partitions' arguments written out in each call: constexprs passed through a tuple variable lose it)
-    if NOUT == 1:
-        gl.warp_specialize([
-            (_state, (w_s, k_s, u_s, S_s, vn_s, vs_s, ready, empty, full, sfree, g_base, h0_ptr, ht_ptr, o_state, L,
-                      NT, i_v * BV, HV, K, V, BV, STAGES, NB, USE_H0, STORE_FINAL, FTZ)),
-            (_output, (q_s, k_s, S_s, vn_s, ready, empty, full, sfree, g_base, o_ptr, bos, L, NT, col_v, scale, 0,
-                       NOUT, HV, K, V, BV, STAGES, NB, L2NORM, FTZ, SKIP)),
-            (_loader, (w_desc, k_desc, q_desc, u_desc, w_s, k_s, q_s, u_s, ready, empty, bos, NT, i_hv * K, i_h * K,
-                       col_v, STAGES)),
-        ], [4, 1], [OUT_REGS, LOAD_REGS])
+    if L2NORM == 3:  # the loader is a warpgroup that also takes q's row norms
+        if NOUT == 1:
+            gl.warp_specialize([
+                (_state, (w_s, k_s, u_s, S_s, vn_s, vs_s, ready, empty, full, sfree, g_base, h0_ptr, ht_ptr, o_state, L,
+                          NT, i_v * BV, HV, K, V, BV, STAGES, NB, USE_H0, STORE_FINAL, FTZ)),
+                (_output, (q_s, k_s, S_s, vn_s, rn_s, ready, empty, full, sfree, rn_ready, g_base, o_ptr, bos, L, NT, col_v, scale, 0,
+                           NOUT, HV, K, V, BV, STAGES, NB, L2NORM, FTZ, SKIP)),
+                (_loader_norms, (w_desc, k_desc, q_desc, u_desc, w_s, k_s, q_s, u_s, rn_s, ready, empty, rn_ready, bos,
+                                 NT, i_hv * K, i_h * K, col_v, K, STAGES)),
+            ], [4, 4], [OUT_REGS, LOAD_REGS])
+        else:
+            gl.warp_specialize([
+                (_state, (w_s, k_s, u_s, S_s, vn_s, vs_s, ready, empty, full, sfree, g_base, h0_ptr, ht_ptr, o_state, L,
+                          NT, i_v * BV, HV, K, V, BV, STAGES, NB, USE_H0, STORE_FINAL, FTZ)),
+                (_output, (q_s, k_s, S_s, vn_s, rn_s, ready, empty, full, sfree, rn_ready, g_base, o_ptr, bos, L, NT, col_v, scale, 0,
+                           NOUT, HV, K, V, BV, STAGES, NB, L2NORM, FTZ, SKIP)),
+                (_output, (q_s, k_s, S_s, vn_s, rn_s, ready, empty, full, sfree, rn_ready, g_base, o_ptr, bos, L, NT, col_v, scale, 1,
+                           NOUT, HV, K, V, BV, STAGES, NB, L2NORM, FTZ, SKIP)),
+                (_loader_norms, (w_desc, k_desc, q_desc, u_desc, w_s, k_s, q_s, u_s, rn_s, ready, empty, rn_ready, bos,
+                                 NT, i_hv * K, i_h * K, col_v, K, STAGES)),
+            ], [4, 4, 4], [OUT_REGS, OUT_REGS, LOAD_REGS])
     else:
-        gl.warp_specialize([
-            (_state, (w_s, k_s, u_s, S_s, vn_s, vs_s, ready, empty, full, sfree, g_base, h0_ptr, ht_ptr, o_state, L,
-                      NT, i_v * BV, HV, K, V, BV, STAGES, NB, USE_H0, STORE_FINAL, FTZ)),
-            (_output, (q_s, k_s, S_s, vn_s, ready, empty, full, sfree, g_base, o_ptr, bos, L, NT, col_v, scale, 0,
-                       NOUT, HV, K, V, BV, STAGES, NB, L2NORM, FTZ, SKIP)),
-            (_output, (q_s, k_s, S_s, vn_s, ready, empty, full, sfree, g_base, o_ptr, bos, L, NT, col_v, scale, 1,
-                       NOUT, HV, K, V, BV, STAGES, NB, L2NORM, FTZ, SKIP)),
-            (_loader, (w_desc, k_desc, q_desc, u_desc, w_s, k_s, q_s, u_s, ready, empty, bos, NT, i_hv * K, i_h * K,
-                       col_v, STAGES)),
-        ], [4, 4, 1], [OUT_REGS, OUT_REGS, LOAD_REGS])
+        if NOUT == 1:
+            gl.warp_specialize([
+                (_state, (w_s, k_s, u_s, S_s, vn_s, vs_s, ready, empty, full, sfree, g_base, h0_ptr, ht_ptr, o_state, L,
+                          NT, i_v * BV, HV, K, V, BV, STAGES, NB, USE_H0, STORE_FINAL, FTZ)),
+                (_output, (q_s, k_s, S_s, vn_s, rn_s, ready, empty, full, sfree, rn_ready, g_base, o_ptr, bos, L, NT, col_v, scale, 0,
+                           NOUT, HV, K, V, BV, STAGES, NB, L2NORM, FTZ, SKIP)),
+                (_loader, (w_desc, k_desc, q_desc, u_desc, w_s, k_s, q_s, u_s, ready, empty, bos, NT, i_hv * K, i_h * K,
+                           col_v, STAGES)),
+            ], [4, 1], [OUT_REGS, LOAD_REGS])
+        else:
+            gl.warp_specialize([
+                (_state, (w_s, k_s, u_s, S_s, vn_s, vs_s, ready, empty, full, sfree, g_base, h0_ptr, ht_ptr, o_state, L,
+                          NT, i_v * BV, HV, K, V, BV, STAGES, NB, USE_H0, STORE_FINAL, FTZ)),
+                (_output, (q_s, k_s, S_s, vn_s, rn_s, ready, empty, full, sfree, rn_ready, g_base, o_ptr, bos, L, NT, col_v, scale, 0,
+                           NOUT, HV, K, V, BV, STAGES, NB, L2NORM, FTZ, SKIP)),
+                (_output, (q_s, k_s, S_s, vn_s, rn_s, ready, empty, full, sfree, rn_ready, g_base, o_ptr, bos, L, NT, col_v, scale, 1,
+                           NOUT, HV, K, V, BV, STAGES, NB, L2NORM, FTZ, SKIP)),
+                (_loader, (w_desc, k_desc, q_desc, u_desc, w_s, k_s, q_s, u_s, ready, empty, bos, NT, i_hv * K, i_h * K,
+                           col_v, STAGES)),
+            ], [4, 4, 1], [OUT_REGS, OUT_REGS, LOAD_REGS])
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(s))
         mbarrier.invalidate(empty.index(s))
@@ -268,7 +332,7 @@ def gdn_fwd_ws_kernel(w_desc, k_desc, q_desc, u_desc, gamma_ptr, h0_ptr, ht_ptr,
         mbarrier.invalidate(sfree.index(s))
 
 
-DEFAULT_CFG = {"BV": 32, "STAGES": 3, "NB": 3, "NOUT": 2, "FTZ": 1, "OUT_REGS": 168, "LOAD_REGS": 24}
+DEFAULT_CFG = {"BV": 32, "STAGES": 3, "NB": 3, "NOUT": 2, "FTZ": 1, "L2NORM": 1, "OUT_REGS": 168, "LOAD_REGS": 24}
 
 
 def fwd_ws(q, kn, w, u, gamma, initial_state, scale, *, l2norm, cu_seqlens=None, output_final_state=True, cfg=None):
@@ -297,7 +361,7 @@ def fwd_ws(q, kn, w, u, gamma, initial_state, scale, *, l2norm, cu_seqlens=None,
         # each V-block program reads its chunks' w, k and q whole
         nbytes=B * T * HV * ((V // bv) * 3 * K * e + 2 * V * e + 4)
         + N * HV * K * V * 4 * (int(output_final_state) + int(initial_state is not None)),
-        H=H, HV=HV, K=K, V=V, BV=bv, STAGES=cfg["STAGES"], NB=cfg["NB"], NOUT=cfg["NOUT"], L2NORM=(2 if cfg.get("QSCALE", 0) else 1) if l2norm else 0,
+        H=H, HV=HV, K=K, V=V, BV=bv, STAGES=cfg["STAGES"], NB=cfg["NB"], NOUT=cfg["NOUT"], L2NORM=cfg.get("L2NORM", 1) if l2norm else 0,
         USE_H0=initial_state is not None, STORE_FINAL=bool(output_final_state), VARLEN=cu_seqlens is not None,
         FTZ=bool(cfg["FTZ"]), OUT_REGS=cfg["OUT_REGS"], LOAD_REGS=cfg["LOAD_REGS"], SKIP=bool(cfg.get("SKIP", 0)),
         num_warps=4,
