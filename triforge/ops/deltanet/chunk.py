@@ -29,6 +29,7 @@ With cu_seqlens (B = 1) each sequence starts its own chunks; ``chunk_indices`` m
 (sequence, chunk) and ``chunk_offsets`` gives each sequence's first row in h.
 """
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -559,6 +560,32 @@ def use_fused(K, V, nh):
     return V >= min(FUSED_BV) and nh * launch.cdiv(V, 64) >= 2 * _runtime.num_sms()
 
 
+GLUON_ENV = "TRIFORGE_DELTANET_GLUON"
+
+
+def gluon_config(q, K, V, nh, initial_state=None, l2norm=True):
+    """The launch config of fused_ws.py's warp-specialized Gluon recurrence + output where it takes a forward that
+    keeps nothing for a backward, else None: compiled sm90 launches of 16-bit contiguous inputs at K = 128 and V a
+    multiple of 64 (``TRIFORGE_DELTANET_GLUON=0``: never). nh = sequences x value heads.
+    Measured (benchmarks/NOTES.md, session 40): 32-column V-blocks with the loader warpgroup taking q's row norms
+    (L2NORM 3) while those programs fit in one wave (nh V / 32 <= SMs: (1, 32768, 16, 32), (1, 8192, 32, 32)), else
+    64-column V-blocks with q normalised in its ring slot ((8, 4096, 16, 32), (4, 8192, 16, 16))."""
+    flag = os.environ.get(GLUON_ENV, "1")
+    if flag not in ("0", "1"):
+        raise ValueError(f"{GLUON_ENV} must be 0 or 1, got {flag!r}")
+    if flag == "0" or _runtime.INTERPRET or not q.is_cuda or _runtime.arch() != "sm90":
+        return None
+    if q.dtype not in (torch.float16, torch.bfloat16) or K != 128 or V % 64 != 0:
+        return None
+    if initial_state is not None and (initial_state.dtype != torch.float32 or not initial_state.is_contiguous()):
+        return None
+    if nh * (V // 32) <= _runtime.num_sms():
+        return {"BV": 32, "STAGES": 3, "NB": 3, "NOUT": 2, "FTZ": 1, "L2NORM": 3 if l2norm else 0, "OUT_REGS": 152,
+                "LOAD_REGS": 80 if l2norm else 24}
+    return {"BV": 64, "STAGES": 2, "NB": 3, "NOUT": 2, "FTZ": 1, "L2NORM": 1 if l2norm else 0, "OUT_REGS": 168,
+            "LOAD_REGS": 24}
+
+
 def _flags(dtype):
     """Kernel numerics flags for inputs of ``dtype``."""
     bf16_interp = _runtime.INTERPRET and dtype == torch.bfloat16
@@ -769,6 +796,15 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state=None, *, output_final_state
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     N = B if varlen is None else varlen.n_seqs
+    ws = gluon_config(q, K, V, N * HV, initial_state, l2norm) if not (save or stages or fuse_o is False) else None
+    if ws is not None:  # Hopper: the warp-specialized Gluon recurrence + output (imported only here: no interpreter)
+        from triforge.ops.deltanet.fused_ws import fwd_ws
+
+        intra = chunk_fwd_intra(k, v, g, beta, l2norm=l2norm, varlen=varlen, store_kn=l2norm)
+        o, final = fwd_ws(q, intra.get("kn", k), intra["w"], intra["u"], intra["gamma"], initial_state, scale,
+                          l2norm=l2norm, cu_seqlens=None if varlen is None else varlen.cu_seqlens,
+                          output_final_state=output_final_state, cfg=ws)
+        return o, final
     if fuse_o is None:
         # saving: the unfused pair (the fused recurrence storing h and v_new took 1.48 ms at (8, 4096, 16, 32)
         # against 0.97 without the stores; the unfused state kernel, which stores them anyway, 0.55)

@@ -9,12 +9,14 @@ per (V-block of BV columns, sequence x value head); four partitions:
 
 - a loader warp: each chunk's w [64, K], k [64, K], q [64, K] and u [64, BV] tiles by TMA into a ring of STAGES slots
   (``ready`` counts their bytes; a slot is refilled once the state warpgroup and the chunk's output warpgroup have
-  both released it on ``empty``);
+  both released it on ``empty``); with L2NORM 3 a loader warpgroup that also takes q's inverse row norms from the
+  slot one chunk behind its issue (``rn_ready``);
 - the state warpgroup (the serial chain): v_new = u - w S_c (wgmma, S_c's 16-bit copy in shared memory), v_new into
   buffer c % NB for the output, then S_{c+1} = e^(g_last) S_c + k^T (e^(g_last - g) v_new) (wgmma into the fp32
   state in registers) and S_{c+1}'s 16-bit copy into buffer (c + 1) % NB (``full``: S_c and v_new_c are there);
-- NOUT output warpgroups, chunk c on warpgroup c % NOUT, off the state's chain: q l2-normalised in its ring slot,
-  q S_c and q k^T (wgmma), P = (q k^T) * e^(g_i - g_j) (j <= i), o = scale (e^g q S_c + P v_new_c) (wgmma with P in
+- NOUT output warpgroups, chunk c on warpgroup c % NOUT, off the state's chain: q l2-normalised (L2NORM 1: in its
+  ring slot; 2, 3: q S_c and q k^T scaled by q's inverse row norms instead, not rounding the normalised q), q S_c
+  and q k^T (wgmma), P = (q k^T) * e^(g_i - g_j) (j <= i), o = scale (e^g q S_c + P v_new_c) (wgmma with P in
   registers), stored by row; the buffer is released on ``sfree``.
 
 The rounding points are the Triton fused kernel's (chunk.chunk_gated_delta_rule_fwd_kernel_h with FUSE_O): S cast to
@@ -111,7 +113,7 @@ def _gates_state(g_base, c, L, HV: gl.constexpr, t_acc):
     t0 = c * BT
     n = gl.minimum(L - t0, BT)
     g_acc = gl.load(g_base + (t0 + t_acc).to(gl.int64) * HV, mask=t_acc < n, other=0.0)
-    g_last = gl.load(g_base + (t0 + n - 1).to(gl.int64) * HV)
+    g_last = gl.load(g_base + (t0 + n - 1).to(gl.int64) * HV, mask=n > 0, other=0.0)  # (an empty sequence: none)
     return g_acc, g_last
 
 
@@ -336,9 +338,13 @@ DEFAULT_CFG = {"BV": 32, "STAGES": 3, "NB": 3, "NOUT": 2, "FTZ": 1, "L2NORM": 1,
 
 
 def fwd_ws(q, kn, w, u, gamma, initial_state, scale, *, l2norm, cu_seqlens=None, output_final_state=True, cfg=None):
-    """(o [B, T, HV, V], final state [N, HV, K, V] fp32) from the intra kernel's outputs (kn: k, normalised when
-    l2norm); q is normalised in the kernel when l2norm. cfg: BV, STAGES, NB, NOUT, FTZ, OUT_REGS, LOAD_REGS
-    (DEFAULT_CFG)."""
+    """(o [B, T, HV, V], final state [N, HV, K, V] fp32, or an empty tensor without output_final_state) from the
+    intra kernel's outputs (kn: k, normalised when l2norm); q is normalised in the kernel when l2norm; cu_seqlens
+    int32 [N + 1] (B = 1). cfg (DEFAULT_CFG; chunk.gluon_config picks it): BV (V-block), STAGES (ring slots), NB
+    (state / v_new buffers), NOUT (output warpgroups), FTZ (exponentials by ex2.approx.ftz), L2NORM (with l2norm:
+    1 q normalised in its ring slot, the Triton kernels' bits; 2 q's row norms read by the output warpgroup and
+    q k^T, q S scaled by them; 3 the same norms taken by a loader warpgroup), OUT_REGS / LOAD_REGS (registers per
+    thread of the output / loader partitions)."""
     cfg = dict(DEFAULT_CFG, **(cfg or {}))
     B, T, H, K = q.shape
     HV, V = u.shape[2], u.shape[3]
@@ -352,18 +358,21 @@ def fwd_ws(q, kn, w, u, gamma, initial_state, scale, *, l2norm, cu_seqlens=None,
     q_desc = TensorDescriptor.from_tensor(q.view(B * T, H * K), [64, K], lk)
     u_desc = TensorDescriptor.from_tensor(u.view(B * T, HV * V), [64, bv], lv)
     o = launch.new_output((B, T, HV, V), u.dtype, u.device)
-    ht = launch.new_output((N, HV, K, V), torch.float32, u.device) if output_final_state else gamma
+    # (no final state: an empty tensor, as the Triton recurrence returns)
+    ht = launch.new_output((N, HV, K, V) if output_final_state else (0,), torch.float32, u.device)
     e = q.element_size()
     launch.launch(
         "gated_delta_rule_fwd_ws", gdn_fwd_ws_kernel, (V // bv, N * HV),
-        w_desc, k_desc, q_desc, u_desc, gamma, initial_state if initial_state is not None else ht, ht, o,
+        w_desc, k_desc, q_desc, u_desc, gamma, initial_state if initial_state is not None else gamma,
+        ht if output_final_state else gamma, o,
         cu_seqlens if cu_seqlens is not None else gamma, T, scale,
         # each V-block program reads its chunks' w, k and q whole
         nbytes=B * T * HV * ((V // bv) * 3 * K * e + 2 * V * e + 4)
         + N * HV * K * V * 4 * (int(output_final_state) + int(initial_state is not None)),
-        H=H, HV=HV, K=K, V=V, BV=bv, STAGES=cfg["STAGES"], NB=cfg["NB"], NOUT=cfg["NOUT"], L2NORM=cfg.get("L2NORM", 1) if l2norm else 0,
+        H=H, HV=HV, K=K, V=V, BV=bv, STAGES=cfg["STAGES"], NB=cfg["NB"], NOUT=cfg["NOUT"],
+        L2NORM=cfg["L2NORM"] if l2norm else 0,
         USE_H0=initial_state is not None, STORE_FINAL=bool(output_final_state), VARLEN=cu_seqlens is not None,
         FTZ=bool(cfg["FTZ"]), OUT_REGS=cfg["OUT_REGS"], LOAD_REGS=cfg["LOAD_REGS"], SKIP=bool(cfg.get("SKIP", 0)),
         num_warps=4,
     )
-    return o, (ht if output_final_state else None)
+    return o, ht

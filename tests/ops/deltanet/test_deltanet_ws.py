@@ -1,0 +1,188 @@
+"""The warp-specialized Gluon recurrence + output for Hopper (``triforge.ops.deltanet.fused_ws``), which the chunked
+forward takes on compiled sm90 launches that keep nothing for a backward (``chunk.gluon_config``).
+
+On the H100 (``gpu``): every config it can run in, against the float64 recurrent reference (awkward lengths, a short
+first chunk, packed sequences with empty and one-token sequences, initial states, grouped heads, fp16, without
+l2norm), outputs NaN-poisoned; which calls take it. Without a GPU: the kernel as ptxas builds it for sm90a (no spills,
+shared memory, wgmma kept asynchronous); the dispatch rule's refusals.
+"""
+
+import pytest
+import torch
+
+from triforge import _runtime
+from triforge.launch import poisoned
+from triforge.ops.deltanet import chunk, chunk_gated_delta_rule
+from triforge.ops.deltanet.reference import recurrent_ref
+
+from .test_deltanet import _check, _f64, _inputs
+
+# (the dispatch's two configs, and the variants the kernel keeps: q normalised in its ring slot, by the output
+# warpgroup, one output warpgroup)
+CFGS = {
+    "bv32-loader-norms": {"BV": 32, "STAGES": 3, "NB": 3, "NOUT": 2, "FTZ": 1, "L2NORM": 3, "OUT_REGS": 152,
+                          "LOAD_REGS": 80},
+    "bv64-slot-norms": {"BV": 64, "STAGES": 2, "NB": 3, "NOUT": 2, "FTZ": 1, "L2NORM": 1, "OUT_REGS": 168,
+                        "LOAD_REGS": 24},
+    "bv32-output-norms": {"BV": 32, "STAGES": 3, "NB": 3, "NOUT": 2, "FTZ": 0, "L2NORM": 2, "OUT_REGS": 168,
+                          "LOAD_REGS": 24},
+    "bv32-one-output-wg": {"BV": 32, "STAGES": 2, "NB": 2, "NOUT": 1, "FTZ": 1, "L2NORM": 1, "OUT_REGS": 168,
+                           "LOAD_REGS": 24},
+}
+
+
+def _ws(x, cfg, l2norm=True, cu_seqlens=None, output_final_state=True):
+    """The forward through the intra kernel and fused_ws.fwd_ws with ``cfg``."""
+    from triforge.ops.deltanet import fused_ws
+
+    varlen = chunk.prepare_varlen(cu_seqlens)
+    intra = chunk.chunk_fwd_intra(x["k"], x["v"], x["g"], x["beta"], l2norm=l2norm, varlen=varlen, store_kn=l2norm)
+    return fused_ws.fwd_ws(x["q"], intra.get("kn", x["k"]), intra["w"], intra["u"], intra["gamma"],
+                           x["initial_state"], x["q"].shape[-1] ** -0.5, l2norm=l2norm,
+                           cu_seqlens=None if varlen is None else varlen.cu_seqlens,
+                           output_final_state=output_final_state, cfg=cfg)
+
+
+def _sm90():
+    return torch.cuda.is_available() and not _runtime.INTERPRET and _runtime.arch() == "sm90"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", list(CFGS))
+@pytest.mark.parametrize("case", ["dense-tail", "short", "packed", "fp16-no-l2norm"])
+def test_gpu_ws_forward_matches_float64(case, cfg, gen):
+    if not _sm90():
+        pytest.skip("the Gluon kernel is built for sm90")
+    dtype, l2norm, cu = torch.bfloat16, True, None
+    if case == "dense-tail":  # T % 64 != 0, grouped heads, an initial state
+        x = _inputs(2, 300, 2, 4, 128, 128, dtype, gen)
+    elif case == "short":  # one chunk shorter than 64, no initial state
+        x = _inputs(3, 37, 1, 2, 128, 128, dtype, gen, h0=False)
+    elif case == "packed":  # an empty and a one-token sequence; chunks cross sequence ends
+        lengths = [200, 0, 1, 64, 135, 63]
+        x = _inputs(1, sum(lengths), 2, 4, 128, 128, dtype, gen, N=len(lengths))
+        cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
+    else:  # fp16, k unit-length and no in-kernel normalisation, V = 64
+        dtype, l2norm = torch.float16, False
+        x = _inputs(2, 130, 2, 2, 128, 64, dtype, gen)
+    x = {n: (t.cuda() if t is not None else None) for n, t in x.items()}
+    cu = cu.cuda() if cu is not None else None
+    o_ref, final_ref = recurrent_ref(**_f64(x), output_final_state=True, use_qk_l2norm_in_kernel=l2norm,
+                                     cu_seqlens=cu)
+    with poisoned():
+        o, final = _ws(x, CFGS[cfg], l2norm=l2norm, cu_seqlens=cu)
+    _check("o", o_ref, o, dtype)
+    _check("final_state", final_ref, final, dtype)
+
+
+@pytest.mark.gpu
+def test_gpu_ws_without_final_state_returns_empty(gen):
+    if not _sm90():
+        pytest.skip("the Gluon kernel is built for sm90")
+    x = {n: t.cuda() for n, t in _inputs(1, 100, 2, 2, 128, 128, torch.bfloat16, gen).items()}
+    o_ref, _ = recurrent_ref(**_f64(x), output_final_state=False, use_qk_l2norm_in_kernel=True)
+    with poisoned():
+        o, final = _ws(x, CFGS["bv32-loader-norms"], output_final_state=False)
+    assert final.numel() == 0
+    _check("o", o_ref, o, torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_gpu_dispatch_takes_ws_only_without_a_backward(monkeypatch, gen):
+    """chunk_gated_delta_rule takes the Gluon kernel for a forward nothing will differentiate (both of the rule's
+    configs), not for one that keeps residuals for the backward, and never with TRIFORGE_DELTANET_GLUON=0."""
+    if not _sm90():
+        pytest.skip("the Gluon kernel is built for sm90")
+    from triforge.ops.deltanet import fused_ws
+
+    calls = []
+    real = fused_ws.fwd_ws
+
+    def spy(*a, **kw):
+        calls.append(kw["cfg"]["BV"])
+        return real(*a, **kw)
+
+    monkeypatch.setattr(fused_ws, "fwd_ws", spy)
+    for HV in (2, 8):  # 2 x 2 x 4 = 16 programs at BV 32 (one wave); 16 x 8 x 4 = 512 at BV 32: BV 64
+        B = 2 if HV == 2 else 16
+        x = {n: t.cuda() for n, t in _inputs(B, 70, 2, HV, 128, 128, torch.bfloat16, gen).items()}
+        o_ref, f_ref = recurrent_ref(**_f64(x), output_final_state=True, use_qk_l2norm_in_kernel=True)
+        with poisoned():
+            o, final = chunk_gated_delta_rule(**x, output_final_state=True, use_qk_l2norm_in_kernel=True)
+        _check("o", o_ref, o, torch.bfloat16)
+        _check("final_state", f_ref, final, torch.bfloat16)
+    assert calls == [32, 64]
+    x = {n: t.cuda() for n, t in _inputs(1, 70, 2, 2, 128, 128, torch.bfloat16, gen).items()}
+    x["q"].requires_grad_(True)
+    chunk_gated_delta_rule(**x, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    assert len(calls) == 2  # a differentiable forward keeps the Triton kernels (h, v_new for the backward)
+    monkeypatch.setenv(chunk.GLUON_ENV, "0")
+    with torch.no_grad():
+        chunk_gated_delta_rule(**x, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    assert len(calls) == 2
+
+
+def test_gluon_config_refuses_where_it_cannot_run(monkeypatch):
+    q = torch.zeros(1, 64, 2, 128, dtype=torch.bfloat16, device=_runtime.default_device())
+    if not _sm90():  # the interpreter or another GPU: never
+        assert chunk.gluon_config(q, 128, 128, 4) is None
+    else:
+        assert chunk.gluon_config(q, 128, 128, 4)["BV"] == 32
+        assert chunk.gluon_config(q, 64, 128, 4) is None  # K = 128 only
+        assert chunk.gluon_config(q, 128, 96, 4) is None  # V a multiple of 64
+        assert chunk.gluon_config(q.float(), 128, 128, 4) is None  # 16-bit inputs
+    monkeypatch.setenv(chunk.GLUON_ENV, "yes")
+    with pytest.raises(ValueError, match=chunk.GLUON_ENV):
+        chunk.gluon_config(q, 128, 128, 4)
+
+
+_SM90_WS = r"""
+import json, os, re, subprocess, sys, tempfile
+os.environ["TRITON_INTERPRET"] = "0"
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon._runtime import GluonASTSource
+from triforge.ops.deltanet import fused_ws as W
+
+BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+rows = []
+for case in json.loads(sys.argv[1]):
+    cfg, dt = case["cfg"], case["dtype"]
+    bv = cfg["BV"]
+    g = gl.bfloat16 if dt == "bf16" else gl.float16
+    lk, lv = gl.NVMMASharedLayout.get_default_for([64, 128], g), gl.NVMMASharedLayout.get_default_for([64, bv], g)
+    fn = W.gdn_fwd_ws_kernel
+    consts = dict(H=2, HV=4, K=128, V=128, BV=bv, STAGES=cfg["STAGES"], NB=cfg["NB"], NOUT=cfg["NOUT"],
+                  L2NORM=cfg["L2NORM"], USE_H0=case["h0"], STORE_FINAL=True, VARLEN=case["varlen"],
+                  FTZ=bool(cfg["FTZ"]), OUT_REGS=cfg["OUT_REGS"], LOAD_REGS=cfg["LOAD_REGS"])
+    types = {n: f"tensordesc<{dt}[64, 128],{lk!r}>" for n in ("w_desc", "k_desc", "q_desc")}
+    types.update(u_desc=f"tensordesc<{dt}[64, {bv}],{lv!r}>", gamma_ptr="*fp32", h0_ptr="*fp32", ht_ptr="*fp32",
+                 o_ptr=f"*{dt}", cu_ptr="*i32", scale="fp32")
+    sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in ("gamma_ptr", "h0_ptr", "ht_ptr", "o_ptr")}
+    k = triton.compile(GluonASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": 4})
+    with tempfile.TemporaryDirectory() as d:
+        open(os.path.join(d, "k.ptx"), "w").write(k.asm["ptx"])
+        v = subprocess.run([os.path.join(BIN, "ptxas"), "-v", "-arch=sm_90a", os.path.join(d, "k.ptx"), "-o",
+                            os.path.join(d, "o.cubin")], capture_output=True, text=True).stderr
+    rows.append(dict(case, shared=k.metadata.shared, serialized="C7515" in v,
+                     spills=int(re.search(r"(\d+) bytes spill stores", v).group(1)),
+                     wgmma=k.asm["ptx"].count("wgmma.mma_async")))
+print("RESULT" + json.dumps(rows))
+"""
+
+
+def test_ws_kernel_compiles_for_sm90():
+    """The dispatch's two configs as ptxas builds them for sm90a (no GPU here): no spills, within the 227 KB of
+    shared memory, the wgmma kept asynchronous (C7515 not raised), dense and packed, with and without h0."""
+    from tests.ops.attention.test_flash_attn import _sm90_compile
+
+    cases = [dict(cfg=CFGS[c], dtype=dt, varlen=vl, h0=h0)
+             for c, dt, vl, h0 in (("bv32-loader-norms", "bf16", False, False), ("bv32-loader-norms", "fp16", True, True),
+                                   ("bv64-slot-norms", "bf16", False, True), ("bv64-slot-norms", "bf16", True, False))]
+    for r in _sm90_compile(cases, _SM90_WS):
+        assert r["spills"] == 0 and r["shared"] <= 227 * 1024 and not r["serialized"], r
+        assert r["wgmma"] > 0, r
+
