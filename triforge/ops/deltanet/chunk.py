@@ -580,9 +580,9 @@ def gluon_config(q, K, V, nh, initial_state=None, l2norm=True):
     if initial_state is not None and (initial_state.dtype != torch.float32 or not initial_state.is_contiguous()):
         return None
     if nh * (V // 32) <= _runtime.num_sms():
-        return {"BV": 32, "STAGES": 3, "NB": 3, "NOUT": 2, "FTZ": 1, "L2NORM": 3 if l2norm else 0, "OUT_REGS": 152,
+        return {"BV": 32, "STAGES": 3, "NB": 3, "FTZ": 1, "L2NORM": 3 if l2norm else 0, "OUT_REGS": 152,
                 "LOAD_REGS": 80 if l2norm else 24}
-    return {"BV": 64, "STAGES": 2, "NB": 3, "NOUT": 2, "FTZ": 1, "L2NORM": 1 if l2norm else 0, "OUT_REGS": 168,
+    return {"BV": 64, "STAGES": 2, "NB": 3, "FTZ": 1, "L2NORM": 1 if l2norm else 0, "OUT_REGS": 168,
             "LOAD_REGS": 24}
 
 

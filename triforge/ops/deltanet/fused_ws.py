@@ -14,7 +14,7 @@ per (V-block of BV columns, sequence x value head); four partitions:
 - the state warpgroup (the serial chain): v_new = u - w S_c (wgmma, S_c's 16-bit copy in shared memory), v_new into
   buffer c % NB for the output, then S_{c+1} = e^(g_last) S_c + k^T (e^(g_last - g) v_new) (wgmma into the fp32
   state in registers) and S_{c+1}'s 16-bit copy into buffer (c + 1) % NB (``full``: S_c and v_new_c are there);
-- NOUT output warpgroups, chunk c on warpgroup c % NOUT, off the state's chain: q l2-normalised (L2NORM 1: in its
+- two output warpgroups, chunk c on warpgroup c % 2 (one measured 7-10% slower, session 40), off the state's chain: q l2-normalised (L2NORM 1: in its
   ring slot; 2, 3: q S_c and q k^T scaled by q's inverse row norms instead, not rounding the normalised q), q S_c
   and q k^T (wgmma), P = (q k^T) * e^(g_i - g_j) (j <= i), o = scale (e^g q S_c + P v_new_c) (wgmma with P in
   registers), stored by row; the buffer is released on ``sfree``.
@@ -77,34 +77,32 @@ def _issue(w_desc, k_desc, q_desc, u_desc, w_s, k_s, q_s, u_s, ready, empty, c, 
 
 
 @gluon.jit
-def _loader(w_desc, k_desc, q_desc, u_desc, w_s, k_s, q_s, u_s, ready, empty, bos, NT, col_w, col_k, col_v,
-            STAGES: gl.constexpr):
-    for c in range(NT):
-        _issue(w_desc, k_desc, q_desc, u_desc, w_s, k_s, q_s, u_s, ready, empty, c, bos, col_w, col_k, col_v, STAGES)
-
-
-@gluon.jit
-def _loader_norms(w_desc, k_desc, q_desc, u_desc, w_s, k_s, q_s, u_s, rn_s, ready, empty, rn_ready, bos, NT, col_w,
-                  col_k, col_v, K: gl.constexpr, STAGES: gl.constexpr):
-    """The loader as a warpgroup that also takes q's inverse row norms (into rn_s, ``rn_ready``) one chunk behind
-    its TMA issue, off the output warpgroups' chain (L2NORM 3)."""
-    blk_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-    r_l: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-    for c in range(NT + 1):
-        if c < NT:
+def _loader(w_desc, k_desc, q_desc, u_desc, w_s, k_s, q_s, u_s, rn_s, ready, empty, rn_ready, bos, NT, col_w, col_k,
+            col_v, K: gl.constexpr, STAGES: gl.constexpr, NORMS: gl.constexpr):
+    """The TMA issue of every chunk; with NORMS (L2NORM 3: a warpgroup) also q's inverse row norms (into rn_s,
+    ``rn_ready``) one chunk behind the issue, off the output warpgroups' chain."""
+    if NORMS:
+        blk_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        r_l: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+        for c in range(NT + 1):
+            if c < NT:
+                _issue(w_desc, k_desc, q_desc, u_desc, w_s, k_s, q_s, u_s, ready, empty, c, bos, col_w, col_k, col_v,
+                       STAGES)
+            if c > 0:
+                p = c - 1
+                s = p % STAGES
+                mbarrier.wait(ready.index(s), (p // STAGES) & 1)
+                q_op = q_s.index(s)
+                qa = q_op.slice(0, K // 2, dim=1).load(blk_l).to(gl.float32)
+                qb = q_op.slice(K // 2, K // 2, dim=1).load(blk_l).to(gl.float32)
+                rn = gl.rsqrt(gl.sum(qa * qa, 1) + gl.sum(qb * qb, 1) + 1e-6)
+                rn_s.index(s).store(gl.convert_layout(rn, r_l))
+                gl.thread_barrier()
+                mbarrier.arrive(rn_ready.index(s))
+    else:
+        for c in range(NT):
             _issue(w_desc, k_desc, q_desc, u_desc, w_s, k_s, q_s, u_s, ready, empty, c, bos, col_w, col_k, col_v,
                    STAGES)
-        if c > 0:
-            p = c - 1
-            s = p % STAGES
-            mbarrier.wait(ready.index(s), (p // STAGES) & 1)
-            q_op = q_s.index(s)
-            qa = q_op.slice(0, K // 2, dim=1).load(blk_l).to(gl.float32)
-            qb = q_op.slice(K // 2, K // 2, dim=1).load(blk_l).to(gl.float32)
-            rn = gl.rsqrt(gl.sum(qa * qa, 1) + gl.sum(qb * qb, 1) + 1e-6)
-            rn_s.index(s).store(gl.convert_layout(rn, r_l))
-            gl.thread_barrier()
-            mbarrier.arrive(rn_ready.index(s))
 
 
 @gluon.jit
@@ -243,10 +241,10 @@ def _output(q_s, k_s, S_s, vn_s, rn_s, ready, empty, full, sfree, rn_ready, g_ba
 @gluon.jit
 def gdn_fwd_ws_kernel(w_desc, k_desc, q_desc, u_desc, gamma_ptr, h0_ptr, ht_ptr, o_ptr, cu_ptr, T, scale,
                       H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr,
-                      STAGES: gl.constexpr, NB: gl.constexpr, NOUT: gl.constexpr, L2NORM: gl.constexpr,
+                      STAGES: gl.constexpr, NB: gl.constexpr, L2NORM: gl.constexpr,
                       USE_H0: gl.constexpr, STORE_FINAL: gl.constexpr, VARLEN: gl.constexpr, FTZ: gl.constexpr,
-                      OUT_REGS: gl.constexpr, LOAD_REGS: gl.constexpr, SKIP: gl.constexpr = False):
-    gl.static_assert(NOUT == 1 or NOUT == 2, "one or two output warpgroups")
+                      OUT_REGS: gl.constexpr, LOAD_REGS: gl.constexpr, LOAD_WARPS: gl.constexpr,
+                      SKIP: gl.constexpr = False):
     gl.static_assert(NB >= 2, "at least two state / v_new buffers")
     i_v = gl.program_id(0)
     i_nh = gl.program_id(1)
@@ -283,49 +281,17 @@ def gdn_fwd_ws_kernel(w_desc, k_desc, q_desc, u_desc, gamma_ptr, h0_ptr, ht_ptr,
         mbarrier.init(full.index(s), count=1)
         mbarrier.init(sfree.index(s), count=1)
 
-    # (the partitions' arguments written out in each call: constexprs passed through a tuple variable lose it)
-    if L2NORM == 3:  # the loader is a warpgroup that also takes q's row norms
-        if NOUT == 1:
-            gl.warp_specialize([
-                (_state, (w_s, k_s, u_s, S_s, vn_s, vs_s, ready, empty, full, sfree, g_base, h0_ptr, ht_ptr, o_state, L,
-                          NT, i_v * BV, HV, K, V, BV, STAGES, NB, USE_H0, STORE_FINAL, FTZ)),
-                (_output, (q_s, k_s, S_s, vn_s, rn_s, ready, empty, full, sfree, rn_ready, g_base, o_ptr, bos, L, NT, col_v, scale, 0,
-                           NOUT, HV, K, V, BV, STAGES, NB, L2NORM, FTZ, SKIP)),
-                (_loader_norms, (w_desc, k_desc, q_desc, u_desc, w_s, k_s, q_s, u_s, rn_s, ready, empty, rn_ready, bos,
-                                 NT, i_hv * K, i_h * K, col_v, K, STAGES)),
-            ], [4, 4], [OUT_REGS, LOAD_REGS])
-        else:
-            gl.warp_specialize([
-                (_state, (w_s, k_s, u_s, S_s, vn_s, vs_s, ready, empty, full, sfree, g_base, h0_ptr, ht_ptr, o_state, L,
-                          NT, i_v * BV, HV, K, V, BV, STAGES, NB, USE_H0, STORE_FINAL, FTZ)),
-                (_output, (q_s, k_s, S_s, vn_s, rn_s, ready, empty, full, sfree, rn_ready, g_base, o_ptr, bos, L, NT, col_v, scale, 0,
-                           NOUT, HV, K, V, BV, STAGES, NB, L2NORM, FTZ, SKIP)),
-                (_output, (q_s, k_s, S_s, vn_s, rn_s, ready, empty, full, sfree, rn_ready, g_base, o_ptr, bos, L, NT, col_v, scale, 1,
-                           NOUT, HV, K, V, BV, STAGES, NB, L2NORM, FTZ, SKIP)),
-                (_loader_norms, (w_desc, k_desc, q_desc, u_desc, w_s, k_s, q_s, u_s, rn_s, ready, empty, rn_ready, bos,
-                                 NT, i_hv * K, i_h * K, col_v, K, STAGES)),
-            ], [4, 4, 4], [OUT_REGS, OUT_REGS, LOAD_REGS])
-    else:
-        if NOUT == 1:
-            gl.warp_specialize([
-                (_state, (w_s, k_s, u_s, S_s, vn_s, vs_s, ready, empty, full, sfree, g_base, h0_ptr, ht_ptr, o_state, L,
-                          NT, i_v * BV, HV, K, V, BV, STAGES, NB, USE_H0, STORE_FINAL, FTZ)),
-                (_output, (q_s, k_s, S_s, vn_s, rn_s, ready, empty, full, sfree, rn_ready, g_base, o_ptr, bos, L, NT, col_v, scale, 0,
-                           NOUT, HV, K, V, BV, STAGES, NB, L2NORM, FTZ, SKIP)),
-                (_loader, (w_desc, k_desc, q_desc, u_desc, w_s, k_s, q_s, u_s, ready, empty, bos, NT, i_hv * K, i_h * K,
-                           col_v, STAGES)),
-            ], [4, 1], [OUT_REGS, LOAD_REGS])
-        else:
-            gl.warp_specialize([
-                (_state, (w_s, k_s, u_s, S_s, vn_s, vs_s, ready, empty, full, sfree, g_base, h0_ptr, ht_ptr, o_state, L,
-                          NT, i_v * BV, HV, K, V, BV, STAGES, NB, USE_H0, STORE_FINAL, FTZ)),
-                (_output, (q_s, k_s, S_s, vn_s, rn_s, ready, empty, full, sfree, rn_ready, g_base, o_ptr, bos, L, NT, col_v, scale, 0,
-                           NOUT, HV, K, V, BV, STAGES, NB, L2NORM, FTZ, SKIP)),
-                (_output, (q_s, k_s, S_s, vn_s, rn_s, ready, empty, full, sfree, rn_ready, g_base, o_ptr, bos, L, NT, col_v, scale, 1,
-                           NOUT, HV, K, V, BV, STAGES, NB, L2NORM, FTZ, SKIP)),
-                (_loader, (w_desc, k_desc, q_desc, u_desc, w_s, k_s, q_s, u_s, ready, empty, bos, NT, i_hv * K, i_h * K,
-                           col_v, STAGES)),
-            ], [4, 4, 1], [OUT_REGS, OUT_REGS, LOAD_REGS])
+    # (the partitions' arguments written out in the call: constexprs passed through a tuple variable lose it)
+    gl.warp_specialize([
+        (_state, (w_s, k_s, u_s, S_s, vn_s, vs_s, ready, empty, full, sfree, g_base, h0_ptr, ht_ptr, o_state, L, NT,
+                  i_v * BV, HV, K, V, BV, STAGES, NB, USE_H0, STORE_FINAL, FTZ)),
+        (_output, (q_s, k_s, S_s, vn_s, rn_s, ready, empty, full, sfree, rn_ready, g_base, o_ptr, bos, L, NT, col_v,
+                   scale, 0, 2, HV, K, V, BV, STAGES, NB, L2NORM, FTZ, SKIP)),
+        (_output, (q_s, k_s, S_s, vn_s, rn_s, ready, empty, full, sfree, rn_ready, g_base, o_ptr, bos, L, NT, col_v,
+                   scale, 1, 2, HV, K, V, BV, STAGES, NB, L2NORM, FTZ, SKIP)),
+        (_loader, (w_desc, k_desc, q_desc, u_desc, w_s, k_s, q_s, u_s, rn_s, ready, empty, rn_ready, bos, NT, i_hv * K,
+                   i_h * K, col_v, K, STAGES, L2NORM == 3)),
+    ], [4, 4, LOAD_WARPS], [OUT_REGS, OUT_REGS, LOAD_REGS])
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(s))
         mbarrier.invalidate(empty.index(s))
@@ -334,14 +300,14 @@ def gdn_fwd_ws_kernel(w_desc, k_desc, q_desc, u_desc, gamma_ptr, h0_ptr, ht_ptr,
         mbarrier.invalidate(sfree.index(s))
 
 
-DEFAULT_CFG = {"BV": 32, "STAGES": 3, "NB": 3, "NOUT": 2, "FTZ": 1, "L2NORM": 1, "OUT_REGS": 168, "LOAD_REGS": 24}
+DEFAULT_CFG = {"BV": 32, "STAGES": 3, "NB": 3, "FTZ": 1, "L2NORM": 1, "OUT_REGS": 168, "LOAD_REGS": 24}
 
 
 def fwd_ws(q, kn, w, u, gamma, initial_state, scale, *, l2norm, cu_seqlens=None, output_final_state=True, cfg=None):
     """(o [B, T, HV, V], final state [N, HV, K, V] fp32, or an empty tensor without output_final_state) from the
     intra kernel's outputs (kn: k, normalised when l2norm); q is normalised in the kernel when l2norm; cu_seqlens
     int32 [N + 1] (B = 1). cfg (DEFAULT_CFG; chunk.gluon_config picks it): BV (V-block), STAGES (ring slots), NB
-    (state / v_new buffers), NOUT (output warpgroups), FTZ (exponentials by ex2.approx.ftz), L2NORM (with l2norm:
+    (state / v_new buffers), FTZ (exponentials by ex2.approx.ftz), L2NORM (with l2norm:
     1 q normalised in its ring slot, the Triton kernels' bits; 2 q's row norms read by the output warpgroup and
     q k^T, q S scaled by them; 3 the same norms taken by a loader warpgroup), OUT_REGS / LOAD_REGS (registers per
     thread of the output / loader partitions)."""
@@ -361,6 +327,7 @@ def fwd_ws(q, kn, w, u, gamma, initial_state, scale, *, l2norm, cu_seqlens=None,
     # (no final state: an empty tensor, as the Triton recurrence returns)
     ht = launch.new_output((N, HV, K, V) if output_final_state else (0,), torch.float32, u.device)
     e = q.element_size()
+    l2n = cfg["L2NORM"] if l2norm else 0
     launch.launch(
         "gated_delta_rule_fwd_ws", gdn_fwd_ws_kernel, (V // bv, N * HV),
         w_desc, k_desc, q_desc, u_desc, gamma, initial_state if initial_state is not None else gamma,
@@ -369,10 +336,10 @@ def fwd_ws(q, kn, w, u, gamma, initial_state, scale, *, l2norm, cu_seqlens=None,
         # each V-block program reads its chunks' w, k and q whole
         nbytes=B * T * HV * ((V // bv) * 3 * K * e + 2 * V * e + 4)
         + N * HV * K * V * 4 * (int(output_final_state) + int(initial_state is not None)),
-        H=H, HV=HV, K=K, V=V, BV=bv, STAGES=cfg["STAGES"], NB=cfg["NB"], NOUT=cfg["NOUT"],
-        L2NORM=cfg["L2NORM"] if l2norm else 0,
+        H=H, HV=HV, K=K, V=V, BV=bv, STAGES=cfg["STAGES"], NB=cfg["NB"], L2NORM=l2n,
         USE_H0=initial_state is not None, STORE_FINAL=bool(output_final_state), VARLEN=cu_seqlens is not None,
-        FTZ=bool(cfg["FTZ"]), OUT_REGS=cfg["OUT_REGS"], LOAD_REGS=cfg["LOAD_REGS"], SKIP=bool(cfg.get("SKIP", 0)),
+        FTZ=bool(cfg["FTZ"]), OUT_REGS=cfg["OUT_REGS"], LOAD_REGS=cfg["LOAD_REGS"], LOAD_WARPS=4 if l2n == 3 else 1,
+        SKIP=bool(cfg.get("SKIP", 0)),
         num_warps=4,
     )
     return o, ht
