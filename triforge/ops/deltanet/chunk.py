@@ -577,6 +577,8 @@ def gluon_config(q, K, V, nh, initial_state=None, l2norm=True):
         return None
     if q.dtype not in (torch.float16, torch.bfloat16) or K != 128 or V % 64 != 0:
         return None
+    if not q.is_contiguous() or q.data_ptr() % 16:  # q is read by TMA (w, u and kn are the intra kernel's)
+        return None
     if initial_state is not None and (initial_state.dtype != torch.float32 or not initial_state.is_contiguous()):
         return None
     if nh * (V // 32) <= _runtime.num_sms():
