@@ -15,8 +15,7 @@ import torch
 from triforge.ops.deltanet import chunk, fused_ws
 from triforge.ops.deltanet.reference import recurrent_ref
 
-CFGS = ({"BV": 32, "STAGES": 3, "NB": 3, "NOUT": 2, "FTZ": 1, "L2NORM": 3, "OUT_REGS": 152, "LOAD_REGS": 80},
-        {"BV": 64, "STAGES": 2, "NB": 3, "NOUT": 2, "FTZ": 1, "L2NORM": 1, "OUT_REGS": 168, "LOAD_REGS": 24})
+CFGS = tuple(chunk.GLUON_CFGS.values())
 
 
 def rel(a, b):

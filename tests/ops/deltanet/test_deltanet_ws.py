@@ -19,10 +19,8 @@ from .test_deltanet import _check, _f64, _inputs
 
 # (the dispatch's two configs, and the variant with q's row norms taken by the output warpgroups)
 CFGS = {
-    "bv32-loader-norms": {"BV": 32, "STAGES": 3, "NB": 3, "FTZ": 1, "L2NORM": 3, "OUT_REGS": 152,
-                          "LOAD_REGS": 80},
-    "bv64-slot-norms": {"BV": 64, "STAGES": 2, "NB": 3, "FTZ": 1, "L2NORM": 1, "OUT_REGS": 168,
-                        "LOAD_REGS": 24},
+    "bv32-loader-norms": chunk.GLUON_CFGS["bv32"],
+    "bv64-slot-norms": chunk.GLUON_CFGS["bv64"],
     "bv32-output-norms": {"BV": 32, "STAGES": 3, "NB": 3, "FTZ": 0, "L2NORM": 2, "OUT_REGS": 168,
                           "LOAD_REGS": 24},
 }

@@ -561,6 +561,11 @@ def use_fused(K, V, nh):
 
 
 GLUON_ENV = "TRIFORGE_DELTANET_GLUON"
+# fused_ws.fwd_ws's two configs (gluon_config's choice; benchmarks/NOTES.md, session 40)
+GLUON_CFGS = {
+    "bv32": {"BV": 32, "STAGES": 3, "NB": 3, "FTZ": 1, "L2NORM": 3, "OUT_REGS": 152, "LOAD_REGS": 80},
+    "bv64": {"BV": 64, "STAGES": 2, "NB": 3, "FTZ": 1, "L2NORM": 1, "OUT_REGS": 168, "LOAD_REGS": 24},
+}
 
 
 def gluon_config(q, K, V, nh, initial_state=None, l2norm=True):
@@ -581,11 +586,10 @@ def gluon_config(q, K, V, nh, initial_state=None, l2norm=True):
         return None
     if initial_state is not None and (initial_state.dtype != torch.float32 or not initial_state.is_contiguous()):
         return None
-    if nh * (V // 32) <= _runtime.num_sms():
-        return {"BV": 32, "STAGES": 3, "NB": 3, "FTZ": 1, "L2NORM": 3 if l2norm else 0, "OUT_REGS": 152,
-                "LOAD_REGS": 80 if l2norm else 24}
-    return {"BV": 64, "STAGES": 2, "NB": 3, "FTZ": 1, "L2NORM": 1 if l2norm else 0, "OUT_REGS": 168,
-            "LOAD_REGS": 24}
+    cfg = dict(GLUON_CFGS["bv32" if nh * (V // 32) <= _runtime.num_sms() else "bv64"])
+    if not l2norm:  # no q norms: the plain loader warp
+        cfg.update(L2NORM=0, LOAD_REGS=24)
+    return cfg
 
 
 def _flags(dtype):
@@ -799,14 +803,6 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state=None, *, output_final_state
     HV, V = v.shape[2], v.shape[3]
     N = B if varlen is None else varlen.n_seqs
     ws = gluon_config(q, K, V, N * HV, initial_state, l2norm) if not (save or stages or fuse_o is False) else None
-    if ws is not None:  # Hopper: the warp-specialized Gluon recurrence + output (imported only here: no interpreter)
-        from triforge.ops.deltanet.fused_ws import fwd_ws
-
-        intra = chunk_fwd_intra(k, v, g, beta, l2norm=l2norm, varlen=varlen, store_kn=l2norm)
-        o, final = fwd_ws(q, intra.get("kn", k), intra["w"], intra["u"], intra["gamma"], initial_state, scale,
-                          l2norm=l2norm, cu_seqlens=None if varlen is None else varlen.cu_seqlens,
-                          output_final_state=output_final_state, cfg=ws)
-        return o, final
     if fuse_o is None:
         # saving: the unfused pair (the fused recurrence storing h and v_new took 1.48 ms at (8, 4096, 16, 32)
         # against 0.97 without the stores; the unfused state kernel, which stores them anyway, 0.55)
@@ -817,6 +813,12 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state=None, *, output_final_state
     intra = chunk_fwd_intra(k, v, g, beta, l2norm=l2norm, varlen=varlen, stages=stages, store_t=save,
                             store_kn=l2norm)
     w, u, gamma = intra["w"], intra["u"], intra["gamma"]
+    if ws is not None:  # Hopper: the warp-specialized Gluon recurrence + output (imported only here: no interpreter)
+        from triforge.ops.deltanet.fused_ws import fwd_ws
+
+        return fwd_ws(q, intra.get("kn", k), w, u, gamma, initial_state, scale, l2norm=l2norm,
+                      cu_seqlens=None if varlen is None else varlen.cu_seqlens, output_final_state=output_final_state,
+                      cfg=ws)
     kk = intra.get("kn", k)
     # the training forward keeps the normalised q (stored by the output kernel) for the backward
     # (the fused kernel does not store it: after a fused saving forward the backward's kernel 0 normalises q)

@@ -34,8 +34,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from triforge import launch
+from triforge.ops.deltanet.chunk import BT as _BT
+from triforge.ops.deltanet.chunk import L2NORM_EPS
 
-BT = gl.constexpr(64)  # the chunk (the intra kernel's)
+BT = gl.constexpr(_BT)  # the chunk (the intra kernel's)
 LOG2E = gl.constexpr(1.4426950408889634)
 
 
@@ -57,6 +59,14 @@ def _span(cu_ptr, i_n, T, VARLEN: gl.constexpr):
         return bos, gl.load(cu_ptr + i_n + 1) - bos
     else:
         return i_n * T, T
+
+
+@gluon.jit
+def _inv_row_norms(q_op, K: gl.constexpr, layout: gl.constexpr):
+    """1 / ||q_i|| of a [BT, K] shared tile (read in two halves: fewer live registers)."""
+    qa = q_op.slice(0, K // 2, dim=1).load(layout).to(gl.float32)
+    qb = q_op.slice(K // 2, K // 2, dim=1).load(layout).to(gl.float32)
+    return gl.rsqrt(gl.sum(qa * qa, 1) + gl.sum(qb * qb, 1) + L2NORM_EPS)
 
 
 @gluon.jit
@@ -92,10 +102,7 @@ def _loader(w_desc, k_desc, q_desc, u_desc, w_s, k_s, q_s, u_s, rn_s, ready, emp
                 p = c - 1
                 s = p % STAGES
                 mbarrier.wait(ready.index(s), (p // STAGES) & 1)
-                q_op = q_s.index(s)
-                qa = q_op.slice(0, K // 2, dim=1).load(blk_l).to(gl.float32)
-                qb = q_op.slice(K // 2, K // 2, dim=1).load(blk_l).to(gl.float32)
-                rn = gl.rsqrt(gl.sum(qa * qa, 1) + gl.sum(qb * qb, 1) + 1e-6)
+                rn = _inv_row_norms(q_s.index(s), K, blk_l)
                 rn_s.index(s).store(gl.convert_layout(rn, r_l))
                 gl.thread_barrier()
                 mbarrier.arrive(rn_ready.index(s))
@@ -201,16 +208,14 @@ def _output(q_s, k_s, S_s, vn_s, rn_s, ready, empty, full, sfree, rn_ready, g_ba
             q_op = q_s.index(slot)
             if L2NORM == 1:  # q normalised in its ring slot (only this warpgroup reads it)
                 qx = q_op.load(blk_l).to(gl.float32)
-                qx = qx * gl.rsqrt(gl.sum(qx * qx, 1) + 1e-6)[:, None]
+                qx = qx * gl.rsqrt(gl.sum(qx * qx, 1) + L2NORM_EPS)[:, None]
                 q_op.store(qx.to(dtype))
                 fence_async_shared()
                 gl.thread_barrier()
             qk = warpgroup_mma(q_op, k_s.index(slot).permute((1, 0)), gl.zeros([BT, BT], gl.float32, qk_l),
                                use_acc=False, is_async=True)
             if L2NORM == 2:  # q's inverse row norms, read while q k^T runs; q k^T and q S scaled by them afterwards
-                qa = q_op.slice(0, K // 2, dim=1).load(blk_l).to(gl.float32)  # (in halves: fewer live registers)
-                qb = q_op.slice(K // 2, K // 2, dim=1).load(blk_l).to(gl.float32)
-                rn = gl.rsqrt(gl.sum(qa * qa, 1) + gl.sum(qb * qb, 1) + 1e-6)
+                rn = _inv_row_norms(q_op, K, blk_l)
             if L2NORM == 3:  # the loader warpgroup's
                 mbarrier.wait(rn_ready.index(slot), (c // STAGES) & 1)
                 rn_v = rn_s.index(slot)
