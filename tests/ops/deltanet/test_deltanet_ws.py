@@ -126,6 +126,11 @@ def test_gluon_config_refuses_where_it_cannot_run(monkeypatch):
         assert chunk.gluon_config(q, 64, 128, 4) is None  # K = 128 only
         assert chunk.gluon_config(q, 128, 96, 4) is None  # V a multiple of 64
         assert chunk.gluon_config(q.float(), 128, 128, 4) is None  # 16-bit inputs
+        # q is read through a TMA descriptor: contiguous and 16-byte aligned, else the Triton kernels
+        assert chunk.gluon_config(q.transpose(1, 2).contiguous().transpose(1, 2), 128, 128, 4) is None
+        shifted = torch.empty(q.numel() + 8, dtype=q.dtype, device=q.device)[1:1 + q.numel()].view(q.shape)
+        assert shifted.is_contiguous() and shifted.data_ptr() % 16
+        assert chunk.gluon_config(shifted, 128, 128, 4) is None
     monkeypatch.setenv(chunk.GLUON_ENV, "yes")
     with pytest.raises(ValueError, match=chunk.GLUON_ENV):
         chunk.gluon_config(q, 128, 128, 4)
