@@ -1,0 +1,111 @@
+"""Probe: the Gluon dqkw kernel (triforge/ops/deltanet/bwd_ws.py) against the Triton one (chunk_bwd.chunk_bwd_dqkw)
+on the same inputs: agreement at awkward and bench shapes, then kernel times (CUDA events, median) per config.
+    python benchmarks/gdn_dqkw_ws_probe.py [--cfgs JSON-list] [--json OUT.json]"""
+import argparse
+import json
+
+import torch
+import torch.nn.functional as F
+
+from triforge.ops.deltanet import bwd_ws, chunk_bwd
+
+SHAPES = [(1, 32768, 16, 32), (8, 4096, 16, 32), (4, 8192, 16, 16), (1, 8192, 32, 32)]
+SMALL = [(1, 64, 1, 1), (2, 300, 2, 4), (1, 37, 1, 2), (3, 200, 2, 2), (2, 1000, 4, 8), (1, 129, 2, 4)]
+
+
+def inputs(B, T, H, HV, K=128, V=128, dtype=torch.bfloat16, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    r = lambda *s: torch.randn(*s, device="cuda", generator=g)
+    NT = (T + 63) // 64
+    qn = F.normalize(r(B, T, H, K), dim=-1).to(dtype)
+    kn = F.normalize(r(B, T, H, K), dim=-1).to(dtype)
+    glog = F.logsigmoid(r(B, T, HV) + 2.0)
+    pad = NT * 64 - T
+    gp = F.pad(glog, (0, 0, 0, pad)).view(B, NT, 64, HV).cumsum(2).view(B, NT * 64, HV)[:, :T].contiguous()
+    return dict(qn=qn, kn=kn, v_new=r(B, T, HV, V).to(dtype), h=(0.3 * r(B, NT, HV, K, V)).to(dtype),
+                dh=(0.3 * r(B, NT, HV, K, V)).to(dtype), do=r(B, T, HV, V).to(dtype),
+                dv_new=r(B, T, HV, V).to(dtype), gamma=gp.float())
+
+
+def run_triton(x, scale):
+    return chunk_bwd.chunk_bwd_dqkw(x["qn"], x["kn"], x["v_new"], x["h"], x["dh"], x["do"], x["dv_new"], x["gamma"],
+                                    scale)
+
+
+def run_ws(x, scale, cfg):
+    return bwd_ws.dqkw_ws(x["qn"], x["kn"], x["v_new"], x["h"], x["dh"], x["do"], x["dv_new"], x["gamma"], scale,
+                          cfg=cfg)
+
+
+def rel(a, b):
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30)), float((a - b).abs().max())
+
+
+def compare(x, cfg):
+    scale = 128 ** -0.5
+    t = run_triton(x, scale)
+    w = run_ws(x, scale, cfg)
+    out = {}
+    for n in ("dq_hv", "dk_local", "dw"):
+        assert w[n].isfinite().all(), n
+        out[n] = rel(w[n], t[n])
+    out["dgamma"] = rel(w["dgamma_local"].sum(0), t["dgamma_local"].sum(0))
+    return out
+
+
+def bench(fn, n=50):
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(n):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        e.synchronize()
+        ts.append(s.elapsed_time(e))
+    ts.sort()
+    return ts[len(ts) // 2]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cfgs", default="[{}]")
+    ap.add_argument("--json")
+    ap.add_argument("--no-time", action="store_true")
+    a = ap.parse_args()
+    cfgs = json.loads(a.cfgs)
+    res = {"check": [], "time": []}
+    ok = True
+    for cfg in cfgs:
+        for shp in SMALL + SHAPES[1:2]:
+            for dt in (torch.bfloat16, torch.float16):
+                if shp in SHAPES and dt == torch.float16:
+                    continue
+                x = inputs(*shp, dtype=dt)
+                r = compare(x, cfg)
+                bad = any(v[0] > 2e-2 for v in r.values())
+                ok &= not bad
+                res["check"].append(dict(cfg=cfg, shape=shp, dtype=str(dt), rel=r, bad=bad))
+                print("check", cfg, shp, str(dt)[6:], {k: f"{v[0]:.1e}" for k, v in r.items()}, "BAD" if bad else "")
+    if not a.no_time:
+        scale = 128 ** -0.5
+        for shp in SHAPES:
+            x = inputs(*shp)
+            row = dict(shape=shp, triton=bench(lambda: run_triton(x, scale)))
+            for i, cfg in enumerate(cfgs):
+                row[f"ws{i}"] = bench(lambda: run_ws(x, scale, cfg))
+            res["time"].append(row)
+            print("time", shp, {k: (f"{v * 1e3:.0f}us" if isinstance(v, float) else v) for k, v in row.items()
+                                if k != "shape"})
+            del x
+            torch.cuda.empty_cache()
+    if a.json:
+        json.dump(res, open(a.json, "w"), indent=1)
+    print("ALL OK" if ok else "MISMATCH")
+
+
+if __name__ == "__main__":
+    main()

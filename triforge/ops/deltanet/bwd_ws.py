@@ -1,0 +1,244 @@
+"""The Gated DeltaNet backward's dqkw stage (``chunk_bwd``'s kernel 2) in Gluon for Hopper (sm90): persistent,
+TMA-fed, warp-specialized.
+
+The Triton kernel (``chunk_bwd.chunk_gated_delta_rule_bwd_kernel_dqkw``) runs one short program per (K-block, chunk,
+value head): it loads its tiles, runs a handful of small products and stores, two programs per SM, with nothing to
+overlap a program's loads but the other program (measured ~2x its byte floor, latency-bound: benchmarks/NOTES.md,
+sessions 31-33). Here one program per SM walks the (chunk, value head) items; three partitions:
+
+- a loader warp: per item, the q and k tiles [64, K] (ring of NQ) and, per 64-column V-half, dO, v_new, dv_new
+  [64, 64] and the state S and its gradient dS [K, 64] (ring of STAGES), by TMA, each slot refilled once both
+  consumers released it;
+- two consumer warpgroups, warpgroup j owning K columns [64 j, 64 j + 64] of the item (the Triton kernel's K-block of
+  64): dO S^T, v_new dS'^T, dv_new S^T and dP = dO v_new^T (wgmma over the V-halves), then dq_hv, dk_local, dw and
+  its partial dgamma_local, stored by row. dP is formed by both warpgroups (as by every K-block of the Triton kernel).
+
+The math and rounding points are the Triton kernel's (its docstring and ``reference.py``): dP decayed in fp32 and cast
+to the input dtype for dq = dP K + diag(e) dO S^T and dk = scale dP^T Q + diag(l) v_new dS'^T; M = dP * (Q K^T) scale
+in fp32. dgamma_local holds one partial sum per consumer ([2, B, T, HV]), as the Triton kernel's per K-block.
+Dense sequences only (no cu_seqlens), K = V = 128: ``chunk_bwd.dqkw_ws_ok`` decides. The last chunk of a sequence
+may read the next sequence's rows (or TMA's zero fill) past its end: rows and columns of dP past the end are masked
+to 0 before use, e and l are 0 there, and those rows are not stored.
+"""
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from triforge import _runtime, launch
+from triforge.ops.deltanet.chunk import BT as _BT
+
+BT = gl.constexpr(_BT)  # the chunk
+BV = gl.constexpr(64)  # V columns per ring slot
+BKH = gl.constexpr(64)  # K columns per consumer warpgroup
+
+
+@gluon.jit
+def _item(item, NT, HV: gl.constexpr):
+    """(batch, chunk, value head) of item ``item`` (value heads fastest: a group's q / k tiles are read back to back)."""
+    i_hv = item % HV
+    r = item // HV
+    return r // NT, r % NT, i_hv
+
+
+@gluon.jit
+def _loader(do_desc, vn_desc, dvn_desc, h_desc, dh_desc, q_desc, k_desc, do_s, vn_s, dvn_s, S_s, dS_s, q_s, k_s,
+            ready, empty, qk_ready, qk_empty, n_items, NT, T, H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr,
+            V: gl.constexpr, STAGES: gl.constexpr, NQ: gl.constexpr):
+    v_bytes: gl.constexpr = 3 * do_desc.block_type.nbytes + 2 * h_desc.block_type.nbytes
+    qk_bytes: gl.constexpr = 2 * q_desc.block_type.nbytes
+    NVB: gl.constexpr = V // BV
+    it = 0
+    for item in range(gl.program_id(0), n_items, gl.num_programs(0)):
+        i_b, i_c, i_hv = _item(item, NT, HV)
+        row = i_b * T + i_c * BT
+        hrow = ((i_b * NT + i_c) * HV + i_hv) * K
+        qb = it % NQ
+        mbarrier.wait(qk_empty.index(qb), ((it // NQ) & 1) ^ 1)  # item it - NQ released (first pass: free)
+        mbarrier.expect(qk_ready.index(qb), qk_bytes)
+        col_qk = (i_hv // (HV // H)) * K
+        tma.async_copy_global_to_shared(q_desc, [row, col_qk], qk_ready.index(qb), q_s.index(qb))
+        tma.async_copy_global_to_shared(k_desc, [row, col_qk], qk_ready.index(qb), k_s.index(qb))
+        for j in gl.static_range(NVB):
+            step = it * NVB + j
+            s = step % STAGES
+            mbarrier.wait(empty.index(s), ((step // STAGES) & 1) ^ 1)
+            bar = ready.index(s)
+            mbarrier.expect(bar, v_bytes)
+            col = i_hv * V + j * BV
+            tma.async_copy_global_to_shared(do_desc, [row, col], bar, do_s.index(s))
+            tma.async_copy_global_to_shared(vn_desc, [row, col], bar, vn_s.index(s))
+            tma.async_copy_global_to_shared(dvn_desc, [row, col], bar, dvn_s.index(s))
+            tma.async_copy_global_to_shared(h_desc, [hrow, j * BV], bar, S_s.index(s))
+            tma.async_copy_global_to_shared(dh_desc, [hrow, j * BV], bar, dS_s.index(s))
+        it += 1
+
+
+@gluon.jit
+def _consumer(do_s, vn_s, dvn_s, S_s, dS_s, q_s, k_s, dp_s, ready, empty, qk_ready, qk_empty, gamma_ptr, dq_ptr,
+              dk_ptr, dw_ptr, dg_ptr, n_items, NT, T, n_rows, scale, J: gl.constexpr, HV: gl.constexpr,
+              K: gl.constexpr, V: gl.constexpr, STAGES: gl.constexpr, NQ: gl.constexpr):
+    acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
+    a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=2)
+    blk_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # (a [16, 64] tile: 8 per thread)
+    row_l: gl.constexpr = gl.SliceLayout(1, acc_l)
+    dtype: gl.constexpr = do_s.dtype
+    NVB: gl.constexpr = V // BV
+    k0: gl.constexpr = J * BKH
+    rows = gl.arange(0, BT, layout=row_l)
+    cols = gl.arange(0, BT, layout=gl.SliceLayout(0, acc_l))  # dP's columns, and this warpgroup's K columns - k0
+    zero = gl.zeros([BT, BKH], gl.float32, acc_l)
+    dp_op = dp_s.index(J)
+    it = 0
+    for item in range(gl.program_id(0), n_items, gl.num_programs(0)):
+        i_b, i_c, i_hv = _item(item, NT, HV)
+        t0 = i_c * BT
+        n = gl.minimum(T - t0, BT)  # valid rows of the chunk
+        row0 = (i_b * T + t0).to(gl.int64)
+        g_base = gamma_ptr + row0 * HV + i_hv
+        g_row = gl.load(g_base + rows * HV, mask=rows < n, other=0.0)
+        g_col = gl.load(g_base + cols * HV, mask=cols < n, other=0.0)
+        g_last = gl.load(g_base + (n - 1) * HV)
+
+        dos = zero  # dO S^T
+        vds = zero  # v_new dS'^T
+        dw = zero  # dv_new S^T
+        dp = zero  # dO v_new^T
+        sds = gl.zeros([16], gl.float32, gl.SliceLayout(1, blk_l))  # sum(S * dS'), partial sums by row
+        for j in gl.static_range(NVB):
+            step = it * NVB + j
+            s = step % STAGES
+            mbarrier.wait(ready.index(s), (step // STAGES) & 1)
+            s_op = S_s.index(s).slice(k0, BKH, dim=0)  # [64 K rows, 64 V columns]
+            ds_op = dS_s.index(s).slice(k0, BKH, dim=0)
+            dos = warpgroup_mma(do_s.index(s), s_op.permute((1, 0)), dos, use_acc=j > 0, is_async=True)
+            vds = warpgroup_mma(vn_s.index(s), ds_op.permute((1, 0)), vds, use_acc=j > 0, is_async=True)
+            dw = warpgroup_mma(dvn_s.index(s), s_op.permute((1, 0)), dw, use_acc=j > 0, is_async=True)
+            dp = warpgroup_mma(do_s.index(s), vn_s.index(s).permute((1, 0)), dp, use_acc=j > 0, is_async=True)
+            for r in gl.static_range(BKH // 16):  # (16 rows at a time: few live registers)
+                sds += gl.sum(s_op.slice(16 * r, 16, dim=0).load(blk_l).to(gl.float32)
+                              * ds_op.slice(16 * r, 16, dim=0).load(blk_l).to(gl.float32), 1)
+            dos, vds, dw, dp = warpgroup_mma_wait(0, deps=[dos, vds, dw, dp])
+            mbarrier.arrive(empty.index(s))  # this warpgroup has read the slot
+
+        valid = rows < n
+        o_row = row0 + rows
+        o_k = (k0 + cols)[None, :]
+        o_out = (o_row * HV + i_hv) * K  # [BT] row starts of the [B, T, HV, K] outputs (int64)
+        gl.store((dw_ptr + o_out)[:, None] + o_k, (-dw).to(dtype), mask=valid[:, None])
+
+        qb = it % NQ
+        mbarrier.wait(qk_ready.index(qb), (it // NQ) & 1)
+        q_op = q_s.index(qb).slice(k0, BKH, dim=1)  # [64 rows, 64 K columns]
+        k_op = k_s.index(qb).slice(k0, BKH, dim=1)
+        qk = warpgroup_mma(q_op, k_op.permute((1, 0)), zero, use_acc=False, is_async=True)
+        keep = (rows[:, None] >= cols[None, :]) & valid[:, None]
+        dp = gl.where(keep, dp * gl.exp(gl.where(keep, g_row[:, None] - g_col[None, :], float("-inf"))), 0.0)
+        dpc = dp.to(dtype)
+        e = gl.exp(gl.where(valid, g_row, float("-inf")))
+        q_dos = gl.sum(q_op.load(acc_l).to(gl.float32) * dos, 1)
+        dq = warpgroup_mma(gl.convert_layout(dpc, a_l), k_op, dos * e[:, None], is_async=True)
+        dp_op.store(dpc)
+        fence_async_shared()
+        gl.thread_barrier()
+        dk = warpgroup_mma(dp_op.permute((1, 0)), q_op, zero, use_acc=False, is_async=True)
+        qk, dq, dk = warpgroup_mma_wait(0, deps=[qk, dq, dk])
+        l = gl.exp(gl.where(valid, g_last - g_row, float("-inf")))
+        a = gl.where(valid, l * gl.sum(k_op.load(acc_l).to(gl.float32) * vds, 1), 0.0)
+        mbarrier.arrive(qk_empty.index(qb))  # q and k read
+        gl.store((dk_ptr + o_out)[:, None] + o_k, dk * scale + vds * l[:, None], mask=valid[:, None])
+        gl.store((dq_ptr + o_out)[:, None] + o_k, dq.to(dtype), mask=valid[:, None])
+
+        m = dp * qk * scale
+        dg = e * q_dos * scale + gl.sum(m, 1) - gl.convert_layout(gl.sum(m, 0), row_l) - a
+        tail = gl.sum(a, 0) + gl.exp(g_last) * gl.sum(sds, 0)
+        dg += gl.where(rows == n - 1, tail, 0.0)
+        gl.store(dg_ptr + J * n_rows.to(gl.int64) * HV + o_row * HV + i_hv, dg, mask=valid)
+        it += 1
+
+
+@gluon.jit
+def gdn_bwd_dqkw_ws_kernel(q_desc, k_desc, vn_desc, h_desc, dh_desc, do_desc, dvn_desc, gamma_ptr, dq_ptr, dk_ptr,
+                           dw_ptr, dg_ptr, T, NT, n_items, n_rows, scale, H: gl.constexpr, HV: gl.constexpr,
+                           K: gl.constexpr, V: gl.constexpr, STAGES: gl.constexpr, NQ: gl.constexpr,
+                           CONS_REGS: gl.constexpr, LOAD_REGS: gl.constexpr):
+    gl.static_assert(K == 2 * BKH, "two consumer warpgroups of 64 K columns")
+    dtype: gl.constexpr = do_desc.dtype
+    dp_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BT, BT], dtype)
+    do_s = gl.allocate_shared_memory(dtype, [STAGES, BT, BV], do_desc.layout)
+    vn_s = gl.allocate_shared_memory(dtype, [STAGES, BT, BV], vn_desc.layout)
+    dvn_s = gl.allocate_shared_memory(dtype, [STAGES, BT, BV], dvn_desc.layout)
+    S_s = gl.allocate_shared_memory(dtype, [STAGES, K, BV], h_desc.layout)
+    dS_s = gl.allocate_shared_memory(dtype, [STAGES, K, BV], dh_desc.layout)
+    q_s = gl.allocate_shared_memory(dtype, [NQ, BT, K], q_desc.layout)
+    k_s = gl.allocate_shared_memory(dtype, [NQ, BT, K], k_desc.layout)
+    dp_s = gl.allocate_shared_memory(dtype, [2, BT, BT], dp_sl)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    qk_ready = gl.allocate_shared_memory(gl.int64, [NQ, 1], mbarrier.MBarrierLayout())
+    qk_empty = gl.allocate_shared_memory(gl.int64, [NQ, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=2)  # both consumer warpgroups
+    for s in gl.static_range(NQ):
+        mbarrier.init(qk_ready.index(s), count=1)
+        mbarrier.init(qk_empty.index(s), count=2)
+    gl.warp_specialize([
+        (_consumer, (do_s, vn_s, dvn_s, S_s, dS_s, q_s, k_s, dp_s, ready, empty, qk_ready, qk_empty, gamma_ptr, dq_ptr,
+                     dk_ptr, dw_ptr, dg_ptr, n_items, NT, T, n_rows, scale, 0, HV, K, V, STAGES, NQ)),
+        (_consumer, (do_s, vn_s, dvn_s, S_s, dS_s, q_s, k_s, dp_s, ready, empty, qk_ready, qk_empty, gamma_ptr, dq_ptr,
+                     dk_ptr, dw_ptr, dg_ptr, n_items, NT, T, n_rows, scale, 1, HV, K, V, STAGES, NQ)),
+        (_loader, (do_desc, vn_desc, dvn_desc, h_desc, dh_desc, q_desc, k_desc, do_s, vn_s, dvn_s, S_s, dS_s, q_s, k_s,
+                   ready, empty, qk_ready, qk_empty, n_items, NT, T, H, HV, K, V, STAGES, NQ)),
+    ], [4, 1], [CONS_REGS, LOAD_REGS])
+    for s in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(s))
+        mbarrier.invalidate(empty.index(s))
+    for s in gl.static_range(NQ):
+        mbarrier.invalidate(qk_ready.index(s))
+        mbarrier.invalidate(qk_empty.index(s))
+
+
+DEFAULT_CFG = {"STAGES": 3, "NQ": 1, "CONS_REGS": 232, "LOAD_REGS": 40}
+
+
+def dqkw_ws(qn, kn, v_new, h, dh, do, dv_new, gamma, scale, *, cfg=None):
+    """The dict ``chunk_bwd.chunk_bwd_dqkw`` returns (dq_hv, dw in the input dtype; dk_local fp32; dgamma_local
+    [2, B, T, HV] fp32), for dense sequences at K = V = 128 from contiguous 16-bit tensors. cfg (DEFAULT_CFG): STAGES
+    (V-half ring slots), NQ (q / k slots), CONS_REGS / LOAD_REGS (registers per thread of the consumer warpgroups and
+    the loader warp)."""
+    cfg = dict(DEFAULT_CFG, **(cfg or {}))
+    B, T, H, K = qn.shape
+    HV, V = do.shape[2], do.shape[3]
+    NT = launch.cdiv(T, _BT)
+    dev = qn.device
+    g16 = gl.bfloat16 if qn.dtype == torch.bfloat16 else gl.float16
+    l_qk = gl.NVMMASharedLayout.get_default_for([_BT, K], g16)
+    l_v = gl.NVMMASharedLayout.get_default_for([_BT, 64], g16)
+    l_h = gl.NVMMASharedLayout.get_default_for([K, 64], g16)
+    q_desc = TensorDescriptor.from_tensor(qn.view(B * T, H * K), [_BT, K], l_qk)
+    k_desc = TensorDescriptor.from_tensor(kn.view(B * T, H * K), [_BT, K], l_qk)
+    vn_desc = TensorDescriptor.from_tensor(v_new.view(B * T, HV * V), [_BT, 64], l_v)
+    do_desc = TensorDescriptor.from_tensor(do.view(B * T, HV * V), [_BT, 64], l_v)
+    dvn_desc = TensorDescriptor.from_tensor(dv_new.view(B * T, HV * V), [_BT, 64], l_v)
+    h_desc = TensorDescriptor.from_tensor(h.view(-1, V), [K, 64], l_h)
+    dh_desc = TensorDescriptor.from_tensor(dh.view(-1, V), [K, 64], l_h)
+    out = {"dq_hv": launch.new_output((B, T, HV, K), qn.dtype, dev),
+           "dk_local": launch.new_output((B, T, HV, K), torch.float32, dev),
+           "dw": launch.new_output((B, T, HV, K), qn.dtype, dev),
+           "dgamma_local": launch.new_output((2, B, T, HV), torch.float32, dev)}
+    n_items = B * NT * HV
+    e = qn.element_size()
+    launch.launch(
+        "gated_delta_rule_bwd_dqkw_ws", gdn_bwd_dqkw_ws_kernel, (min(n_items, _runtime.num_sms()),),
+        q_desc, k_desc, vn_desc, h_desc, dh_desc, do_desc, dvn_desc, gamma, out["dq_hv"], out["dk_local"], out["dw"],
+        out["dgamma_local"], T, NT, n_items, B * T, scale,
+        nbytes=B * T * (2 * H * K * e + 3 * HV * V * e + HV * 4 + HV * K * (2 * e + 4) + 2 * HV * 4)
+        + 2 * h.numel() * e,
+        H=H, HV=HV, K=K, V=V, STAGES=cfg["STAGES"], NQ=cfg["NQ"], CONS_REGS=cfg["CONS_REGS"],
+        LOAD_REGS=cfg["LOAD_REGS"], num_warps=4,
+    )
+    return out
