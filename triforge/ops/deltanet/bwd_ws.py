@@ -56,12 +56,6 @@ def _loader(do_desc, vn_desc, dvn_desc, h_desc, dh_desc, q_desc, k_desc, do_s, v
         i_b, i_c, i_hv = _item(item, NT, HV)
         row = i_b * T + i_c * BT
         hrow = ((i_b * NT + i_c) * HV + i_hv) * K
-        qb = it % NQ
-        mbarrier.wait(qk_empty.index(qb), ((it // NQ) & 1) ^ 1)  # item it - NQ released (first pass: free)
-        mbarrier.expect(qk_ready.index(qb), qk_bytes)
-        col_qk = (i_hv // (HV // H)) * K
-        tma.async_copy_global_to_shared(q_desc, [row, col_qk], qk_ready.index(qb), q_s.index(qb))
-        tma.async_copy_global_to_shared(k_desc, [row, col_qk], qk_ready.index(qb), k_s.index(qb))
         for j in gl.static_range(NVB):
             step = it * NVB + j
             s = step % STAGES
@@ -74,6 +68,13 @@ def _loader(do_desc, vn_desc, dvn_desc, h_desc, dh_desc, q_desc, k_desc, do_s, v
             tma.async_copy_global_to_shared(dvn_desc, [row, col], bar, dvn_s.index(s))
             tma.async_copy_global_to_shared(h_desc, [hrow, j * BV], bar, S_s.index(s))
             tma.async_copy_global_to_shared(dh_desc, [hrow, j * BV], bar, dS_s.index(s))
+        qb = it % NQ  # (after the V-halves: q and k are read last, and their wait must not hold the next item's
+        # V-halves back)
+        mbarrier.wait(qk_empty.index(qb), ((it // NQ) & 1) ^ 1)  # item it - NQ released (first pass: free)
+        mbarrier.expect(qk_ready.index(qb), qk_bytes)
+        col_qk = (i_hv // (HV // H)) * K
+        tma.async_copy_global_to_shared(q_desc, [row, col_qk], qk_ready.index(qb), q_s.index(qb))
+        tma.async_copy_global_to_shared(k_desc, [row, col_qk], qk_ready.index(qb), k_s.index(qb))
         it += 1
 
 
