@@ -54,20 +54,22 @@ def compare(x, cfg):
     return out
 
 
-def bench(fn, n=50):
-    for _ in range(3):
+def bench(fns, rounds=6, n=10):
+    """Median time (ms) of each of ``fns``, timed in interleaved rounds of ``n`` calls (CUDA events)."""
+    for fn in fns:
         fn()
     torch.cuda.synchronize()
-    ts = []
-    for _ in range(n):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        ts.append(s.elapsed_time(e))
-    ts.sort()
-    return ts[len(ts) // 2]
+    ts = [[] for _ in fns]
+    for _ in range(rounds):
+        for i, fn in enumerate(fns):
+            for _ in range(n):
+                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                s.record()
+                fn()
+                e.record()
+                e.synchronize()
+                ts[i].append(s.elapsed_time(e))
+    return [sorted(t)[len(t) // 2] for t in ts]
 
 
 def main():
@@ -79,7 +81,7 @@ def main():
     cfgs = json.loads(a.cfgs)
     res = {"check": [], "time": []}
     ok = True
-    for cfg in cfgs:
+    for cfg in (c for c in cfgs if not c.get("PROBE")):
         for shp in SMALL + SHAPES[1:2]:
             for dt in (torch.bfloat16, torch.float16):
                 if shp in SHAPES and dt == torch.float16:
@@ -94,9 +96,8 @@ def main():
         scale = 128 ** -0.5
         for shp in SHAPES:
             x = inputs(*shp)
-            row = dict(shape=shp, triton=bench(lambda: run_triton(x, scale)))
-            for i, cfg in enumerate(cfgs):
-                row[f"ws{i}"] = bench(lambda: run_ws(x, scale, cfg))
+            fns = [lambda: run_triton(x, scale)] + [lambda c=c: run_ws(x, scale, c) for c in cfgs]
+            row = dict(shape=shp, **dict(zip(["triton"] + [f"ws{i}" for i in range(len(cfgs))], bench(fns))))
             res["time"].append(row)
             print("time", shp, {k: (f"{v * 1e3:.0f}us" if isinstance(v, float) else v) for k, v in row.items()
                                 if k != "shape"})

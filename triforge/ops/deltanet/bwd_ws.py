@@ -81,7 +81,7 @@ def _loader(do_desc, vn_desc, dvn_desc, h_desc, dh_desc, q_desc, k_desc, do_s, v
 @gluon.jit
 def _consumer(do_s, vn_s, dvn_s, S_s, dS_s, q_s, k_s, dp_s, ready, empty, qk_ready, qk_empty, gamma_ptr, dq_ptr,
               dk_ptr, dw_ptr, dg_ptr, n_items, NT, T, n_rows, scale, J: gl.constexpr, HV: gl.constexpr,
-              K: gl.constexpr, V: gl.constexpr, STAGES: gl.constexpr, NQ: gl.constexpr):
+              K: gl.constexpr, V: gl.constexpr, STAGES: gl.constexpr, NQ: gl.constexpr, PROBE: gl.constexpr = 0):
     acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=2)
     blk_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # (a [16, 64] tile: 8 per thread)
@@ -125,39 +125,50 @@ def _consumer(do_s, vn_s, dvn_s, S_s, dS_s, q_s, k_s, dp_s, ready, empty, qk_rea
             dos, vds, dw, dp = warpgroup_mma_wait(0, deps=[dos, vds, dw, dp])
             mbarrier.arrive(empty.index(s))  # this warpgroup has read the slot
 
-        valid = rows < n
-        o_row = row0 + rows
-        o_k = (k0 + cols)[None, :]
-        o_out = (o_row * HV + i_hv) * K  # [BT] row starts of the [B, T, HV, K] outputs (int64)
-        gl.store((dw_ptr + o_out)[:, None] + o_k, (-dw).to(dtype), mask=valid[:, None])
+        if PROBE == 1:  # (probe) the V-halves' loads and products alone
+            qb = it % NQ
+            mbarrier.wait(qk_ready.index(qb), (it // NQ) & 1)
+            mbarrier.arrive(qk_empty.index(qb))
+            gl.store(dg_ptr + J * n_rows.to(gl.int64) * HV + (row0 + rows) * HV + i_hv,
+                     gl.sum(dos + vds + dw + dp, 1) + gl.sum(sds, 0), mask=rows < n)
+        else:
+            valid = rows < n
+            o_row = row0 + rows
+            o_k = (k0 + cols)[None, :]
+            o_out = (o_row * HV + i_hv) * K  # [BT] row starts of the [B, T, HV, K] outputs (int64)
+            if PROBE == 0:
+                gl.store((dw_ptr + o_out)[:, None] + o_k, (-dw).to(dtype), mask=valid[:, None])
 
-        qb = it % NQ
-        mbarrier.wait(qk_ready.index(qb), (it // NQ) & 1)
-        q_op = q_s.index(qb).slice(k0, BKH, dim=1)  # [64 rows, 64 K columns]
-        k_op = k_s.index(qb).slice(k0, BKH, dim=1)
-        qk = warpgroup_mma(q_op, k_op.permute((1, 0)), zero, use_acc=False, is_async=True)
-        keep = (rows[:, None] >= cols[None, :]) & valid[:, None]
-        dp = gl.where(keep, dp * gl.exp(gl.where(keep, g_row[:, None] - g_col[None, :], float("-inf"))), 0.0)
-        dpc = dp.to(dtype)
-        e = gl.exp(gl.where(valid, g_row, float("-inf")))
-        q_dos = gl.sum(q_op.load(acc_l).to(gl.float32) * dos, 1)
-        dq = warpgroup_mma(gl.convert_layout(dpc, a_l), k_op, dos * e[:, None], is_async=True)
-        dp_op.store(dpc)
-        fence_async_shared()
-        gl.thread_barrier()
-        dk = warpgroup_mma(dp_op.permute((1, 0)), q_op, zero, use_acc=False, is_async=True)
-        qk, dq, dk = warpgroup_mma_wait(0, deps=[qk, dq, dk])
-        l = gl.exp(gl.where(valid, g_last - g_row, float("-inf")))
-        a = gl.where(valid, l * gl.sum(k_op.load(acc_l).to(gl.float32) * vds, 1), 0.0)
-        mbarrier.arrive(qk_empty.index(qb))  # q and k read
-        gl.store((dk_ptr + o_out)[:, None] + o_k, dk * scale + vds * l[:, None], mask=valid[:, None])
-        gl.store((dq_ptr + o_out)[:, None] + o_k, dq.to(dtype), mask=valid[:, None])
+            qb = it % NQ
+            mbarrier.wait(qk_ready.index(qb), (it // NQ) & 1)
+            q_op = q_s.index(qb).slice(k0, BKH, dim=1)  # [64 rows, 64 K columns]
+            k_op = k_s.index(qb).slice(k0, BKH, dim=1)
+            qk = warpgroup_mma(q_op, k_op.permute((1, 0)), zero, use_acc=False, is_async=True)
+            keep = (rows[:, None] >= cols[None, :]) & valid[:, None]
+            dp = gl.where(keep, dp * gl.exp(gl.where(keep, g_row[:, None] - g_col[None, :], float("-inf"))), 0.0)
+            dpc = dp.to(dtype)
+            e = gl.exp(gl.where(valid, g_row, float("-inf")))
+            q_dos = gl.sum(q_op.load(acc_l).to(gl.float32) * dos, 1)
+            dq = warpgroup_mma(gl.convert_layout(dpc, a_l), k_op, dos * e[:, None], is_async=True)
+            dp_op.store(dpc)
+            fence_async_shared()
+            gl.thread_barrier()
+            dk = warpgroup_mma(dp_op.permute((1, 0)), q_op, zero, use_acc=False, is_async=True)
+            qk, dq, dk = warpgroup_mma_wait(0, deps=[qk, dq, dk])
+            l = gl.exp(gl.where(valid, g_last - g_row, float("-inf")))
+            a = gl.where(valid, l * gl.sum(k_op.load(acc_l).to(gl.float32) * vds, 1), 0.0)
+            mbarrier.arrive(qk_empty.index(qb))  # q and k read
+            if PROBE == 0:
+                gl.store((dk_ptr + o_out)[:, None] + o_k, dk * scale + vds * l[:, None], mask=valid[:, None])
+                gl.store((dq_ptr + o_out)[:, None] + o_k, dq.to(dtype), mask=valid[:, None])
+            else:  # (probe 2) everything but the stores of dw, dk and dq
+                a += gl.sum(dk * scale + vds * l[:, None] + dq + dw, 1)
 
-        m = dp * qk * scale
-        dg = e * q_dos * scale + gl.sum(m, 1) - gl.convert_layout(gl.sum(m, 0), row_l) - a
-        tail = gl.sum(a, 0) + gl.exp(g_last) * gl.sum(sds, 0)
-        dg += gl.where(rows == n - 1, tail, 0.0)
-        gl.store(dg_ptr + J * n_rows.to(gl.int64) * HV + o_row * HV + i_hv, dg, mask=valid)
+            m = dp * qk * scale
+            dg = e * q_dos * scale + gl.sum(m, 1) - gl.convert_layout(gl.sum(m, 0), row_l) - a
+            tail = gl.sum(a, 0) + gl.exp(g_last) * gl.sum(sds, 0)
+            dg += gl.where(rows == n - 1, tail, 0.0)
+            gl.store(dg_ptr + J * n_rows.to(gl.int64) * HV + o_row * HV + i_hv, dg, mask=valid)
         it += 1
 
 
@@ -165,7 +176,7 @@ def _consumer(do_s, vn_s, dvn_s, S_s, dS_s, q_s, k_s, dp_s, ready, empty, qk_rea
 def gdn_bwd_dqkw_ws_kernel(q_desc, k_desc, vn_desc, h_desc, dh_desc, do_desc, dvn_desc, gamma_ptr, dq_ptr, dk_ptr,
                            dw_ptr, dg_ptr, T, NT, n_items, n_rows, scale, H: gl.constexpr, HV: gl.constexpr,
                            K: gl.constexpr, V: gl.constexpr, STAGES: gl.constexpr, NQ: gl.constexpr,
-                           CONS_REGS: gl.constexpr, LOAD_REGS: gl.constexpr):
+                           CONS_REGS: gl.constexpr, LOAD_REGS: gl.constexpr, PROBE: gl.constexpr = 0):
     gl.static_assert(K == 2 * BKH, "two consumer warpgroups of 64 K columns")
     dtype: gl.constexpr = do_desc.dtype
     dp_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BT, BT], dtype)
@@ -189,9 +200,9 @@ def gdn_bwd_dqkw_ws_kernel(q_desc, k_desc, vn_desc, h_desc, dh_desc, do_desc, dv
         mbarrier.init(qk_empty.index(s), count=2)
     gl.warp_specialize([
         (_consumer, (do_s, vn_s, dvn_s, S_s, dS_s, q_s, k_s, dp_s, ready, empty, qk_ready, qk_empty, gamma_ptr, dq_ptr,
-                     dk_ptr, dw_ptr, dg_ptr, n_items, NT, T, n_rows, scale, 0, HV, K, V, STAGES, NQ)),
+                     dk_ptr, dw_ptr, dg_ptr, n_items, NT, T, n_rows, scale, 0, HV, K, V, STAGES, NQ, PROBE)),
         (_consumer, (do_s, vn_s, dvn_s, S_s, dS_s, q_s, k_s, dp_s, ready, empty, qk_ready, qk_empty, gamma_ptr, dq_ptr,
-                     dk_ptr, dw_ptr, dg_ptr, n_items, NT, T, n_rows, scale, 1, HV, K, V, STAGES, NQ)),
+                     dk_ptr, dw_ptr, dg_ptr, n_items, NT, T, n_rows, scale, 1, HV, K, V, STAGES, NQ, PROBE)),
         (_loader, (do_desc, vn_desc, dvn_desc, h_desc, dh_desc, q_desc, k_desc, do_s, vn_s, dvn_s, S_s, dS_s, q_s, k_s,
                    ready, empty, qk_ready, qk_empty, n_items, NT, T, H, HV, K, V, STAGES, NQ)),
     ], [4, 1], [CONS_REGS, LOAD_REGS])
@@ -240,6 +251,6 @@ def dqkw_ws(qn, kn, v_new, h, dh, do, dv_new, gamma, scale, *, cfg=None):
         nbytes=B * T * (2 * H * K * e + 3 * HV * V * e + HV * 4 + HV * K * (2 * e + 4) + 2 * HV * 4)
         + 2 * h.numel() * e,
         H=H, HV=HV, K=K, V=V, STAGES=cfg["STAGES"], NQ=cfg["NQ"], CONS_REGS=cfg["CONS_REGS"],
-        LOAD_REGS=cfg["LOAD_REGS"], num_warps=4,
+        LOAD_REGS=cfg["LOAD_REGS"], PROBE=cfg.get("PROBE", 0), num_warps=4,
     )
     return out
