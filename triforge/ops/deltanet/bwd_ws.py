@@ -57,17 +57,16 @@ def _loader(do_desc, vn_desc, dvn_desc, h_desc, dh_desc, q_desc, k_desc, do_s, v
         row = i_b * T + i_c * BT
         hrow = ((i_b * NT + i_c) * HV + i_hv) * K
         for j in gl.static_range(NVB):
-            step = it * NVB + j
-            s = step % STAGES
-            mbarrier.wait(empty.index(s), ((step // STAGES) & 1) ^ 1)
-            bar = ready.index(s)
+            # (one item's V-halves per ring: slot j, a constant shared address)
+            mbarrier.wait(empty.index(j), (it & 1) ^ 1)
+            bar = ready.index(j)
             mbarrier.expect(bar, v_bytes)
             col = i_hv * V + j * BV
-            tma.async_copy_global_to_shared(do_desc, [row, col], bar, do_s.index(s))
-            tma.async_copy_global_to_shared(vn_desc, [row, col], bar, vn_s.index(s))
-            tma.async_copy_global_to_shared(dvn_desc, [row, col], bar, dvn_s.index(s))
-            tma.async_copy_global_to_shared(h_desc, [hrow, j * BV], bar, S_s.index(s))
-            tma.async_copy_global_to_shared(dh_desc, [hrow, j * BV], bar, dS_s.index(s))
+            tma.async_copy_global_to_shared(do_desc, [row, col], bar, do_s.index(j))
+            tma.async_copy_global_to_shared(vn_desc, [row, col], bar, vn_s.index(j))
+            tma.async_copy_global_to_shared(dvn_desc, [row, col], bar, dvn_s.index(j))
+            tma.async_copy_global_to_shared(h_desc, [hrow, j * BV], bar, S_s.index(j))
+            tma.async_copy_global_to_shared(dh_desc, [hrow, j * BV], bar, dS_s.index(j))
         qb = it % NQ  # (after the V-halves: q and k are read last, and their wait must not hold the next item's
         # V-halves back)
         mbarrier.wait(qk_empty.index(qb), ((it // NQ) & 1) ^ 1)  # item it - NQ released (first pass: free)
@@ -80,7 +79,7 @@ def _loader(do_desc, vn_desc, dvn_desc, h_desc, dh_desc, q_desc, k_desc, do_s, v
 
 @gluon.jit
 def _consumer(do_s, vn_s, dvn_s, S_s, dS_s, q_s, k_s, dp_s, ready, empty, qk_ready, qk_empty, gamma_ptr, dq_ptr,
-              dk_ptr, dw_ptr, dg_ptr, n_items, NT, T, n_rows, scale, J: gl.constexpr, HV: gl.constexpr,
+              dk_ptr, dw_ptr, dg_ptr, n_items, NT, T, n_rows, scale, zero_i, J: gl.constexpr, HV: gl.constexpr,
               K: gl.constexpr, V: gl.constexpr, STAGES: gl.constexpr, NQ: gl.constexpr, PROBE: gl.constexpr = 0):
     acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=2)
@@ -92,9 +91,13 @@ def _consumer(do_s, vn_s, dvn_s, S_s, dS_s, q_s, k_s, dp_s, ready, empty, qk_rea
     rows = gl.arange(0, BT, layout=row_l)
     cols = gl.arange(0, BT, layout=gl.SliceLayout(0, acc_l))  # dP's columns, and this warpgroup's K columns - k0
     zero = gl.zeros([BT, BKH], gl.float32, acc_l)
-    dp_op = dp_s.index(J)
     it = 0
     for item in range(gl.program_id(0), n_items, gl.num_programs(0)):
+        # z = 0 (zero_i is the host's 0), but the compiler cannot tell and it changes with the item: the shared-memory
+        # addresses built from it (wgmma descriptors) are formed where they are used, not hoisted out of the loop
+        # into registers that then spill (ptxas: ~900 bytes with constant indices, reloaded in the loop)
+        z = item & zero_i
+        dp_op = dp_s.index(J + z)
         i_b, i_c, i_hv = _item(item, NT, HV)
         t0 = i_c * BT
         n = gl.minimum(T - t0, BT)  # valid rows of the chunk
@@ -110,20 +113,18 @@ def _consumer(do_s, vn_s, dvn_s, S_s, dS_s, q_s, k_s, dp_s, ready, empty, qk_rea
         dp = zero  # dO v_new^T
         sds = gl.zeros([16], gl.float32, gl.SliceLayout(1, blk_l))  # sum(S * dS'), partial sums by row
         for j in gl.static_range(NVB):
-            step = it * NVB + j
-            s = step % STAGES
-            mbarrier.wait(ready.index(s), (step // STAGES) & 1)
-            s_op = S_s.index(s).slice(k0, BKH, dim=0)  # [64 K rows, 64 V columns]
-            ds_op = dS_s.index(s).slice(k0, BKH, dim=0)
-            dos = warpgroup_mma(do_s.index(s), s_op.permute((1, 0)), dos, use_acc=j > 0, is_async=True)
-            vds = warpgroup_mma(vn_s.index(s), ds_op.permute((1, 0)), vds, use_acc=j > 0, is_async=True)
-            dw = warpgroup_mma(dvn_s.index(s), s_op.permute((1, 0)), dw, use_acc=j > 0, is_async=True)
-            dp = warpgroup_mma(do_s.index(s), vn_s.index(s).permute((1, 0)), dp, use_acc=j > 0, is_async=True)
+            mbarrier.wait(ready.index(j), it & 1)
+            s_op = S_s.index(j + z).slice(k0, BKH, dim=0)  # [64 K rows, 64 V columns]
+            ds_op = dS_s.index(j + z).slice(k0, BKH, dim=0)
+            dos = warpgroup_mma(do_s.index(j + z), s_op.permute((1, 0)), dos, use_acc=j > 0, is_async=True)
+            vds = warpgroup_mma(vn_s.index(j + z), ds_op.permute((1, 0)), vds, use_acc=j > 0, is_async=True)
+            dw = warpgroup_mma(dvn_s.index(j + z), s_op.permute((1, 0)), dw, use_acc=j > 0, is_async=True)
+            dp = warpgroup_mma(do_s.index(j + z), vn_s.index(j + z).permute((1, 0)), dp, use_acc=j > 0, is_async=True)
             for r in gl.static_range(BKH // 16):  # (16 rows at a time: few live registers)
                 sds += gl.sum(s_op.slice(16 * r, 16, dim=0).load(blk_l).to(gl.float32)
                               * ds_op.slice(16 * r, 16, dim=0).load(blk_l).to(gl.float32), 1)
             dos, vds, dw, dp = warpgroup_mma_wait(0, deps=[dos, vds, dw, dp])
-            mbarrier.arrive(empty.index(s))  # this warpgroup has read the slot
+            mbarrier.arrive(empty.index(j))  # this warpgroup has read the slot
 
         if PROBE == 1:  # (probe) the V-halves' loads and products alone
             qb = it % NQ
@@ -141,8 +142,8 @@ def _consumer(do_s, vn_s, dvn_s, S_s, dS_s, q_s, k_s, dp_s, ready, empty, qk_rea
 
             qb = it % NQ
             mbarrier.wait(qk_ready.index(qb), (it // NQ) & 1)
-            q_op = q_s.index(qb).slice(k0, BKH, dim=1)  # [64 rows, 64 K columns]
-            k_op = k_s.index(qb).slice(k0, BKH, dim=1)
+            q_op = q_s.index(qb + z).slice(k0, BKH, dim=1)  # [64 rows, 64 K columns]
+            k_op = k_s.index(qb + z).slice(k0, BKH, dim=1)
             qk = warpgroup_mma(q_op, k_op.permute((1, 0)), zero, use_acc=False, is_async=True)
             keep = (rows[:, None] >= cols[None, :]) & valid[:, None]
             dp = gl.where(keep, dp * gl.exp(gl.where(keep, g_row[:, None] - g_col[None, :], float("-inf"))), 0.0)
@@ -174,10 +175,10 @@ def _consumer(do_s, vn_s, dvn_s, S_s, dS_s, q_s, k_s, dp_s, ready, empty, qk_rea
 
 @gluon.jit
 def gdn_bwd_dqkw_ws_kernel(q_desc, k_desc, vn_desc, h_desc, dh_desc, do_desc, dvn_desc, gamma_ptr, dq_ptr, dk_ptr,
-                           dw_ptr, dg_ptr, T, NT, n_items, n_rows, scale, H: gl.constexpr, HV: gl.constexpr,
-                           K: gl.constexpr, V: gl.constexpr, STAGES: gl.constexpr, NQ: gl.constexpr,
-                           CONS_REGS: gl.constexpr, LOAD_REGS: gl.constexpr, PROBE: gl.constexpr = 0):
+                           dw_ptr, dg_ptr, T, NT, n_items, n_rows, scale, zero_i, H: gl.constexpr, HV: gl.constexpr,
+                           K: gl.constexpr, V: gl.constexpr, NQ: gl.constexpr, CONS_REGS: gl.constexpr, LOAD_REGS: gl.constexpr, PROBE: gl.constexpr = 0):
     gl.static_assert(K == 2 * BKH, "two consumer warpgroups of 64 K columns")
+    STAGES: gl.constexpr = V // BV  # the ring holds one item's V-halves (constant slots)
     dtype: gl.constexpr = do_desc.dtype
     dp_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BT, BT], dtype)
     do_s = gl.allocate_shared_memory(dtype, [STAGES, BT, BV], do_desc.layout)
@@ -200,9 +201,9 @@ def gdn_bwd_dqkw_ws_kernel(q_desc, k_desc, vn_desc, h_desc, dh_desc, do_desc, dv
         mbarrier.init(qk_empty.index(s), count=2)
     gl.warp_specialize([
         (_consumer, (do_s, vn_s, dvn_s, S_s, dS_s, q_s, k_s, dp_s, ready, empty, qk_ready, qk_empty, gamma_ptr, dq_ptr,
-                     dk_ptr, dw_ptr, dg_ptr, n_items, NT, T, n_rows, scale, 0, HV, K, V, STAGES, NQ, PROBE)),
+                     dk_ptr, dw_ptr, dg_ptr, n_items, NT, T, n_rows, scale, zero_i, 0, HV, K, V, STAGES, NQ, PROBE)),
         (_consumer, (do_s, vn_s, dvn_s, S_s, dS_s, q_s, k_s, dp_s, ready, empty, qk_ready, qk_empty, gamma_ptr, dq_ptr,
-                     dk_ptr, dw_ptr, dg_ptr, n_items, NT, T, n_rows, scale, 1, HV, K, V, STAGES, NQ, PROBE)),
+                     dk_ptr, dw_ptr, dg_ptr, n_items, NT, T, n_rows, scale, zero_i, 1, HV, K, V, STAGES, NQ, PROBE)),
         (_loader, (do_desc, vn_desc, dvn_desc, h_desc, dh_desc, q_desc, k_desc, do_s, vn_s, dvn_s, S_s, dS_s, q_s, k_s,
                    ready, empty, qk_ready, qk_empty, n_items, NT, T, H, HV, K, V, STAGES, NQ)),
     ], [4, 1], [CONS_REGS, LOAD_REGS])
@@ -214,7 +215,7 @@ def gdn_bwd_dqkw_ws_kernel(q_desc, k_desc, vn_desc, h_desc, dh_desc, do_desc, dv
         mbarrier.invalidate(qk_empty.index(s))
 
 
-DEFAULT_CFG = {"STAGES": 3, "NQ": 1, "CONS_REGS": 232, "LOAD_REGS": 40}
+DEFAULT_CFG = {"NQ": 1, "CONS_REGS": 240, "LOAD_REGS": 24}
 
 
 def dqkw_ws(qn, kn, v_new, h, dh, do, dv_new, gamma, scale, *, cfg=None):
@@ -247,10 +248,10 @@ def dqkw_ws(qn, kn, v_new, h, dh, do, dv_new, gamma, scale, *, cfg=None):
     launch.launch(
         "gated_delta_rule_bwd_dqkw_ws", gdn_bwd_dqkw_ws_kernel, (min(n_items, _runtime.num_sms()),),
         q_desc, k_desc, vn_desc, h_desc, dh_desc, do_desc, dvn_desc, gamma, out["dq_hv"], out["dk_local"], out["dw"],
-        out["dgamma_local"], T, NT, n_items, B * T, scale,
+        out["dgamma_local"], T, NT, n_items, B * T, scale, 0,
         nbytes=B * T * (2 * H * K * e + 3 * HV * V * e + HV * 4 + HV * K * (2 * e + 4) + 2 * HV * 4)
         + 2 * h.numel() * e,
-        H=H, HV=HV, K=K, V=V, STAGES=cfg["STAGES"], NQ=cfg["NQ"], CONS_REGS=cfg["CONS_REGS"],
+        H=H, HV=HV, K=K, V=V, NQ=cfg["NQ"], CONS_REGS=cfg["CONS_REGS"],
         LOAD_REGS=cfg["LOAD_REGS"], PROBE=cfg.get("PROBE", 0), num_warps=4,
     )
     return out
