@@ -78,26 +78,9 @@ def _loader(do_desc, vn_desc, dvn_desc, h_desc, dh_desc, q_desc, k_desc, do_s, v
 
 
 @gluon.jit
-def _store_tile(x, o_s, desc, ptr_rows, o_k, valid, row, col, full, TMA: gl.constexpr):
-    """One consumer's [64, 64] output tile: with TMA, through shared memory by a TMA store where the chunk is whole
-    (the accumulator layout's rows give 16-byte pieces: uncoalesced as plain stores); else a masked store of its rows."""
-    if TMA:
-        if full:
-            o_s.store(x)
-            fence_async_shared()
-            gl.thread_barrier()
-            tma.async_copy_shared_to_global(desc, [row, col], o_s)
-        else:
-            gl.store(ptr_rows[:, None] + o_k, x, mask=valid[:, None])
-    else:
-        gl.store(ptr_rows[:, None] + o_k, x, mask=valid[:, None])
-
-
-@gluon.jit
-def _consumer(do_s, vn_s, dvn_s, S_s, dS_s, q_s, k_s, dp_s, o16_s, o32_s, ready, empty, qk_ready, qk_empty, gamma_ptr,
-              dq_ptr, dk_ptr, dw_ptr, dg_ptr, dq_desc, dk_desc, dw_desc, n_items, NT, T, n_rows, scale, zero_i, J: gl.constexpr, HV: gl.constexpr,
-              K: gl.constexpr, V: gl.constexpr, STAGES: gl.constexpr, NQ: gl.constexpr, TMA_OUT: gl.constexpr,
-              PROBE: gl.constexpr = 0):
+def _consumer(do_s, vn_s, dvn_s, S_s, dS_s, q_s, k_s, dp_s, ready, empty, qk_ready, qk_empty, gamma_ptr, dq_ptr,
+              dk_ptr, dw_ptr, dg_ptr, n_items, NT, T, n_rows, scale, zero_i, J: gl.constexpr, HV: gl.constexpr,
+              K: gl.constexpr, V: gl.constexpr, STAGES: gl.constexpr, NQ: gl.constexpr, PROBE: gl.constexpr = 0):
     acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=2)
     blk_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # (a [16, 64] tile: 8 per thread)
@@ -121,7 +104,7 @@ def _consumer(do_s, vn_s, dvn_s, S_s, dS_s, q_s, k_s, dp_s, o16_s, o32_s, ready,
         row0 = (i_b * T + t0).to(gl.int64)
         g_base = gamma_ptr + row0 * HV + i_hv
         g_row = gl.load(g_base + rows * HV, mask=rows < n, other=0.0)
-        g_col = gl.convert_layout(g_row, gl.SliceLayout(0, acc_l))  # (not 16 strided loads per thread)
+        g_col = gl.load(g_base + cols * HV, mask=cols < n, other=0.0)
         g_last = gl.load(g_base + (n - 1) * HV)
 
         dos = zero  # dO S^T
@@ -154,16 +137,8 @@ def _consumer(do_s, vn_s, dvn_s, S_s, dS_s, q_s, k_s, dp_s, o16_s, o32_s, ready,
             o_row = row0 + rows
             o_k = (k0 + cols)[None, :]
             o_out = (o_row * HV + i_hv) * K  # [BT] row starts of the [B, T, HV, K] outputs (int64)
-            full = n == BT
-            row_t = i_b * T + t0  # (int32, as TMA takes coordinates)
-            o_col = i_hv * K + k0
-            o16 = o16_s.index(J + z)  # dw, then dq
-            o32 = o32_s.index(J + z)  # dk
             if PROBE == 0:
-                if TMA_OUT:
-                    tma.store_wait(0)  # the previous item's stores have read their tiles
-                    gl.thread_barrier()
-                _store_tile((-dw).to(dtype), o16, dw_desc, dw_ptr + o_out, o_k, valid, row_t, o_col, full, TMA_OUT)
+                gl.store((dw_ptr + o_out)[:, None] + o_k, (-dw).to(dtype), mask=valid[:, None])
 
             qb = it % NQ
             mbarrier.wait(qk_ready.index(qb), (it // NQ) & 1)
@@ -185,12 +160,8 @@ def _consumer(do_s, vn_s, dvn_s, S_s, dS_s, q_s, k_s, dp_s, o16_s, o32_s, ready,
             a = gl.where(valid, l * gl.sum(k_op.load(acc_l).to(gl.float32) * vds, 1), 0.0)
             mbarrier.arrive(qk_empty.index(qb))  # q and k read
             if PROBE == 0:
-                _store_tile(dk * scale + vds * l[:, None], o32, dk_desc, dk_ptr + o_out, o_k, valid, row_t, o_col, full,
-                            TMA_OUT)
-                if TMA_OUT:
-                    tma.store_wait(1)  # dw's store has read its tile (dk's may still be pending)
-                    gl.thread_barrier()
-                _store_tile(dq.to(dtype), o16, dq_desc, dq_ptr + o_out, o_k, valid, row_t, o_col, full, TMA_OUT)
+                gl.store((dk_ptr + o_out)[:, None] + o_k, dk * scale + vds * l[:, None], mask=valid[:, None])
+                gl.store((dq_ptr + o_out)[:, None] + o_k, dq.to(dtype), mask=valid[:, None])
             else:  # (probe 2) everything but the stores of dw, dk and dq
                 a += gl.sum(dk * scale + vds * l[:, None] + dq + dw, 1)
 
@@ -200,15 +171,12 @@ def _consumer(do_s, vn_s, dvn_s, S_s, dS_s, q_s, k_s, dp_s, o16_s, o32_s, ready,
             dg += gl.where(rows == n - 1, tail, 0.0)
             gl.store(dg_ptr + J * n_rows.to(gl.int64) * HV + o_row * HV + i_hv, dg, mask=valid)
         it += 1
-    if TMA_OUT:
-        tma.store_wait(0)
 
 
 @gluon.jit
-def gdn_bwd_dqkw_ws_kernel(q_desc, k_desc, vn_desc, h_desc, dh_desc, do_desc, dvn_desc, dq_desc, dk_desc, dw_desc,
-                           gamma_ptr, dq_ptr, dk_ptr, dw_ptr, dg_ptr, T, NT, n_items, n_rows, scale, zero_i, H: gl.constexpr, HV: gl.constexpr,
-                           K: gl.constexpr, V: gl.constexpr, NQ: gl.constexpr, CONS_REGS: gl.constexpr, LOAD_REGS: gl.constexpr,
-                           TMA_OUT: gl.constexpr, PROBE: gl.constexpr = 0):
+def gdn_bwd_dqkw_ws_kernel(q_desc, k_desc, vn_desc, h_desc, dh_desc, do_desc, dvn_desc, gamma_ptr, dq_ptr, dk_ptr,
+                           dw_ptr, dg_ptr, T, NT, n_items, n_rows, scale, zero_i, H: gl.constexpr, HV: gl.constexpr,
+                           K: gl.constexpr, V: gl.constexpr, NQ: gl.constexpr, CONS_REGS: gl.constexpr, LOAD_REGS: gl.constexpr, PROBE: gl.constexpr = 0):
     gl.static_assert(K == 2 * BKH, "two consumer warpgroups of 64 K columns")
     STAGES: gl.constexpr = V // BV  # the ring holds one item's V-halves (constant slots)
     dtype: gl.constexpr = do_desc.dtype
@@ -221,12 +189,6 @@ def gdn_bwd_dqkw_ws_kernel(q_desc, k_desc, vn_desc, h_desc, dh_desc, do_desc, dv
     q_s = gl.allocate_shared_memory(dtype, [NQ, BT, K], q_desc.layout)
     k_s = gl.allocate_shared_memory(dtype, [NQ, BT, K], k_desc.layout)
     dp_s = gl.allocate_shared_memory(dtype, [2, BT, BT], dp_sl)
-    if TMA_OUT:
-        o16_s = gl.allocate_shared_memory(dtype, [2, BT, BKH], dq_desc.layout)  # per consumer: dw, then dq
-        o32_s = gl.allocate_shared_memory(gl.float32, [2, BT, BKH], dk_desc.layout)  # per consumer: dk
-    else:  # (unused)
-        o16_s = gl.allocate_shared_memory(dtype, [2, 8, 8], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-        o32_s = gl.allocate_shared_memory(gl.float32, [2, 8, 8], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     qk_ready = gl.allocate_shared_memory(gl.int64, [NQ, 1], mbarrier.MBarrierLayout())
@@ -238,10 +200,10 @@ def gdn_bwd_dqkw_ws_kernel(q_desc, k_desc, vn_desc, h_desc, dh_desc, do_desc, dv
         mbarrier.init(qk_ready.index(s), count=1)
         mbarrier.init(qk_empty.index(s), count=2)
     gl.warp_specialize([
-        (_consumer, (do_s, vn_s, dvn_s, S_s, dS_s, q_s, k_s, dp_s, o16_s, o32_s, ready, empty, qk_ready, qk_empty,
-                     gamma_ptr, dq_ptr, dk_ptr, dw_ptr, dg_ptr, dq_desc, dk_desc, dw_desc, n_items, NT, T, n_rows, scale, zero_i, 0, HV, K, V, STAGES, NQ, TMA_OUT, PROBE)),
-        (_consumer, (do_s, vn_s, dvn_s, S_s, dS_s, q_s, k_s, dp_s, o16_s, o32_s, ready, empty, qk_ready, qk_empty,
-                     gamma_ptr, dq_ptr, dk_ptr, dw_ptr, dg_ptr, dq_desc, dk_desc, dw_desc, n_items, NT, T, n_rows, scale, zero_i, 1, HV, K, V, STAGES, NQ, TMA_OUT, PROBE)),
+        (_consumer, (do_s, vn_s, dvn_s, S_s, dS_s, q_s, k_s, dp_s, ready, empty, qk_ready, qk_empty, gamma_ptr, dq_ptr,
+                     dk_ptr, dw_ptr, dg_ptr, n_items, NT, T, n_rows, scale, zero_i, 0, HV, K, V, STAGES, NQ, PROBE)),
+        (_consumer, (do_s, vn_s, dvn_s, S_s, dS_s, q_s, k_s, dp_s, ready, empty, qk_ready, qk_empty, gamma_ptr, dq_ptr,
+                     dk_ptr, dw_ptr, dg_ptr, n_items, NT, T, n_rows, scale, zero_i, 1, HV, K, V, STAGES, NQ, PROBE)),
         (_loader, (do_desc, vn_desc, dvn_desc, h_desc, dh_desc, q_desc, k_desc, do_s, vn_s, dvn_s, S_s, dS_s, q_s, k_s,
                    ready, empty, qk_ready, qk_empty, n_items, NT, T, H, HV, K, V, STAGES, NQ)),
     ], [4, 1], [CONS_REGS, LOAD_REGS])
@@ -253,7 +215,7 @@ def gdn_bwd_dqkw_ws_kernel(q_desc, k_desc, vn_desc, h_desc, dh_desc, do_desc, dv
         mbarrier.invalidate(qk_empty.index(s))
 
 
-DEFAULT_CFG = {"NQ": 1, "CONS_REGS": 240, "LOAD_REGS": 24, "TMA_OUT": 0}
+DEFAULT_CFG = {"NQ": 1, "CONS_REGS": 240, "LOAD_REGS": 24}
 
 
 def dqkw_ws(qn, kn, v_new, h, dh, do, dv_new, gamma, scale, *, cfg=None):
@@ -281,20 +243,15 @@ def dqkw_ws(qn, kn, v_new, h, dh, do, dv_new, gamma, scale, *, cfg=None):
            "dk_local": launch.new_output((B, T, HV, K), torch.float32, dev),
            "dw": launch.new_output((B, T, HV, K), qn.dtype, dev),
            "dgamma_local": launch.new_output((2, B, T, HV), torch.float32, dev)}
-    l_o16 = gl.NVMMASharedLayout.get_default_for([_BT, 64], g16)
-    l_o32 = gl.NVMMASharedLayout.get_default_for([_BT, 64], gl.float32)
-    dq_desc = TensorDescriptor.from_tensor(out["dq_hv"].view(B * T, HV * K), [_BT, 64], l_o16)
-    dk_desc = TensorDescriptor.from_tensor(out["dk_local"].view(B * T, HV * K), [_BT, 64], l_o32)
-    dw_desc = TensorDescriptor.from_tensor(out["dw"].view(B * T, HV * K), [_BT, 64], l_o16)
     n_items = B * NT * HV
     e = qn.element_size()
     launch.launch(
         "gated_delta_rule_bwd_dqkw_ws", gdn_bwd_dqkw_ws_kernel, (min(n_items, _runtime.num_sms()),),
-        q_desc, k_desc, vn_desc, h_desc, dh_desc, do_desc, dvn_desc, dq_desc, dk_desc, dw_desc, gamma, out["dq_hv"], out["dk_local"], out["dw"],
+        q_desc, k_desc, vn_desc, h_desc, dh_desc, do_desc, dvn_desc, gamma, out["dq_hv"], out["dk_local"], out["dw"],
         out["dgamma_local"], T, NT, n_items, B * T, scale, 0,
         nbytes=B * T * (2 * H * K * e + 3 * HV * V * e + HV * 4 + HV * K * (2 * e + 4) + 2 * HV * 4)
         + 2 * h.numel() * e,
         H=H, HV=HV, K=K, V=V, NQ=cfg["NQ"], CONS_REGS=cfg["CONS_REGS"],
-        LOAD_REGS=cfg["LOAD_REGS"], TMA_OUT=bool(cfg["TMA_OUT"]), PROBE=cfg.get("PROBE", 0), num_warps=4,
+        LOAD_REGS=cfg["LOAD_REGS"], PROBE=cfg.get("PROBE", 0), num_warps=4,
     )
     return out
