@@ -78,12 +78,13 @@ def main():
     ap.add_argument("--json")
     ap.add_argument("--no-time", action="store_true")
     ap.add_argument("--check-first", action="store_true", help="check the first config only")
+    ap.add_argument("--small", action="store_true", help="check the small shapes only (for compute-sanitizer)")
     a = ap.parse_args()
     cfgs = json.loads(a.cfgs)
     res = {"check": [], "time": []}
     ok = True
     for cfg in [c for c in cfgs if not c.get("PROBE")][:1 if a.check_first else None]:
-        for shp in SMALL + SHAPES[1:2]:
+        for shp in SMALL + ([] if a.small else SHAPES[1:2]):
             for dt in (torch.bfloat16, torch.float16):
                 if shp in SHAPES and dt == torch.float16:
                     continue

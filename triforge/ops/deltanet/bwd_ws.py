@@ -90,7 +90,6 @@ def _consumer(do_s, vn_s, dvn_s, S_s, dS_s, q_s, k_s, dp_s, ready, empty, qk_rea
     k0: gl.constexpr = J * BKH
     rows = gl.arange(0, BT, layout=row_l)
     cols = gl.arange(0, BT, layout=gl.SliceLayout(0, acc_l))  # dP's columns, and this warpgroup's K columns - k0
-    zero = gl.zeros([BT, BKH], gl.float32, acc_l)
     it = 0
     for item in range(gl.program_id(0), n_items, gl.num_programs(0)):
         # z = 0 (zero_i is the host's 0), but the compiler cannot tell and it changes with the item: the shared-memory
@@ -107,10 +106,10 @@ def _consumer(do_s, vn_s, dvn_s, S_s, dS_s, q_s, k_s, dp_s, ready, empty, qk_rea
         g_col = gl.load(g_base + cols * HV, mask=cols < n, other=0.0)
         g_last = gl.load(g_base + (n - 1) * HV)
 
-        dos = zero  # dO S^T
-        vds = zero  # v_new dS'^T
-        dw = zero  # dv_new S^T
-        dp = zero  # dO v_new^T
+        dos = gl.zeros([BT, BKH], gl.float32, acc_l)  # dO S^T
+        vds = gl.zeros([BT, BKH], gl.float32, acc_l)  # v_new dS'^T
+        dw = gl.zeros([BT, BKH], gl.float32, acc_l)  # dv_new S^T
+        dp = gl.zeros([BT, BKH], gl.float32, acc_l)  # dO v_new^T
         sds = gl.zeros([16], gl.float32, gl.SliceLayout(1, blk_l))  # sum(S * dS'), partial sums by row
         for j in gl.static_range(NVB):
             mbarrier.wait(ready.index(j), it & 1)
@@ -144,7 +143,7 @@ def _consumer(do_s, vn_s, dvn_s, S_s, dS_s, q_s, k_s, dp_s, ready, empty, qk_rea
             mbarrier.wait(qk_ready.index(qb), (it // NQ) & 1)
             q_op = q_s.index(qb + z).slice(k0, BKH, dim=1)  # [64 rows, 64 K columns]
             k_op = k_s.index(qb + z).slice(k0, BKH, dim=1)
-            qk = warpgroup_mma(q_op, k_op.permute((1, 0)), zero, use_acc=False, is_async=True)
+            qk = warpgroup_mma(q_op, k_op.permute((1, 0)), gl.zeros([BT, BT], gl.float32, acc_l), use_acc=False, is_async=True)
             keep = (rows[:, None] >= cols[None, :]) & valid[:, None]
             dp = gl.where(keep, dp * gl.exp(gl.where(keep, g_row[:, None] - g_col[None, :], float("-inf"))), 0.0)
             dpc = dp.to(dtype)
@@ -154,7 +153,7 @@ def _consumer(do_s, vn_s, dvn_s, S_s, dS_s, q_s, k_s, dp_s, ready, empty, qk_rea
             dp_op.store(dpc)
             fence_async_shared()
             gl.thread_barrier()
-            dk = warpgroup_mma(dp_op.permute((1, 0)), q_op, zero, use_acc=False, is_async=True)
+            dk = warpgroup_mma(dp_op.permute((1, 0)), q_op, gl.zeros([BT, BKH], gl.float32, acc_l), use_acc=False, is_async=True)
             qk, dq, dk = warpgroup_mma_wait(0, deps=[qk, dq, dk])
             l = gl.exp(gl.where(valid, g_last - g_row, float("-inf")))
             a = gl.where(valid, l * gl.sum(k_op.load(acc_l).to(gl.float32) * vds, 1), 0.0)

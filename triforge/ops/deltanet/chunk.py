@@ -568,6 +568,22 @@ GLUON_CFGS = {
 }
 
 
+def gluon_on(x):
+    """Whether the Gluon kernels may take a launch on ``x``'s device: compiled sm90 launches of 16-bit tensors,
+    unless ``TRIFORGE_DELTANET_GLUON=0``."""
+    flag = os.environ.get(GLUON_ENV, "1")
+    if flag not in ("0", "1"):
+        raise ValueError(f"{GLUON_ENV} must be 0 or 1, got {flag!r}")
+    if flag == "0" or _runtime.INTERPRET or not x.is_cuda or _runtime.arch() != "sm90":
+        return False
+    return x.dtype in (torch.float16, torch.bfloat16)
+
+
+def tma_ready(*tensors):
+    """Contiguous and 16-byte aligned: what a TMA descriptor over the tensor needs."""
+    return all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in tensors)
+
+
 def gluon_config(q, K, V, nh, initial_state=None, l2norm=True):
     """The launch config of fused_ws.py's warp-specialized Gluon recurrence + output where it takes a forward that
     keeps nothing for a backward, else None: compiled sm90 launches of 16-bit contiguous inputs at K = 128 and V a
@@ -575,14 +591,9 @@ def gluon_config(q, K, V, nh, initial_state=None, l2norm=True):
     Measured (benchmarks/NOTES.md, session 40): 32-column V-blocks with the loader warpgroup taking q's row norms
     (L2NORM 3) while those programs fit in one wave (nh V / 32 <= SMs: (1, 32768, 16, 32), (1, 8192, 32, 32)), else
     64-column V-blocks with q normalised in its ring slot ((8, 4096, 16, 32), (4, 8192, 16, 16))."""
-    flag = os.environ.get(GLUON_ENV, "1")
-    if flag not in ("0", "1"):
-        raise ValueError(f"{GLUON_ENV} must be 0 or 1, got {flag!r}")
-    if flag == "0" or _runtime.INTERPRET or not q.is_cuda or _runtime.arch() != "sm90":
+    if not gluon_on(q) or K != 128 or V % 64 != 0:
         return None
-    if q.dtype not in (torch.float16, torch.bfloat16) or K != 128 or V % 64 != 0:
-        return None
-    if not q.is_contiguous() or q.data_ptr() % 16:  # q is read by TMA (w, u and kn are the intra kernel's)
+    if not tma_ready(q):  # q is read by TMA (w, u and kn are the intra kernel's)
         return None
     if initial_state is not None and (initial_state.dtype != torch.float32 or not initial_state.is_contiguous()):
         return None

@@ -71,6 +71,8 @@ from triforge.ops.deltanet.chunk import (
     _varlen_ptrs,
     check_kernel_dims,
     chunk_fwd_h,
+    gluon_on,
+    tma_ready,
     chunk_fwd_intra,
     pad_last,
     pad_state,
@@ -552,12 +554,28 @@ def chunk_bwd_dh(qn, kn, w, gamma, do, dht, scale, *, varlen=None, store_dh0=Tru
     return dh, dv_new, dh0
 
 
+def dqkw_ws_ok(qn, kn, v_new, h, dh, do, dv_new, varlen=None):
+    """Whether kernel 2 runs as bwd_ws.py's persistent warp-specialized Gluon kernel: compiled sm90 launches of
+    16-bit tensors (``chunk.gluon_on``), dense sequences, K = V = 128, every tile it reads by TMA contiguous and
+    16-byte aligned. Measured on an H200 (benchmarks/NOTES.md, session 42): 1.25-1.6x the Triton kernel at the bench
+    shapes."""
+    K, V = qn.shape[3], do.shape[3]
+    return (varlen is None and K == 128 and V == 128 and gluon_on(qn)
+            and all(t.dtype == qn.dtype for t in (kn, v_new, h, dh, do, dv_new))
+            and tma_ready(qn, kn, v_new, h, dh, do, dv_new))
+
+
 def chunk_bwd_dqkw(qn, kn, v_new, h, dh, do, dv_new, gamma, scale, *, varlen=None, cfg=None):
     """Kernel 2: dict dq_hv, dw [B, T, HV, K] (input dtype), dk_local [B, T, HV, K] fp32 and
-    dgamma_local [K / BK, B, T, HV] fp32 (one partial sum per K-block)."""
+    dgamma_local [K / BK, B, T, HV] fp32 (one partial sum per K-block); bwd_ws.dqkw_ws where ``dqkw_ws_ok``
+    (unless a ``cfg`` is given: the tuner's), with two partial sums (one per consumer warpgroup)."""
     B, T, H, K = qn.shape
     HV, V = do.shape[2], do.shape[3]
     check_kernel_dims(K, V)
+    if cfg is None and gamma.is_contiguous() and dqkw_ws_ok(qn, kn, v_new, h, dh, do, dv_new, varlen):
+        from triforge.ops.deltanet import bwd_ws  # (Gluon: imported only where it runs)
+
+        return bwd_ws.dqkw_ws(qn, kn, v_new, h, dh, do, dv_new, gamma, scale)
     cfg = cfg or bwd_config("gated_delta_rule_bwd_dqkw", K, V, qn.dtype)
     dev = qn.device
     n_b, n_c = _n_chunks(T, varlen, B)
