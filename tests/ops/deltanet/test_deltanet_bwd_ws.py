@@ -77,7 +77,7 @@ def test_gpu_gluon_and_triton_dqkw_agree(shape, monkeypatch, gen):
         tr = chunk_bwd.chunk_bwd_dqkw(*args, cfg=chunk_bwd.bwd_config("gated_delta_rule_bwd_dqkw", 128, 128,
                                                                       torch.bfloat16))
     assert len(calls) == 1
-    assert ws["dgamma_local"].shape[0] == 2 and tr["dgamma_local"].shape[0] == 2  # BK 64 there: two partials too
+    assert ws["dgamma_local"].shape[0] == 2  # one partial per consumer warpgroup (the Triton kernel: per K-block)
     for n in ("dq_hv", "dw"):
         assert ws[n].isfinite().all(), n
         diff = (ws[n].float() - tr[n].float()).abs()
