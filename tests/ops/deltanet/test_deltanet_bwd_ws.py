@@ -111,15 +111,12 @@ def test_dqkw_ws_refuses_where_it_cannot_run(monkeypatch):
 
 
 _SM90_DQKW = r"""
-import json, os, re, subprocess, sys, tempfile
+import json, os, sys
 os.environ["TRITON_INTERPRET"] = "0"
-import triton
-from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon._runtime import GluonASTSource
 from triforge.ops.deltanet import bwd_ws as W
+from tests.ops.deltanet.gluon_compile import compile_sm90
 
-BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 rows = []
 for case in json.loads(sys.argv[1]):
     dt = case["dtype"]
@@ -127,7 +124,6 @@ for case in json.loads(sys.argv[1]):
     lqk = gl.NVMMASharedLayout.get_default_for([64, 128], g)
     lv = gl.NVMMASharedLayout.get_default_for([64, 64], g)
     lh = gl.NVMMASharedLayout.get_default_for([128, 64], g)
-    fn = W.gdn_bwd_dqkw_ws_kernel
     cfg = W.DEFAULT_CFG
     consts = dict(H=2, HV=case["HV"], K=128, V=128, NQ=cfg["NQ"], CONS_REGS=cfg["CONS_REGS"],
                   LOAD_REGS=cfg["LOAD_REGS"], PROBE=0)
@@ -135,18 +131,8 @@ for case in json.loads(sys.argv[1]):
     types.update({n: f"tensordesc<{dt}[64, 64],{lv!r}>" for n in ("vn_desc", "do_desc", "dvn_desc")})
     types.update({n: f"tensordesc<{dt}[128, 64],{lh!r}>" for n in ("h_desc", "dh_desc")})
     types.update(gamma_ptr="*fp32", dq_ptr=f"*{dt}", dk_ptr="*fp32", dw_ptr=f"*{dt}", dg_ptr="*fp32", scale="fp32")
-    sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
-    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]]
-             for n in ("gamma_ptr", "dq_ptr", "dk_ptr", "dw_ptr", "dg_ptr")}
-    k = triton.compile(GluonASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
-                       options={"num_warps": 4})
-    with tempfile.TemporaryDirectory() as d:
-        open(os.path.join(d, "k.ptx"), "w").write(k.asm["ptx"])
-        v = subprocess.run([os.path.join(BIN, "ptxas"), "-v", "-arch=sm_90a", os.path.join(d, "k.ptx"), "-o",
-                            os.path.join(d, "o.cubin")], capture_output=True, text=True).stderr
-    rows.append(dict(case, shared=k.metadata.shared, serialized="C7515" in v,
-                     spills=int(re.search(r"(\d+) bytes spill stores", v).group(1)),
-                     wgmma=k.asm["ptx"].count("wgmma.mma_async")))
+    rows.append(dict(case, **compile_sm90(W.gdn_bwd_dqkw_ws_kernel, types, consts,
+                                          ("gamma_ptr", "dq_ptr", "dk_ptr", "dw_ptr", "dg_ptr"))))
 print("RESULT" + json.dumps(rows))
 """
 

@@ -137,39 +137,26 @@ def test_gluon_config_refuses_where_it_cannot_run(monkeypatch):
 
 
 _SM90_WS = r"""
-import json, os, re, subprocess, sys, tempfile
+import json, os, sys
 os.environ["TRITON_INTERPRET"] = "0"
-import triton
-from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon._runtime import GluonASTSource
 from triforge.ops.deltanet import fused_ws as W
+from tests.ops.deltanet.gluon_compile import compile_sm90
 
-BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 rows = []
 for case in json.loads(sys.argv[1]):
     cfg, dt = case["cfg"], case["dtype"]
     bv = cfg["BV"]
     g = gl.bfloat16 if dt == "bf16" else gl.float16
     lk, lv = gl.NVMMASharedLayout.get_default_for([64, 128], g), gl.NVMMASharedLayout.get_default_for([64, bv], g)
-    fn = W.gdn_fwd_ws_kernel
     consts = dict(H=2, HV=4, K=128, V=128, BV=bv, STAGES=cfg["STAGES"], NB=cfg["NB"], L2NORM=cfg["L2NORM"],
                   USE_H0=case["h0"], STORE_FINAL=True, VARLEN=case["varlen"], FTZ=bool(cfg["FTZ"]),
                   OUT_REGS=cfg["OUT_REGS"], LOAD_REGS=cfg["LOAD_REGS"], LOAD_WARPS=4 if cfg["L2NORM"] == 3 else 1)
     types = {n: f"tensordesc<{dt}[64, 128],{lk!r}>" for n in ("w_desc", "k_desc", "q_desc")}
     types.update(u_desc=f"tensordesc<{dt}[64, {bv}],{lv!r}>", gamma_ptr="*fp32", h0_ptr="*fp32", ht_ptr="*fp32",
                  o_ptr=f"*{dt}", cu_ptr="*i32", scale="fp32")
-    sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
-    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in ("gamma_ptr", "h0_ptr", "ht_ptr", "o_ptr")}
-    k = triton.compile(GluonASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
-                       options={"num_warps": 4})
-    with tempfile.TemporaryDirectory() as d:
-        open(os.path.join(d, "k.ptx"), "w").write(k.asm["ptx"])
-        v = subprocess.run([os.path.join(BIN, "ptxas"), "-v", "-arch=sm_90a", os.path.join(d, "k.ptx"), "-o",
-                            os.path.join(d, "o.cubin")], capture_output=True, text=True).stderr
-    rows.append(dict(case, shared=k.metadata.shared, serialized="C7515" in v,
-                     spills=int(re.search(r"(\d+) bytes spill stores", v).group(1)),
-                     wgmma=k.asm["ptx"].count("wgmma.mma_async")))
+    rows.append(dict(case, **compile_sm90(W.gdn_fwd_ws_kernel, types, consts,
+                                          ("gamma_ptr", "h0_ptr", "ht_ptr", "o_ptr"))))
 print("RESULT" + json.dumps(rows))
 """
 
