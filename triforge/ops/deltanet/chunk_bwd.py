@@ -559,8 +559,9 @@ def dqkw_ws_ok(qn, kn, v_new, h, dh, do, dv_new, varlen=None):
     16-bit tensors (``chunk.gluon_on``), dense sequences, K = V = 128, every tile it reads by TMA contiguous and
     16-byte aligned. Measured on an H200 (benchmarks/NOTES.md, session 42): 1.25-1.6x the Triton kernel at the bench
     shapes."""
-    K, V = qn.shape[3], do.shape[3]
-    return (varlen is None and K == 128 and V == 128 and gluon_on(qn)
+    B, T, _, K = qn.shape
+    V = do.shape[3]
+    return (varlen is None and B * T > 0 and K == 128 and V == 128 and gluon_on(qn)
             and all(t.dtype == qn.dtype for t in (kn, v_new, h, dh, do, dv_new))
             and tma_ready(qn, kn, v_new, h, dh, do, dv_new))
 
