@@ -1,6 +1,6 @@
-"""The backward's dqkw stage as a persistent warp-specialized Gluon kernel for Hopper (``triforge.ops.deltanet.bwd_ws``),
-which ``chunk_bwd.chunk_bwd_dqkw`` takes where ``chunk_bwd.dqkw_ws_ok`` says so (compiled sm90 launches, dense
-sequences, K = V = 128, 16-bit tensors ready for TMA).
+"""The backward's dqkw stage as a persistent warp-specialized Gluon kernel for Hopper
+(``triforge.ops.deltanet.bwd_ws``), which ``chunk_bwd.chunk_bwd_dqkw`` takes where ``chunk_bwd.dqkw_ws_ok`` says so
+(compiled sm90 launches, dense sequences, K = V = 128, 16-bit tensors ready for TMA).
 
 On the H100 / H200 (``gpu``): the backward's stages (dq_hv, dk_local, dw, dgamma_local and all that follow) against
 the float64 reference with the Gluon kernel taking stage 2 (a spy asserts it ran), at awkward lengths (T < 64, a

@@ -6,12 +6,15 @@ value head): it loads its tiles, runs a handful of small products and stores, tw
 overlap a program's loads but the other program (measured ~2x its byte floor, latency-bound: benchmarks/NOTES.md,
 sessions 31-33). Here one program per SM walks the (chunk, value head) items; three partitions:
 
-- a loader warp: per item, the q and k tiles [64, K] (ring of NQ) and, per 64-column V-half, dO, v_new, dv_new
-  [64, 64] and the state S and its gradient dS [K, 64] (ring of STAGES), by TMA, each slot refilled once both
-  consumers released it;
+- a loader warp: per item, for each 64-column V-half, dO, v_new, dv_new [64, 64] and the state S and its gradient
+  dS [K, 64] (a ring of one item's V-halves: slot j holds V-half j), then the q and k tiles [64, K] (ring of NQ:
+  they are read last, so their slot's wait does not hold the next item's V-halves back), by TMA, each slot refilled
+  once both consumers released it;
 - two consumer warpgroups, warpgroup j owning K columns [64 j, 64 j + 64] of the item (the Triton kernel's K-block of
   64): dO S^T, v_new dS'^T, dv_new S^T and dP = dO v_new^T (wgmma over the V-halves), then dq_hv, dk_local, dw and
   its partial dgamma_local, stored by row. dP is formed by both warpgroups (as by every K-block of the Triton kernel).
+  The consumers' shared-memory indices carry a zero the compiler cannot see through (``zero_i``), so their wgmma
+  descriptors are formed in the loop rather than hoisted and spilled (benchmarks/NOTES.md, session 42).
 
 The math and rounding points are the Triton kernel's (its docstring and ``reference.py``): dP decayed in fp32 and cast
 to the input dtype for dq = dP K + diag(e) dO S^T and dk = scale dP^T Q + diag(l) v_new dS'^T; M = dP * (Q K^T) scale
@@ -38,7 +41,8 @@ BKH = gl.constexpr(64)  # K columns per consumer warpgroup
 
 @gluon.jit
 def _item(item, NT, HV: gl.constexpr):
-    """(batch, chunk, value head) of item ``item`` (value heads fastest: a group's q / k tiles are read back to back)."""
+    """(batch, chunk, value head) of item ``item`` (value heads fastest: a group's q / k tiles are read back to
+    back)."""
     i_hv = item % HV
     r = item // HV
     return r // NT, r % NT, i_hv
@@ -143,7 +147,8 @@ def _consumer(do_s, vn_s, dvn_s, S_s, dS_s, q_s, k_s, dp_s, ready, empty, qk_rea
             mbarrier.wait(qk_ready.index(qb), (it // NQ) & 1)
             q_op = q_s.index(qb + z).slice(k0, BKH, dim=1)  # [64 rows, 64 K columns]
             k_op = k_s.index(qb + z).slice(k0, BKH, dim=1)
-            qk = warpgroup_mma(q_op, k_op.permute((1, 0)), gl.zeros([BT, BT], gl.float32, acc_l), use_acc=False, is_async=True)
+            qk = warpgroup_mma(q_op, k_op.permute((1, 0)), gl.zeros([BT, BT], gl.float32, acc_l), use_acc=False,
+                               is_async=True)
             keep = (rows[:, None] >= cols[None, :]) & valid[:, None]
             dp = gl.where(keep, dp * gl.exp(gl.where(keep, g_row[:, None] - g_col[None, :], float("-inf"))), 0.0)
             dpc = dp.to(dtype)
@@ -153,7 +158,8 @@ def _consumer(do_s, vn_s, dvn_s, S_s, dS_s, q_s, k_s, dp_s, ready, empty, qk_rea
             dp_op.store(dpc)
             fence_async_shared()
             gl.thread_barrier()
-            dk = warpgroup_mma(dp_op.permute((1, 0)), q_op, gl.zeros([BT, BKH], gl.float32, acc_l), use_acc=False, is_async=True)
+            dk = warpgroup_mma(dp_op.permute((1, 0)), q_op, gl.zeros([BT, BKH], gl.float32, acc_l), use_acc=False,
+                               is_async=True)
             qk, dq, dk = warpgroup_mma_wait(0, deps=[qk, dq, dk])
             l = gl.exp(gl.where(valid, g_last - g_row, float("-inf")))
             a = gl.where(valid, l * gl.sum(k_op.load(acc_l).to(gl.float32) * vds, 1), 0.0)
@@ -175,7 +181,8 @@ def _consumer(do_s, vn_s, dvn_s, S_s, dS_s, q_s, k_s, dp_s, ready, empty, qk_rea
 @gluon.jit
 def gdn_bwd_dqkw_ws_kernel(q_desc, k_desc, vn_desc, h_desc, dh_desc, do_desc, dvn_desc, gamma_ptr, dq_ptr, dk_ptr,
                            dw_ptr, dg_ptr, T, NT, n_items, n_rows, scale, zero_i, H: gl.constexpr, HV: gl.constexpr,
-                           K: gl.constexpr, V: gl.constexpr, NQ: gl.constexpr, CONS_REGS: gl.constexpr, LOAD_REGS: gl.constexpr, PROBE: gl.constexpr = 0):
+                           K: gl.constexpr, V: gl.constexpr, NQ: gl.constexpr, CONS_REGS: gl.constexpr,
+                           LOAD_REGS: gl.constexpr, PROBE: gl.constexpr = 0):
     gl.static_assert(K == 2 * BKH, "two consumer warpgroups of 64 K columns")
     STAGES: gl.constexpr = V // BV  # the ring holds one item's V-halves (constant slots)
     dtype: gl.constexpr = do_desc.dtype
