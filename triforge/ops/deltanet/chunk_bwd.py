@@ -71,13 +71,13 @@ from triforge.ops.deltanet.chunk import (
     _varlen_ptrs,
     check_kernel_dims,
     chunk_fwd_h,
-    gluon_on,
-    tma_ready,
     chunk_fwd_intra,
+    gluon_on,
     pad_last,
     pad_state,
     padded_dims,
     prepare_varlen,
+    tma_ready,
     unpad,
 )
 
@@ -557,7 +557,7 @@ def chunk_bwd_dh(qn, kn, w, gamma, do, dht, scale, *, varlen=None, store_dh0=Tru
 def dqkw_ws_ok(qn, kn, v_new, h, dh, do, dv_new, varlen=None):
     """Whether kernel 2 runs as bwd_ws.py's persistent warp-specialized Gluon kernel: compiled sm90 launches of
     16-bit tensors (``chunk.gluon_on``), dense sequences, K = V = 128, every tile it reads by TMA contiguous and
-    16-byte aligned. Measured on an H200 (benchmarks/NOTES.md, session 42): 1.25-1.6x the Triton kernel at the bench
+    16-byte aligned. Measured on an H200 (benchmarks/NOTES.md, session 42): 1.24-1.64x the Triton kernel at the bench
     shapes."""
     B, T, _, K = qn.shape
     V = do.shape[3]
