@@ -84,7 +84,8 @@ def _loader(do_desc, vn_desc, dvn_desc, h_desc, dh_desc, q_desc, k_desc, do_s, v
 @gluon.jit
 def _consumer(do_s, vn_s, dvn_s, S_s, dS_s, q_s, k_s, dp_s, ready, empty, qk_ready, qk_empty, gamma_ptr, dq_ptr,
               dk_ptr, dw_ptr, dg_ptr, n_items, NT, T, n_rows, scale, zero_i, J: gl.constexpr, HV: gl.constexpr,
-              K: gl.constexpr, V: gl.constexpr, STAGES: gl.constexpr, NQ: gl.constexpr, PROBE: gl.constexpr = 0):
+              K: gl.constexpr, V: gl.constexpr, STAGES: gl.constexpr, NQ: gl.constexpr, FOLD_A: gl.constexpr,
+              PROBE: gl.constexpr = 0):
     acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=2)
     blk_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # (a [16, 64] tile: 8 per thread)
@@ -171,9 +172,15 @@ def _consumer(do_s, vn_s, dvn_s, S_s, dS_s, q_s, k_s, dp_s, ready, empty, qk_rea
                 a += gl.sum(dk * scale + vds * l[:, None] + dq + dw, 1)
 
             m = dp * qk * scale
-            dg = e * q_dos * scale + gl.sum(m, 1) - gl.convert_layout(gl.sum(m, 0), row_l) - a
-            tail = gl.sum(a, 0) + gl.exp(g_last) * gl.sum(sds, 0)
-            dg += gl.where(rows == n - 1, tail, 0.0)
+            if FOLD_A:  # (unmeasured variant) -a_i in column n - 1 of row i: the row sums give the -a term, the column
+                # sum of column n - 1 gives the last row's +sum(a), without a reduction of its own
+                m = m - gl.where(cols[None, :] == n - 1, a[:, None], 0.0)
+                dg = e * q_dos * scale + gl.sum(m, 1) - gl.convert_layout(gl.sum(m, 0), row_l)
+                dg += gl.where(rows == n - 1, gl.exp(g_last) * gl.sum(sds, 0), 0.0)
+            else:
+                dg = e * q_dos * scale + gl.sum(m, 1) - gl.convert_layout(gl.sum(m, 0), row_l) - a
+                tail = gl.sum(a, 0) + gl.exp(g_last) * gl.sum(sds, 0)
+                dg += gl.where(rows == n - 1, tail, 0.0)
             gl.store(dg_ptr + J * n_rows.to(gl.int64) * HV + o_row * HV + i_hv, dg, mask=valid)
         it += 1
 
@@ -182,7 +189,7 @@ def _consumer(do_s, vn_s, dvn_s, S_s, dS_s, q_s, k_s, dp_s, ready, empty, qk_rea
 def gdn_bwd_dqkw_ws_kernel(q_desc, k_desc, vn_desc, h_desc, dh_desc, do_desc, dvn_desc, gamma_ptr, dq_ptr, dk_ptr,
                            dw_ptr, dg_ptr, T, NT, n_items, n_rows, scale, zero_i, H: gl.constexpr, HV: gl.constexpr,
                            K: gl.constexpr, V: gl.constexpr, NQ: gl.constexpr, CONS_REGS: gl.constexpr,
-                           LOAD_REGS: gl.constexpr, PROBE: gl.constexpr = 0):
+                           LOAD_REGS: gl.constexpr, FOLD_A: gl.constexpr = False, PROBE: gl.constexpr = 0):
     gl.static_assert(K == 2 * BKH, "two consumer warpgroups of 64 K columns")
     STAGES: gl.constexpr = V // BV  # the ring holds one item's V-halves (constant slots)
     dtype: gl.constexpr = do_desc.dtype
@@ -207,9 +214,11 @@ def gdn_bwd_dqkw_ws_kernel(q_desc, k_desc, vn_desc, h_desc, dh_desc, do_desc, dv
         mbarrier.init(qk_empty.index(s), count=2)
     gl.warp_specialize([
         (_consumer, (do_s, vn_s, dvn_s, S_s, dS_s, q_s, k_s, dp_s, ready, empty, qk_ready, qk_empty, gamma_ptr, dq_ptr,
-                     dk_ptr, dw_ptr, dg_ptr, n_items, NT, T, n_rows, scale, zero_i, 0, HV, K, V, STAGES, NQ, PROBE)),
+                     dk_ptr, dw_ptr, dg_ptr, n_items, NT, T, n_rows, scale, zero_i, 0, HV, K, V, STAGES, NQ, FOLD_A,
+                     PROBE)),
         (_consumer, (do_s, vn_s, dvn_s, S_s, dS_s, q_s, k_s, dp_s, ready, empty, qk_ready, qk_empty, gamma_ptr, dq_ptr,
-                     dk_ptr, dw_ptr, dg_ptr, n_items, NT, T, n_rows, scale, zero_i, 1, HV, K, V, STAGES, NQ, PROBE)),
+                     dk_ptr, dw_ptr, dg_ptr, n_items, NT, T, n_rows, scale, zero_i, 1, HV, K, V, STAGES, NQ, FOLD_A,
+                     PROBE)),
         (_loader, (do_desc, vn_desc, dvn_desc, h_desc, dh_desc, q_desc, k_desc, do_s, vn_s, dvn_s, S_s, dS_s, q_s, k_s,
                    ready, empty, qk_ready, qk_empty, n_items, NT, T, H, HV, K, V, STAGES, NQ)),
     ], [4, 1], [CONS_REGS, LOAD_REGS])
@@ -221,7 +230,7 @@ def gdn_bwd_dqkw_ws_kernel(q_desc, k_desc, vn_desc, h_desc, dh_desc, do_desc, dv
         mbarrier.invalidate(qk_empty.index(s))
 
 
-DEFAULT_CFG = {"NQ": 1, "CONS_REGS": 240, "LOAD_REGS": 24}
+DEFAULT_CFG = {"NQ": 1, "CONS_REGS": 240, "LOAD_REGS": 24, "FOLD_A": 0}
 
 
 def dqkw_ws(qn, kn, v_new, h, dh, do, dv_new, gamma, scale, *, cfg=None):
@@ -258,6 +267,7 @@ def dqkw_ws(qn, kn, v_new, h, dh, do, dv_new, gamma, scale, *, cfg=None):
         nbytes=B * T * (2 * H * K * e + 3 * HV * V * e + HV * 4 + HV * K * (2 * e + 4) + 2 * HV * 4)
         + 2 * h.numel() * e,
         H=H, HV=HV, K=K, V=V, NQ=cfg["NQ"], CONS_REGS=cfg["CONS_REGS"],
-        LOAD_REGS=cfg["LOAD_REGS"], PROBE=cfg.get("PROBE", 0), num_warps=4,
+        LOAD_REGS=cfg["LOAD_REGS"], FOLD_A=bool(cfg["FOLD_A"]), PROBE=cfg.get("PROBE", 0),
+        num_warps=4,
     )
     return out
