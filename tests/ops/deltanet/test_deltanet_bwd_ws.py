@@ -126,7 +126,7 @@ for case in json.loads(sys.argv[1]):
     lh = gl.NVMMASharedLayout.get_default_for([128, 64], g)
     cfg = W.DEFAULT_CFG
     consts = dict(H=2, HV=case["HV"], K=128, V=128, NQ=cfg["NQ"], CONS_REGS=cfg["CONS_REGS"],
-                  LOAD_REGS=cfg["LOAD_REGS"], FOLD_A=bool(case.get("FOLD_A", cfg["FOLD_A"])), PROBE=0)
+                  LOAD_REGS=cfg["LOAD_REGS"], FOLD_A=int(case.get("FOLD_A", cfg["FOLD_A"])), PROBE=0)
     types = {n: f"tensordesc<{dt}[64, 128],{lqk!r}>" for n in ("q_desc", "k_desc")}
     types.update({n: f"tensordesc<{dt}[64, 64],{lv!r}>" for n in ("vn_desc", "do_desc", "dvn_desc")})
     types.update({n: f"tensordesc<{dt}[128, 64],{lh!r}>" for n in ("h_desc", "dh_desc")})
@@ -144,10 +144,11 @@ SPILL_BOUND = 160
 def test_dqkw_ws_kernel_compiles_for_sm90():
     """The kernel as ptxas builds it for sm90a (no GPU here): within the 227 KB of shared memory, wgmma kept
     asynchronous (C7515 not raised), spills held at their measured bound; bf16 and fp16, grouped heads or not, and the
-    FOLD_A variant (24 bytes of spills)."""
+    FOLD_A variants (24 and 64 bytes of spills)."""
     from tests.ops.attention.test_flash_attn import _sm90_compile
 
-    cases = [dict(dtype="bf16", HV=4), dict(dtype="fp16", HV=2), dict(dtype="bf16", HV=4, FOLD_A=1)]
+    cases = [dict(dtype="bf16", HV=4), dict(dtype="fp16", HV=2), dict(dtype="bf16", HV=4, FOLD_A=1),
+             dict(dtype="bf16", HV=4, FOLD_A=2)]
     for r in _sm90_compile(cases, _SM90_DQKW):
         assert r["shared"] <= 227 * 1024 and not r["serialized"] and r["wgmma"] > 0, r
         assert r["spills"] <= SPILL_BOUND, r

@@ -116,6 +116,7 @@ def _consumer(do_s, vn_s, dvn_s, S_s, dS_s, q_s, k_s, dp_s, ready, empty, qk_rea
         dw = gl.zeros([BT, BKH], gl.float32, acc_l)  # dv_new S^T
         dp = gl.zeros([BT, BKH], gl.float32, acc_l)  # dO v_new^T
         sds = gl.zeros([16], gl.float32, gl.SliceLayout(1, blk_l))  # sum(S * dS'), partial sums by row
+        svec = gl.zeros([BKH], gl.float32, row_l)  # (FOLD_A 2) sum(S * dS') by K row, in the accumulators' row layout
         for j in gl.static_range(NVB):
             mbarrier.wait(ready.index(j), it & 1)
             s_op = S_s.index(j + z).slice(k0, BKH, dim=0)  # [64 K rows, 64 V columns]
@@ -124,9 +125,12 @@ def _consumer(do_s, vn_s, dvn_s, S_s, dS_s, q_s, k_s, dp_s, ready, empty, qk_rea
             vds = warpgroup_mma(vn_s.index(j + z), ds_op.permute((1, 0)), vds, use_acc=j > 0, is_async=True)
             dw = warpgroup_mma(dvn_s.index(j + z), s_op.permute((1, 0)), dw, use_acc=j > 0, is_async=True)
             dp = warpgroup_mma(do_s.index(j + z), vn_s.index(j + z).permute((1, 0)), dp, use_acc=j > 0, is_async=True)
-            for r in gl.static_range(BKH // 16):  # (16 rows at a time: few live registers)
-                sds += gl.sum(s_op.slice(16 * r, 16, dim=0).load(blk_l).to(gl.float32)
-                              * ds_op.slice(16 * r, 16, dim=0).load(blk_l).to(gl.float32), 1)
+            if FOLD_A == 2:
+                svec += gl.sum(s_op.load(acc_l).to(gl.float32) * ds_op.load(acc_l).to(gl.float32), 1)
+            else:
+                for r in gl.static_range(BKH // 16):  # (16 rows at a time: few live registers)
+                    sds += gl.sum(s_op.slice(16 * r, 16, dim=0).load(blk_l).to(gl.float32)
+                                  * ds_op.slice(16 * r, 16, dim=0).load(blk_l).to(gl.float32), 1)
             dos, vds, dw, dp = warpgroup_mma_wait(0, deps=[dos, vds, dw, dp])
             mbarrier.arrive(empty.index(j))  # this warpgroup has read the slot
 
@@ -172,11 +176,16 @@ def _consumer(do_s, vn_s, dvn_s, S_s, dS_s, q_s, k_s, dp_s, ready, empty, qk_rea
                 a += gl.sum(dk * scale + vds * l[:, None] + dq + dw, 1)
 
             m = dp * qk * scale
-            if FOLD_A:  # (unmeasured variant) -a_i in column n - 1 of row i: the row sums give the -a term, the column
-                # sum of column n - 1 gives the last row's +sum(a), without a reduction of its own
+            if FOLD_A == 1:  # (unmeasured variant) -a_i in column n - 1 of row i: the row sums give the -a term, the
+                # column sum of column n - 1 gives the last row's +sum(a), without a reduction of its own
                 m = m - gl.where(cols[None, :] == n - 1, a[:, None], 0.0)
                 dg = e * q_dos * scale + gl.sum(m, 1) - gl.convert_layout(gl.sum(m, 0), row_l)
                 dg += gl.where(rows == n - 1, gl.exp(g_last) * gl.sum(sds, 0), 0.0)
+            elif FOLD_A == 2:  # (unmeasured variant) also e^(g_last) sum(S * dS'): its K-row sums svec_i go into column
+                # n - 1 with a_i and are added back to row i, so column n - 1's sum carries them to the last row
+                ex = gl.exp(g_last)
+                m = m - gl.where(cols[None, :] == n - 1, (a + ex * svec)[:, None], 0.0)
+                dg = e * q_dos * scale + gl.sum(m, 1) - gl.convert_layout(gl.sum(m, 0), row_l) + ex * svec
             else:
                 dg = e * q_dos * scale + gl.sum(m, 1) - gl.convert_layout(gl.sum(m, 0), row_l) - a
                 tail = gl.sum(a, 0) + gl.exp(g_last) * gl.sum(sds, 0)
@@ -189,7 +198,7 @@ def _consumer(do_s, vn_s, dvn_s, S_s, dS_s, q_s, k_s, dp_s, ready, empty, qk_rea
 def gdn_bwd_dqkw_ws_kernel(q_desc, k_desc, vn_desc, h_desc, dh_desc, do_desc, dvn_desc, gamma_ptr, dq_ptr, dk_ptr,
                            dw_ptr, dg_ptr, T, NT, n_items, n_rows, scale, zero_i, H: gl.constexpr, HV: gl.constexpr,
                            K: gl.constexpr, V: gl.constexpr, NQ: gl.constexpr, CONS_REGS: gl.constexpr,
-                           LOAD_REGS: gl.constexpr, FOLD_A: gl.constexpr = False, PROBE: gl.constexpr = 0):
+                           LOAD_REGS: gl.constexpr, FOLD_A: gl.constexpr = 0, PROBE: gl.constexpr = 0):
     gl.static_assert(K == 2 * BKH, "two consumer warpgroups of 64 K columns")
     STAGES: gl.constexpr = V // BV  # the ring holds one item's V-halves (constant slots)
     dtype: gl.constexpr = do_desc.dtype
@@ -267,7 +276,7 @@ def dqkw_ws(qn, kn, v_new, h, dh, do, dv_new, gamma, scale, *, cfg=None):
         nbytes=B * T * (2 * H * K * e + 3 * HV * V * e + HV * 4 + HV * K * (2 * e + 4) + 2 * HV * 4)
         + 2 * h.numel() * e,
         H=H, HV=HV, K=K, V=V, NQ=cfg["NQ"], CONS_REGS=cfg["CONS_REGS"],
-        LOAD_REGS=cfg["LOAD_REGS"], FOLD_A=bool(cfg["FOLD_A"]), PROBE=cfg.get("PROBE", 0),
+        LOAD_REGS=cfg["LOAD_REGS"], FOLD_A=int(cfg["FOLD_A"]), PROBE=cfg.get("PROBE", 0),
         num_warps=4,
     )
     return out
