@@ -3,11 +3,12 @@ on the same inputs: agreement at awkward and bench shapes, then kernel times (CU
     python benchmarks/gdn_dqkw_ws_probe.py [--cfgs JSON-list] [--json OUT.json]"""
 import argparse
 import json
+import os
 
 import torch
 import torch.nn.functional as F
 
-from triforge.ops.deltanet import bwd_ws, chunk_bwd
+from triforge.ops.deltanet import bwd_ws, chunk, chunk_bwd
 
 SHAPES = [(1, 32768, 16, 32), (8, 4096, 16, 32), (4, 8192, 16, 16), (1, 8192, 32, 32)]
 SMALL = [(1, 64, 1, 1), (2, 300, 2, 4), (1, 37, 1, 2), (3, 200, 2, 2), (2, 1000, 4, 8), (1, 129, 2, 4)]
@@ -28,8 +29,17 @@ def inputs(B, T, H, HV, K=128, V=128, dtype=torch.bfloat16, seed=0):
 
 
 def run_triton(x, scale):
-    return chunk_bwd.chunk_bwd_dqkw(x["qn"], x["kn"], x["v_new"], x["h"], x["dh"], x["do"], x["dv_new"], x["gamma"],
-                                    scale)
+    """The Triton kernel: chunk_bwd_dqkw with the Gluon dispatch switched off for this call."""
+    old = os.environ.get(chunk.GLUON_ENV)
+    os.environ[chunk.GLUON_ENV] = "0"
+    try:
+        return chunk_bwd.chunk_bwd_dqkw(x["qn"], x["kn"], x["v_new"], x["h"], x["dh"], x["do"], x["dv_new"],
+                                        x["gamma"], scale)
+    finally:
+        if old is None:
+            del os.environ[chunk.GLUON_ENV]
+        else:
+            os.environ[chunk.GLUON_ENV] = old
 
 
 def run_ws(x, scale, cfg):
