@@ -125,30 +125,32 @@ for case in json.loads(sys.argv[1]):
     lv = gl.NVMMASharedLayout.get_default_for([64, 64], g)
     lh = gl.NVMMASharedLayout.get_default_for([128, 64], g)
     cfg = W.DEFAULT_CFG
+    fold = int(case.get("FOLD_A", cfg["FOLD_A"]))
     consts = dict(H=2, HV=case["HV"], K=128, V=128, NQ=cfg["NQ"], CONS_REGS=cfg["CONS_REGS"],
-                  LOAD_REGS=cfg["LOAD_REGS"], FOLD_A=int(case.get("FOLD_A", cfg["FOLD_A"])), PROBE=0)
+                  LOAD_REGS=cfg["LOAD_REGS"], FOLD_A=fold, PROBE=0)
     types = {n: f"tensordesc<{dt}[64, 128],{lqk!r}>" for n in ("q_desc", "k_desc")}
     types.update({n: f"tensordesc<{dt}[64, 64],{lv!r}>" for n in ("vn_desc", "do_desc", "dvn_desc")})
     types.update({n: f"tensordesc<{dt}[128, 64],{lh!r}>" for n in ("h_desc", "dh_desc")})
     types.update(gamma_ptr="*fp32", dq_ptr=f"*{dt}", dk_ptr="*fp32", dw_ptr=f"*{dt}", dg_ptr="*fp32", scale="fp32")
-    rows.append(dict(case, **compile_sm90(W.gdn_bwd_dqkw_ws_kernel, types, consts,
+    rows.append(dict(case, fold=fold, **compile_sm90(W.gdn_bwd_dqkw_ws_kernel, types, consts,
                                           ("gamma_ptr", "dq_ptr", "dk_ptr", "dw_ptr", "dg_ptr"))))
 print("RESULT" + json.dumps(rows))
 """
 
 # ptxas spills a few loop-invariant scalars of the second consumer warpgroup (reloaded ~30 times per item, from L1):
-# 148 bytes with the default config (session 42; the wgmma descriptors, ~900 bytes before the loop-variant zero)
-SPILL_BOUND = 160
+# spill bytes by FOLD_A as ptxas reported them (sessions 42-43): 24 with the default (1), 148 with 0, 64 with 2 (the
+# wgmma descriptors spilled ~900 bytes before the loop-variant zero)
+SPILL_BOUND = {1: 32, 0: 160, 2: 80}
 
 
 def test_dqkw_ws_kernel_compiles_for_sm90():
     """The kernel as ptxas builds it for sm90a (no GPU here): within the 227 KB of shared memory, wgmma kept
     asynchronous (C7515 not raised), spills held at their measured bound; bf16 and fp16, grouped heads or not, and the
-    FOLD_A variants (24 and 64 bytes of spills)."""
+    FOLD_A variants."""
     from tests.ops.attention.test_flash_attn import _sm90_compile
 
-    cases = [dict(dtype="bf16", HV=4), dict(dtype="fp16", HV=2), dict(dtype="bf16", HV=4, FOLD_A=1),
+    cases = [dict(dtype="bf16", HV=4), dict(dtype="fp16", HV=2), dict(dtype="bf16", HV=4, FOLD_A=0),
              dict(dtype="bf16", HV=4, FOLD_A=2)]
     for r in _sm90_compile(cases, _SM90_DQKW):
         assert r["shared"] <= 227 * 1024 and not r["serialized"] and r["wgmma"] > 0, r
-        assert r["spills"] <= SPILL_BOUND, r
+        assert r["spills"] <= SPILL_BOUND[r["fold"]], r

@@ -176,17 +176,17 @@ def _consumer(do_s, vn_s, dvn_s, S_s, dS_s, q_s, k_s, dp_s, ready, empty, qk_rea
                 a += gl.sum(dk * scale + vds * l[:, None] + dq + dw, 1)
 
             m = dp * qk * scale
-            if FOLD_A == 1:  # (unmeasured variant) -a_i in column n - 1 of row i: the row sums give the -a term, the
+            if FOLD_A == 1:  # (the default) -a_i in column n - 1 of row i: the row sums give the -a term, the
                 # column sum of column n - 1 gives the last row's +sum(a), without a reduction of its own
                 m = m - gl.where(cols[None, :] == n - 1, a[:, None], 0.0)
                 dg = e * q_dos * scale + gl.sum(m, 1) - gl.convert_layout(gl.sum(m, 0), row_l)
                 dg += gl.where(rows == n - 1, gl.exp(g_last) * gl.sum(sds, 0), 0.0)
-            elif FOLD_A == 2:  # (unmeasured variant) also e^(g_last) sum(S * dS'): its K-row sums svec_i go into column
-                # n - 1 with a_i and are added back to row i, so column n - 1's sum carries them to the last row
+            elif FOLD_A == 2:  # (measured slower than 1) also e^(g_last) sum(S * dS'): its K-row sums svec_i go into
+                # column n - 1 with a_i and are added back to row i, so column n - 1's sum carries them to the last row
                 ex = gl.exp(g_last)
                 m = m - gl.where(cols[None, :] == n - 1, (a + ex * svec)[:, None], 0.0)
                 dg = e * q_dos * scale + gl.sum(m, 1) - gl.convert_layout(gl.sum(m, 0), row_l) + ex * svec
-            else:
+            else:  # (FOLD_A 0: measured slower than 1)
                 dg = e * q_dos * scale + gl.sum(m, 1) - gl.convert_layout(gl.sum(m, 0), row_l) - a
                 tail = gl.sum(a, 0) + gl.exp(g_last) * gl.sum(sds, 0)
                 dg += gl.where(rows == n - 1, tail, 0.0)
@@ -239,7 +239,9 @@ def gdn_bwd_dqkw_ws_kernel(q_desc, k_desc, vn_desc, h_desc, dh_desc, do_desc, dv
         mbarrier.invalidate(qk_empty.index(s))
 
 
-DEFAULT_CFG = {"NQ": 1, "CONS_REGS": 240, "LOAD_REGS": 24, "FOLD_A": 0}
+# FOLD_A 1: measured on the H200 (benchmarks/NOTES.md, session 43) 5-10% faster than 0 and 2-5% faster than 2 at
+# the four bench shapes, bit-equal dq_hv / dw
+DEFAULT_CFG = {"NQ": 1, "CONS_REGS": 240, "LOAD_REGS": 24, "FOLD_A": 1}
 
 
 def dqkw_ws(qn, kn, v_new, h, dh, do, dv_new, gamma, scale, *, cfg=None):
