@@ -75,6 +75,61 @@ def test_specialization_key_separates_what_triton_separates():
     assert key(object(), (4,), (t,), {}) is None  # no params: an autotuner or heuristics wrapper
 
 
+def test_gluon_descriptor_keys():
+    """A Gluon TMA descriptor keys by dtype, block shape and layout (what Triton 3.6 types it by), not by its
+    tensor's shape, strides or address; launch.nvmma_layout is Gluon's default layout (CPU tensors suffice)."""
+    gluon_hopper = pytest.importorskip("triton.experimental.gluon.nvidia.hopper")
+    from triton.experimental.gluon import language as gl
+
+    k, lay = launch._arg_key, launch.nvmma_layout
+    assert lay([64, 128], torch.bfloat16) == gl.NVMMASharedLayout.get_default_for([64, 128], gl.bfloat16)
+    assert lay([64, 64], torch.float16) == gl.NVMMASharedLayout.get_default_for([64, 64], gl.float16)
+    assert lay([64, 32], torch.bfloat16) != lay([64, 128], torch.bfloat16)
+
+    def desc(rows, cols, block, dtype=torch.bfloat16):
+        return gluon_hopper.TensorDescriptor.from_tensor(torch.zeros(rows, cols, dtype=dtype), block,
+                                                         lay(block, dtype))
+
+    base = k(desc(256, 128, [64, 64]))
+    assert base is not launch._NO_KEY and hash(base) is not None
+    assert k(desc(1000, 64, [64, 64])) == base  # shape and strides: runtime arguments
+    assert k(desc(256, 128, [32, 64])) != base  # block shape
+    assert k(desc(256, 128, [64, 64], torch.float16)) != base  # dtype
+    d = desc(256, 128, [64, 64])
+    d.layout = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=16, rank=2)
+    assert k(d) != base  # layout
+
+
+@pytest.mark.gpu
+def test_gluon_launch_takes_the_fast_path_and_agrees():
+    """A Gluon kernel with a TMA descriptor argument: the second launch (another tensor, another shape, same
+    specialisation) goes through the fast path and copies its own tensor; a new block shape or dtype compiles anew."""
+    if _runtime.arch() != "sm90":
+        pytest.skip("the Gluon TMA kernels target sm90")
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from tests._gluon_copy import tma_copy_kernel
+
+    def run(x, bm):
+        out = torch.full(x.shape, float("nan"), dtype=torch.float32, device="cuda")
+        d = TensorDescriptor.from_tensor(x, [bm, 64], launch.nvmma_layout([bm, 64], x.dtype))
+        launch.launch("test_tma_copy", tma_copy_kernel, (triton.cdiv(x.shape[0], bm),), d, out, x.shape[0],
+                      x.shape[1], 2.0, BM=bm, BN=64, num_warps=4)
+        return out
+
+    launch._fast.clear()
+    x = torch.randn(300, 64, device="cuda", dtype=torch.bfloat16)
+    assert torch.equal(run(x, 64), 2.0 * x.float())
+    assert len(launch._fast) == 1
+    x2 = torch.randn(1000, 64, device="cuda", dtype=torch.bfloat16)
+    assert torch.equal(run(x2, 64), 2.0 * x2.float())  # the fast path: no new entry
+    assert len(launch._fast) == 1
+    x3 = torch.randn(77, 64, device="cuda", dtype=torch.float16)
+    assert torch.equal(run(x3, 64), 2.0 * x3.float())  # dtype: its own kernel
+    assert torch.equal(run(x2, 32), 2.0 * x2.float())  # block shape: its own kernel
+    assert len(launch._fast) == 3
+
+
 @pytest.mark.gpu
 def test_fast_path_is_taken_and_agrees():
     x = torch.randn(1000, device="cuda")

@@ -249,9 +249,8 @@ def attn_fwd_ws(q, k, v, causal, softmax_scale, cfg, residual=False, varlen=None
     B, S_q, H, D = q.shape
     S_k, H_kv = k.shape[1], k.shape[2]
     bm, bn, stages = 128, cfg["BLOCK_N"], cfg["num_stages"]
-    g16 = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
-    q_l = gl.NVMMASharedLayout.get_default_for([64, D], g16)
-    k_l = gl.NVMMASharedLayout.get_default_for([bn, D], g16)
+    q_l = launch.nvmma_layout([64, D], q.dtype)
+    k_l = launch.nvmma_layout([bn, D], q.dtype)
     q_desc = TensorDescriptor.from_tensor(q.view(B * S_q, H * D), [64, D], q_l)
     k_desc = TensorDescriptor.from_tensor(k.view(B * S_k, H_kv * D), [bn, D], k_l)
     v_desc = TensorDescriptor.from_tensor(v.view(B * S_k, H_kv * D), [bn, D], k_l)

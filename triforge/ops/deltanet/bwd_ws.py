@@ -254,10 +254,9 @@ def dqkw_ws(qn, kn, v_new, h, dh, do, dv_new, gamma, scale, *, cfg=None):
     HV, V = do.shape[2], do.shape[3]
     NT = launch.cdiv(T, _BT)
     dev = qn.device
-    g16 = gl.bfloat16 if qn.dtype == torch.bfloat16 else gl.float16
-    l_qk = gl.NVMMASharedLayout.get_default_for([_BT, K], g16)
-    l_v = gl.NVMMASharedLayout.get_default_for([_BT, 64], g16)
-    l_h = gl.NVMMASharedLayout.get_default_for([K, 64], g16)
+    l_qk = launch.nvmma_layout([_BT, K], qn.dtype)
+    l_v = launch.nvmma_layout([_BT, 64], qn.dtype)
+    l_h = launch.nvmma_layout([K, 64], qn.dtype)
     q_desc = TensorDescriptor.from_tensor(qn.view(B * T, H * K), [_BT, K], l_qk)
     k_desc = TensorDescriptor.from_tensor(kn.view(B * T, H * K), [_BT, K], l_qk)
     vn_desc = TensorDescriptor.from_tensor(v_new.view(B * T, HV * V), [_BT, 64], l_v)

@@ -321,9 +321,8 @@ def fwd_ws(q, kn, w, u, gamma, initial_state, scale, *, l2norm, cu_seqlens=None,
     HV, V = u.shape[2], u.shape[3]
     bv = cfg["BV"]
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
-    g16 = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
-    lk = gl.NVMMASharedLayout.get_default_for([64, K], g16)
-    lv = gl.NVMMASharedLayout.get_default_for([64, bv], g16)
+    lk = launch.nvmma_layout([64, K], q.dtype)
+    lv = launch.nvmma_layout([64, bv], q.dtype)
     w_desc = TensorDescriptor.from_tensor(w.view(B * T, HV * K), [64, K], lk)
     k_desc = TensorDescriptor.from_tensor(kn.view(B * T, H * K), [64, K], lk)
     q_desc = TensorDescriptor.from_tensor(q.view(B * T, H * K), [64, K], lk)
