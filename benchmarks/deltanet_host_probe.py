@@ -9,8 +9,11 @@ shared layouts were built per call). Measures per call:
   GPU ms (CUDA events per call, as the bench) of the backward at the bench shape, fast path on and off.
     PYTHONPATH=. python benchmarks/deltanet_host_probe.py [--json PATH]"""
 import argparse
+import cProfile
+import io
 import json
 import os
+import pstats
 import time
 
 import torch
@@ -87,6 +90,17 @@ def main():
     del os.environ[chunk.GLUON_ENV]
     for k_, v_ in res["host_us"].items():
         print(f"host {k_:45s} {v_:8.1f} us")
+    for gluon in ("1", "0"):  # where the backward's host time goes, with the Gluon kernels and without
+        os.environ[chunk.GLUON_ENV] = gluon
+        prof = cProfile.Profile()
+        prof.runcall(lambda: [tiny_bwd() for _ in range(200)])
+        torch.cuda.synchronize()
+        out = io.StringIO()
+        pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(20)
+        res[f"profile_gluon{gluon}"] = out.getvalue()
+        print(f"--- cProfile of 200 backwards, Gluon {gluon} (by own time) ---")
+        print("\n".join(out.getvalue().splitlines()[6:28]))
+    del os.environ[chunk.GLUON_ENV]
     for shp in [(1, 8192, 32, 32), (4, 8192, 16, 16)]:
         bwd = backward_fn(*shp)
         for on in (True, False):

@@ -13,6 +13,7 @@ tolerance with per-element error scales from the reference run with the kernels'
 (``stored_error_scales``).
 """
 
+import contextlib
 import dataclasses
 from collections import OrderedDict
 
@@ -759,6 +760,36 @@ def test_torch_compile_varlen_saving_forward(monkeypatch, gen):
 
     for a, b in zip(grads(torch.compile(loss, fullgraph=True)), grads(loss)):
         torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("save", ["1", "0"])
+def test_eager_calls_bypass_the_custom_ops_traced_calls_use_them(monkeypatch, gen, save):
+    """Eager calls run the forward under a plain autograd.Function and the backward's body directly (launch.eager:
+    torch.library's dispatch costs host time the GPU waits for at ~1 ms backwards); under a dispatch mode (what
+    AOTAutograd and make_fx trace with) the custom ops run. Both give the same output, final state and gradients, with
+    the saving forward and with the recompute."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Passthrough(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    monkeypatch.setenv("TRIFORGE_DELTANET_SAVE", save)
+    x = _inputs(1, 70, 1, 2, 32, 32, torch.float32, gen)
+    do = torch.randn(x["v"].shape, generator=gen).to(DEV)
+    dht = torch.randn(x["initial_state"].shape, generator=gen).to(DEV)
+    results = {}
+    for path in ("eager", "op"):
+        leaves = [x[n].clone().requires_grad_(True) for n in GRAD_NAMES]
+        with poisoned(), Passthrough() if path == "op" else contextlib.nullcontext():
+            o, s = chunk_gated_delta_rule(*leaves[:5], initial_state=leaves[5], output_final_state=True,
+                                          use_qk_l2norm_in_kernel=True)
+            name = type(o.grad_fn).__name__
+            assert name.startswith("_ChunkFwd") == (path == "eager"), (path, name)
+            results[path] = [o, s, *torch.autograd.grad((o, s), leaves, (do, dht))]
+    for name, e, o in zip(("o", "final_state") + GRAD_NAMES, results["eager"], results["op"]):
+        assert e.isfinite().all(), name
+        torch.testing.assert_close(o, e, rtol=0, atol=0, msg=name)
 
 
 def test_bwd_bad_inputs_name_the_argument(gen):

@@ -60,6 +60,7 @@ from collections import OrderedDict
 
 import torch
 
+from triforge import launch
 from triforge.ops._checks import FLOAT_DTYPES, check_same_device, check_tensor
 from triforge.ops.deltanet import chunk, chunk_bwd, fused_recurrent
 from triforge.ops.deltanet.reference import (
@@ -158,6 +159,12 @@ def _chunk_fwd_op(
     initial_state: torch.Tensor | None, output_final_state: bool, use_qk_l2norm_in_kernel: bool,
     cu_seqlens: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    return _chunk_fwd_impl(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+                           cu_seqlens)
+
+
+def _chunk_fwd_impl(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens):
+    """The plain forward op's body (and its eager twin's)."""
     _validate(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens)
     _check_cu_seqlens(cu_seqlens, q.shape[1])
     q, k, v, g, beta, initial_state = _contiguous(q, k, v, g, beta, initial_state)
@@ -217,10 +224,13 @@ def _chunk_bwd_op(
     return _triton_bwd(do, dht, q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens)
 
 
-def _triton_bwd(do, dht, q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens, saved=None):
+def _triton_bwd(do, dht, q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens, saved=None,
+                validate=True):
     """Both backward ops' body: checks, contiguous inputs, ``chunk_bwd`` (on the saving forward's residuals when
-    ``saved``), dh0 as an empty tensor without an initial state."""
-    _validate(q, k, v, g, beta, scale, initial_state, False, use_qk_l2norm_in_kernel, cu_seqlens)
+    ``saved``), dh0 as an empty tensor without an initial state. ``validate=False`` (the eager backward of this
+    module's own forward, which validated the same saved inputs) checks only the incoming gradients."""
+    if validate:
+        _validate(q, k, v, g, beta, scale, initial_state, False, use_qk_l2norm_in_kernel, cu_seqlens)
     _check_bwd_grads(do, dht, q, v, cu_seqlens)
     q, k, v, g, beta, initial_state = _contiguous(q, k, v, g, beta, initial_state)
     do = do.to(v.dtype).contiguous()
@@ -266,9 +276,17 @@ def _chunk_backward(ctx, do, dht, *_residual_grads):
     if do is None:  # (saving forward) only the final state is differentiated
         do = torch.zeros_like(v)
     dht = dht if ctx.output_final_state and dht is not None else None
-    if backward_impl() == "triton" and saved:
+    if backward_impl() == "triton" and saved and launch.eager(do, dht, q, k, v, g, beta, initial_state, *saved):
+        # eager (see launch.eager): the saved op's body without torch.library's dispatch
+        dq, dk, dv, dg, dbeta, dh0 = _triton_bwd(do, dht, q, k, v, g, beta, ctx.scale, initial_state, ctx.l2norm,
+                                                 cu_seqlens, dict(zip(chunk.SAVED_NAMES, _contiguous(*saved))),
+                                                 validate=False)
+    elif backward_impl() == "triton" and saved:
         dq, dk, dv, dg, dbeta, dh0 = torch.ops.triforge.chunk_gated_delta_rule_bwd_saved(
             do, dht, q, k, v, g, beta, ctx.scale, initial_state, ctx.l2norm, cu_seqlens, *saved)
+    elif backward_impl() == "triton" and launch.eager(do, dht, q, k, v, g, beta, initial_state):
+        dq, dk, dv, dg, dbeta, dh0 = _triton_bwd(do, dht, q, k, v, g, beta, ctx.scale, initial_state, ctx.l2norm,
+                                                 cu_seqlens, validate=False)
     elif backward_impl() == "triton":
         dq, dk, dv, dg, dbeta, dh0 = torch.ops.triforge.chunk_gated_delta_rule_bwd(
             do, dht, q, k, v, g, beta, ctx.scale, initial_state, ctx.l2norm, cu_seqlens)
@@ -307,6 +325,13 @@ def _chunk_fwd_save_op(
     cu_seqlens: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
            torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _chunk_fwd_save_impl(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+                                cu_seqlens)
+
+
+def _chunk_fwd_save_impl(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+                         cu_seqlens):
+    """The saving forward op's body (and its eager twin's): o, the final state and the residuals."""
     _validate(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens)
     _check_cu_seqlens(cu_seqlens, q.shape[1])
     q, k, v, g, beta, initial_state = _contiguous(q, k, v, g, beta, initial_state)
@@ -350,6 +375,13 @@ def _(do, dht, q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, 
 
 
 _chunk_fwd_save_op.register_autograd(_chunk_backward, setup_context=_chunk_setup)
+
+
+# eager twins of the two chunked forward ops (see launch.eager): the same bodies, setup and backward; their backward
+# calls _triton_bwd itself where launch.eager holds
+_ChunkFwdFunction = launch.eager_function("_ChunkFwdFunction", _chunk_fwd_impl, _chunk_setup, _chunk_backward)
+_ChunkFwdSaveFunction = launch.eager_function("_ChunkFwdSaveFunction", _chunk_fwd_save_impl, _chunk_setup,
+                                              _chunk_backward)
 
 
 def _wants_residuals(q, k, v, g, beta, initial_state):
@@ -399,12 +431,13 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     (``TRIFORGE_DELTANET_SAVE=0``: recomputed there instead, less memory).
     """
     _validate(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens)
+    args = (q, k, v, g, beta, _scale(q, scale), initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens)
+    eager = launch.eager(q, k, v, g, beta, initial_state, cu_seqlens)  # the ops' eager twins: no dispatch cost
     if _wants_residuals(q, k, v, g, beta, initial_state):
-        o, final, *_ = torch.ops.triforge.chunk_gated_delta_rule_fwd_save(
-            q, k, v, g, beta, _scale(q, scale), initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens)
+        fwd = _ChunkFwdSaveFunction.apply if eager else torch.ops.triforge.chunk_gated_delta_rule_fwd_save
+        o, final, *_ = fwd(*args)
     else:
-        o, final = torch.ops.triforge.chunk_gated_delta_rule_fwd(
-            q, k, v, g, beta, _scale(q, scale), initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens)
+        o, final = (_ChunkFwdFunction.apply if eager else torch.ops.triforge.chunk_gated_delta_rule_fwd)(*args)
     return o, (final if output_final_state else None)
 
 

@@ -541,6 +541,12 @@ def config_key(K, V, dtype, nh=None):
 def fwd_config(kernel, K, V, dtype, nh=None):
     """Tuned config of ``kernel`` (recurrences keyed by nh = sequences x value heads too), else the
     fallback: V-blocks of 64 (at most V), 8 warps once the state block passes 128 x 64."""
+    nh = nh if kernel in _RECURRENCES else None
+    return dict(_fwd_config(kernel, K, V, dtype, nh, _runtime.arch()))  # (a copy: callers may edit it)
+
+
+@launch.config_cache
+def _fwd_config(kernel, K, V, dtype, nh, arch):  # arch: a key of the cache only
     fallback = dict(_FALLBACK[kernel])
     if "BV" in fallback:
         fallback["BV"] = min(fallback["BV"], V)
@@ -548,7 +554,7 @@ def fwd_config(kernel, K, V, dtype, nh=None):
             fallback["num_warps"] = 8
         if _runtime.INTERPRET:
             fallback["BV"] = min(V, 16)  # several V-blocks even at V = 32
-    return launch.config(kernel, config_key(K, V, dtype, nh if kernel in _RECURRENCES else None), fallback)
+    return launch.config(kernel, config_key(K, V, dtype, nh), fallback)
 
 
 def use_fused(K, V, nh):

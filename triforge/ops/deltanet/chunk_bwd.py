@@ -486,6 +486,12 @@ def bwd_config(kernel, K, V, dtype, nh=None):
     fallback: K- and V-blocks of 64 (at most K and V; 16 in the interpreter, so K = V = 32 take two
     blocks each). The recurrence takes V-blocks of 32 at K = 32 and 8 warps once its state block
     reaches 128 x 64: the other choices spill registers on sm90 (24 and 44 bytes)."""
+    nh = nh if kernel == "gated_delta_rule_bwd_dh" else None
+    return dict(_bwd_config(kernel, K, V, dtype, nh, _runtime.arch()))  # (a copy: callers may edit it)
+
+
+@launch.config_cache
+def _bwd_config(kernel, K, V, dtype, nh, arch):  # arch: a key of the cache only
     fallback = dict(_FALLBACK[kernel])
     for name, dim in (("BK", K), ("BV", V)):
         if name in fallback:
@@ -497,8 +503,7 @@ def bwd_config(kernel, K, V, dtype, nh=None):
             fallback["num_warps"] = 8
     if kernel == "gated_delta_rule_bwd_wy" and not _runtime.INTERPRET and K < 128:
         fallback["num_warps"] = 8  # 4 warps miscompile with one K-block and two V-blocks (_FALLBACK)
-    key = config_key(K, V, dtype, nh if kernel == "gated_delta_rule_bwd_dh" else None)
-    return launch.config(kernel, key, fallback)
+    return launch.config(kernel, config_key(K, V, dtype, nh), fallback)
 
 
 # ----------------------------------------------------------------------------- launchers
