@@ -14,7 +14,6 @@ import io
 import json
 import os
 import pstats
-import time
 
 import torch
 import torch.nn.functional as F
@@ -23,34 +22,13 @@ import triforge
 from triforge import launch
 from triforge.ops.deltanet import chunk
 
-from gdn_dqkw_ws_probe import inputs, run_triton, run_ws  # noqa: E402  (benchmarks/ is the script's directory)
+from gdn_dqkw_ws_probe import event_times, inputs, run_triton, run_ws  # noqa: E402  (benchmarks/ is the script's dir)
+from host_overhead_probe import host_us  # noqa: E402
 
 
-def host_us(fn, n=300):
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    return (t1 - t0) / n * 1e6
-
-
-def event_ms(fn, n=150):
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(n):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        ts.append(s.elapsed_time(e))
-    ts.sort()
+def event_ms(fn):
+    """min / median / p95 of ``fn``'s time per call (ms; CUDA events per call, as the bench times)."""
+    ts = event_times([fn], rounds=15, n=10)[0]
     return {"min": ts[0], "median": ts[len(ts) // 2], "p95": ts[int(0.95 * len(ts))]}
 
 
@@ -81,12 +59,12 @@ def main():
     for on in (True, False):
         fast(on)
         tag = "fast" if on else "jit"
-        res["host_us"][f"dqkw_ws ({tag})"] = host_us(lambda: run_ws(x, scale, None))
-        res["host_us"][f"dqkw triton ({tag})"] = host_us(lambda: run_triton(x, scale))
-        res["host_us"][f"backward autograd.grad ({tag})"] = host_us(tiny_bwd)
+        res["host_us"][f"dqkw_ws ({tag})"] = host_us(lambda: run_ws(x, scale, None), n=300)
+        res["host_us"][f"dqkw triton ({tag})"] = host_us(lambda: run_triton(x, scale), n=300)
+        res["host_us"][f"backward autograd.grad ({tag})"] = host_us(tiny_bwd, n=300)
     os.environ[chunk.GLUON_ENV] = "0"
     fast(True)
-    res["host_us"]["backward autograd.grad (fast, Gluon off)"] = host_us(tiny_bwd)
+    res["host_us"]["backward autograd.grad (fast, Gluon off)"] = host_us(tiny_bwd, n=300)
     del os.environ[chunk.GLUON_ENV]
     for k_, v_ in res["host_us"].items():
         print(f"host {k_:45s} {v_:8.1f} us")

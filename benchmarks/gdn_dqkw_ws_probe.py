@@ -66,6 +66,11 @@ def compare(x, cfg):
 
 def bench(fns, rounds=6, n=10):
     """Median time (ms) of each of ``fns``, timed in interleaved rounds of ``n`` calls (CUDA events)."""
+    return [t[len(t) // 2] for t in event_times(fns, rounds, n)]
+
+
+def event_times(fns, rounds=6, n=10):
+    """Each of ``fns``'s times per call (ms, sorted), timed in interleaved rounds of ``n`` calls (CUDA events)."""
     for fn in fns:
         fn()
     torch.cuda.synchronize()
@@ -79,7 +84,7 @@ def bench(fns, rounds=6, n=10):
                 e.record()
                 e.synchronize()
                 ts[i].append(s.elapsed_time(e))
-    return [sorted(t)[len(t) // 2] for t in ts]
+    return [sorted(t) for t in ts]
 
 
 def main():
