@@ -31,6 +31,15 @@ def _ref(x, y, a, n, stride, scale):
     return ((a * x[: n * stride: stride].double() + y[:n].double()) * scale).float()
 
 
+def test_eager_backward_not_under_create_graph():
+    """launch.eager_backward: launch.eager's answer, except in grad mode (a backward run with create_graph=True)."""
+    t = torch.zeros(4)
+    with torch.no_grad():  # (the engine runs a plain backward with grad mode off)
+        assert launch.eager_backward(t, None) and launch.eager(t)
+    with torch.enable_grad():
+        assert not launch.eager_backward(t) and launch.eager(t)
+
+
 def test_arg_key_classes():
     """The key of a non-constexpr argument follows Triton's specialisation classes (CPU tensors suffice)."""
     k = launch._arg_key

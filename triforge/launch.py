@@ -94,15 +94,23 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)  # Parameter disables __torch_functi
 
 
 def eager(*tensors) -> bool:
-    """Whether a custom op may be bypassed: plain tensors and no tracer (dynamo, or the dispatch
-    modes AOTAutograd and make_fx trace under). Then an op's eager path calls its launcher directly
+    """Whether a custom op may be bypassed: plain tensors and no tracer (dynamo, the dispatch
+    modes AOTAutograd and make_fx trace under, torch.jit.trace). Then an op's eager path calls its launcher directly
     under a plain autograd.Function: torch.library's dispatch and autograd wrappers cost more host
     time per call than the launch itself (RoPE's backward on the H100 machine: 310 us per call through
     the custom op's autograd against 186 through an autograd.Function; benchmarks/host_overhead_probe.py),
     which starves the GPU at shapes whose kernels take a few hundred microseconds."""
-    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() or torch.jit.is_tracing():
         return False
     return all(type(t) in _PLAIN for t in tensors if t is not None)
+
+
+def eager_backward(*tensors) -> bool:
+    """:func:`eager` for a backward that would call its backward op's body directly: also not under
+    ``create_graph`` (grad mode on inside a backward), where the direct call's results would carry no graph and a
+    double backward would silently drop the op's second-order term; the op then runs, and a double backward through
+    it differentiates it or raises as the op's registration says."""
+    return not torch.is_grad_enabled() and eager(*tensors)
 
 
 def eager_function(name: str, impl, setup_context, backward):

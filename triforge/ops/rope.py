@@ -253,7 +253,10 @@ def _fwd_backward(ctx, dy):
     cos, sin, x = ctx.saved_tensors
     dx = None
     if ctx.needs_input_grad[0]:
-        dx = _rope_bwd_impl(dy, cos, sin) if launch.eager(dy, cos, sin) else torch.ops.triforge.rope_bwd(dy, cos, sin)
+        if launch.eager_backward(dy, cos, sin):
+            dx = _rope_bwd_impl(dy, cos, sin)
+        else:
+            dx = torch.ops.triforge.rope_bwd(dy, cos, sin)
     dcos, dsin = None, None
     if any(ctx.need_cs):
         dcos, dsin = _cos_sin_grads([(dy, x)], cos, sin, *ctx.need_cs)
@@ -280,7 +283,7 @@ def _qk_backward(ctx, dq_out, dk_out):
             g if g is not None else torch.zeros(shape, dtype=dtype, device=cos.device)
             for g, (shape, dtype) in zip((dq_out, dk_out), ctx.qk_meta)
         )
-        if launch.eager(g_q, g_k, cos, sin):
+        if launch.eager_backward(g_q, g_k, cos, sin):
             dq, dk = _rope_qk_bwd_impl(g_q, g_k, cos, sin)
         else:
             dq, dk = torch.ops.triforge.rope_qk_bwd(g_q, g_k, cos, sin)

@@ -792,6 +792,19 @@ def test_eager_calls_bypass_the_custom_ops_traced_calls_use_them(monkeypatch, ge
         torch.testing.assert_close(o, e, rtol=0, atol=0, msg=name)
 
 
+def test_double_backward_raises_on_the_eager_path_too(gen):
+    """create_graph=True: the eager backward goes through the backward op (launch.eager_backward), so its gradients
+    carry a graph and a second backward raises, as through the op (no double backward is registered), instead of
+    silently dropping the term."""
+    x = _inputs(1, 20, 1, 2, 32, 32, torch.float32, gen)
+    leaves = [x[n].clone().requires_grad_(True) for n in GRAD_NAMES[:5]]
+    o, _ = chunk_gated_delta_rule(*leaves, use_qk_l2norm_in_kernel=True)
+    dq = torch.autograd.grad(o.square().sum(), leaves[0], create_graph=True)[0]
+    assert dq.requires_grad and dq.grad_fn is not None
+    with pytest.raises(RuntimeError, match="autograd"):
+        torch.autograd.grad(dq.sum(), leaves[1])
+
+
 def test_bwd_bad_inputs_name_the_argument(gen):
     x = _inputs(1, 8, 1, 2, 32, 32, torch.float32, gen)
     op = torch.ops.triforge.chunk_gated_delta_rule_bwd

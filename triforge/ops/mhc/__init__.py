@@ -315,7 +315,7 @@ def _project_backward(ctx, dproj, dinv):
     x_flat, W, proj, inv_rms = ctx.saved_tensors
     if dproj is None:
         dproj = torch.zeros_like(proj)
-    if launch.eager(x_flat, W, proj, inv_rms, dproj, dinv):
+    if launch.eager_backward(x_flat, W, proj, inv_rms, dproj, dinv):
         dx, dW = _project_bwd_impl(x_flat, W, proj, inv_rms, dproj, dinv)
     else:
         dx, dW = torch.ops.triforge.fused_rmsnorm_project_bwd(x_flat, W, proj, inv_rms, dproj, dinv)
@@ -360,7 +360,7 @@ def _pre_map_setup(ctx, inputs, output):
 
 def _pre_map_backward(ctx, dy):
     x, h_pre = ctx.saved_tensors
-    if launch.eager(dy, x, h_pre):
+    if launch.eager_backward(dy, x, h_pre):
         return _pre_map_bwd_impl(dy, x, h_pre)
     return torch.ops.triforge.fused_pre_map_bwd(dy, x, h_pre)
 
@@ -407,7 +407,7 @@ def _post_res_setup(ctx, inputs, output):
 
 
 def _post_res_backward(ctx, g):
-    if launch.eager(g, *ctx.saved_tensors):
+    if launch.eager_backward(g, *ctx.saved_tensors):
         return _post_res_bwd_impl(g, *ctx.saved_tensors)
     return torch.ops.triforge.fused_post_res_bwd(g, *ctx.saved_tensors)
 
