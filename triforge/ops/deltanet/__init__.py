@@ -54,6 +54,7 @@ dtype; T: [64] fp32 per token and value head).
 ``TRIFORGE_DELTANET_SAVE=0`` (read at the forward) keeps only the inputs and recomputes, as fla does.
 """
 
+import functools
 import itertools
 import os
 from collections import OrderedDict
@@ -163,9 +164,12 @@ def _chunk_fwd_op(
                            cu_seqlens)
 
 
-def _chunk_fwd_impl(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens):
-    """The plain forward op's body (and its eager twin's)."""
-    _validate(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens)
+def _chunk_fwd_impl(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens,
+                    validate=True):
+    """The plain forward op's body (and, with ``validate=False``, its eager twin's: chunk_gated_delta_rule validated
+    the same arguments just before)."""
+    if validate:
+        _validate(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens)
     _check_cu_seqlens(cu_seqlens, q.shape[1])
     q, k, v, g, beta, initial_state = _contiguous(q, k, v, g, beta, initial_state)
     return chunk.chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state=output_final_state,
@@ -331,9 +335,11 @@ def _chunk_fwd_save_op(
 
 
 def _chunk_fwd_save_impl(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
-                         cu_seqlens):
-    """The saving forward op's body (and its eager twin's): o, the final state and the residuals."""
-    _validate(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens)
+                         cu_seqlens, validate=True):
+    """The saving forward op's body (and, with ``validate=False``, its eager twin's): o, the final state and the
+    residuals."""
+    if validate:
+        _validate(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens)
     _check_cu_seqlens(cu_seqlens, q.shape[1])
     q, k, v, g, beta, initial_state = _contiguous(q, k, v, g, beta, initial_state)
     o, final, saved = chunk.chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state=output_final_state,
@@ -380,8 +386,10 @@ _chunk_fwd_save_op.register_autograd(_chunk_backward, setup_context=_chunk_setup
 
 # eager twins of the two chunked forward ops (see launch.eager): the same bodies, setup and backward; their backward
 # calls _triton_bwd itself where launch.eager holds
-_ChunkFwdFunction = launch.eager_function("_ChunkFwdFunction", _chunk_fwd_impl, _chunk_setup, _chunk_backward)
-_ChunkFwdSaveFunction = launch.eager_function("_ChunkFwdSaveFunction", _chunk_fwd_save_impl, _chunk_setup,
+_ChunkFwdFunction = launch.eager_function("_ChunkFwdFunction", functools.partial(_chunk_fwd_impl, validate=False),
+                                          _chunk_setup, _chunk_backward)
+_ChunkFwdSaveFunction = launch.eager_function("_ChunkFwdSaveFunction",
+                                              functools.partial(_chunk_fwd_save_impl, validate=False), _chunk_setup,
                                               _chunk_backward)
 
 
