@@ -280,24 +280,17 @@ def _chunk_backward(ctx, do, dht, *_residual_grads):
     if do is None:  # (saving forward) only the final state is differentiated
         do = torch.zeros_like(v)
     dht = dht if ctx.output_final_state and dht is not None else None
-    direct = launch.eager_backward(do, dht, q, k, v, g, beta, initial_state, *saved)  # the ops' bodies called directly
-    if backward_impl() == "triton" and saved and direct:
-        # eager (see launch.eager): the saved op's body without torch.library's dispatch
-        dq, dk, dv, dg, dbeta, dh0 = _triton_bwd(do, dht, q, k, v, g, beta, ctx.scale, initial_state, ctx.l2norm,
-                                                 cu_seqlens, dict(zip(chunk.SAVED_NAMES, _contiguous(*saved))),
-                                                 validate=False)
-    elif backward_impl() == "triton" and saved:
-        dq, dk, dv, dg, dbeta, dh0 = torch.ops.triforge.chunk_gated_delta_rule_bwd_saved(
-            do, dht, q, k, v, g, beta, ctx.scale, initial_state, ctx.l2norm, cu_seqlens, *saved)
-    elif backward_impl() == "triton" and direct:
-        dq, dk, dv, dg, dbeta, dh0 = _triton_bwd(do, dht, q, k, v, g, beta, ctx.scale, initial_state, ctx.l2norm,
-                                                 cu_seqlens, validate=False)
-    elif backward_impl() == "triton":
-        dq, dk, dv, dg, dbeta, dh0 = torch.ops.triforge.chunk_gated_delta_rule_bwd(
-            do, dht, q, k, v, g, beta, ctx.scale, initial_state, ctx.l2norm, cu_seqlens)
+    args = (do, dht, q, k, v, g, beta, ctx.scale, initial_state, ctx.l2norm, cu_seqlens)
+    if backward_impl() != "triton":
+        dq, dk, dv, dg, dbeta, dh0 = chunk_bwd_torch(*args)
+    elif launch.eager_backward(do, dht, q, k, v, g, beta, initial_state, *saved):
+        # eager (see launch.eager): the backward ops' body without torch.library's dispatch
+        residuals = dict(zip(chunk.SAVED_NAMES, _contiguous(*saved))) if saved else None
+        dq, dk, dv, dg, dbeta, dh0 = _triton_bwd(*args, residuals, validate=False)
+    elif saved:
+        dq, dk, dv, dg, dbeta, dh0 = torch.ops.triforge.chunk_gated_delta_rule_bwd_saved(*args, *saved)
     else:
-        dq, dk, dv, dg, dbeta, dh0 = chunk_bwd_torch(do, dht, q, k, v, g, beta, ctx.scale, initial_state,
-                                                     ctx.l2norm, cu_seqlens)
+        dq, dk, dv, dg, dbeta, dh0 = torch.ops.triforge.chunk_gated_delta_rule_bwd(*args)
     return dq, dk, dv, dg, dbeta, None, dh0 if initial_state is not None else None, None, None, None
 
 

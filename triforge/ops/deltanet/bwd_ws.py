@@ -246,9 +246,9 @@ DEFAULT_CFG = {"NQ": 1, "CONS_REGS": 240, "LOAD_REGS": 24, "FOLD_A": 1}
 
 def dqkw_ws(qn, kn, v_new, h, dh, do, dv_new, gamma, scale, *, cfg=None):
     """The dict ``chunk_bwd.chunk_bwd_dqkw`` returns (dq_hv, dw in the input dtype; dk_local fp32; dgamma_local
-    [2, B, T, HV] fp32), for dense sequences at K = V = 128 from contiguous 16-bit tensors. cfg (DEFAULT_CFG): STAGES
-    (V-half ring slots), NQ (q / k slots), CONS_REGS / LOAD_REGS (registers per thread of the consumer warpgroups and
-    the loader warp)."""
+    [2, B, T, HV] fp32), for dense sequences at K = V = 128 from contiguous 16-bit tensors. cfg (DEFAULT_CFG): NQ (q / k
+    slots), CONS_REGS / LOAD_REGS (registers per thread of the consumer warpgroups and the loader warp), FOLD_A
+    (dgamma's epilogue variant), PROBE (the probe's ablations)."""
     cfg = dict(DEFAULT_CFG, **(cfg or {}))
     B, T, H, K = qn.shape
     HV, V = do.shape[2], do.shape[3]
