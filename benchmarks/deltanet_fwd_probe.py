@@ -45,7 +45,7 @@ def make(shape):
 
 
 def intra_cfg(spec):
-    """V_LATE:warps:stages[:kn][:t][:rN][:p][:g][:PN] (PN: a persistent grid of N programs per SM; g: GROUP; p: DIAG_PRODUCT; kn: the normalised k stored too, as the forward runs it now; t: T stored
+    """V_LATE:warps:stages[:kn][:t][:rN][:p] (p: DIAG_PRODUCT; kn: the normalised k stored too, as the forward runs it now; t: T stored
     too, as the training forward runs it; rN: a register cap of N per thread, maxnreg; since session 25 the launcher
     applies the cap only without T stored, so ":t:rN" times the uncapped kernel)."""
     parts = spec.split(":")
@@ -54,9 +54,6 @@ def intra_cfg(spec):
     cfg.update({"maxnreg": int(p[1:]) for p in parts[3:] if p.startswith("r")})
     if "p" in parts[3:]:  # the solve's diagonal blocks by tensor-core products (chunk._solve_unit_lower)
         cfg["DIAG_PRODUCT"] = 1
-    if "g" in parts[3:]:  # GROUP: one program per (chunk, k head) running its value heads in turn (session 43)
-        cfg["GROUP"] = 1
-    cfg.update({"PERSIST": int(p[1:]) for p in parts[3:] if p.startswith("P")})  # PERSIST: programs per SM (session 44)
     return cfg
 
 

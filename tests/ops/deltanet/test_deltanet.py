@@ -172,36 +172,6 @@ def test_intra_kernel_load_orders_match_reference(v_late, diag_product, dtype, g
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("l2norm", [True, False], ids=["l2norm", "raw"])
-@pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
-@pytest.mark.parametrize("variant", [{"GROUP": 1}, {"PERSIST": 1}, {"PERSIST": 1, "GROUP": 1}],
-                         ids=["group", "persist", "persist-group"])
-def test_intra_kernel_program_variants_match_per_head_programs(variant, varlen, l2norm, dtype, gen):
-    """GROUP 1 (one program per (chunk, k head) running the group's value heads in turn, k k^T formed once) and
-    PERSIST (a persistent grid, one program per SM under the interpreter's 4, each walking several (chunk, head)
-    items) against the per-value-head programs: every output equal, stored k included (both NaN-poisoned), and the
-    float64 stages (three value heads per k head, a partial chunk; with packed sequences too)."""
-    x = _inputs(1 if varlen else 2, 100, 2, 6, DIRECT_D, DIRECT_D, dtype, gen, normalized_k=not l2norm)
-    cu = torch.tensor([0, 30, 100], device=DEV) if varlen else None
-    vl = chunk.prepare_varlen(cu)
-    ref = chunk_ref_stages(**dict(_f64(x), initial_state=None), use_qk_l2norm_in_kernel=l2norm, cu_seqlens=cu)
-    got = {}
-    for var in (0, 1):
-        cfg = {"num_warps": 4, "num_stages": 2, "V_LATE": 1, "DIAG_PRODUCT": 1, **(variant if var else {})}
-        with poisoned():
-            got[var] = chunk.chunk_fwd_intra(x["k"], x["v"], x["g"], x["beta"], l2norm=l2norm, varlen=vl,
-                                               store_t=True, store_kn=l2norm, cfg=cfg)
-    assert set(got[0]) == set(got[1])
-    for n in got[0]:
-        assert torch.isfinite(got[1][n]).all(), n
-        assert torch.equal(got[0][n], got[1][n]), n
-    names = ("gamma", "T", "w", "u")
-    results, failed = compare_stages(OrderedDict((n, ref[n]) for n in names),
-                                     OrderedDict((n, got[1][n]) for n in names), dtype=dtype)
-    assert failed is None, results[-1].line()
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_intra_kernel_stores_normalised_k_once_per_k_head(dtype, gen):
     """With l2norm, kernel 1 also stores k / sqrt(sum k^2 + 1e-6) in k's dtype (kn: what the recurrence
     and the output kernel read instead of normalising k again): every k head written (the output is

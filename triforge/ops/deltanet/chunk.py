@@ -117,19 +117,15 @@ def _chunk_coords(i_c, i_b, T, cu_seqlens_ptr, chunk_indices_ptr, IS_VARLEN: tl.
 
 
 @triton.jit
-def _decay(b_gamma, m_t, BT: tl.constexpr, o_i=None):
-    """[BT, BT] exp(gamma_i - gamma_j) for valid i >= j, else 0 (masked before the exp). o_i: the row indices
-    tl.arange(0, BT) (None), or those plus a runtime zero inside a persistent loop, so the [BT, BT] masks are formed
-    per item instead of hoisted out of the loop and held in registers through it."""
-    if o_i is None:
-        o_i = tl.arange(0, BT)
+def _decay(b_gamma, m_t, BT: tl.constexpr):
+    """[BT, BT] exp(gamma_i - gamma_j) for valid i >= j, else 0 (masked before the exp)."""
+    o_i = tl.arange(0, BT)
     m_keep = (o_i[:, None] >= o_i[None, :]) & m_t[:, None] & m_t[None, :]
     return tl.exp(tl.where(m_keep, b_gamma[:, None] - b_gamma[None, :], float("-inf")))
 
 
 @triton.jit
-def _solve_unit_lower(b_A, BT: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr, DIAG_PRODUCT: tl.constexpr,
-                      o_i=None):
+def _solve_unit_lower(b_A, BT: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr, DIAG_PRODUCT: tl.constexpr):
     """(I + A)^-1 for a strictly lower [BT, BT] A (fp32).
 
     The NB = BT / BC diagonal blocks D are inverted first: Td = (I + D)^-1. DIAG_PRODUCT (BC = 16): as the
@@ -138,11 +134,10 @@ def _solve_unit_lower(b_A, BT: tl.constexpr, BC: tl.constexpr, PREC: tl.constexp
     models its tf32 operands); else by forward substitution in fp32, all NB at once as [NB, BC, BC] tiles, row r
     of every block per step (BC - 1 serial steps, each two cross-thread sums). With E = A - D (strictly block-lower),
     I + A = (I + D)(I + N) with N = Td E, N^NB = 0, so (I + A)^-1 = sum_p (-N)^p Td: NB tensor-core dots,
-    each of block-lower matrices. o_i: as ``_decay``'s.
+    each of block-lower matrices.
     """
     NB: tl.constexpr = BT // BC
-    if o_i is None:
-        o_i = tl.arange(0, BT)
+    o_i = tl.arange(0, BT)
     m_eye = o_i[:, None] == o_i[None, :]
     if DIAG_PRODUCT:
         tl.static_assert(BC == 16, "the product form of the diagonal blocks is written for BC = 16")
@@ -197,9 +192,6 @@ def chunk_gated_delta_rule_fwd_kernel_intra(
     cu_seqlens_ptr,  # [N + 1] int32 (IS_VARLEN)
     chunk_indices_ptr,  # [chunks, 2] int32: (sequence, chunk in sequence) (IS_VARLEN)
     T,
-    zero,  # 0 (GROUP: makes the k reload's address loop-variant)
-    n_chunks,  # the grid's first axis (PERSIST: the item count is n_chunks * n_bh)
-    n_bh,  # its second: sequences x value heads (GROUP: x k heads)
     H: tl.constexpr,
     HV: tl.constexpr,
     K: tl.constexpr,
@@ -216,8 +208,6 @@ def chunk_gated_delta_rule_fwd_kernel_intra(
     V_LATE: tl.constexpr,
     STORE_KN: tl.constexpr = False,
     DIAG_PRODUCT: tl.constexpr = True,
-    GROUP: tl.constexpr = False,
-    PERSIST: tl.constexpr = False,
 ):
     """DIAG_PRODUCT (default; the launcher's config key, 0 for the substitution): the solve's diagonal blocks
     inverted by tensor-core products (``_solve_unit_lower``; sm90, bf16, K = V = 128: 835.6 against 881.6 us for
@@ -227,57 +217,23 @@ def chunk_gated_delta_rule_fwd_kernel_intra(
     and the output kernel, which then skip their own normalisation of k (K_NORMED).
     V_LATE: v is loaded after the solve and k diag(beta e^gamma) formed before it, so neither v nor the
     fp32 k is live through the solve (sm90, bf16, K = V = 128: 176 registers at 8 warps against 246, no
-    spill at 4 warps against 140 bytes); the v load's latency is no longer hidden behind the solve.
-    GROUP (config key; off by default, not yet measured on a GPU): one program per (chunk, k head) runs the HV / H
-    value heads of its group in turn, so k's norms and k k^T are formed once per group instead of once per value
-    head (program_id(1) then runs over sequences x H; k is reloaded per head, an L2 hit). Each value head's
-    arithmetic is the same (outputs bit-equal in the interpreter). Local sm90 build (bf16, K = V = 128, 4 warps):
-    248-288 bytes of spills against none for the default at 254 registers (k k^T live across the heads; keeping the
-    16-bit k tile live too spilled 536), so whether the shared work outweighs the spills is for the GPU to say
-    (benchmarks/deltanet_fwd_probe.py --intra 1:4:2:kn 1:4:2:kn:g 1:4:1:kn:g)."""
-    if PERSIST:
-        # items (chunk, head-program) in the launch order of the grid below, chunk-major so the value heads of a
-        # k head run side by side; each program walks items pid, pid + programs, ...
-        n_items = n_chunks * n_bh
-        for item in tl.range(tl.program_id(0), n_items, tl.num_programs(0)):
-            _intra_program(item // n_bh, item % n_bh, k_ptr, v_ptr, g_ptr, beta_ptr, gamma_ptr, w_ptr, u_ptr, t_ptr, decay_ptr, a_ptr, kn_ptr,
-                           cu_seqlens_ptr, chunk_indices_ptr, T, zero, H, HV, K, V, BT, BC, L2NORM, STORE_T, STAGES,
-                           IS_VARLEN, PREC, UPCAST, RNE, V_LATE, STORE_KN, DIAG_PRODUCT, GROUP, PERSIST)
-    else:
-        _intra_program(tl.program_id(0), tl.program_id(1), k_ptr, v_ptr, g_ptr, beta_ptr, gamma_ptr, w_ptr, u_ptr, t_ptr, decay_ptr, a_ptr, kn_ptr,
-                           cu_seqlens_ptr, chunk_indices_ptr, T, zero, H, HV, K, V, BT, BC, L2NORM, STORE_T, STAGES,
-                           IS_VARLEN, PREC, UPCAST, RNE, V_LATE, STORE_KN, DIAG_PRODUCT, GROUP, PERSIST)
-
-
-@triton.jit
-def _intra_program(i_c, i_bh, k_ptr, v_ptr, g_ptr, beta_ptr, gamma_ptr, w_ptr, u_ptr, t_ptr, decay_ptr, a_ptr, kn_ptr, cu_seqlens_ptr,
-                   chunk_indices_ptr, T, zero, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                   BT: tl.constexpr, BC: tl.constexpr, L2NORM: tl.constexpr, STORE_T: tl.constexpr,
-                   STAGES: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
-                   RNE: tl.constexpr, V_LATE: tl.constexpr, STORE_KN: tl.constexpr, DIAG_PRODUCT: tl.constexpr,
-                   GROUP: tl.constexpr, PERSIST: tl.constexpr):
-    """One (chunk, value head) of kernel 1 (with GROUP: one (chunk, k head) and its value heads in turn)."""
-    G: tl.constexpr = HV // H
-    if GROUP:
-        i_b, i_h = i_bh // H, i_bh % H
-        i_hv0 = i_h * G
-    else:
-        i_b, i_hv0 = i_bh // HV, i_bh % HV
-        i_h = i_hv0 // G
+    spill at 4 warps against 140 bytes); the v load's latency is no longer hidden behind the solve."""
+    i_c, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_hv = i_bh // HV, i_bh % HV
+    i_h = i_hv // (HV // H)
     bos, seq_len, i_t, _ = _chunk_coords(i_c, i_b, T, cu_seqlens_ptr, chunk_indices_ptr, IS_VARLEN)
 
     o_i = tl.arange(0, BT)
     o_t = i_t * BT + o_i
-    # the masks' row indices: inside the persistent loop loop-variant (+ 0 the compiler cannot see), so the
-    # [BT, BT] masks are not hoisted out of it and held in registers across items (448 bytes of spills)
-    o_m = o_i + (i_c & zero) if PERSIST else o_i
-    zc = (i_c & zero) if PERSIST else 0  # the same for the column offsets (hinted: still contiguous, aligned)
     m_t = o_t < seq_len
     o_row = bos + o_t.to(tl.int64)  # [BT] global token rows
-    o_k = _cols(K, zc)
+    o_k = tl.arange(0, K)
+    o_v = tl.arange(0, V)
 
-    if not GROUP:  # (the gates first, as the kernel ran before GROUP existed)
-        b_beta, b_gamma = _intra_gates(g_ptr, beta_ptr, gamma_ptr, o_row, m_t, i_hv0, HV)
+    b_g = tl.load(g_ptr + o_row * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
+    b_beta = tl.load(beta_ptr + o_row * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
+    b_gamma = tl.cumsum(b_g, axis=0)
+    tl.store(gamma_ptr + o_row * HV + i_hv, b_gamma, mask=m_t)
 
     b_k = tl.load(k_ptr + (o_row * H + i_h)[:, None] * K + o_k[None, :], mask=m_t[:, None], other=0.0)
     if L2NORM:
@@ -289,62 +245,20 @@ def _intra_program(i_c, i_bh, k_ptr, v_ptr, g_ptr, beta_ptr, gamma_ptr, w_ptr, u
         b_kk = _dot(b_k, tl.trans(b_k), None, PREC, UPCAST)
         b_kk = b_kk * b_r[:, None] * b_r[None, :]
         b_k = _cast(b_kf * b_r[:, None], k_ptr.dtype.element_ty, RNE)  # = _l2norm_rows(k), rounded
-        if STORE_KN:  # one writer per k head: the first of its value heads (with GROUP: its one program)
+        if STORE_KN:  # one writer per k head: the first of its value heads
             tl.store(kn_ptr + (o_row * H + i_h)[:, None] * K + o_k[None, :], b_k,
-                     mask=m_t[:, None] & (i_hv0 % G == 0))
+                     mask=m_t[:, None] & (i_hv % (HV // H) == 0))
     else:
         b_kk = _dot(b_k, tl.trans(b_k), None, PREC, UPCAST)
-
-    if GROUP:
-        for i_g in range(G):
-            # rows + 0, but loop-variant: the address tensors are formed where used, not hoisted and kept live
-            o_rg = o_row + (i_g & zero)
-            b_beta, b_gamma = _intra_gates(g_ptr, beta_ptr, gamma_ptr, o_rg, m_t, i_hv0 + i_g, HV)
-            # k again (an L2 hit), normalised as above: keeping the 16-bit tile live across the heads spilled
-            b_kg = tl.load(k_ptr + (o_rg * H + i_h)[:, None] * K + o_k[None, :], mask=m_t[:, None], other=0.0)
-            if L2NORM:
-                b_kg = _cast(b_kg.to(tl.float32) * b_r[:, None], k_ptr.dtype.element_ty, RNE)
-            _intra_head(b_kg, b_kk, b_beta, b_gamma, i_hv0 + i_g, o_i, o_m, zc, o_rg, m_t, v_ptr, w_ptr, u_ptr, t_ptr,
-                        decay_ptr, a_ptr, HV, K, V, BT, BC, STORE_T, STAGES, PREC, UPCAST, RNE, V_LATE, DIAG_PRODUCT)
-    else:
-        _intra_head(b_k, b_kk, b_beta, b_gamma, i_hv0, o_i, o_m, zc, o_row, m_t, v_ptr, w_ptr, u_ptr, t_ptr, decay_ptr, a_ptr,
-                    HV, K, V, BT, BC, STORE_T, STAGES, PREC, UPCAST, RNE, V_LATE, DIAG_PRODUCT)
-
-
-@triton.jit
-def _cols(n: tl.constexpr, zc):
-    """tl.arange(0, n) + zc for a runtime zc = 0 (loop-variant: not hoisted), still known contiguous and aligned."""
-    return tl.max_contiguous(tl.multiple_of(tl.arange(0, n) + zc, n), n)
-
-
-@triton.jit
-def _intra_gates(g_ptr, beta_ptr, gamma_ptr, o_row, m_t, i_hv, HV: tl.constexpr):
-    """Value head i_hv's beta and gamma (the gates' cumulative sum inside the chunk, stored) over a chunk's rows."""
-    b_g = tl.load(g_ptr + o_row * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
-    b_beta = tl.load(beta_ptr + o_row * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
-    b_gamma = tl.cumsum(b_g, axis=0)
-    tl.store(gamma_ptr + o_row * HV + i_hv, b_gamma, mask=m_t)
-    return b_beta, b_gamma
-
-
-@triton.jit
-def _intra_head(b_k, b_kk, b_beta, b_gamma, i_hv, o_i, o_m, zc, o_row, m_t, v_ptr, w_ptr, u_ptr, t_ptr, decay_ptr, a_ptr,
-                HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-                STORE_T: tl.constexpr, STAGES: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
-                RNE: tl.constexpr, V_LATE: tl.constexpr, DIAG_PRODUCT: tl.constexpr):
-    """Kernel 1 for one value head, from its k head's tile b_k (16-bit; normalised with L2NORM) and b_kk = k k^T
-    (fp32): A, T = (I + A)^-1, w and u, stored (T, the decay and A too where asked)."""
-    o_k = _cols(K, zc)
-    o_v = _cols(V, zc)
     p_v = v_ptr + (o_row * HV + i_hv)[:, None] * V + o_v[None, :]
     if V_LATE:
         b_kb = _cast(b_k.to(tl.float32) * (b_beta * tl.exp(tl.where(m_t, b_gamma, 0.0)))[:, None], b_k.dtype, RNE)
     else:
         b_v = tl.load(p_v, mask=m_t[:, None], other=0.0)
 
-    b_decay = _decay(b_gamma, m_t, BT, o_m)
-    b_A = tl.where(o_m[:, None] > o_m[None, :], b_kk * b_beta[:, None] * b_decay, 0.0)
-    b_T = _solve_unit_lower(b_A, BT, BC, PREC, DIAG_PRODUCT, o_m)
+    b_decay = _decay(b_gamma, m_t, BT)
+    b_A = tl.where(o_i[:, None] > o_i[None, :], b_kk * b_beta[:, None] * b_decay, 0.0)
+    b_T = _solve_unit_lower(b_A, BT, BC, PREC, DIAG_PRODUCT)
 
     # w = T diag(beta e^gamma) K, u = T diag(beta) V; e^gamma <= 1 (masked rows: beta = 0)
     if V_LATE:
@@ -768,17 +682,12 @@ def chunk_fwd_intra(k, v, g, beta, *, l2norm=False, varlen=None, store_t=False, 
     e = k.element_size()
     nbytes = (B * T * (H * K * e * (1 + int(store_kn)) + HV * V * e + 2 * HV * 4) + B * T * HV * (K + V) * e
               + B * T * HV * 4)
-    group = bool(cfg.get("GROUP", 0))
-    n_bh = n_b * (H if group else HV)
-    # PERSIST (config key, programs per SM; off by default): a persistent grid walking the (chunk, head) items
-    persist = int(cfg.get("PERSIST", 0))
-    grid = (min(n_c * n_bh, persist * _runtime.num_sms()),) if persist else (n_c, n_bh)
     launch.launch(
-        "gated_delta_rule_fwd_intra", chunk_gated_delta_rule_fwd_kernel_intra, grid,
-        k, v, g, beta, out["gamma"], out["w"], out["u"], t_buf, decay, a_buf, kn, cu, indices, T, 0, n_c, n_bh,
+        "gated_delta_rule_fwd_intra", chunk_gated_delta_rule_fwd_kernel_intra, (n_c, n_b * HV),
+        k, v, g, beta, out["gamma"], out["w"], out["u"], t_buf, decay, a_buf, kn, cu, indices, T,
         nbytes=nbytes, H=H, HV=HV, K=K, V=V, BT=BT, BC=BC, L2NORM=l2norm, STORE_T=store_t or stages, STAGES=stages,
         IS_VARLEN=varlen is not None, **_flags(k.dtype), V_LATE=bool(cfg.get("V_LATE", 0)), STORE_KN=store_kn,
-        DIAG_PRODUCT=bool(cfg.get("DIAG_PRODUCT", 1)), GROUP=group, PERSIST=persist > 0,
+        DIAG_PRODUCT=bool(cfg.get("DIAG_PRODUCT", 1)),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         # a register cap (config key maxnreg; sm90's entry had 168 until session 27, when the product-form solve
         # without a cap measured faster) only for the launch that stores neither T nor the stages: with T stored
