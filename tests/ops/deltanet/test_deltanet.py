@@ -19,6 +19,7 @@ from triforge import _runtime, registry
 from triforge.check import check_op
 from triforge.launch import poisoned
 from triforge.ops.deltanet import (
+    _chunk_magnitudes,
     chunk,
     chunk_gated_delta_rule,
     chunk_gated_delta_rule_stages,
@@ -430,15 +431,22 @@ def test_bad_inputs_name_the_argument(fn, kwargs, exc, match):
 @pytest.mark.parametrize("fuse_o", [True, False], ids=["fused", "unfused"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=DTYPE_IDS.get)
 def test_gpu_stages_and_outputs_head_dim_128(dtype, fuse_o, gen):
+    """Every stage and the outputs against float64, each element held to the registry's error model (the dtype's
+    bound plus the change the kernels' roundings make there, as the parity gate): with an initial state, o's first
+    rows are q S_0 with S_0 of size 0.5, rounded to a 16-bit operand, so their error is set by S_0's size, not by o's
+    rms (one bf16 element of 614k over the rms-scaled bound at row 0 of a sequence, H200, session 44)."""
     x = {n: (t.cuda() if t is not None else None) for n, t in _inputs(2, 300, 4, 8, 128, 128, dtype, gen).items()}
-    ref = chunk_ref_stages(**_f64(x), output_final_state=True, use_qk_l2norm_in_kernel=True)
+    x64 = _f64(x)
+    ref = chunk_ref_stages(**x64, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    scales = _chunk_magnitudes(dict(x64, output_final_state=True, use_qk_l2norm_in_kernel=True), None, dtype)
     with poisoned():
         got = chunk_gated_delta_rule_stages(**x, output_final_state=True, use_qk_l2norm_in_kernel=True, fuse_o=fuse_o)
         o, final = chunk_gated_delta_rule(**x, output_final_state=True, use_qk_l2norm_in_kernel=True)
-    _, failed = compare_stages(ref, got, dtype=dtype)
+    _, failed = compare_stages(ref, got, dtype=dtype, scales=scales)
     assert failed is None
-    _check("o", ref["o"], o, dtype)
-    _check("final_state", ref["final_state"], final, dtype)
+    for name, t in (("o", o), ("final_state", final)):
+        res = compare(name, ref[name], t, dtype=dtype, scale=scales[name])
+        assert res.ok, res.line()
 
 
 @pytest.mark.parametrize("K,V", [(32, 32), (32, 64), (64, 32)])
