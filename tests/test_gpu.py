@@ -6,7 +6,7 @@ import torch
 from triforge import launch, registry
 from triforge.check import check_op
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.big]
 
 OPS = [spec.name for spec in registry.all_ops()]
 

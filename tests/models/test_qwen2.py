@@ -327,6 +327,7 @@ def test_gpu_prefill_graph_equals_eager():
 
 
 @pytest.mark.gpu
+@pytest.mark.big
 def test_gpu_qwen25_sized_parity():
     """The real Qwen2.5-0.5B shape (24 layers, vocab 151936) on the GPU: fp32 stages, then bf16 drift."""
     report = parity.run_parity(layers=24, dtype=torch.float32, tokens=24, prompt=16, batch=2, log=lambda *a: None)

@@ -389,6 +389,7 @@ def test_patch_hf_model_keeps_logits_and_generation(backend, device, gen):
 
 
 @pytest.mark.gpu
+@pytest.mark.big
 def test_real_size_layer_bf16_matches_hf(gen):
     """Qwen3-Next-80B-A3B's layer dimensions, a 1000-token prefill and a few decode steps, on the GPU."""
     cfg = Qwen3NextConfig(hidden_size=2048, linear_num_key_heads=16, linear_num_value_heads=32,
