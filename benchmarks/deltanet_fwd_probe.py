@@ -45,7 +45,7 @@ def make(shape):
 
 
 def intra_cfg(spec):
-    """V_LATE:warps:stages[:kn][:t][:rN][:p] (p: DIAG_PRODUCT; kn: the normalised k stored too, as the forward runs it now; t: T stored
+    """V_LATE:warps:stages[:kn][:t][:rN][:p][:dN] (p: DIAG_PRODUCT 1; dN: DIAG_PRODUCT N; kn: the normalised k stored too, as the forward runs it now; t: T stored
     too, as the training forward runs it; rN: a register cap of N per thread, maxnreg; since session 25 the launcher
     applies the cap only without T stored, so ":t:rN" times the uncapped kernel)."""
     parts = spec.split(":")
@@ -54,6 +54,8 @@ def intra_cfg(spec):
     cfg.update({"maxnreg": int(p[1:]) for p in parts[3:] if p.startswith("r")})
     if "p" in parts[3:]:  # the solve's diagonal blocks by tensor-core products (chunk._solve_unit_lower)
         cfg["DIAG_PRODUCT"] = 1
+    # dN: DIAG_PRODUCT N (0 substitution, 1 dense products, 2 batched [4, 16, 16] products: session 44)
+    cfg.update({"DIAG_PRODUCT": int(p[1:]) for p in parts[3:] if p[:1] == "d" and p[1:].isdigit()})
     return cfg
 
 

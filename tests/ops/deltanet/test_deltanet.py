@@ -156,7 +156,7 @@ def test_unfused_state_and_output_kernels_match_reference(gen):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("v_late", [0, 1], ids=["v-early", "v-late"])
-@pytest.mark.parametrize("diag_product", [0, 1], ids=["substitute", "product"])
+@pytest.mark.parametrize("diag_product", [0, 1, 2], ids=["substitute", "product", "batched"])
 def test_intra_kernel_load_orders_match_reference(v_late, diag_product, dtype, gen):
     """Kernel 1 with v loaded before the solve (V_LATE 0) or after it (V_LATE 1, fewer live registers), the
     solve's diagonal blocks by substitution or by products (DIAG_PRODUCT): gamma, T, w and u against the float64

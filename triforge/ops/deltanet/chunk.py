@@ -128,18 +128,21 @@ def _decay(b_gamma, m_t, BT: tl.constexpr):
 def _solve_unit_lower(b_A, BT: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr, DIAG_PRODUCT: tl.constexpr):
     """(I + A)^-1 for a strictly lower [BT, BT] A (fp32).
 
-    The NB = BT / BC diagonal blocks D are inverted first: Td = (I + D)^-1. DIAG_PRODUCT (BC = 16): as the
+    The NB = BT / BC diagonal blocks D are inverted first: Td = (I + D)^-1. DIAG_PRODUCT 1 (BC = 16): as the
     product (I - D)(I + D^2)(I + D^4)(I + D^8) (D^16 = 0) of the block-diagonal [BT, BT] D, six tensor-core dots
     four deep (products of block-diagonal matrices stay block-diagonal, exactly; reference.solve_unit_lower_blocks
-    models its tf32 operands); else by forward substitution in fp32, all NB at once as [NB, BC, BC] tiles, row r
-    of every block per step (BC - 1 serial steps, each two cross-thread sums). With E = A - D (strictly block-lower),
+    models its tf32 operands); DIAG_PRODUCT 2: the same six products of the NB blocks as batched [NB, BC, BC]
+    dots (mma.sync on sm90, no zero blocks: local sm90 build at 8 warps 135 registers, 128 under maxnreg 128 with
+    no spill, against 252 for DIAG_PRODUCT 1; untimed until session 45); 0: by forward substitution in fp32, all
+    NB at once as [NB, BC, BC] tiles, row r of every block per step (BC - 1 serial steps, each two cross-thread
+    sums). With E = A - D (strictly block-lower),
     I + A = (I + D)(I + N) with N = Td E, N^NB = 0, so (I + A)^-1 = sum_p (-N)^p Td: NB tensor-core dots,
     each of block-lower matrices.
     """
     NB: tl.constexpr = BT // BC
     o_i = tl.arange(0, BT)
     m_eye = o_i[:, None] == o_i[None, :]
-    if DIAG_PRODUCT:
+    if DIAG_PRODUCT == 1:
         tl.static_assert(BC == 16, "the product form of the diagonal blocks is written for BC = 16")
         b_D = tl.where((o_i // BC)[:, None] == (o_i // BC)[None, :], b_A, 0.0)
         b_D2 = tl.dot(b_D, b_D, input_precision=PREC)
@@ -155,14 +158,27 @@ def _solve_unit_lower(b_A, BT: tl.constexpr, BC: tl.constexpr, PREC: tl.constexp
         b_A4 = tl.reshape(b_A, [NB, BC, NB, BC])
         b_D = tl.sum(tl.where(m_same[:, None, :, None], b_A4, 0.0), axis=2)  # [NB, BC, BC]
         o_r = tl.arange(0, BC)
-        b_Ti = tl.zeros([NB, BC, BC], dtype=tl.float32)  # (I + D)^-1 - I, strictly lower
-        for r in range(1, BC):
-            m_row = (o_r == r)[None, :, None]
-            b_a = -tl.sum(tl.where(m_row, b_D, 0.0), axis=1)  # [NB, BC]: -D[r, :] of every block
-            b_a = b_a + tl.sum(b_a[:, :, None] * b_Ti, axis=1)
-            b_Ti = tl.where(m_row, b_a[:, None, :], b_Ti)
-        b_Td = tl.reshape(tl.where(m_same[:, None, :, None], b_Ti[:, :, None, :], 0.0), [BT, BT])
-        b_Td = tl.where(m_eye, 1.0, b_Td)
+        if DIAG_PRODUCT == 2:
+            # the product form as batched [NB, BC, BC] dots: the same products as DIAG_PRODUCT 1 without its
+            # zero blocks (1/NB of the multiply-adds, a quarter of the registers per tile)
+            tl.static_assert(BC == 16, "the product form of the diagonal blocks is written for BC = 16")
+            b_D2 = tl.dot(b_D, b_D, input_precision=PREC)
+            b_D4 = tl.dot(b_D2, b_D2, input_precision=PREC)
+            b_D3 = tl.dot(b_D, b_D2, input_precision=PREC)
+            b_X = tl.where((o_r[:, None] == o_r[None, :])[None, :, :], 1.0, 0.0) - b_D + b_D2 - b_D3
+            b_D8 = tl.dot(b_D4, b_D4, input_precision=PREC)
+            b_X = b_X + tl.dot(b_X, b_D4, input_precision=PREC)
+            b_Tb = b_X + tl.dot(b_X, b_D8, input_precision=PREC)  # (I + D)^-1 of every block
+            b_Td = tl.reshape(tl.where(m_same[:, None, :, None], b_Tb[:, :, None, :], 0.0), [BT, BT])
+        else:
+            b_Ti = tl.zeros([NB, BC, BC], dtype=tl.float32)  # (I + D)^-1 - I, strictly lower
+            for r in range(1, BC):
+                m_row = (o_r == r)[None, :, None]
+                b_a = -tl.sum(tl.where(m_row, b_D, 0.0), axis=1)  # [NB, BC]: -D[r, :] of every block
+                b_a = b_a + tl.sum(b_a[:, :, None] * b_Ti, axis=1)
+                b_Ti = tl.where(m_row, b_a[:, None, :], b_Ti)
+            b_Td = tl.reshape(tl.where(m_same[:, None, :, None], b_Ti[:, :, None, :], 0.0), [BT, BT])
+            b_Td = tl.where(m_eye, 1.0, b_Td)
     b_E = tl.where((o_i // BC)[:, None] > (o_i // BC)[None, :], b_A, 0.0)
     b_N = tl.dot(b_Td, b_E, input_precision=PREC)
     b_P = b_Td
@@ -207,7 +223,7 @@ def chunk_gated_delta_rule_fwd_kernel_intra(
     RNE: tl.constexpr,
     V_LATE: tl.constexpr,
     STORE_KN: tl.constexpr = False,
-    DIAG_PRODUCT: tl.constexpr = True,
+    DIAG_PRODUCT: tl.constexpr = 1,
 ):
     """DIAG_PRODUCT (default; the launcher's config key, 0 for the substitution): the solve's diagonal blocks
     inverted by tensor-core products (``_solve_unit_lower``; sm90, bf16, K = V = 128: 835.6 against 881.6 us for
@@ -687,7 +703,7 @@ def chunk_fwd_intra(k, v, g, beta, *, l2norm=False, varlen=None, store_t=False, 
         k, v, g, beta, out["gamma"], out["w"], out["u"], t_buf, decay, a_buf, kn, cu, indices, T,
         nbytes=nbytes, H=H, HV=HV, K=K, V=V, BT=BT, BC=BC, L2NORM=l2norm, STORE_T=store_t or stages, STAGES=stages,
         IS_VARLEN=varlen is not None, **_flags(k.dtype), V_LATE=bool(cfg.get("V_LATE", 0)), STORE_KN=store_kn,
-        DIAG_PRODUCT=bool(cfg.get("DIAG_PRODUCT", 1)),
+        DIAG_PRODUCT=int(cfg.get("DIAG_PRODUCT", 1)),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         # a register cap (config key maxnreg; sm90's entry had 168 until session 27, when the product-form solve
         # without a cap measured faster) only for the launch that stores neither T nor the stages: with T stored
