@@ -225,7 +225,8 @@ def chunk_gated_delta_rule_fwd_kernel_intra(
     STORE_KN: tl.constexpr = False,
     DIAG_PRODUCT: tl.constexpr = 1,
 ):
-    """DIAG_PRODUCT (default; the launcher's config key, 0 for the substitution): the solve's diagonal blocks
+    """DIAG_PRODUCT (1, the default; the launcher's config key: 0 for the substitution, 2 for the same products
+    batched over the blocks, ``_solve_unit_lower``): the solve's diagonal blocks
     inverted by tensor-core products (``_solve_unit_lower``; sm90, bf16, K = V = 128: 835.6 against 881.6 us for
     the substitution under its register cap at (1, 32768, 16, 32), 786.8 / 796.6 at (8, 4096, 16, 32), 417.2 /
     430.4 at (4, 8192, 16, 16), 219.7 / 229.5 at (1, 8192, 32, 32); benchmarks/NOTES.md, session 27).
