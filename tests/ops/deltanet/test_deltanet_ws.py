@@ -15,7 +15,7 @@ from triforge.launch import poisoned
 from triforge.ops.deltanet import chunk, chunk_gated_delta_rule
 from triforge.ops.deltanet.reference import recurrent_ref
 
-from .test_deltanet import _check, _f64, _inputs
+from .test_deltanet import _check_modelled, _f64, _inputs
 
 # (the dispatch's two configs, and the variant with q's row norms taken by the output warpgroups)
 CFGS = {
@@ -66,8 +66,8 @@ def test_gpu_ws_forward_matches_float64(case, cfg, gen):
                                      cu_seqlens=cu)
     with poisoned():
         o, final = _ws(x, CFGS[cfg], l2norm=l2norm, cu_seqlens=cu)
-    _check("o", o_ref, o, dtype)
-    _check("final_state", final_ref, final, dtype)
+    _check_modelled({"o": o_ref, "final_state": final_ref}, {"o": o, "final_state": final}, x, dtype, l2norm=l2norm,
+                    cu_seqlens=cu)
 
 
 @pytest.mark.gpu
@@ -79,7 +79,7 @@ def test_gpu_ws_without_final_state_returns_empty(gen):
     with poisoned():
         o, final = _ws(x, CFGS["bv32-loader-norms"], output_final_state=False)
     assert final.numel() == 0
-    _check("o", o_ref, o, torch.bfloat16)
+    _check_modelled({"o": o_ref}, {"o": o}, x, torch.bfloat16)
 
 
 @pytest.mark.gpu
@@ -104,8 +104,7 @@ def test_gpu_dispatch_takes_ws_only_without_a_backward(monkeypatch, gen):
         o_ref, f_ref = recurrent_ref(**_f64(x), output_final_state=True, use_qk_l2norm_in_kernel=True)
         with poisoned():
             o, final = chunk_gated_delta_rule(**x, output_final_state=True, use_qk_l2norm_in_kernel=True)
-        _check("o", o_ref, o, torch.bfloat16)
-        _check("final_state", f_ref, final, torch.bfloat16)
+        _check_modelled({"o": o_ref, "final_state": f_ref}, {"o": o, "final_state": final}, x, torch.bfloat16)
     assert calls == [32, 64]
     x = {n: t.cuda() for n, t in _inputs(1, 70, 2, 2, 128, 128, torch.bfloat16, gen).items()}
     x["q"].requires_grad_(True)

@@ -584,6 +584,8 @@ def _chunk_magnitudes(inputs, grads, dtype=None):
     l2 = bool(inputs.get("use_qk_l2norm_in_kernel", False))
     if grads is None:
         kw = dict(output_final_state=bool(inputs.get("output_final_state", False)), use_qk_l2norm_in_kernel=l2)
+        if inputs.get("cu_seqlens") is not None:  # (packed sequences: the tests' forward checks)
+            kw["cu_seqlens"] = inputs["cu_seqlens"]
         exact = chunk_ref_stages(**args, **kw)
         samples = rounding_samples(lambda **r: chunk_ref_stages(**args, **kw, **r), dtype, lazy=True)
         if dtype == torch.float32:
