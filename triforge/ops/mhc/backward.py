@@ -110,6 +110,8 @@ def mhc_project_bwd_kernel(
     and a_hi, a_lo and coef through descriptors as well (no per-element addresses: 140 registers against 162
     at BLOCK_T 32, 4 warps).
     PREFETCH (TMA 0-2): each tile's per-token terms (a_hi, a_lo, coef) are loaded one tile ahead."""
+    # int64: kb and i_t derive from p, so the token offsets below (o_t * K, o_t * R) are int64 too (at T = 1M,
+    # C = 4096 they pass 2^31 elements); keep this cast
     p = tl.program_id(0).to(tl.int64)
     u_start = p * U // P
     u_end = (p + 1) * U // P

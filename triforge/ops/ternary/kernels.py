@@ -65,7 +65,8 @@ def ternary_popcount_a8_kernel(
         o_mw = o_m.to(tl.int64)[:, None] * KW + o_w[None, :]
         m_mw = m_m[:, None] & m_w[None, :]
         for b in tl.static_range(8):
-            b_a = tl.load(a_ptr + b * M * KW + o_mw, mask=m_mw, other=0)[:, None, :]
+            # (plane b's offset in int64: 8 planes of M x KW words pass 2^31 elements first here)
+            b_a = tl.load(a_ptr + b * tl.cast(M, tl.int64) * KW + o_mw, mask=m_mw, other=0)[:, None, :]
             b_d = tl.sum(_popc(b_p & b_a, USE_ASM) - _popc(b_q & b_a, USE_ASM), axis=2)
             if b == 7:
                 b_acc -= b_d * 128
@@ -386,15 +387,16 @@ def ternary_gemv_reduce_kernel(
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     o = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    m_o = o < M * N
+    n_mn = tl.cast(M, tl.int64) * N  # a partial's elements (int64: S of them are strided by it)
+    m_o = o < n_mn
     o_n = o % N
     b_y = tl.zeros([BLOCK], dtype=tl.float32)
     if S_UNROLL > 0:
         for s in tl.static_range(S_UNROLL):
-            b_y += tl.load(part_ptr + s * M * N + o, mask=m_o, other=0.0)
+            b_y += tl.load(part_ptr + s * n_mn + o, mask=m_o, other=0.0)
     else:
         for s in range(0, S):
-            b_y += tl.load(part_ptr + s * M * N + o, mask=m_o, other=0.0)
+            b_y += tl.load(part_ptr + s * n_mn + o, mask=m_o, other=0.0)
     b_y = b_y * tl.load(scale_ptr + o_n * stride_scale, mask=m_o, other=0.0)
     if HAS_BIAS:
         b_y += tl.load(bias_ptr + o_n, mask=m_o, other=0.0).to(tl.float32)
