@@ -13,7 +13,8 @@ import torch
 from triforge import _runtime
 from triforge.launch import poisoned
 from triforge.ops.deltanet import chunk, chunk_gated_delta_rule
-from triforge.ops.deltanet.reference import recurrent_ref
+from triforge.ops.deltanet.reference import L2NORM_EPS, chunk_ref_stages, recurrent_ref
+from triforge.testing import compare
 
 from .test_deltanet import _check_modelled, _f64, _inputs
 
@@ -26,16 +27,20 @@ CFGS = {
 }
 
 
-def _ws(x, cfg, l2norm=True, cu_seqlens=None, output_final_state=True):
-    """The forward through the intra kernel and fused_ws.fwd_ws with ``cfg``."""
+def _ws(x, cfg, l2norm=True, cu_seqlens=None, output_final_state=True, save=False):
+    """The forward through the intra kernel and fused_ws.fwd_ws with ``cfg`` (``save``: with the residuals, and
+    the intra kernel's gamma)."""
     from triforge.ops.deltanet import fused_ws
 
     varlen = chunk.prepare_varlen(cu_seqlens)
     intra = chunk.chunk_fwd_intra(x["k"], x["v"], x["g"], x["beta"], l2norm=l2norm, varlen=varlen, store_kn=l2norm)
-    return fused_ws.fwd_ws(x["q"], intra.get("kn", x["k"]), intra["w"], intra["u"], intra["gamma"],
-                           x["initial_state"], x["q"].shape[-1] ** -0.5, l2norm=l2norm,
-                           cu_seqlens=None if varlen is None else varlen.cu_seqlens,
-                           output_final_state=output_final_state, cfg=cfg)
+    res = fused_ws.fwd_ws(x["q"], intra.get("kn", x["k"]), intra["w"], intra["u"], intra["gamma"],
+                          x["initial_state"], x["q"].shape[-1] ** -0.5, l2norm=l2norm,
+                          cu_seqlens=None if varlen is None else varlen.cu_seqlens,
+                          output_final_state=output_final_state, cfg=cfg, save=save,
+                          chunk_offsets=None if varlen is None else varlen.chunk_offsets,
+                          n_chunks=None if varlen is None else varlen.n_chunks)
+    return (*res, intra["gamma"]) if save else res
 
 
 def _sm90():
@@ -116,6 +121,83 @@ def test_gpu_dispatch_takes_ws_only_without_a_backward(monkeypatch, gen):
     assert len(calls) == 2
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", list(CFGS))
+@pytest.mark.parametrize("case", ["dense-tail", "packed", "fp16-no-l2norm"])
+def test_gpu_ws_saving_forward_keeps_the_residuals(case, cfg, gen):
+    """SAVE (the training forward through the Gluon kernel): o, the final state, h and v_new against the float64
+    chunked reference's stages, each element held to the registry's error model; P against its float64 value
+    (the kernel's q and k normalised in float64; dense cases) within the input dtype's rounding and exactly 0 outside
+    each chunk's causal block; every output NaN-poisoned first."""
+    if not _sm90():
+        pytest.skip("the Gluon kernel is built for sm90")
+    from .test_deltanet_bwd import _p_ref
+
+    dtype, l2norm, cu = torch.bfloat16, True, None
+    if case == "dense-tail":  # T % 64 != 0, grouped heads, an initial state
+        x = _inputs(2, 300, 2, 4, 128, 128, dtype, gen)
+    elif case == "packed":  # an empty and a one-token sequence; chunks cross sequence ends
+        lengths = [200, 0, 1, 64, 135, 63]
+        x = _inputs(1, sum(lengths), 2, 4, 128, 128, dtype, gen, N=len(lengths))
+        cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
+    else:
+        dtype, l2norm = torch.float16, False
+        x = _inputs(2, 130, 2, 2, 128, 128, dtype, gen)
+    x = {n: (t.cuda() if t is not None else None) for n, t in x.items()}
+    cu = cu.cuda() if cu is not None else None
+    ref = chunk_ref_stages(**_f64(x), output_final_state=True, use_qk_l2norm_in_kernel=l2norm, cu_seqlens=cu)
+    with poisoned():
+        o, final, kept, _ = _ws(x, CFGS[cfg], l2norm=l2norm, cu_seqlens=cu, save=True)
+    n_chunks = chunk.prepare_varlen(cu).n_chunks if cu is not None else -(-x["q"].shape[1] // 64)
+    assert kept["h"].shape == (1 if cu is not None else x["q"].shape[0], n_chunks, 4 if case != "fp16-no-l2norm"
+                               else 2, 128, 128)
+    got = {"o": o, "final_state": final, "h": kept["h"], "v_new": kept["v_new"]}
+    _check_modelled({n: ref[n] for n in got}, got, x, dtype, l2norm=l2norm, cu_seqlens=cu)
+    if cu is None:
+        q64, k64 = x["q"].double(), x["k"].double()
+        if l2norm:
+            q64 = q64 * torch.rsqrt(q64.square().sum(-1, keepdim=True) + L2NORM_EPS)
+            k64 = k64 * torch.rsqrt(k64.square().sum(-1, keepdim=True) + L2NORM_EPS)
+        p_want, in_block = _p_ref(q64, k64, ref["gamma"])
+        atol = {torch.bfloat16: 2**-7, torch.float16: 2**-9}[dtype]  # |P| <= 1: twice the dtype's rounding
+        torch.testing.assert_close(kept["P"].double(), p_want, rtol=0, atol=atol, msg="P")
+        assert (kept["P"][~in_block] == 0).all(), "P is 0 exactly outside each chunk's causal block"
+    else:
+        assert torch.isfinite(kept["P"]).all()
+
+
+@pytest.mark.gpu
+def test_gpu_training_forward_through_the_gluon_kernel(monkeypatch, gen):
+    """TRIFORGE_DELTANET_GLUON_SAVE=1: a differentiable forward takes the Gluon kernel with SAVE (a spy) and its
+    gradients, through the Triton backward, match the float64 reference backward at each element's modelled
+    scale, as with the Triton saving forward (grouped heads, a tail chunk, an initial state, a final-state
+    gradient)."""
+    if not _sm90():
+        pytest.skip("the Gluon kernel is built for sm90")
+    from triforge.ops.deltanet import fused_ws
+
+    from .test_deltanet_bwd import GRAD_NAMES, _bwd_inputs, _cuda, _ref_and_scales
+
+    calls = []
+    real = fused_ws.fwd_ws
+    monkeypatch.setattr(fused_ws, "fwd_ws", lambda *a, **kw: calls.append(kw.get("save")) or real(*a, **kw))
+    monkeypatch.setenv(chunk.GLUON_SAVE_ENV, "1")
+    x = _cuda(_bwd_inputs(2, 300, 2, 4, 128, 128, torch.bfloat16, gen))
+    leaves = {n: x[n].clone().requires_grad_(True) for n in GRAD_NAMES}
+    o, final = chunk_gated_delta_rule(**leaves, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    with poisoned():
+        got = torch.autograd.grad([o, final], list(leaves.values()), [x["do"], x["dht"]])
+    assert calls == [True]
+    ref, scales = _ref_and_scales(x, torch.bfloat16, use_qk_l2norm_in_kernel=True)
+    for n, gg in zip(GRAD_NAMES, got):
+        m = "dh0" if n == "initial_state" else f"d{n}"
+        res = compare(n, ref[m], gg, dtype=torch.bfloat16, scale=scales[m])
+        assert res.ok, res.line()
+    monkeypatch.setenv(chunk.GLUON_SAVE_ENV, "yes")
+    with pytest.raises(ValueError, match=chunk.GLUON_SAVE_ENV):
+        chunk_gated_delta_rule(**leaves, output_final_state=True, use_qk_l2norm_in_kernel=True)
+
+
 def test_gluon_config_refuses_where_it_cannot_run(monkeypatch):
     q = torch.zeros(1, 64, 2, 128, dtype=torch.bfloat16, device=_runtime.default_device())
     if not _sm90():  # the interpreter or another GPU: never
@@ -150,24 +232,29 @@ for case in json.loads(sys.argv[1]):
     lk, lv = gl.NVMMASharedLayout.get_default_for([64, 128], g), gl.NVMMASharedLayout.get_default_for([64, bv], g)
     consts = dict(H=2, HV=4, K=128, V=128, BV=bv, STAGES=cfg["STAGES"], NB=cfg["NB"], L2NORM=cfg["L2NORM"],
                   USE_H0=case["h0"], STORE_FINAL=True, VARLEN=case["varlen"], FTZ=bool(cfg["FTZ"]),
-                  OUT_REGS=cfg["OUT_REGS"], LOAD_REGS=cfg["LOAD_REGS"], LOAD_WARPS=4 if cfg["L2NORM"] == 3 else 1)
+                  OUT_REGS=cfg["OUT_REGS"], LOAD_REGS=cfg["LOAD_REGS"], LOAD_WARPS=4 if cfg["L2NORM"] == 3 else 1,
+                  SAVE=bool(case.get("save", False)))
     types = {n: f"tensordesc<{dt}[64, 128],{lk!r}>" for n in ("w_desc", "k_desc", "q_desc")}
     types.update(u_desc=f"tensordesc<{dt}[64, {bv}],{lv!r}>", gamma_ptr="*fp32", h0_ptr="*fp32", ht_ptr="*fp32",
-                 o_ptr=f"*{dt}", cu_ptr="*i32", scale="fp32")
+                 o_ptr=f"*{dt}", cu_ptr="*i32", scale="fp32", h_ptr=f"*{dt}", vn_ptr=f"*{dt}", p_ptr=f"*{dt}",
+                 coff_ptr="*i32")
     rows.append(dict(case, **compile_sm90(W.gdn_fwd_ws_kernel, types, consts,
-                                          ("gamma_ptr", "h0_ptr", "ht_ptr", "o_ptr"))))
+                                          ("gamma_ptr", "h0_ptr", "ht_ptr", "o_ptr", "h_ptr", "vn_ptr", "p_ptr"))))
 print("RESULT" + json.dumps(rows))
 """
 
 
 def test_ws_kernel_compiles_for_sm90():
     """The dispatch's two configs as ptxas builds them for sm90a (no GPU here): no spills, within the 227 KB of
-    shared memory, the wgmma kept asynchronous (C7515 not raised), dense and packed, with and without h0."""
+    shared memory, the wgmma kept asynchronous (C7515 not raised), dense and packed, with and without h0; the
+    training forward's variant (SAVE) at BV 32 too."""
     from tests.ops.attention.test_flash_attn import _sm90_compile
 
     cases = [dict(cfg=CFGS[c], dtype=dt, varlen=vl, h0=h0)
              for c, dt, vl, h0 in (("bv32-loader-norms", "bf16", False, False), ("bv32-loader-norms", "fp16", True, True),
                                    ("bv64-slot-norms", "bf16", False, True), ("bv64-slot-norms", "bf16", True, False))]
+    # the training forward's SAVE at BV 32 (at BV 64 ptxas spills 16-48 bytes with it: session 44)
+    cases += [dict(cfg=CFGS["bv32-loader-norms"], dtype="bf16", varlen=vl, h0=True, save=True) for vl in (False, True)]
     for r in _sm90_compile(cases, _SM90_WS):
         assert r["spills"] == 0 and r["shared"] <= 227 * 1024 and not r["serialized"], r
         assert r["wgmma"] > 0, r

@@ -584,6 +584,17 @@ def use_fused(K, V, nh):
 
 
 GLUON_ENV = "TRIFORGE_DELTANET_GLUON"
+# the training forward (residuals kept for the backward) through the Gluon kernel too (fused_ws SAVE): "1" takes it
+# where the inference forward would; off by default until measured on a GPU (built in session 44 without one)
+GLUON_SAVE_ENV = "TRIFORGE_DELTANET_GLUON_SAVE"
+
+
+def gluon_save_on():
+    """Whether a saving (training) forward may take the Gluon kernel (``TRIFORGE_DELTANET_GLUON_SAVE=1``)."""
+    flag = os.environ.get(GLUON_SAVE_ENV, "0")
+    if flag not in ("0", "1"):
+        raise ValueError(f"{GLUON_SAVE_ENV} must be 0 or 1, got {flag!r}")
+    return flag == "1"
 # fused_ws.fwd_ws's two configs (gluon_config's choice; benchmarks/NOTES.md, session 40)
 GLUON_CFGS = {
     "bv32": {"BV": 32, "STAGES": 3, "NB": 3, "FTZ": 1, "L2NORM": 3, "OUT_REGS": 152, "LOAD_REGS": 80},
@@ -836,7 +847,8 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state=None, *, output_final_state
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     N = B if varlen is None else varlen.n_seqs
-    ws = gluon_config(q, K, V, N * HV, initial_state, l2norm) if not (save or stages or fuse_o is False) else None
+    use_ws = not (stages or fuse_o is False) and (not save or gluon_save_on())
+    ws = gluon_config(q, K, V, N * HV, initial_state, l2norm) if use_ws else None
     if fuse_o is None:
         # saving: the unfused pair (the fused recurrence storing h and v_new took 1.48 ms at (8, 4096, 16, 32)
         # against 0.97 without the stores; the unfused state kernel, which stores them anyway, 0.55)
@@ -850,9 +862,16 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state=None, *, output_final_state
     if ws is not None:  # Hopper: the warp-specialized Gluon recurrence + output (imported only here: no interpreter)
         from triforge.ops.deltanet.fused_ws import fwd_ws
 
-        return fwd_ws(q, intra.get("kn", k), w, u, gamma, initial_state, scale, l2norm=l2norm,
-                      cu_seqlens=None if varlen is None else varlen.cu_seqlens, output_final_state=output_final_state,
-                      cfg=ws)
+        res = fwd_ws(q, intra.get("kn", k), w, u, gamma, initial_state, scale, l2norm=l2norm,
+                     cu_seqlens=None if varlen is None else varlen.cu_seqlens, output_final_state=output_final_state,
+                     cfg=ws, save=save, chunk_offsets=None if varlen is None else varlen.chunk_offsets,
+                     n_chunks=None if varlen is None else varlen.n_chunks)
+        if not save:
+            return res
+        o, final, kept = res  # (q is not kept: the backward's kernel 0 normalises it, as after a fused recurrence)
+        return o, final, {"gamma": gamma, "w": w, "T": intra["T"], "h": kept["h"], "v_new": kept["v_new"],
+                          "qn": q.new_empty((0,)), "kn": intra["kn"] if l2norm else k.new_empty((0,)),
+                          "P": kept["P"]}
     kk = intra.get("kn", k)
     # the training forward keeps the normalised q (stored by the output kernel) for the backward
     # (the fused kernel does not store it: after a fused saving forward the backward's kernel 0 normalises q)

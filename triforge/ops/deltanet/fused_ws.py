@@ -124,8 +124,12 @@ def _gates_state(g_base, c, L, HV: gl.constexpr, t_acc):
 
 @gluon.jit
 def _state(w_s, k_s, u_s, S_s, vn_s, vs_s, ready, empty, full, sfree, g_base, h0_ptr, ht_ptr, o_state, L, NT,
-           v0, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, STAGES: gl.constexpr,
-           NB: gl.constexpr, USE_H0: gl.constexpr, STORE_FINAL: gl.constexpr, FTZ: gl.constexpr):
+           v0, h_base, vn_base, zero, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr,
+           STAGES: gl.constexpr, NB: gl.constexpr, USE_H0: gl.constexpr, STORE_FINAL: gl.constexpr, FTZ: gl.constexpr,
+           SAVE: gl.constexpr):
+    """SAVE (the training forward): also h (S_c in the input dtype, the operand the chain uses) at h_base + c HV K V
+    and v_new (rows of the sequence only) at vn_base, by plain stores from registers; their offsets are formed per
+    chunk (+ c & zero, a runtime 0: not hoisted out of the loop into registers held through it)."""
     acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BV, 16])
     dtype: gl.constexpr = w_s.dtype
     rows_k = gl.arange(0, K, layout=gl.SliceLayout(1, acc_l))
@@ -146,10 +150,18 @@ def _state(w_s, k_s, u_s, S_s, vn_s, vs_s, ready, empty, full, sfree, g_base, h0
         mbarrier.wait(ready.index(slot), (c // STAGES) & 1)
         ws = warpgroup_mma(w_s.index(slot), S_s.index(b), gl.zeros([BT, BV], gl.float32, acc_l), use_acc=False,
                            is_async=True)
+        if SAVE:  # h_c = S_c as the chain's operand (stored while w S_c runs)
+            zc = c & zero
+            gl.store(h_base + c.to(gl.int64) * (HV * K * V) + (rows_k + zc)[:, None] * V + cols_v[None, :],
+                     S.to(dtype))
         ws = warpgroup_mma_wait(0, deps=[ws])
         u = u_s.index(slot).load(acc_l).to(gl.float32)
-        vn = gl.where((t_acc < L - c * BT)[:, None], u - ws, 0.0)  # rows past the sequence's end: no update
+        in_seq = t_acc < L - c * BT
+        vn = gl.where(in_seq[:, None], u - ws, 0.0)  # rows past the sequence's end: no update
         vs = vn * _exp(g_last - g_acc, FTZ)[:, None]
+        if SAVE:
+            gl.store(vn_base + (c * BT + t_acc + zc).to(gl.int64)[:, None] * (HV * V) + cols_v[None, :], vn.to(dtype),
+                     mask=in_seq[:, None])
         vn_s.index(b).store(vn.to(dtype))
         vs_s.store(vs.to(dtype))
         fence_async_shared()
@@ -180,9 +192,11 @@ def _gates_out(g_base, c, L, HV: gl.constexpr, t_acc, t_qk, c_qk):
 
 @gluon.jit
 def _output(q_s, k_s, S_s, vn_s, rn_s, ready, empty, full, sfree, rn_ready, g_base, o_ptr, bos, L, NT, o_col, scale,
-            J: gl.constexpr, NOUT: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr,
-            BV: gl.constexpr, STAGES: gl.constexpr, NB: gl.constexpr, L2NORM: gl.constexpr, FTZ: gl.constexpr,
-            SKIP: gl.constexpr = False):
+            p_base, save_p, zero, J: gl.constexpr, NOUT: gl.constexpr, HV: gl.constexpr, K: gl.constexpr,
+            V: gl.constexpr, BV: gl.constexpr, STAGES: gl.constexpr, NB: gl.constexpr, L2NORM: gl.constexpr,
+            FTZ: gl.constexpr, SAVE: gl.constexpr, SKIP: gl.constexpr = False):
+    """SAVE (the training forward): the program of V-block 0 (``save_p``) also stores P = (q k^T) * decay as the
+    output's product uses it, rows of the sequence only, at p_base (row t: its chunk's row of BT values)."""
     acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BV, 16])
     qk_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BT, 16])
     p_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=2)
@@ -233,7 +247,13 @@ def _output(q_s, k_s, S_s, vn_s, rn_s, ready, empty, full, sfree, rn_ready, g_ba
                 qs = qs * rn_acc[:, None]
             mbarrier.arrive(empty.index(slot))  # q and k of chunk c read
             decay = _exp(gl.where(keep, g_row[:, None] - g_col[None, :], float("-inf")), FTZ)
-            p = gl.convert_layout((qk * decay).to(dtype), p_l)
+            pd = (qk * decay).to(dtype)
+            if SAVE:
+                if save_p:
+                    zc = c & zero
+                    gl.store(p_base + (c * BT + t_qk + zc).to(gl.int64)[:, None] * (HV * BT) + c_qk[None, :], pd,
+                             mask=(t_qk < L - c * BT)[:, None])
+            p = gl.convert_layout(pd, p_l)
             o = qs * _exp(g_acc, FTZ)[:, None]
             o = warpgroup_mma(p, vn_s.index(b), o, is_async=True)
             o = warpgroup_mma_wait(0, deps=[o])
@@ -245,11 +265,15 @@ def _output(q_s, k_s, S_s, vn_s, rn_s, ready, empty, full, sfree, rn_ready, g_ba
 
 @gluon.jit
 def gdn_fwd_ws_kernel(w_desc, k_desc, q_desc, u_desc, gamma_ptr, h0_ptr, ht_ptr, o_ptr, cu_ptr, T, scale,
+                      h_ptr, vn_ptr, p_ptr, coff_ptr, zero,
                       H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr,
                       STAGES: gl.constexpr, NB: gl.constexpr, L2NORM: gl.constexpr,
                       USE_H0: gl.constexpr, STORE_FINAL: gl.constexpr, VARLEN: gl.constexpr, FTZ: gl.constexpr,
                       OUT_REGS: gl.constexpr, LOAD_REGS: gl.constexpr, LOAD_WARPS: gl.constexpr,
-                      SKIP: gl.constexpr = False):
+                      SAVE: gl.constexpr = False, SKIP: gl.constexpr = False):
+    """SAVE: the training forward's residuals too (h [chunks, HV, K, V] and v_new [B, T, HV, V] in the input dtype,
+    P [B, T, HV, BT] in q's; coff_ptr: each sequence's first chunk, packed); the program of V-block i_v stores its
+    columns of h and v_new, V-block 0's also P."""
     gl.static_assert(NB >= 2, "at least two state / v_new buffers")
     i_v = gl.program_id(0)
     i_nh = gl.program_id(1)
@@ -261,6 +285,17 @@ def gdn_fwd_ws_kernel(w_desc, k_desc, q_desc, u_desc, gamma_ptr, h0_ptr, ht_ptr,
     col_v = i_hv * V + i_v * BV
     o_state = i_nh.to(gl.int64) * K * V
     g_base = gamma_ptr + bos.to(gl.int64) * HV + i_hv
+    h_base = h_ptr
+    vn_base = vn_ptr
+    p_base = p_ptr
+    if SAVE:
+        if VARLEN:
+            boh = gl.load(coff_ptr + i_n).to(gl.int64)
+        else:
+            boh = i_n.to(gl.int64) * gl.cdiv(T, BT)
+        h_base = h_ptr + (boh * HV + i_hv) * (K * V)
+        vn_base = vn_ptr + bos.to(gl.int64) * (HV * V) + i_hv * V
+        p_base = p_ptr + bos.to(gl.int64) * (HV * BT) + i_hv * BT
     dtype: gl.constexpr = w_desc.dtype
     s_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([K, BV], dtype)
     v_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BT, BV], dtype)
@@ -289,11 +324,11 @@ def gdn_fwd_ws_kernel(w_desc, k_desc, q_desc, u_desc, gamma_ptr, h0_ptr, ht_ptr,
     # (the partitions' arguments written out in the call: constexprs passed through a tuple variable lose it)
     gl.warp_specialize([
         (_state, (w_s, k_s, u_s, S_s, vn_s, vs_s, ready, empty, full, sfree, g_base, h0_ptr, ht_ptr, o_state, L, NT,
-                  i_v * BV, HV, K, V, BV, STAGES, NB, USE_H0, STORE_FINAL, FTZ)),
+                  i_v * BV, h_base, vn_base, zero, HV, K, V, BV, STAGES, NB, USE_H0, STORE_FINAL, FTZ, SAVE)),
         (_output, (q_s, k_s, S_s, vn_s, rn_s, ready, empty, full, sfree, rn_ready, g_base, o_ptr, bos, L, NT, col_v,
-                   scale, 0, 2, HV, K, V, BV, STAGES, NB, L2NORM, FTZ, SKIP)),
+                   scale, p_base, i_v == 0, zero, 0, 2, HV, K, V, BV, STAGES, NB, L2NORM, FTZ, SAVE, SKIP)),
         (_output, (q_s, k_s, S_s, vn_s, rn_s, ready, empty, full, sfree, rn_ready, g_base, o_ptr, bos, L, NT, col_v,
-                   scale, 1, 2, HV, K, V, BV, STAGES, NB, L2NORM, FTZ, SKIP)),
+                   scale, p_base, i_v == 0, zero, 1, 2, HV, K, V, BV, STAGES, NB, L2NORM, FTZ, SAVE, SKIP)),
         (_loader, (w_desc, k_desc, q_desc, u_desc, w_s, k_s, q_s, u_s, rn_s, ready, empty, rn_ready, bos, NT, i_hv * K,
                    i_h * K, col_v, K, STAGES, L2NORM == 3)),
     ], [4, 4, LOAD_WARPS], [OUT_REGS, OUT_REGS, LOAD_REGS])
@@ -308,10 +343,13 @@ def gdn_fwd_ws_kernel(w_desc, k_desc, q_desc, u_desc, gamma_ptr, h0_ptr, ht_ptr,
 DEFAULT_CFG = {"BV": 32, "STAGES": 3, "NB": 3, "FTZ": 1, "L2NORM": 1, "OUT_REGS": 168, "LOAD_REGS": 24}
 
 
-def fwd_ws(q, kn, w, u, gamma, initial_state, scale, *, l2norm, cu_seqlens=None, output_final_state=True, cfg=None):
+def fwd_ws(q, kn, w, u, gamma, initial_state, scale, *, l2norm, cu_seqlens=None, output_final_state=True, cfg=None,
+           save=False, chunk_offsets=None, n_chunks=None):
     """(o [B, T, HV, V], final state [N, HV, K, V] fp32, or an empty tensor without output_final_state) from the
     intra kernel's outputs (kn: k, normalised when l2norm); q is normalised in the kernel when l2norm; cu_seqlens
-    int32 [N + 1] (B = 1). cfg (DEFAULT_CFG; chunk.gluon_config picks it): BV (V-block), STAGES (ring slots), NB
+    int32 [N + 1] (B = 1). With ``save`` (the training forward) a third item, {h [B, NT, HV, K, V] (packed: [1,
+    chunks, ...]) and v_new [B, T, HV, V] in u's dtype, P [B, T, HV, 64] in q's}, what the backward reads
+    (chunk_offsets: int32 [N + 1], each packed sequence's first chunk; n_chunks: their total, on the host). cfg (DEFAULT_CFG; chunk.gluon_config picks it): BV (V-block), STAGES (ring slots), NB
     (state / v_new buffers), FTZ (exponentials by ex2.approx.ftz), L2NORM (with l2norm:
     1 q normalised in its ring slot, the Triton kernels' bits; 2 q's row norms read by the output warpgroup and
     q k^T, q S scaled by them; 3 the same norms taken by a loader warpgroup), OUT_REGS / LOAD_REGS (registers per
@@ -332,18 +370,29 @@ def fwd_ws(q, kn, w, u, gamma, initial_state, scale, *, l2norm, cu_seqlens=None,
     ht = launch.new_output((N, HV, K, V) if output_final_state else (0,), torch.float32, u.device)
     e = q.element_size()
     l2n = cfg["L2NORM"] if l2norm else 0
+    saved = None
+    if save:
+        if cu_seqlens is not None and (chunk_offsets is None or n_chunks is None):
+            raise ValueError("fwd_ws: save with cu_seqlens needs chunk_offsets and n_chunks")
+        n_b, n_c = (B, -(-T // _BT)) if cu_seqlens is None else (1, n_chunks)
+        saved = {"h": launch.new_output((n_b, n_c, HV, K, V), w.dtype, u.device),
+                 "v_new": launch.new_output((B, T, HV, V), u.dtype, u.device),
+                 "P": launch.new_output((B, T, HV, _BT), q.dtype, u.device)}
     launch.launch(
         "gated_delta_rule_fwd_ws", gdn_fwd_ws_kernel, (V // bv, N * HV),
         w_desc, k_desc, q_desc, u_desc, gamma, initial_state if initial_state is not None else gamma,
         ht if output_final_state else gamma, o,
         cu_seqlens if cu_seqlens is not None else gamma, T, scale,
+        *((saved["h"], saved["v_new"], saved["P"], chunk_offsets if chunk_offsets is not None else gamma) if save
+          else (gamma, gamma, gamma, gamma)), 0,
         # each V-block program reads its chunks' w, k and q whole
         nbytes=B * T * HV * ((V // bv) * 3 * K * e + 2 * V * e + 4)
-        + N * HV * K * V * 4 * (int(output_final_state) + int(initial_state is not None)),
+        + N * HV * K * V * 4 * (int(output_final_state) + int(initial_state is not None))
+        + (sum(t.numel() for t in saved.values()) * e if save else 0),
         H=H, HV=HV, K=K, V=V, BV=bv, STAGES=cfg["STAGES"], NB=cfg["NB"], L2NORM=l2n,
         USE_H0=initial_state is not None, STORE_FINAL=bool(output_final_state), VARLEN=cu_seqlens is not None,
         FTZ=bool(cfg["FTZ"]), OUT_REGS=cfg["OUT_REGS"], LOAD_REGS=cfg["LOAD_REGS"], LOAD_WARPS=4 if l2n == 3 else 1,
-        SKIP=bool(cfg.get("SKIP", 0)),
+        SAVE=bool(save), SKIP=bool(cfg.get("SKIP", 0)),
         num_warps=4,
     )
-    return o, ht
+    return (o, ht, saved) if save else (o, ht)
