@@ -868,9 +868,13 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state=None, *, output_final_state
                      n_chunks=None if varlen is None else varlen.n_chunks)
         if not save:
             return res
-        o, final, kept = res  # (q is not kept: the backward's kernel 0 normalises it, as after a fused recurrence)
+        o, final, kept = res
+        if l2norm:  # qn as the Triton saving forward keeps it (kernel 0's bits; the op's fake has its shape)
+            from triforge.ops.deltanet.chunk_bwd import chunk_bwd_l2norm
+
+            qn = chunk_bwd_l2norm(q)[0]
         return o, final, {"gamma": gamma, "w": w, "T": intra["T"], "h": kept["h"], "v_new": kept["v_new"],
-                          "qn": q.new_empty((0,)), "kn": intra["kn"] if l2norm else k.new_empty((0,)),
+                          "qn": qn if l2norm else q.new_empty((0,)), "kn": intra["kn"] if l2norm else k.new_empty((0,)),
                           "P": kept["P"]}
     kk = intra.get("kn", k)
     # the training forward keeps the normalised q (stored by the output kernel) for the backward

@@ -349,7 +349,8 @@ def fwd_ws(q, kn, w, u, gamma, initial_state, scale, *, l2norm, cu_seqlens=None,
     intra kernel's outputs (kn: k, normalised when l2norm); q is normalised in the kernel when l2norm; cu_seqlens
     int32 [N + 1] (B = 1). With ``save`` (the training forward) a third item, {h [B, NT, HV, K, V] (packed: [1,
     chunks, ...]) and v_new [B, T, HV, V] in u's dtype, P [B, T, HV, 64] in q's}, what the backward reads
-    (chunk_offsets: int32 [N + 1], each packed sequence's first chunk; n_chunks: their total, on the host). cfg (DEFAULT_CFG; chunk.gluon_config picks it): BV (V-block), STAGES (ring slots), NB
+    (chunk_offsets: int32 [N + 1], each packed sequence's first chunk; n_chunks: their total, on the host).
+    cfg (DEFAULT_CFG; chunk.gluon_config picks it): BV (V-block), STAGES (ring slots), NB
     (state / v_new buffers), FTZ (exponentials by ex2.approx.ftz), L2NORM (with l2norm:
     1 q normalised in its ring slot, the Triton kernels' bits; 2 q's row norms read by the output warpgroup and
     q k^T, q S scaled by them; 3 the same norms taken by a loader warpgroup), OUT_REGS / LOAD_REGS (registers per
