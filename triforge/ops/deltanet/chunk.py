@@ -595,6 +595,12 @@ def gluon_save_on():
     if flag not in ("0", "1"):
         raise ValueError(f"{GLUON_SAVE_ENV} must be 0 or 1, got {flag!r}")
     return flag == "1"
+
+
+def gluon_save_cfg(cfg):
+    """``cfg`` for the kernel's SAVE variant: at BV 64 the output partitions give the state partition 8 registers per
+    thread for its h and v_new stores (168: ptxas spilled 8-16 bytes; 160: none, local sm90 build, session 44)."""
+    return dict(cfg, OUT_REGS=min(cfg["OUT_REGS"], 160)) if cfg["BV"] == 64 else dict(cfg)
 # fused_ws.fwd_ws's two configs (gluon_config's choice; benchmarks/NOTES.md, session 40)
 GLUON_CFGS = {
     "bv32": {"BV": 32, "STAGES": 3, "NB": 3, "FTZ": 1, "L2NORM": 3, "OUT_REGS": 152, "LOAD_REGS": 80},
@@ -832,7 +838,8 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state=None, *, output_final_state
     recompute with the intra and state kernels and its l2norm kernel (T stored by the intra kernel; with
     l2norm kn by the intra kernel and qn by the output kernel, empty tensors without; the recurrence runs
     unfused unless ``fuse_o`` is True, and the fused one then stores h and v_new too, and q is normalised by
-    the backward's kernel 0); at padded head dims (``padded_dims``) in the padded dims.
+    the backward's kernel 0; with ``TRIFORGE_DELTANET_GLUON_SAVE=1``, where the Gluon kernel would take the
+    inference forward, its SAVE variant stores h, v_new and P, and kernel 0 forms qn); at padded head dims (``padded_dims``) in the padded dims.
     """
     K, V = q.shape[3], v.shape[3]
     Kp, Vp = padded_dims(K, V)
@@ -849,6 +856,8 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state=None, *, output_final_state
     N = B if varlen is None else varlen.n_seqs
     use_ws = not (stages or fuse_o is False) and (not save or gluon_save_on())
     ws = gluon_config(q, K, V, N * HV, initial_state, l2norm) if use_ws else None
+    if ws is not None and save:
+        ws = gluon_save_cfg(ws)
     if fuse_o is None:
         # saving: the unfused pair (the fused recurrence storing h and v_new took 1.48 ms at (8, 4096, 16, 32)
         # against 0.97 without the stores; the unfused state kernel, which stores them anyway, 0.55)
