@@ -64,9 +64,11 @@ def ternary_popcount_a8_kernel(
         b_q = tl.load(minus_ptr + o_nw, mask=m_nw, other=0)[None, :, :]
         o_mw = o_m.to(tl.int64)[:, None] * KW + o_w[None, :]
         m_mw = m_m[:, None] & m_w[None, :]
+        p_a = a_ptr + o_mw
         for b in tl.static_range(8):
-            # (plane b's offset in int64: 8 planes of M x KW words pass 2^31 elements first here)
-            b_a = tl.load(a_ptr + b * tl.cast(M, tl.int64) * KW + o_mw, mask=m_mw, other=0)[:, None, :]
+            b_a = tl.load(p_a, mask=m_mw, other=0)[:, None, :]
+            # (the next plane by a pointer step: in int64, as 8 planes of M x KW words pass 2^31 elements first)
+            p_a += tl.cast(M, tl.int64) * KW
             b_d = tl.sum(_popc(b_p & b_a, USE_ASM) - _popc(b_q & b_a, USE_ASM), axis=2)
             if b == 7:
                 b_acc -= b_d * 128
