@@ -22,14 +22,13 @@ import triforge
 from triforge import launch
 from triforge.ops.deltanet import chunk
 
-from gdn_dqkw_ws_probe import event_times, inputs, run_triton, run_ws  # noqa: E402  (benchmarks/ is the script's dir)
+from gdn_dqkw_ws_probe import event_times, inputs, quantiles, run_triton, run_ws  # noqa: E402  (benchmarks/)
 from host_overhead_probe import host_us  # noqa: E402
 
 
 def event_ms(fn):
     """min / median / p95 of ``fn``'s time per call (ms; CUDA events per call, as the bench times)."""
-    ts = event_times([fn], rounds=15, n=10)[0]
-    return {"min": ts[0], "median": ts[len(ts) // 2], "p95": ts[int(0.95 * len(ts))]}
+    return quantiles(event_times([fn], rounds=15, n=10)[0])
 
 
 def backward_fn(B, T, H, HV, K=128, V=128, dtype=torch.bfloat16):

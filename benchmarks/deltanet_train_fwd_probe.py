@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import triforge  # noqa: E402
 from triforge.ops.deltanet import chunk  # noqa: E402
 
-from gdn_dqkw_ws_probe import event_times  # noqa: E402  (the same CUDA-event timer)
+from gdn_dqkw_ws_probe import event_times, quantiles  # noqa: E402  (the same CUDA-event timer)
 
 SHAPES = ["1x32768x16x32", "8x4096x16x32", "4x8192x16x16", "1x8192x32x32"]
 NAMES = ("q", "k", "v", "g", "beta")
@@ -50,10 +50,6 @@ def rel_rms(a, b):
     return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
 
 
-def stats(ts):
-    return {"min": ts[0], "median": ts[len(ts) // 2], "p95": ts[int(0.95 * len(ts))]}
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
@@ -77,7 +73,7 @@ def main():
         fns = [with_save(f, fn) for f in ("0", "1") for fn in (fwd, infer, step)]
         ts = event_times(fns, rounds=8, n=10)
         for i, (flag, what) in enumerate((f, w) for f in ("0", "1") for w in ("train fwd", "inference fwd", "fwd+bwd")):
-            row = {"shape": shape, "gluon_save": flag, "what": what, **stats(ts[i])}
+            row = {"shape": shape, "gluon_save": flag, "what": what, **quantiles(ts[i])}
             if what == "fwd+bwd":
                 row["grad_rel_rms_vs_triton"] = diff if flag == "1" else None
             rows.append(row)

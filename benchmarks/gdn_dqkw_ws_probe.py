@@ -87,6 +87,11 @@ def event_times(fns, rounds=6, n=10):
     return [sorted(t) for t in ts]
 
 
+def quantiles(ts):
+    """min / median / p95 of sorted per-call times (as the bench reports them)."""
+    return {"min": ts[0], "median": ts[len(ts) // 2], "p95": ts[int(0.95 * len(ts))]}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--cfgs", default="[{}]")

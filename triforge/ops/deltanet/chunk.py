@@ -601,6 +601,8 @@ def gluon_save_cfg(cfg):
     """``cfg`` for the kernel's SAVE variant: at BV 64 the output partitions give the state partition 8 registers per
     thread for its h and v_new stores (168: ptxas spilled 8-16 bytes; 160: none, local sm90 build, session 44)."""
     return dict(cfg, OUT_REGS=min(cfg["OUT_REGS"], 160)) if cfg["BV"] == 64 else dict(cfg)
+
+
 # fused_ws.fwd_ws's two configs (gluon_config's choice; benchmarks/NOTES.md, session 40)
 GLUON_CFGS = {
     "bv32": {"BV": 32, "STAGES": 3, "NB": 3, "FTZ": 1, "L2NORM": 3, "OUT_REGS": 152, "LOAD_REGS": 80},
@@ -827,6 +829,14 @@ def chunk_fwd_o(q, k, v_new, h, gamma, scale, *, l2norm=False, varlen=None, cfg=
 SAVED_NAMES = ("gamma", "w", "T", "h", "v_new", "qn", "kn", "P")
 
 
+def _saved(q, k, gamma, w, t, h, v_new, qn, kn, p):
+    """The saving forward's residuals by ``SAVED_NAMES``; qn, kn, P absent (None) as distinct empty tensors (a custom
+    op's outputs may not alias each other)."""
+    return {"gamma": gamma, "w": w, "T": t, "h": h, "v_new": v_new,
+            "qn": qn if qn is not None else q.new_empty((0,)), "kn": kn if kn is not None else k.new_empty((0,)),
+            "P": p if p is not None else q.new_empty((0,))}
+
+
 def chunk_fwd(q, k, v, g, beta, scale, initial_state=None, *, output_final_state=True, l2norm=False, cu_seqlens=None,
               stages=False, fuse_o=None, save=False):
     """The chunked forward: the intra kernel, then the recurrence with the output fused, or the
@@ -839,7 +849,8 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state=None, *, output_final_state
     l2norm kn by the intra kernel and qn by the output kernel, empty tensors without; the recurrence runs
     unfused unless ``fuse_o`` is True, and the fused one then stores h and v_new too, and q is normalised by
     the backward's kernel 0; with ``TRIFORGE_DELTANET_GLUON_SAVE=1``, where the Gluon kernel would take the
-    inference forward, its SAVE variant stores h, v_new and P, and kernel 0 forms qn); at padded head dims (``padded_dims``) in the padded dims.
+    inference forward, its SAVE variant stores h, v_new and P, and kernel 0 forms qn); at padded head dims
+    (``padded_dims``) in the padded dims.
     """
     K, V = q.shape[3], v.shape[3]
     Kp, Vp = padded_dims(K, V)
@@ -878,13 +889,12 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state=None, *, output_final_state
         if not save:
             return res
         o, final, kept = res
+        qn = None
         if l2norm:  # qn as the Triton saving forward keeps it (kernel 0's bits; the op's fake has its shape)
             from triforge.ops.deltanet.chunk_bwd import chunk_bwd_l2norm
 
             qn = chunk_bwd_l2norm(q)[0]
-        return o, final, {"gamma": gamma, "w": w, "T": intra["T"], "h": kept["h"], "v_new": kept["v_new"],
-                          "qn": qn if l2norm else q.new_empty((0,)), "kn": intra["kn"] if l2norm else k.new_empty((0,)),
-                          "P": kept["P"]}
+        return o, final, _saved(q, k, gamma, w, intra["T"], kept["h"], kept["v_new"], qn, intra.get("kn"), kept["P"])
     kk = intra.get("kn", k)
     # the training forward keeps the normalised q (stored by the output kernel) for the backward
     # (the fused kernel does not store it: after a fused saving forward the backward's kernel 0 normalises q)
@@ -900,10 +910,7 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state=None, *, output_final_state
                                       output_final_state=want_final, k_normed=l2norm)
         o = chunk_fwd_o(q, kk, v_new, h, gamma, scale, l2norm=l2norm, varlen=varlen, k_normed=l2norm, qn=qn, p=p)
     if save and not stages:
-        # (distinct empty tensors: a custom op's outputs may not alias each other)
-        return o, final, {"gamma": gamma, "w": w, "T": intra["T"], "h": h, "v_new": v_new,
-                          "qn": qn if qn is not None else q.new_empty((0,)), "kn": kk if l2norm else k.new_empty((0,)),
-                          "P": p if p is not None else q.new_empty((0,))}
+        return o, final, _saved(q, k, gamma, w, intra["T"], h, v_new, qn, intra.get("kn"), p)
     if not stages:
         return o, final
     out = {n: intra[n] for n in ("gamma", "decay", "A", "T", "w", "u")}
