@@ -133,7 +133,8 @@ def _solve_unit_lower(b_A, BT: tl.constexpr, BC: tl.constexpr, PREC: tl.constexp
     four deep (products of block-diagonal matrices stay block-diagonal, exactly; reference.solve_unit_lower_blocks
     models its tf32 operands); DIAG_PRODUCT 2: the same six products of the NB blocks as batched [NB, BC, BC]
     dots (mma.sync on sm90, no zero blocks: local sm90 build at 8 warps 135 registers, 128 under maxnreg 128 with
-    no spill, against 252 for DIAG_PRODUCT 1; untimed until session 45); 0: by forward substitution in fp32, all
+    no spill, against 252 for DIAG_PRODUCT 1; sm90.json's choice since session 45, at 4 warps: 12-13% faster than
+    DIAG_PRODUCT 1 on the H200, 8 warps slower); 0: by forward substitution in fp32, all
     NB at once as [NB, BC, BC] tiles, row r of every block per step (BC - 1 serial steps, each two cross-thread
     sums). With E = A - D (strictly block-lower),
     I + A = (I + D)(I + N) with N = Td E, N^NB = 0, so (I + A)^-1 = sum_p (-N)^p Td: NB tensor-core dots,
@@ -225,8 +226,9 @@ def chunk_gated_delta_rule_fwd_kernel_intra(
     STORE_KN: tl.constexpr = False,
     DIAG_PRODUCT: tl.constexpr = 1,
 ):
-    """DIAG_PRODUCT (1, the default; the launcher's config key: 0 for the substitution, 2 for the same products
-    batched over the blocks, ``_solve_unit_lower``): the solve's diagonal blocks
+    """DIAG_PRODUCT (1, the default where the configs file has no entry; the launcher's config key: 0 for the
+    substitution, 2 for the same products batched over the blocks, sm90.json's entry since session 45,
+    ``_solve_unit_lower``): the solve's diagonal blocks
     inverted by tensor-core products (``_solve_unit_lower``; sm90, bf16, K = V = 128: 835.6 against 881.6 us for
     the substitution under its register cap at (1, 32768, 16, 32), 786.8 / 796.6 at (8, 4096, 16, 32), 417.2 /
     430.4 at (4, 8192, 16, 16), 219.7 / 229.5 at (1, 8192, 32, 32); benchmarks/NOTES.md, session 27).
