@@ -45,7 +45,7 @@ def make(shape):
 
 
 def intra_cfg(spec):
-    """V_LATE:warps:stages[:kn][:t][:rN][:p][:dN] (p: DIAG_PRODUCT 1; dN: DIAG_PRODUCT N; kn: the normalised k stored too, as the forward runs it now; t: T stored
+    """V_LATE:warps:stages[:kn][:t][:rN][:p][:dN][:oN] (p: DIAG_PRODUCT 1; dN: DIAG_PRODUCT N; oN: ORDER N; kn: the normalised k stored too, as the forward runs it now; t: T stored
     too, as the training forward runs it; rN: a register cap of N per thread, maxnreg; since session 25 the launcher
     applies the cap only without T stored, so ":t:rN" times the uncapped kernel)."""
     parts = spec.split(":")
@@ -56,6 +56,8 @@ def intra_cfg(spec):
         cfg["DIAG_PRODUCT"] = 1
     # dN: DIAG_PRODUCT N (0 substitution, 1 dense products, 2 batched [4, 16, 16] products: session 44)
     cfg.update({"DIAG_PRODUCT": int(p[1:]) for p in parts[3:] if p[:1] == "d" and p[1:].isdigit()})
+    # oN: ORDER N (1: the value heads of one k head as neighbouring programs; session 45)
+    cfg.update({"ORDER": int(p[1:]) for p in parts[3:] if p[:1] == "o" and p[1:].isdigit()})
     return cfg
 
 

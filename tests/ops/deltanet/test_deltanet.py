@@ -185,6 +185,30 @@ def test_intra_kernel_load_orders_match_reference(v_late, diag_product, dtype, g
     assert failed is None, results[-1].line()
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
+def test_intra_kernel_grid_orders_cover_every_chunk(packed, gen):
+    """ORDER 1 (the value heads of one k head as neighbouring programs) maps the same (chunk, value head) items as
+    ORDER 0: every output written (NaN-poisoned), equal to ORDER 0's bit for bit and to the float64 stages; three
+    value heads per k head, a partial chunk, and packed sequences (one shorter than a chunk)."""
+    B, T = (1, 164) if packed else (2, 100)
+    x = _inputs(B, T, 2, 6, DIRECT_D, DIRECT_D, torch.bfloat16, gen, normalized_k=False)
+    cu = torch.tensor([0, 37, 100, 164], dtype=torch.int32) if packed else None
+    names = ("gamma", "T", "w", "u", "kn")
+    got = []
+    for order in (0, 1):
+        cfg = {"num_warps": 4, "num_stages": 2, "V_LATE": 1, "DIAG_PRODUCT": 2, "ORDER": order}
+        with poisoned():
+            got.append(chunk.chunk_fwd_intra(x["k"], x["v"], x["g"], x["beta"], l2norm=True, store_t=True,
+                                             store_kn=True, varlen=chunk.prepare_varlen(cu), cfg=cfg))
+    for n in names:
+        assert torch.isfinite(got[1][n]).all(), n
+        assert torch.equal(got[0][n], got[1][n]), n
+    ref = chunk_ref_stages(**dict(_f64(x), initial_state=None), use_qk_l2norm_in_kernel=True, cu_seqlens=cu)
+    results, failed = compare_stages(OrderedDict((n, ref[n]) for n in names[:4]),
+                                     OrderedDict((n, got[1][n]) for n in names[:4]), dtype=torch.bfloat16)
+    assert failed is None, results[-1].line()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_intra_kernel_stores_normalised_k_once_per_k_head(dtype, gen):
     """With l2norm, kernel 1 also stores k / sqrt(sum k^2 + 1e-6) in k's dtype (kn: what the recurrence

@@ -225,8 +225,11 @@ def chunk_gated_delta_rule_fwd_kernel_intra(
     V_LATE: tl.constexpr,
     STORE_KN: tl.constexpr = False,
     DIAG_PRODUCT: tl.constexpr = 1,
+    ORDER: tl.constexpr = 0,
 ):
-    """DIAG_PRODUCT (1, the default where the configs file has no entry; the launcher's config key: 0 for the
+    """ORDER (config key): 0, the grid (chunk, sequence x value head); 1, (chunk x G, sequence x k head) with G = HV / H,
+    so the G value heads that read one k tile run as neighbouring programs and all but the first find it in L2.
+    DIAG_PRODUCT (1, the default where the configs file has no entry; the launcher's config key: 0 for the
     substitution, 2 for the same products batched over the blocks, sm90.json's entry since session 45,
     ``_solve_unit_lower``): the solve's diagonal blocks
     inverted by tensor-core products (``_solve_unit_lower``; sm90, bf16, K = V = 128: 835.6 against 881.6 us for
@@ -237,7 +240,10 @@ def chunk_gated_delta_rule_fwd_kernel_intra(
     V_LATE: v is loaded after the solve and k diag(beta e^gamma) formed before it, so neither v nor the
     fp32 k is live through the solve (sm90, bf16, K = V = 128: 176 registers at 8 warps against 246, no
     spill at 4 warps against 140 bytes); the v load's latency is no longer hidden behind the solve."""
-    i_c, i_bh = tl.program_id(0), tl.program_id(1)
+    if ORDER == 1:
+        i_c, i_bh = tl.program_id(0) // (HV // H), tl.program_id(1) * (HV // H) + tl.program_id(0) % (HV // H)
+    else:
+        i_c, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
     bos, seq_len, i_t, _ = _chunk_coords(i_c, i_b, T, cu_seqlens_ptr, chunk_indices_ptr, IS_VARLEN)
@@ -720,12 +726,14 @@ def chunk_fwd_intra(k, v, g, beta, *, l2norm=False, varlen=None, store_t=False, 
     e = k.element_size()
     nbytes = (B * T * (H * K * e * (1 + int(store_kn)) + HV * V * e + 2 * HV * 4) + B * T * HV * (K + V) * e
               + B * T * HV * 4)
+    order = int(cfg.get("ORDER", 0))
+    grid = (n_c * (HV // H), n_b * H) if order == 1 else (n_c, n_b * HV)
     launch.launch(
-        "gated_delta_rule_fwd_intra", chunk_gated_delta_rule_fwd_kernel_intra, (n_c, n_b * HV),
+        "gated_delta_rule_fwd_intra", chunk_gated_delta_rule_fwd_kernel_intra, grid,
         k, v, g, beta, out["gamma"], out["w"], out["u"], t_buf, decay, a_buf, kn, cu, indices, T,
         nbytes=nbytes, H=H, HV=HV, K=K, V=V, BT=BT, BC=BC, L2NORM=l2norm, STORE_T=store_t or stages, STAGES=stages,
         IS_VARLEN=varlen is not None, **_flags(k.dtype), V_LATE=bool(cfg.get("V_LATE", 0)), STORE_KN=store_kn,
-        DIAG_PRODUCT=int(cfg.get("DIAG_PRODUCT", 1)),
+        DIAG_PRODUCT=int(cfg.get("DIAG_PRODUCT", 1)), ORDER=order,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         # a register cap (config key maxnreg; sm90's entry had 168 until session 27, when the product-form solve
         # without a cap measured faster) only for the launch that stores neither T nor the stages: with T stored
