@@ -209,6 +209,30 @@ def test_intra_kernel_grid_orders_cover_every_chunk(packed, gen):
     assert failed is None, results[-1].line()
 
 
+def test_intra_grid_order_auto_follows_the_reuse_distance(monkeypatch):
+    """ORDER 2 (sm90's entry): value heads of one k head as neighbours (1) exactly when, under ORDER 0, they would be
+    more chunks apart than the programs resident at once; never with one value head per k head or in the interpreter;
+    0 and 1 as given. The resident count is taken once per compiled variant."""
+    from triforge import _runtime, launch
+
+    calls = []
+    monkeypatch.setattr(_runtime, "INTERPRET", False)
+    monkeypatch.setattr(_runtime, "num_sms", lambda: 132)
+    monkeypatch.setattr(launch, "resident_programs", lambda fn, a, kw: calls.append(kw["ORDER"]) or 3)
+    monkeypatch.setattr(chunk, "_RESIDENT", {})
+    args = (torch.empty(1, dtype=torch.bfloat16), torch.empty(1, dtype=torch.bfloat16))
+    kw = {"num_warps": 4, "maxnreg": 168}
+    assert chunk._intra_order(2, 512, 2, args, kw) == 1  # (1, 32768): 512 chunks > 396 resident
+    assert chunk._intra_order(2, 396, 2, args, kw) == 0
+    assert chunk._intra_order(2, 64, 2, args, kw) == 0  # (8, 4096)
+    assert calls == [1]  # cached per variant
+    assert chunk._intra_order(2, 512, 2, args, dict(kw, maxnreg=0)) == 1 and calls == [1, 1]
+    assert chunk._intra_order(2, 4096, 1, args, kw) == 0  # H = HV: nothing to share
+    assert chunk._intra_order(0, 4096, 2, args, kw) == 0 and chunk._intra_order(1, 8, 2, args, kw) == 1
+    monkeypatch.setattr(_runtime, "INTERPRET", True)
+    assert chunk._intra_order(2, 4096, 2, args, kw) == 0
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_intra_kernel_stores_normalised_k_once_per_k_head(dtype, gen):
     """With l2norm, kernel 1 also stores k / sqrt(sum k^2 + 1e-6) in k's dtype (kn: what the recurrence
@@ -525,6 +549,33 @@ def test_gpu_other_head_dims_and_varlen(K, V, gen):
         o, final = chunk_gated_delta_rule(**x, output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu)
     _check_modelled({"o": o_ref, "final_state": final_ref}, {"o": o, "final_state": final}, x, torch.bfloat16,
                     cu_seqlens=cu)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
+def test_gpu_intra_grid_orders_agree(packed, gen):
+    """The compiled intra kernel under sm90's config with ORDER 0, 1 and 2 (auto): every output written, the three
+    equal bit for bit, at a sequence long enough (600 chunks, 38400 tokens) that ORDER 2 takes 1 on the H200,
+    dense and packed, two value heads per k head; w and u against the float64 stages on the first chunks."""
+    lengths = [38400] if not packed else [20000, 37, 18363]
+    T = sum(lengths)
+    x = {n: t.cuda() for n, t in _inputs(1, T, 2, 4, 128, 128, torch.bfloat16, gen, normalized_k=False).items()}
+    cu = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0).to(torch.int32).cuda() if packed else None
+    base = chunk.fwd_config("gated_delta_rule_fwd_intra", 128, 128, torch.bfloat16)
+    got = []
+    for order in (0, 1, 2):
+        with poisoned():
+            got.append(chunk.chunk_fwd_intra(x["k"], x["v"], x["g"], x["beta"], l2norm=True, store_kn=True,
+                                             varlen=chunk.prepare_varlen(cu), cfg=dict(base, ORDER=order)))
+    for n in ("gamma", "w", "u", "kn"):
+        assert torch.isfinite(got[0][n]).all(), n
+        assert torch.equal(got[0][n], got[1][n]) and torch.equal(got[0][n], got[2][n]), n
+    head = {n: t[:, :256].cpu() for n, t in x.items() if n != "initial_state"}
+    ref = chunk_ref_stages(**_f64(head), use_qk_l2norm_in_kernel=True)
+    names = ("gamma", "w", "u")
+    results, failed = compare_stages(OrderedDict((n, ref[n]) for n in names),
+                                     OrderedDict((n, got[1][n][:, :256].cpu()) for n in names), dtype=torch.bfloat16)
+    assert failed is None, results[-1].line()
 
 
 @pytest.mark.gpu

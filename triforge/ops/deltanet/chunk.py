@@ -228,7 +228,8 @@ def chunk_gated_delta_rule_fwd_kernel_intra(
     ORDER: tl.constexpr = 0,
 ):
     """ORDER (config key): 0, the grid (chunk, sequence x value head); 1, (chunk x G, sequence x k head) with G = HV / H,
-    so the G value heads that read one k tile run as neighbouring programs and all but the first find it in L2.
+    so the G value heads that read one k tile run as neighbouring programs and all but the first find it in L2 (2,
+    sm90.json's entry: the launcher picks by the reuse distance, ``_intra_order``).
     DIAG_PRODUCT (1, the default where the configs file has no entry; the launcher's config key: 0 for the
     substitution, 2 for the same products batched over the blocks, sm90.json's entry since session 45,
     ``_solve_unit_lower``): the solve's diagonal blocks
@@ -701,6 +702,27 @@ def _varlen_ptrs(varlen, device):
 # ----------------------------------------------------------------------------- launchers
 
 
+_RESIDENT: dict = {}
+
+
+def _intra_order(order, n_c, G, args, kw):
+    """The intra grid's order (config key ORDER): 0 or 1 as given; 2 picks by the reuse distance of a k tile. Under
+    ORDER 0 the G value heads that read one k tile are n_c programs apart (n_c: the grid's chunks, a sequence's or,
+    packed, all of them), so past the programs resident at once the tile is read from HBM G times; then 1, which
+    makes them neighbours (H200, session 45: -3.5% at (1, 32768, 16, 32), n_c 512 against 396 resident; +2% at
+    (8, 4096, 16, 32), n_c 64, where ORDER 0 already finds the tile in L2)."""
+    if order != 2:
+        return order
+    if G == 1 or _runtime.INTERPRET:
+        return 0
+    key = (args[0].dtype, args[1].dtype, tuple(sorted(kw.items())))
+    per_sm = _RESIDENT.get(key)
+    if per_sm is None:
+        per_sm = _RESIDENT[key] = launch.resident_programs(chunk_gated_delta_rule_fwd_kernel_intra, args,
+                                                           dict(kw, ORDER=1))
+    return 1 if n_c > per_sm * _runtime.num_sms() else 0
+
+
 def chunk_fwd_intra(k, v, g, beta, *, l2norm=False, varlen=None, store_t=False, stages=False, store_kn=False, cfg=None):
     """Kernel 1. k [B, T, H, K], v [B, T, HV, V], g, beta [B, T, HV] -> dict with gamma [B, T, HV] fp32,
     w [B, T, HV, K], u [B, T, HV, V] (input dtype), T (store_t or stages), decay, A (stages):
@@ -726,20 +748,21 @@ def chunk_fwd_intra(k, v, g, beta, *, l2norm=False, varlen=None, store_t=False, 
     e = k.element_size()
     nbytes = (B * T * (H * K * e * (1 + int(store_kn)) + HV * V * e + 2 * HV * 4) + B * T * HV * (K + V) * e
               + B * T * HV * 4)
-    order = int(cfg.get("ORDER", 0))
-    grid = (n_c * (HV // H), n_b * H) if order == 1 else (n_c, n_b * HV)
-    launch.launch(
-        "gated_delta_rule_fwd_intra", chunk_gated_delta_rule_fwd_kernel_intra, grid,
-        k, v, g, beta, out["gamma"], out["w"], out["u"], t_buf, decay, a_buf, kn, cu, indices, T,
-        nbytes=nbytes, H=H, HV=HV, K=K, V=V, BT=BT, BC=BC, L2NORM=l2norm, STORE_T=store_t or stages, STAGES=stages,
+    args = (k, v, g, beta, out["gamma"], out["w"], out["u"], t_buf, decay, a_buf, kn, cu, indices, T)
+    kw = dict(
+        H=H, HV=HV, K=K, V=V, BT=BT, BC=BC, L2NORM=l2norm, STORE_T=store_t or stages, STAGES=stages,
         IS_VARLEN=varlen is not None, **_flags(k.dtype), V_LATE=bool(cfg.get("V_LATE", 0)), STORE_KN=store_kn,
-        DIAG_PRODUCT=int(cfg.get("DIAG_PRODUCT", 1)), ORDER=order,
+        DIAG_PRODUCT=int(cfg.get("DIAG_PRODUCT", 1)),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         # a register cap (config key maxnreg; sm90's entry had 168 until session 27, when the product-form solve
         # without a cap measured faster) only for the launch that stores neither T nor the stages: with T stored
         # the spills cost more than the occupancy buys
         **(launch.maxnreg_option(cfg) if not (store_t or stages) else {}),
     )
+    kw["ORDER"] = order = _intra_order(int(cfg.get("ORDER", 0)), n_c, HV // H, args, kw)
+    grid = (n_c * (HV // H), n_b * H) if order == 1 else (n_c, n_b * HV)
+    launch.launch("gated_delta_rule_fwd_intra", chunk_gated_delta_rule_fwd_kernel_intra, grid, *args, nbytes=nbytes,
+                  **kw)
     if store_kn:
         out["kn"] = kn
     if store_t or stages:
