@@ -1,0 +1,53 @@
+"""Which grid order the intra kernel's launcher picks at the bench shapes (ORDER 2), and the chunked forward's time
+under each sm90 ORDER (0, 1, 2) in one process (issue 4, session 45).
+
+    PYTHONPATH=. python3 benchmarks/deltanet_order_probe.py [OUT.json]
+"""
+
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from attention_bwd_sweep import bench_ms  # noqa: E402
+
+from triforge import _runtime, launch  # noqa: E402
+from triforge.ops import deltanet as D  # noqa: E402
+from triforge.ops.deltanet import chunk  # noqa: E402
+
+rows = []
+for shape in ("1x32768x16x32", "8x4096x16x32"):
+    B, T, H, HV = (int(v) for v in shape.split("x"))
+    x = D._make_inputs("real", torch.bfloat16, "cuda", torch.Generator().manual_seed(0),
+                       ((B, T, H, HV, 128, 128), (B, T, H, HV, 128, 128)))
+    base = chunk.fwd_config("gated_delta_rule_fwd_intra", 128, 128, torch.bfloat16)
+    picked = []
+    real = chunk._intra_order
+    chunk._intra_order = lambda *a: picked.append(real(*a)) or picked[-1]
+    try:
+        for order in (0, 1, 2):
+            cfg = dict(base, ORDER=order)
+            orig = chunk.fwd_config
+            chunk.fwd_config = lambda kernel, *a, **k: cfg if kernel == "gated_delta_rule_fwd_intra" else orig(kernel, *a, **k)
+            try:
+                fn = lambda: D.chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"],
+                                                      use_qk_l2norm_in_kernel=True)
+                picked.clear()
+                fn()
+                ms = bench_ms(fn)
+            finally:
+                chunk.fwd_config = orig
+            rows.append({"shape": shape, "ORDER": order, "picked": list(set(picked)), "ms": ms,
+                         "resident": list(chunk._RESIDENT.values()),
+                         "sms": _runtime.num_sms()})
+            print(json.dumps(rows[-1]), flush=True)
+    finally:
+        chunk._intra_order = real
+if len(sys.argv) > 1:
+    json.dump(rows, open(sys.argv[1], "w"), indent=1)
+print(f"\n{'shape':>14} {'ORDER':>5} {'picked':>8} {'fwd ms':>8}")
+for r in rows:
+    print(f"{r['shape']:>14} {r['ORDER']:>5} {str(r['picked']):>8} {r['ms']:8.3f}")
