@@ -784,10 +784,12 @@ _SHAPE_NAMES = ("B", "T", "H", "HV", "K", "V")
 for _kernel, _space, _shape in (
     # maxnreg: the register cap (sm90.json's entry in sessions 25-26; 128 lets 8-warp programs run two per SM);
     # DIAG_PRODUCT: the solve's diagonal blocks by dense products (1, session 27's entry), by substitution (0) or
-    # by batched [4, 16, 16] products (2, session 44). Left out (36 points instead of 162): 2 warps and 3 stages
-    # (never the fastest in sessions 24-35), V_LATE 0 (spills at 4 warps; 250 registers at 8)
+    # by batched [4, 16, 16] products (2, session 44; the entry since session 45). Left out (36 points instead of
+    # 162): 2 warps and 3 stages (never the fastest in sessions 24-35), V_LATE 0 (spills at 4 warps; 250 registers
+    # at 8). ORDER 2 (the grid's order by the reuse distance of a k tile, session 45) is kept as the only value: at
+    # the tuning shape (8, 4096) it picks 0, so a sweep of it would time one grid twice
     ("gated_delta_rule_fwd_intra", {"num_warps": [4, 8], "num_stages": [1, 2], "V_LATE": [1],
-                                    "maxnreg": [0, 128, 168], "DIAG_PRODUCT": [0, 1, 2]}, _TUNE_SHAPE),
+                                    "maxnreg": [0, 128, 168], "DIAG_PRODUCT": [0, 1, 2], "ORDER": [2]}, _TUNE_SHAPE),
     ("gated_delta_rule_fwd_h", {"BV": [16, 32, 64], "num_warps": [2, 4, 8], "num_stages": [1, 2, 3]},
      {"B": 1, "T": 32768, "H": 16, "HV": 32, "K": 128, "V": 128}),
     # only the V-blocks the fused kernel compiles correctly (chunk.FUSED_BV)
