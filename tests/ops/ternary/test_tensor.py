@@ -256,6 +256,47 @@ def test_save_load_round_trip(storage, per_row, tmp_path, gen):
     assert_invariants(back)
 
 
+def _tensor_span(data: bytes, name: str) -> tuple[int, int]:
+    """(start, end) of tensor ``name``'s bytes in a safetensors file (8-byte header length, JSON header, data)."""
+    import json
+    import struct
+
+    n = struct.unpack("<Q", data[:8])[0]
+    begin, end = json.loads(data[8:8 + n])[name]["data_offsets"]
+    return 8 + n + begin, 8 + n + end
+
+
+@pytest.mark.parametrize("storage,name", [("planes", "plus"), ("planes", "minus"), ("planes", "scales"),
+                                          ("base3", "base3"), ("base3", "scales")])
+def test_load_rejects_a_flipped_payload_bit(storage, name, tmp_path, gen):
+    """A bit flipped in the weights or scales of a saved file (still a well-formed file, and for most flips still
+    valid ternary weights) fails the checksum that save stored: a ValueError, not a silently different model. The
+    untouched file loads; a file without a checksum (written before it existed) loads unchecked."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    tt = TernaryTensor.from_trits(random_trits(6, 300, gen), random_scales(6, gen))
+    path = tmp_path / "w.safetensors"
+    tt.save(path, storage=storage)
+    data = bytearray(path.read_bytes())
+    start, end = _tensor_span(bytes(data), name)
+    at = start + int(torch.randint(0, end - start, (1,), generator=gen))
+    for bit in (0, 1):  # low bits: a base-3 byte stays <= 242 for most values, a scale stays finite
+        flipped = bytearray(data)
+        flipped[at] ^= 1 << bit
+        bad = tmp_path / f"bad{bit}.safetensors"
+        bad.write_bytes(bytes(flipped))
+        with pytest.raises(ValueError, match="corrupt"):
+            TernaryTensor.load(bad)
+    assert torch.equal(TernaryTensor.load(path).trits(), tt.trits())
+    with safe_open(str(path), framework="pt") as f:
+        meta = {k: v for k, v in f.metadata().items() if k != "sha256"}
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    old = tmp_path / "old.safetensors"
+    save_file(tensors, str(old), metadata=meta)
+    assert torch.equal(TernaryTensor.load(old).trits(), tt.trits())
+
+
 def test_load_rejects_corrupt_truncated_and_foreign_files(tmp_path, gen):
     from safetensors.torch import save_file
 

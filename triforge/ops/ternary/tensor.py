@@ -119,6 +119,18 @@ def _index(name: str, value, size: int) -> int:
 # ----------------------------------------------------------------------------- sparsity metadata
 
 
+def _digest(tensors: dict) -> str:
+    """sha256 over a checkpoint's tensors in name order: each name, dtype, shape and raw bytes."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].detach().cpu().contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
 class SparsityMetadata:
     """Per (row, 2048-column chunk): an int64 bitmap of the non-zero words and an int32 active flag.
 
@@ -621,12 +633,16 @@ class TernaryTensor:
             tensors["minus"] = self.minus.detach().cpu().contiguous()
         else:
             tensors["base3"] = self.pack_base3().cpu().contiguous()
-        meta = {"format": FORMAT_NAME, "format_version": str(FORMAT_VERSION), "storage": storage}
+        meta = {"format": FORMAT_NAME, "format_version": str(FORMAT_VERSION), "storage": storage,
+                "sha256": _digest(tensors)}
         save_file(tensors, str(path), metadata=meta)
 
     @classmethod
     def load(cls, path, device="cpu") -> "TernaryTensor":
-        """Read a file written by ``save``; corrupt, truncated or foreign files raise ValueError."""
+        """Read a file written by ``save``; corrupt, truncated or foreign files raise ValueError. ``save`` stores a
+        sha256 of the tensors (names, dtypes, shapes and bytes) in the file's metadata and ``load`` checks it, so a
+        flipped bit in the weights or scales is an error, not a different model (files written before session 45
+        carry none and load unchecked)."""
         from safetensors import safe_open
 
         path = Path(path)
@@ -645,6 +661,8 @@ class TernaryTensor:
             raise ValueError(
                 f"path {str(path)!r} has format version {meta.get('format_version')!r}; this build reads {FORMAT_VERSION}"
             )
+        if "sha256" in meta and meta["sha256"] != _digest(tensors):
+            raise ValueError(f"path {str(path)!r} is corrupt: its tensors' sha256 does not match the one saved with them")
         storage = meta.get("storage", "planes")
         need = {"scales", "shape"} | ({"plus", "minus"} if storage == "planes" else {"base3"})
         missing = need - set(tensors)
