@@ -31,6 +31,19 @@ def _ref(x, y, a, n, stride, scale):
     return ((a * x[: n * stride: stride].double() + y[:n].double()) * scale).float()
 
 
+def test_grid_past_cuda_limits_is_refused_by_name():
+    """A grid with more than 65535 programs on axis 1 or 2 raises a ValueError naming the kernel and the grid, before
+    anything is launched (CUDA would answer "invalid argument"); a grid within the limits launches as before."""
+    x = torch.randn(4, device="cuda" if not _runtime.INTERPRET else "cpu")
+    for grid in ((1, 65536), (1, 1, 70000), (2, 65535 * 2, 1)):
+        with pytest.raises(ValueError, match=r"test_axpy: launch grid .* more than 65535"):
+            launch.launch("test_axpy", _axpy_kernel, grid, x, x, x, 1.0, 4, 1, SCALE=1.0, BLOCK=128)
+    out = torch.full((4,), float("nan"), device=x.device)
+    launch.launch("test_axpy", _axpy_kernel, (1, 1, 1), x, x, out, 2.0, 4, 1, SCALE=1.0, BLOCK=128)
+    assert torch.allclose(out, 3 * x)
+    assert launch.MAX_GRID_YZ == 65535
+
+
 def test_eager_backward_not_under_create_graph():
     """launch.eager_backward: launch.eager's answer, except in grad mode (a backward run with create_graph=True)."""
     t = torch.zeros(4)

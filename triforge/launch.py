@@ -127,6 +127,9 @@ def eager_function(name: str, impl, setup_context, backward):
     })
 
 
+MAX_GRID_YZ = 65535  # CUDA's limit on a grid's second and third dimensions
+
+
 def launch(kernel_name: str, jit_fn, grid, *args, nbytes: int | None = None, **kwargs):
     """Launch a Triton kernel and remember its compiled form (registers, spills, shared memory).
 
@@ -138,7 +141,15 @@ def launch(kernel_name: str, jit_fn, grid, *args, nbytes: int | None = None, **k
     lookup: on the H100 machine's host 23.8 us per launch instead of 39.7 (ternary GEMV, 22 arguments,
     of which the compiled launcher itself 11 us; benchmarks/ternary_host_probe.py). Anything the key
     cannot describe takes the JIT's path; TRIFORGE_FAST_LAUNCH=0 sends every launch there.
+
+    A grid past CUDA's 65535 programs on its second or third axis raises ValueError (in the interpreter too, which
+    has no such limit): CUDA would refuse the launch with a bare "invalid argument".
     """
+    if not callable(grid) and len(grid) > 1 and max(grid[1:]) > MAX_GRID_YZ:
+        raise ValueError(
+            f"{kernel_name}: launch grid {tuple(grid)} has more than {MAX_GRID_YZ} programs on its second or third "
+            f"axis (CUDA's limit there; these axes count batch or sequences x heads): split the call into smaller "
+            f"batches")
     if nbytes is not None and torch.autograd.profiler._is_profiler_enabled:
         name = getattr(jit_fn, "__name__", kernel_name)
         with torch.profiler.record_function(f"triforge::{name} bytes={int(nbytes)}"):
