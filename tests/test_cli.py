@@ -176,3 +176,24 @@ def test_launch_annotates_bytes_while_profiling():
         rms_norm(x, w)
     names = [e.name for e in prof.events()]
     assert f"triforge::rms_norm_fwd_kernel bytes={2 * 5 * 64 * 4 + 4 * 5}" in names
+
+
+def test_shape_flags_are_checked_against_the_op():
+    """``--NAME VALUE`` shape dimensions must be ones the op (bench) or kernel (tune) takes: a misspelt ``--t`` exits
+    with a message naming it (before the GPU check) instead of being ignored while the default shape runs."""
+    from triforge import registry, tune
+    from triforge.cli import _check_shape_dims, tune_targets
+
+    assert registry.shape_names(registry.get("mhc_project")) == ("T", "C")
+    assert set(registry.shape_names(registry.get("gated_delta_rule"))) == {"B", "T", "H", "HV", "K", "V"}
+    with pytest.raises(SystemExit, match="unknown: --t"):
+        main(["bench", "mhc", "--t", "65536", "--C", "2560"])
+    targets = tune_targets("mhc")
+    assert targets
+    for k in targets:
+        names = tuple(tune.get(k).shape_names)
+        assert set(names) == {"T", "C"}
+        with pytest.raises(SystemExit, match="unknown: --c"):
+            _check_shape_dims({"T": 65536, "c": 2560}, [(k, names)])
+        _check_shape_dims({"T": 65536, "C": 2560}, [(k, names)])
+    _check_shape_dims({"anything": 1}, [("an op that names none", ())])

@@ -82,8 +82,9 @@ def _bench_table(result):
 def cmd_bench(args) -> int:
     from triforge import _runtime, bench, registry
 
-    _runtime.require_gpu("triforge bench")
     specs = registry.select(args.ops)
+    _check_shape_dims(args.shape_dims, [(s.name, registry.shape_names(s)) for s in specs])
+    _runtime.require_gpu("triforge bench")
     modes = tuple(args.modes.split(","))
 
     def save(result):
@@ -151,6 +152,7 @@ def _tune_one(args, t) -> int:
     shape = dict(t.default_shape)
     if args.shape:
         shape = _parse_shape(args.shape, t.shape_names)
+    _check_shape_dims(args.shape_dims, [(t.kernel, tuple(t.shape_names))])
     shape.update(args.shape_dims)
     n = len(tune.grid(t.space))
     with _progress() as prog:
@@ -383,6 +385,16 @@ def build_parser() -> argparse.ArgumentParser:
     ls = sub.add_parser("list", help="registered ops and tunable kernels")
     ls.set_defaults(func=cmd_list)
     return p
+
+
+def _check_shape_dims(dims: dict, named: list) -> None:
+    """Exit with a message naming the flag when a ``--NAME VALUE`` shape dimension is not one that each (name,
+    dimension names) pair takes (a misspelt ``--t`` would otherwise be ignored and the default shape run)."""
+    for name, names in named:
+        unknown = sorted(set(dims) - set(names)) if names else []
+        if unknown:
+            raise SystemExit(f"{name} takes the shape dimensions {' '.join('--' + n for n in names)}; "
+                             f"unknown: {' '.join('--' + n for n in unknown)}")
 
 
 def _shape_dims(extra) -> dict:

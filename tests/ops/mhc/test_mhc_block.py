@@ -293,6 +293,21 @@ def test_block_accepts_noncontiguous_and_3d_streams(gen, device):
     _assert_ok(compare("out", out64, out, dtype=torch.float32, verbose=False))
 
 
+def test_block_initialised_as_mhc_lite():
+    """The issue's initial values: W zero, pre and post biases [1, -1, -1, -1], residual bias -8 except 0 on the
+    identity permutation (index 0 of permutation_matrices), every alpha 0.01."""
+    from triforge.ops.mhc.reference import permutation_matrices
+
+    blk = MHCLiteBlock(nn.Identity(), C)
+    assert blk.W.shape == (32, 4 * C) and not blk.W.detach().any()  # 2n + n! rows
+    for b in (blk.b_pre, blk.b_post):
+        assert b.detach().tolist() == [1.0, -1.0, -1.0, -1.0]
+    assert blk.b_res.shape == (24,) and blk.b_res[0].item() == 0.0 and (blk.b_res[1:] == -8.0).all()
+    assert torch.equal(permutation_matrices(4)[0].to(torch.float64), torch.eye(4, dtype=torch.float64))
+    for a in (blk.alpha_pre, blk.alpha_post, blk.alpha_res):
+        assert a.shape == () and a.item() == pytest.approx(0.01)
+
+
 def test_block_at_init_is_nearly_identity_mixing(gen, device):
     """Freshly built block (W = 0): H_res ~ I, so with a zero layer the streams pass through almost
     unchanged (each stream keeps > 99% of itself)."""
@@ -332,6 +347,26 @@ def test_torch_compile_stack_matches_eager(gen, monkeypatch, device):
     _assert_ok(compare("compiled.out", out64, out_c, dtype=torch.float32, verbose=False))
     _check_grads("compiled", grads64, mags, grads_c, torch.float32)
     assert any(".layer.qkv." in n for n in grads_c) and any(".layer.up." in n for n in grads_c)
+
+
+@pytest.mark.slow
+def test_torch_compile_default_backend_matches_eager(gen, monkeypatch, device):
+    """torch.compile(fullgraph=True) with its default backend (inductor, what users get): the custom ops stay opaque
+    calls inside inductor's graph, the surrounding aten ops are fused by it, so the result agrees with eager to the
+    rounding of those fused ops, and with the float64 model as the eager one does."""
+    _seed_modules(gen)
+    model = _randomize_mhc(Stack(C, 2), gen).to(device)
+    compiled = torch.compile(model, fullgraph=True)
+    streams = _x((B, S, 4, C), gen, device=device)
+    g = _x(streams.shape, gen, device=device)
+    out_e, grads_e = _run(model, streams, g)
+    out_c, grads_c = _run(compiled, streams, g)
+    grads_c = {n.removeprefix("_orig_mod."): v for n, v in grads_c.items()}
+    assert set(grads_c) == set(grads_e)
+    assert torch.isfinite(out_c).all() and all(torch.isfinite(v).all() for v in grads_c.values())
+    out64, grads64, mags = _run_f64(model, streams, g, monkeypatch)
+    _assert_ok(compare("inductor.out", out64, out_c, dtype=torch.float32, verbose=False))
+    _check_grads("inductor", grads64, mags, grads_c, torch.float32)
 
 
 # ----------------------------------------------------------------------------- training

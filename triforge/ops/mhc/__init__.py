@@ -116,9 +116,13 @@ def project_bwd(x_flat, W, proj, inv_rms, dproj, dinv, cfg=None):
     a_hi = new_output((T, R), x_flat.dtype if split else torch.float32, x_flat.device)
     a_lo = new_output((T, R), x_flat.dtype, x_flat.device) if split else a_hi
     coef = new_output((T,), torch.float32, x_flat.device)
+    # bytes: dproj and proj read, inv_rms (and dinv) read, a_hi (and a_lo) and coef written
+    nbytes = (dproj.numel() * dproj.element_size() + proj.numel() * proj.element_size()
+              + inv_rms.numel() * inv_rms.element_size() * (1 + int(dinv is not None))
+              + a_hi.numel() * a_hi.element_size() * (1 + int(split)) + coef.numel() * 4)
     launch.launch(
         "mhc_project_bwd_prologue", mhc_project_bwd_prologue_kernel, (launch.cdiv(T, _PROLOGUE_T),),
-        dproj, proj, inv_rms, dinv if dinv is not None else inv_rms, a_hi, a_lo, coef, T, K,
+        dproj, proj, inv_rms, dinv if dinv is not None else inv_rms, a_hi, a_lo, coef, T, K, nbytes=nbytes,
         R=R, BLOCK_T=_PROLOGUE_T, HAS_DINV=dinv is not None, SPLIT=split, RNE=_runtime.INTERPRET, num_warps=4,
     )
     dx, dw_part = project_bwd_main(x_flat, a_hi, a_lo, coef, W.float().contiguous(), cfg)
@@ -636,12 +640,14 @@ def _project_stages(x_flat, W):
 
 
 register(OpSpec(
+    shape_names=("T", "C"),
     name="mhc_project", family="mhc", make_inputs=_inputs_project, reference=_project_ref, stages=_project_stages,
     call=lambda x_flat, W: fused_rmsnorm_project(x_flat, W), outputs=("proj", "inv_rms"), grad_inputs=("x_flat", "W"),
     flops=lambda i, mode: 2 * i["x_flat"].numel() * N_PROJ * (1 if mode == "fwd" else 2),
     bytes=_bytes_project, peers={"torch.compile": _compile_peer_project}, describe=_describe,
 ))
 register(OpSpec(
+    shape_names=("T", "C"),
     name="mhc_pre_map", family="mhc", make_inputs=_inputs_pre_map,
     reference=lambda x_streams, h_pre: OrderedDict(y=pre_map_ref(x_streams, h_pre)),
     stages=lambda x_streams, h_pre: OrderedDict(y=fused_pre_map(x_streams, h_pre)),
@@ -650,6 +656,7 @@ register(OpSpec(
     bytes=_bytes_pre_map, peers={"torch.compile": _compile_peer_pre_map}, describe=_describe,
 ))
 register(OpSpec(
+    shape_names=("T", "C"),
     name="mhc_post_res", family="mhc", make_inputs=_inputs_post_res,
     reference=lambda x_streams, layer_output, H_merged, h_post: OrderedDict(y=post_res_ref(x_streams, layer_output, H_merged, h_post)),
     stages=lambda **kw: OrderedDict(y=fused_post_res(**kw)),
