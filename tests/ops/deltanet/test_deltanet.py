@@ -185,6 +185,27 @@ def test_intra_kernel_load_orders_match_reference(v_late, diag_product, dtype, g
     assert failed is None, results[-1].line()
 
 
+@pytest.mark.parametrize("fn", ["chunk", "recurrent"])
+def test_strided_and_mixed_dtype_inputs(fn, gen):
+    """q, k, v as strided views (storage [B, H, T, D] read as [B, T, H, D]) and g, beta in another float dtype than
+    q's: the same output and final state as the contiguous call with the same values (bit for bit: the ops make their
+    inputs contiguous and read g, beta as fp32), and the float64 reference's within bf16's bound."""
+    call = chunk_gated_delta_rule if fn == "chunk" else fused_recurrent_gated_delta_rule
+    x = _inputs(2, 70, 2, 4, DIRECT_D, DIRECT_D, torch.bfloat16, gen)
+    x["g"] = x["g"].to(torch.bfloat16)  # bf16 values, so the fp32 copy below holds the same numbers
+    base = dict(x, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    other = dict(base, g=x["g"].float(), beta=x["beta"].float(),
+                 **{n: x[n].transpose(1, 2).contiguous().transpose(1, 2) for n in ("q", "k", "v")})
+    assert not other["q"].is_contiguous() and torch.equal(other["q"], x["q"])
+    with poisoned():
+        o1, f1 = call(**base)
+        o2, f2 = call(**other)
+    assert torch.equal(o1, o2) and torch.equal(f1, f2)
+    o_ref, f_ref = recurrent_ref(**_f64(x), output_final_state=True, use_qk_l2norm_in_kernel=True)
+    _check("o", o_ref, o2, torch.bfloat16)
+    _check("final_state", f_ref, f2, torch.bfloat16)
+
+
 @pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
 def test_intra_kernel_grid_orders_cover_every_chunk(packed, gen):
     """ORDER 1 (the value heads of one k head as neighbouring programs) maps the same (chunk, value head) items as
@@ -339,6 +360,20 @@ def test_recurrent_kernel_matches_reference(T, dtype, l2norm, gen):
     _check("final_state", final_ref, final, dtype)
 
 
+@pytest.mark.parametrize("K,V", [(64, 64), (64, 128), (128, 64)])
+def test_recurrent_kernel_other_head_dims_packed_with_states(K, V, gen):
+    """Decode at head dims 64 and mixed 64 / 128, packed sequences (one of a single token) each with its own initial
+    state: o and every final state against the float64 recurrence."""
+    x = _inputs(1, 9, 1, 2, K, V, torch.bfloat16, gen, N=3)
+    cu = torch.tensor([0, 4, 5, 9], dtype=torch.int32, device=DEV)
+    with poisoned():
+        o, final = fused_recurrent_gated_delta_rule(**x, output_final_state=True, use_qk_l2norm_in_kernel=True,
+                                                    cu_seqlens=cu)
+    o_ref, final_ref = recurrent_ref(**_f64(x), output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu)
+    _check("o", o_ref, o, torch.bfloat16)
+    _check("final_state", final_ref, final, torch.bfloat16)
+
+
 def test_recurrent_kernel_varlen_without_state(gen):
     x = _inputs(1, 24, 1, 2, 32, 32, torch.float32, gen, h0=False)
     cu = torch.tensor([0, 5, 6, 24], dtype=torch.int32, device=DEV)
@@ -472,6 +507,9 @@ def _bad_cases():
          "non-decreasing"),
         ("cu_seqlens short of T", base(initial_state=None, cu_seqlens=cu([0, 5, 7])), ValueError, "end at"),
         ("state count with cu_seqlens", base(cu_seqlens=cu([0, 5, 8])), ValueError, "initial_state"),
+        ("g on the meta device", base(g=torch.empty(1, 8, 4, device="meta")), ValueError, "g must be a"),
+        ("state on the meta device", base(initial_state=torch.empty(1, 4, 32, 32, device="meta")), ValueError,
+         "initial_state must be a"),
     ]
 
 

@@ -7,7 +7,8 @@
 q, k [B, T, H, K]; v [B, T, HV, V] (HV a multiple of H: value head i reads q/k head i // (HV / H));
 g (log decay), beta [B, T, HV]; states [N, HV, K, V] fp32 (N = B, or the number of sequences of
 cu_seqlens, with B = 1). o has v's dtype. K in {32, 64, 128}, V in {32, 64, 128, 256}; any T >= 1;
-fp32, fp16 or bf16 (g and beta: fp32 or the input dtype).
+fp32, fp16 or bf16 (g and beta: any of the three, read as fp32). g is a log decay: g <= 0 is the caller's contract
+(not checked: that would read g on the host every call; a positive g grows the state as e^g per token).
 
 Custom ops (traceable by torch.compile(fullgraph=True)):
 
