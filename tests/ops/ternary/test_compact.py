@@ -291,6 +291,16 @@ def test_quantize_model_compact_report(gen):
     assert all(m.ternary.resident == "codes" for m in model if isinstance(m, TernaryLinear))
     planes = 2 * (512 * math.ceil(256 / 32) + 256 * math.ceil(512 / 32)) * 4 + 4 * 768
     assert r_full["bytes_after"] == planes  # the planes form, before any codes are cached
+    # what the layers hold after a first bf16 call: the planes layers cache the codes too, the compact ones do not
+    assert r["bytes_after_half_call"] == r["bytes_after"] and r["ratio_after_half_call"] == r["ratio"]
+    meta = (512 + 256) * (8 + 4)  # the sparsity metadata: an int64 bitmap and an int32 flag per (row, 2048 columns)
+    assert r_full["bytes_after_half_call"] == planes + codes - 4 * 768 + meta
+    for m in (model, ref):
+        m.to(torch.bfloat16)(torch.randn(2, 256, generator=gen).to(torch.bfloat16))
+    held = lambda m: sum(x.ternary.nbytes("resident") for x in m if isinstance(x, TernaryLinear))  # noqa: E731
+    if all(x.ternary.resident == "planes+codes" for x in ref if isinstance(x, TernaryLinear)):  # the tc path ran
+        assert held(ref) == r_full["bytes_after_half_call"]
+    assert held(model) == r["bytes_after_half_call"]
 
 
 @pytest.mark.parametrize("n,k", [(16, 4096), (7, 1003)])

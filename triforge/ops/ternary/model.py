@@ -19,7 +19,8 @@ def quantize_model(model: nn.Module, skip=("lm_head", "embed"), method: str = "a
     their weights directly). Returns a report: ``replaced`` (count), ``names``, ``bytes_before`` (the replaced
     weights at fp16, 2 bytes each), ``bytes_after`` (what the new layers hold: planes + scales, or with
     ``compact`` the 2-bit tc codes + scales; a planes layer also caches the codes on its first fp16/bf16 call,
-    4 bits per weight in all), ``bytes_after_base3`` (the 1.6-bit checkpoint form + scales) and the ratios
+    4 bits per weight in all: ``bytes_after_half_call`` / ``ratio_after_half_call`` state that, equal to
+    ``bytes_after`` with ``compact``), ``bytes_after_base3`` (the 1.6-bit checkpoint form + scales) and the ratios
     ``ratio`` / ``ratio_base3`` (before / after). ``compact``: each TernaryLinear keeps only the codes
     (TernaryLinear.compact). Biases are unchanged and counted in neither. Printed as a table with rich when
     ``verbose``.
@@ -41,7 +42,7 @@ def quantize_model(model: nn.Module, skip=("lm_head", "embed"), method: str = "a
         if isinstance(parent, nn.MultiheadAttention):
             continue
         targets.append((name, parent, child))
-    before = after = after_b3 = 0
+    before = after = after_b3 = after_half = 0
     names = []
     for name, parent, child in targets:
         linear = getattr(parent, child)
@@ -51,6 +52,10 @@ def quantize_model(model: nn.Module, skip=("lm_head", "embed"), method: str = "a
         before += _fp16_bytes(linear)
         after += new.ternary.nbytes("resident")
         after_b3 += new.ternary.nbytes("base3")
+        tt = new.ternary  # a planes layer's first fp16/bf16 call caches the tc codes beside the planes (after its
+        if not compact:  # dispatch has built the sparsity metadata, built here now as it would be then)
+            tt.sparsity_metadata()
+        after_half += tt.nbytes("resident") + (0 if compact else tt.nbytes("codes") - tt.scales.numel() * 4)
         setattr(parent, child, new)
         names.append(name)
     report = {
@@ -64,6 +69,8 @@ def quantize_model(model: nn.Module, skip=("lm_head", "embed"), method: str = "a
         "bytes_after_base3": after_b3,
         "ratio": before / after if after else float("nan"),
         "ratio_base3": before / after_b3 if after_b3 else float("nan"),
+        "bytes_after_half_call": after_half,
+        "ratio_after_half_call": before / after_half if after_half else float("nan"),
     }
     if verbose:
         _print_report(report)
@@ -84,7 +91,12 @@ def _print_report(r: dict) -> None:
     mib = lambda b: f"{b / 2**20:.3f} MiB"  # noqa: E731
     t.add_row(str(r["replaced"]), mib(r["bytes_before"]), mib(r["bytes_after"]), f"{r['ratio']:.2f}x",
               mib(r["bytes_after_base3"]), f"{r['ratio_base3']:.2f}x")
-    Console().print(t)
+    console = Console()
+    console.print(t)
+    if r["bytes_after_half_call"] != r["bytes_after"]:
+        console.print(f"after a first fp16/bf16 call the layers also hold the tensor-core codes: "
+                      f"{mib(r['bytes_after_half_call'])} ({r['ratio_after_half_call']:.2f}x smaller than fp16); "
+                      "quantize_model(..., compact=True) keeps the codes alone, 2 bits per weight")
 
 
 __all__ = ["quantize_model"]
