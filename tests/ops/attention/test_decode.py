@@ -223,6 +223,26 @@ def test_softmax_scale_and_python_int_lengths(gen, device):
     _assert_ok(compare("o", ref["o"], o, dtype=q.dtype, verbose=False))
 
 
+def test_lengths_checked_once_per_call(gen, device, monkeypatch):
+    """A tensor cache_seqlens is read on the host once per call (the wrapper's check; the op then skips its own),
+    once when the op is called directly, never with check_lengths=False; the answer is the same."""
+    from triforge.ops.attention import decode
+
+    calls = []
+    real = decode._check_lengths
+    monkeypatch.setattr(decode, "_check_lengths", lambda *a: calls.append(1) or real(*a))
+    q, kc, vc, sl, k, v = _inputs(gen, B=2, Sq=1, H=4, Hkv=2, D=64, S=40, Sn=1, device=device)
+    outs = []
+    for run in (lambda c: flash_attn_with_kvcache(q, c[0], c[1], sl, k, v),
+                lambda c: torch.ops.triforge.flash_attn_with_kvcache(q, c[0], c[1], sl, k, v, True, 0.125, 0, True)[0],
+                lambda c: flash_attn_with_kvcache(q, c[0], c[1], sl, k, v, check_lengths=False)):
+        calls.clear()
+        outs.append(run((kc.clone(), vc.clone())))
+        outs[-1] = (outs[-1], len(calls))
+    assert [n for _, n in outs] == [1, 1, 0]
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][0], outs[2][0])
+
+
 def test_strided_caches(gen, device):
     """Caches that are views (every other kv head of a larger buffer): strides are honoured and the
     append lands in the underlying buffer."""
@@ -451,6 +471,8 @@ def _bad_cases():
         ("causal-int", dict(base, causal=1), TypeError, "causal"),
         ("softmax_scale-str", dict(base, softmax_scale="0.1"), TypeError, "softmax_scale"),
         ("softmax_scale-nan", dict(base, softmax_scale=float("nan")), ValueError, "softmax_scale"),
+        ("softmax_scale-zero", dict(base, softmax_scale=0.0), ValueError, "softmax_scale"),
+        ("softmax_scale-negative", dict(base, softmax_scale=-0.1), ValueError, "softmax_scale"),
         ("num_splits-negative", dict(base, num_splits=-1), ValueError, "num_splits"),
         ("num_splits-too-many", dict(base, num_splits=decode.MAX_SPLITS + 1), ValueError, "num_splits"),
         ("num_splits-float", dict(base, num_splits=2.0), TypeError, "num_splits"),

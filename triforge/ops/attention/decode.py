@@ -563,9 +563,9 @@ def _validate(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax_scale, n
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
     if softmax_scale is not None:
         if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
-            raise TypeError(f"softmax_scale must be a float or None, got {type(softmax_scale).__name__}")
-        if not math.isfinite(softmax_scale):
-            raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
+            raise TypeError(f"softmax_scale must be a positive float or None, got {type(softmax_scale).__name__}")
+        if not (math.isfinite(softmax_scale) and softmax_scale > 0):  # as flash_attn_func
+            raise ValueError(f"softmax_scale must be a positive finite number, got {softmax_scale!r}")
     if isinstance(num_splits, bool) or not isinstance(num_splits, int):
         raise TypeError(f"num_splits must be an int (0: heuristic), got {type(num_splits).__name__}")
     if not 0 <= num_splits <= MAX_SPLITS:
@@ -666,7 +666,9 @@ def flash_attn_with_kvcache(
     if not isinstance(cache_seqlens, torch.Tensor):
         cache_seqlens = torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32, device=q.device)
     elif check_lengths and not torch.compiler.is_compiling():
-        _check_lengths(cache_seqlens, S_new, k_cache.shape[1])  # early, before the op (which checks again)
+        # early, before the op; the op then skips its own check (one device sync per call, not two)
+        _check_lengths(cache_seqlens, S_new, k_cache.shape[1])
+        check_lengths = False
     if k is not None:
         o, lse = torch.ops.triforge.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, k, v, causal, scale,
                                                             num_splits, bool(check_lengths))
