@@ -186,6 +186,33 @@ def test_intra_kernel_load_orders_match_reference(v_late, diag_product, dtype, g
 
 
 @pytest.mark.parametrize("fn", ["chunk", "recurrent"])
+def test_fla_keyword_arguments(fn, gen):
+    """fla's further keywords: its options at their defaults and its chunk size / host copy of cu_seqlens change
+    nothing (bit for bit, no warning); an option we lack, switched on, raises naming it; other keywords (Hugging
+    Face's pass-through attention kwargs) are ignored with a warning naming them."""
+    import warnings
+
+    call = chunk_gated_delta_rule if fn == "chunk" else fused_recurrent_gated_delta_rule
+    x = _inputs(1, 10, 1, 2, 32, 32, torch.float32, gen)
+    o0, f0 = call(**x, output_final_state=True)
+    defaults = dict(use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, state_v_first=False,
+                    transpose_state_layout=False, use_gate_in_kernel=False, head_first=False, cp_context=None,
+                    chunk_indices=None, A_log=None, dt_bias=None, gk=None, gv=None, chunk_size=64, cu_seqlens_cpu=None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # (the interpreter raises DeprecationWarnings of its own)
+        o1, f1 = call(**x, output_final_state=True, **defaults)
+    assert torch.equal(o1, o0) and torch.equal(f1, f0)
+    for name, value, err in [("use_beta_sigmoid_in_kernel", True, NotImplementedError),
+                             ("state_v_first", True, NotImplementedError), ("head_first", True, NotImplementedError),
+                             ("A_log", torch.zeros(2), NotImplementedError), ("chunk_size", 32, ValueError)]:
+        with pytest.raises(err, match=name):
+            call(**x, **{name: value})
+    with pytest.warns(UserWarning, match="cu_seq_lens_k, max_length_q"):
+        o2, _ = call(**x, output_final_state=True, max_length_q=10, cu_seq_lens_k=None)
+    assert torch.equal(o2, o0)
+
+
+@pytest.mark.parametrize("fn", ["chunk", "recurrent"])
 def test_strided_and_mixed_dtype_inputs(fn, gen):
     """q, k, v as strided views (storage [B, H, T, D] read as [B, T, H, D]) and g, beta in another float dtype than
     q's: the same output and final state as the contiguous call with the same values (bit for bit: the ops make their

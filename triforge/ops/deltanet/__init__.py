@@ -58,6 +58,7 @@ dtype; T: [64] fp32 per token and value head).
 import functools
 import itertools
 import os
+import warnings
 from collections import OrderedDict
 
 import torch
@@ -421,8 +422,36 @@ _recurrent_fwd_op.register_autograd(_recurrent_backward, setup_context=lambda ct
 # ----------------------------------------------------------------------------- public API
 
 
+# fla 0.6.0's further keyword arguments: options we run only off (False) or absent (None), and its chunk size
+_FLA_OFF = ("use_beta_sigmoid_in_kernel", "allow_neg_eigval", "state_v_first", "transpose_state_layout",
+            "use_gate_in_kernel", "head_first")
+_FLA_NONE = ("cp_context", "chunk_indices", "A_log", "dt_bias", "gk", "gv")
+
+
+def _fla_kwargs(fn: str, kwargs: dict) -> None:
+    """fla's extra keywords, as its functions take them (``**kwargs``): an option on that the kernels do not have
+    raises NotImplementedError naming it; chunk_size must be 64; cu_seqlens_cpu (fla's host copy of cu_seqlens) is
+    not needed; anything else (e.g. the attention kwargs Hugging Face's Qwen3-Next layer passes through to these
+    calls) is ignored, as fla ignores it, with a warning naming it."""
+    unknown = []
+    for name, value in kwargs.items():
+        if name in _FLA_OFF:
+            if value:
+                raise NotImplementedError(f"{fn}: {name}={value!r} is not supported (fla's option; only False)")
+        elif name in _FLA_NONE:
+            if value is not None:
+                raise NotImplementedError(f"{fn}: {name} is not supported (fla's option; only None)")
+        elif name == "chunk_size":
+            if value != chunk.BT:
+                raise ValueError(f"{fn}: chunk_size must be {chunk.BT} (the kernels' chunk), got {value!r}")
+        elif name != "cu_seqlens_cpu":
+            unknown.append(name)
+    if unknown:
+        warnings.warn(f"{fn}: ignoring keyword argument(s) {', '.join(sorted(unknown))}", stacklevel=3)
+
+
 def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-                           use_qk_l2norm_in_kernel=False, cu_seqlens=None):
+                           use_qk_l2norm_in_kernel=False, cu_seqlens=None, **kwargs):
     """Chunked Gated DeltaNet (fla's ``chunk_gated_delta_rule``): forward kernels, differentiable.
 
     q, k [B, T, H, K]; v [B, T, HV, V]; g, beta [B, T, HV] (fp32 or the input dtype); scale
@@ -431,8 +460,11 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     Gradients (q, k, v, g, beta, initial_state) come from the Triton backward kernels
     (``TRIFORGE_DELTANET_BWD=torch`` picks an fp32 PyTorch recompute instead). A forward that will be
     differentiated keeps the intra and state kernels' outputs for the backward
-    (``TRIFORGE_DELTANET_SAVE=0``: recomputed there instead, less memory).
+    (``TRIFORGE_DELTANET_SAVE=0``: recomputed there instead, less memory). Further keywords as fla takes them
+    (``_fla_kwargs``).
     """
+    if kwargs:
+        _fla_kwargs("chunk_gated_delta_rule", kwargs)
     _validate(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens)
     args = (q, k, v, g, beta, _scale(q, scale), initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens)
     eager = launch.eager(q, k, v, g, beta, initial_state, cu_seqlens)  # the ops' eager twins: no dispatch cost
@@ -445,11 +477,14 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
 
 
 def fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-                                     use_qk_l2norm_in_kernel=False, cu_seqlens=None):
+                                     use_qk_l2norm_in_kernel=False, cu_seqlens=None, **kwargs):
     """Token-by-token Gated DeltaNet (decode: T = 1 with a state; short sequences). Forward only.
 
-    Same arguments and results as :func:`chunk_gated_delta_rule`; all arithmetic in fp32.
+    Same arguments and results as :func:`chunk_gated_delta_rule`; all arithmetic in fp32. (fla's own puts gk and
+    gv between g and beta: pass beta by keyword to call either.)
     """
+    if kwargs:
+        _fla_kwargs("fused_recurrent_gated_delta_rule", kwargs)
     _validate(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens)
     o, final = torch.ops.triforge.fused_recurrent_gated_delta_rule_fwd(
         q, k, v, g, beta, _scale(q, scale), initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens)
