@@ -189,3 +189,31 @@ def test_bench_peer_builds_each_weight_set_once(gen):
             (y,) = peer(x, tt)
             torch.testing.assert_close(y, matmul_dense_ref(x, tt), rtol=1e-12, atol=1e-12)
     assert len(made) == 3 and all(a is b for a, b in zip(made, sets))
+
+
+@pytest.mark.parametrize("kernel", ["gemv", "gemm"])
+@pytest.mark.parametrize("m", [1, 5])
+def test_plane_kernels_skip_the_chunks_marked_inactive(kernel, m, device, gen):
+    """The plane kernels read the activity map, not only the planes: with the middle 2048-column chunk marked
+    inactive for every row although it holds non-zero weights, the result is the product with that chunk zeroed (a
+    K step is skipped when no row of a program's block is active there), and with the true map the full product."""
+    from triforge.ops.ternary import kernels as K
+
+    n, k = 12, 2 * CHUNK_COLS + 300
+    trits = random_trits(n, k, gen, sparsity=0.3)
+    tt = TernaryTensor.from_trits(trits, random_scales(n, gen)).to(device)
+    active = K.chunk_activity(tt.plus, tt.minus)
+    assert bool(active.all())
+    lie = active.clone()
+    lie[:, 1] = 0
+    cut = trits.clone()
+    cut[:, CHUNK_COLS:2 * CHUNK_COLS] = 0
+    x = _x((m, k), torch.float32, device, gen)
+    run = K.ternary_gemv if kernel == "gemv" else K.ternary_matmul
+    dense = lambda t: x.double() @ (tt.scales.double().cpu()[:, None] * t.double()).T.to(device)  # noqa: E731
+    with poisoned():
+        y_true = run(x, tt.plus, tt.minus, tt.scales, active=active)
+        y_lie = run(x, tt.plus, tt.minus, tt.scales, active=lie)
+    assert compare("all chunks", dense(trits), y_true, dtype=torch.float32, verbose=False).ok
+    assert compare("middle chunk skipped", dense(cut), y_lie, dtype=torch.float32, verbose=False).ok
+    assert not torch.allclose(y_true, y_lie)
