@@ -197,3 +197,26 @@ def test_shape_flags_are_checked_against_the_op():
             _check_shape_dims({"T": 65536, "c": 2560}, [(k, names)])
         _check_shape_dims({"T": 65536, "C": 2560}, [(k, names)])
     _check_shape_dims({"anything": 1}, [("an op that names none", ())])
+
+
+def test_bench_table_shows_spread_and_bytes():
+    """The bench's printed table (what `triforge bench` shows) has each row's median, mean / min / max, bytes moved,
+    GB/s and % of copy, from a stored result file (mHC at C = 2560, with its layer total); error rows stay readable."""
+    from pathlib import Path
+
+    from rich.console import Console
+
+    from triforge.cli import _bench_table
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks/results/h100-2026-11-24-6039aec-mhc-c2560.json"
+    result = json.loads(path.read_text())
+    result["rows"].append({"op": "mhc_project", "mode": "fwd", "impl": "peer", "error": "RuntimeError: boom"})
+    console = Console(record=True, width=400)
+    console.print(_bench_table(result))
+    text = console.export_text()
+    for col in ("median ms", "mean / min / max ms", "MB moved", "GB/s", "% copy"):
+        assert col in text
+    row = next(r for r in result["rows"] if r["impl"] == "triforge" and r["op"] == "mhc_pre_map" and r["mode"] == "fwd")
+    assert f"{row['mean_ms']:.4f} / {row['min_ms']:.4f} / {row['max_ms']:.4f}" in text
+    assert f"{row['bytes'] / 1e6:.1f}" in text and "boom" in text
+    assert any(r.get("op", "").endswith("total") for r in result["rows"])  # the layer total is a row of its own

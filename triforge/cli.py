@@ -67,15 +67,24 @@ def cmd_check(args) -> int:
 
 def _bench_table(result):
     table = Table(title=f"triforge bench — {result['device']} ({result['commit']})")
-    for col in ("op", "mode", "shape", "impl", "median ms", "GB/s", "% copy", "triforge speedup"):
+    cols = ("op", "mode", "shape", "impl", "median ms", "mean / min / max ms", "MB moved", "GB/s", "% copy",
+            "triforge speedup")
+    for col in cols:
         table.add_column(col, justify="right" if col not in ("op", "mode", "impl", "shape") else "left")
+
+    def ms(r, key):
+        return f"{r[key]:.4f}" if isinstance(r.get(key), (int, float)) else "-"
+
     for r in result["rows"]:
         if "error" in r:
-            table.add_row(r["op"], r["mode"], r.get("shape", ""), r["impl"], f"[red]{r['error'][:60]}[/red]", "", "", "")
+            table.add_row(r["op"], r["mode"], r.get("shape", ""), r["impl"], f"[red]{r['error'][:60]}[/red]",
+                          *[""] * (len(cols) - 5))
             continue
         sp = r.get("triforge_speedup")
-        table.add_row(r["op"], r["mode"], r["shape"], r["impl"], f"{r['median_ms']:.4f}", f"{r['gbps']:.0f}",
-                      f"{r['pct_copy']:.1f}", "-" if sp is None else f"{sp:.2f}x")
+        spread = " / ".join(ms(r, k) for k in ("mean_ms", "min_ms", "max_ms"))
+        moved = f"{r['bytes'] / 1e6:.1f}" if isinstance(r.get("bytes"), (int, float)) else "-"
+        table.add_row(r["op"], r["mode"], r["shape"], r["impl"], f"{r['median_ms']:.4f}", spread, moved,
+                      f"{r['gbps']:.0f}", f"{r['pct_copy']:.1f}", "-" if sp is None else f"{sp:.2f}x")
     return table
 
 
