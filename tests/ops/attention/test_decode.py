@@ -495,6 +495,32 @@ def test_bad_input(kwargs, exc, match, device):
     assert torch.equal(kwargs["k_cache"], caches[0]) and torch.equal(kwargs["v_cache"], caches[1])
 
 
+@pytest.mark.parametrize("name", ["q", "k_cache", "v_cache", "k", "v"])
+def test_tensor_off_the_kernels_device_refused_by_name(name, gen, device):
+    """Each tensor argument on another device (the meta device here) raises a ValueError naming it, before any
+    write into the caches."""
+    q, kc, vc, sl, k, v = _inputs(gen, B=2, Sq=1, H=4, Hkv=2, D=64, S=16, Sn=1, dtype=torch.float16, device=device)
+    args = dict(q=q, k_cache=kc, v_cache=vc, cache_seqlens=sl, k=k, v=v)
+    args[name] = torch.empty(args[name].shape, dtype=args[name].dtype, device="meta")
+    before = [kc.clone(), vc.clone()]
+    with pytest.raises(ValueError, match=name):
+        flash_attn_with_kvcache(**args)
+    assert torch.equal(kc, before[0]) and torch.equal(vc, before[1])
+
+
+def test_strided_q_and_new_kv(gen, device):
+    """q and the new k, v as strided views (their storage [B, H, S, D]): the same output and cache rows as the
+    contiguous call, bit for bit."""
+    q, kc, vc, sl, k, v = _inputs(gen, B=2, Sq=2, H=4, Hkv=2, D=64, S=24, Sn=2, dtype=torch.float16, device=device)
+    view = lambda t: t.transpose(1, 2).contiguous().transpose(1, 2)  # noqa: E731
+    assert not view(q).is_contiguous()
+    c1, c2 = (kc.clone(), vc.clone()), (kc.clone(), vc.clone())
+    with poisoned():
+        o1 = flash_attn_with_kvcache(q, *c1, sl, k, v)
+        o2 = flash_attn_with_kvcache(view(q), *c2, sl, view(k), view(v))
+    assert torch.equal(o1, o2) and torch.equal(c1[0], c2[0]) and torch.equal(c1[1], c2[1])
+
+
 def test_overflow_caught_by_the_op_itself(gen, device):
     """The custom op checks the lengths too (a direct call or a compiled graph skips the wrapper)."""
     q, kc, vc, _, k, v = _inputs(gen, B=2, Sq=1, H=4, Hkv=2, D=64, S=16, Sn=2, dtype=torch.float16, device=device)
