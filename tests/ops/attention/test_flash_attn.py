@@ -673,7 +673,24 @@ def _bad_cases():
         ("scale-tensor", lambda: f(q, k, k, softmax_scale=torch.tensor(0.1)), TypeError, r"softmax_scale must be"),
         ("causal-str", lambda: f(q, k, k, causal="yes"), TypeError, r"causal must be a bool"),
         ("deterministic-int", lambda: f(q, k, k, deterministic=1), TypeError, r"deterministic must be a bool"),
+        # flash-attn's fourth positional argument is dropout_p
+        ("causal-float", lambda: f(q, k, k, 0.0), TypeError, r"causal must be a bool, got float \(flash-attn"),
+        ("dropout", lambda: f(q, k, k, dropout_p=0.1), NotImplementedError, r"dropout_p=0.1"),
+        ("window", lambda: f(q, k, k, window_size=(8, 0)), NotImplementedError, r"window_size"),
+        ("softcap", lambda: f(q, k, k, softcap=30.0), NotImplementedError, r"softcap"),
+        ("alibi", lambda: f(q, k, k, alibi_slopes=torch.ones(4)), NotImplementedError, r"alibi_slopes"),
+        ("attn-probs", lambda: f(q, k, k, return_attn_probs=True), NotImplementedError, r"return_attn_probs"),
     ]
+
+
+def test_flash_attn_keywords_at_plain_values(gen):
+    """A flash-attn style call, every argument by keyword (dropout_p 0, no window, no softcap, no ALiBi): the same
+    output as the plain call, bit for bit."""
+    q, k, v = _qkv(1, 9, 11, 2, 1, 32, torch.float16, gen)
+    plain = flash_attn_func(q, k, v, causal=True, softmax_scale=0.2)
+    fa = flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=0.2, causal=True, window_size=(-1, -1), softcap=0.0,
+                         alibi_slopes=None, deterministic=False, return_attn_probs=False)
+    assert torch.equal(plain, fa)
 
 
 @pytest.mark.parametrize("case", _bad_cases(), ids=lambda c: c[0])

@@ -352,6 +352,8 @@ def _bad_cases():
 
     return [
         ("q-not-tensor", f(q=q.tolist()), TypeError, r"q must be a torch.Tensor"),
+        ("dropout", f(dropout_p=0.5), NotImplementedError, r"dropout_p=0.5"),
+        ("window", f(window_size=(4, 4)), NotImplementedError, r"window_size"),
         ("q-4d", f(q=q[None]), ValueError, r"q must have 3 dimensions"),
         ("q-int", f(q=q.long()), TypeError, r"q must have dtype"),
         ("q-fp64", f(q=q.double(), k=k.double(), v=k.double()), TypeError, r"q must have dtype"),

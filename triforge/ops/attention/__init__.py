@@ -557,7 +557,9 @@ flash_attn_varlen_fwd_op.register_autograd(_varlen_fwd_backward, setup_context=_
 
 def _validate_flags(causal, softmax_scale):
     if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+        hint = (" (flash-attn's argument in that position is dropout_p: pass causal and softmax_scale by keyword)"
+                if isinstance(causal, float) else "")
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}{hint}")
     if softmax_scale is not None:
         if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
             raise TypeError(f"softmax_scale must be a positive float or None, got {type(softmax_scale).__name__}")
@@ -651,8 +653,23 @@ def _scale(q, softmax_scale):
     return q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
 
 
+def _flash_attn_extras(dropout_p, window_size, softcap, alibi_slopes, return_attn_probs) -> None:
+    """flash-attn's further keywords at the values that mean plain exact attention; any other value raises
+    NotImplementedError naming it (no dropout, sliding window, softcap, ALiBi or returned probabilities here)."""
+    for name, value, plain in (("dropout_p", dropout_p, 0.0), ("softcap", softcap, 0.0)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != plain:
+            raise NotImplementedError(f"{name}={value!r} is not supported (only {plain})")
+    if tuple(window_size) != (-1, -1):
+        raise NotImplementedError(f"window_size={window_size!r} is not supported (only (-1, -1), no window)")
+    if alibi_slopes is not None:
+        raise NotImplementedError("alibi_slopes is not supported (only None)")
+    if return_attn_probs is not False:
+        raise NotImplementedError(f"return_attn_probs={return_attn_probs!r} is not supported (use return_lse)")
+
+
 def flash_attn_func(q, k, v, causal: bool = False, softmax_scale: float | None = None, return_lse: bool = False,
-                    deterministic: bool = False):
+                    deterministic: bool = False, *, dropout_p: float = 0.0, window_size=(-1, -1), softcap: float = 0.0,
+                    alibi_slopes=None, return_attn_probs: bool = False):
     """Exact attention softmax(q k^T * scale) v, flash-attn's layout and causal alignment.
 
     q [B, Sq, H, D], k/v [B, Sk, Hkv, D] with H % Hkv == 0; fp16, bf16 or fp32; D in (32, 64, 128, 256).
@@ -660,8 +677,10 @@ def flash_attn_func(q, k, v, causal: bool = False, softmax_scale: float | None =
     ``return_lse`` also the natural-log log-sum-exp lse [B, H, Sq] fp32 (-inf where a row sees no key).
     Differentiable in q, k, v (and through lse). The backward's dq may come from fp32 atomic additions
     (the launch config's ATOMIC_DQ), whose order varies: ``deterministic`` makes it bitwise reproducible
-    (a separate dQ kernel), as flash-attn's flag does.
+    (a separate dQ kernel), as flash-attn's flag does. flash-attn's further keywords (dropout_p, window_size,
+    softcap, alibi_slopes, return_attn_probs) are taken at their plain-attention values only.
     """
+    _flash_attn_extras(dropout_p, window_size, softcap, alibi_slopes, return_attn_probs)
     _validate(q, k, v, causal, softmax_scale)
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
@@ -687,7 +706,8 @@ def _eager_plain(*tensors) -> bool:
 
 def flash_attn_varlen_func(
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, causal: bool = False,
-    softmax_scale: float | None = None, return_lse: bool = False,
+    softmax_scale: float | None = None, return_lse: bool = False, *, dropout_p: float = 0.0, window_size=(-1, -1),
+    softcap: float = 0.0, alibi_slopes=None, return_attn_probs: bool = False,
 ):
     """Exact attention over packed sequences, flash-attn's ``flash_attn_varlen_func``.
 
@@ -700,8 +720,10 @@ def flash_attn_varlen_func(
 
     Returns o [Tq, H, D] in q's dtype, and with ``return_lse`` also lse [H, Tq] fp32 (natural log;
     -inf, with o = 0, where a row sees no key). Differentiable in q, k, v (and through lse). The
-    custom op reads cu_seqlens on the host once per call to check it (a device sync).
+    custom op reads cu_seqlens on the host once per call to check it (a device sync). flash-attn's further keywords
+    as in :func:`flash_attn_func`.
     """
+    _flash_attn_extras(dropout_p, window_size, softcap, alibi_slopes, return_attn_probs)
     _validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale)
     residual = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     o, lse, _ = torch.ops.triforge.flash_attn_varlen_fwd(
