@@ -45,7 +45,8 @@ def make(shape):
 
 
 def intra_cfg(spec):
-    """V_LATE:warps:stages[:kn][:t][:rN][:p][:dN][:oN] (p: DIAG_PRODUCT 1; dN: DIAG_PRODUCT N; oN: ORDER N; kn: the normalised k stored too, as the forward runs it now; t: T stored
+    """V_LATE:warps:stages[:kn][:t][:rN][:p][:dN][:oN] (p: DIAG_PRODUCT 1; dN: DIAG_PRODUCT N; oN: ORDER N;
+    kn: the normalised k stored too, as the forward runs it now; t: T stored
     too, as the training forward runs it; rN: a register cap of N per thread, maxnreg; since session 25 the launcher
     applies the cap only without T stored, so ":t:rN" times the uncapped kernel)."""
     parts = spec.split(":")

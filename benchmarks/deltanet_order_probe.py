@@ -36,7 +36,8 @@ for shape in sys.argv[2:] or ("1x32768x16x32", "8x4096x16x32"):
         for order in (0, 1, 2):
             cfg = dict(base, ORDER=order)
             orig = chunk.fwd_config
-            chunk.fwd_config = lambda kernel, *a, **k: cfg if kernel == "gated_delta_rule_fwd_intra" else orig(kernel, *a, **k)
+            chunk.fwd_config = lambda kernel, *a, **k: (cfg if kernel == "gated_delta_rule_fwd_intra"
+                                                        else orig(kernel, *a, **k))
             try:
                 for form in ("plain", "bench"):
                     if form == "plain":

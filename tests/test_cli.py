@@ -197,6 +197,13 @@ def test_shape_flags_are_checked_against_the_op():
             _check_shape_dims({"T": 65536, "c": 2560}, [(k, names)])
         _check_shape_dims({"T": 65536, "C": 2560}, [(k, names)])
     _check_shape_dims({"anything": 1}, [("an op that names none", ())])
+    # every dimension an op reads counts, the optional ones too (attention's Hkv, Sq, Sk beside its bench shapes')
+    attn = registry.get("flash_attn")
+    _check_shape_dims({"B": 1, "H": 16, "S": 4096, "D": 128, "Hkv": 2, "Sq": 1, "Sk": 4096},
+                      [(attn.name, registry.shape_names(attn))])
+    for spec in registry.select(None):
+        if spec.bench_shapes:  # a bench shape's keys are names the op takes
+            assert set(spec.bench_shapes[0]) <= set(registry.shape_names(spec)), spec.name
 
 
 def test_bench_table_shows_spread_and_bytes():

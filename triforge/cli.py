@@ -161,7 +161,7 @@ def _tune_one(args, t) -> int:
     shape = dict(t.default_shape)
     if args.shape:
         shape = _parse_shape(args.shape, t.shape_names)
-    _check_shape_dims(args.shape_dims, [(t.kernel, tuple(t.shape_names))])
+    _check_shape_dims(args.shape_dims, [(t.kernel, tuple(dict.fromkeys((*t.shape_names, *t.default_shape))))])
     shape.update(args.shape_dims)
     n = len(tune.grid(t.space))
     with _progress() as prog:

@@ -50,14 +50,14 @@ class OpSpec:
     # facts about our implementation's inputs after a timed run, merged into its bench rows (a dict; e.g. the
     # ternary weights' resident bytes)
     extras: Callable | None = None
-    # the shape dimensions ``triforge bench --NAME VALUE`` may set (make_inputs' dict tier); empty: the keys of
-    # bench_shapes' first entry, if any
+    # every shape dimension ``triforge bench --NAME VALUE`` may set (the keys make_inputs reads from a dict tier,
+    # optional ones included); empty: the op does not say, and the bench does not check the names
     shape_names: tuple = ()
 
 
 def shape_names(spec: OpSpec) -> tuple:
     """The dimension names a shape dict for ``spec`` may hold (() where the op does not say)."""
-    return spec.shape_names or (tuple(spec.bench_shapes[0]) if spec.bench_shapes else ())
+    return spec.shape_names
 
 
 _OPS: dict[str, OpSpec] = {}

@@ -224,23 +224,34 @@ def test_softmax_scale_and_python_int_lengths(gen, device):
 
 
 def test_lengths_checked_once_per_call(gen, device, monkeypatch):
-    """A tensor cache_seqlens is read on the host once per call (the wrapper's check; the op then skips its own),
-    once when the op is called directly, never with check_lengths=False; the answer is the same."""
+    """A tensor cache_seqlens is read on the host once per eager call (the wrapper's check; the op then skips its
+    own), once when the op is called directly, once under a tracer (the op's own check, so a traced graph checks
+    every replay), never with check_lengths=False or a Python int (checked on the host); the answer is the same."""
+    from triforge import launch
     from triforge.ops.attention import decode
 
     calls = []
     real = decode._check_lengths
     monkeypatch.setattr(decode, "_check_lengths", lambda *a: calls.append(1) or real(*a))
-    q, kc, vc, sl, k, v = _inputs(gen, B=2, Sq=1, H=4, Hkv=2, D=64, S=40, Sn=1, device=device)
+    q, kc, vc, _, k, v = _inputs(gen, B=2, Sq=1, H=4, Hkv=2, D=64, S=40, Sn=1, device=device)
+    sl = torch.full((2,), 23, dtype=torch.int32, device=device)
+
+    def traced(c):  # as under make_fx or torch.jit.trace: launch.eager says no
+        with monkeypatch.context() as m:
+            m.setattr(launch, "eager", lambda *a: False)
+            return flash_attn_with_kvcache(q, c[0], c[1], sl, k, v)
+
     outs = []
     for run in (lambda c: flash_attn_with_kvcache(q, c[0], c[1], sl, k, v),
                 lambda c: torch.ops.triforge.flash_attn_with_kvcache(q, c[0], c[1], sl, k, v, True, 0.125, 0, True)[0],
-                lambda c: flash_attn_with_kvcache(q, c[0], c[1], sl, k, v, check_lengths=False)):
+                traced,
+                lambda c: flash_attn_with_kvcache(q, c[0], c[1], sl, k, v, check_lengths=False),
+                lambda c: flash_attn_with_kvcache(q, c[0], c[1], 23, k, v)):
         calls.clear()
-        outs.append(run((kc.clone(), vc.clone())))
-        outs[-1] = (outs[-1], len(calls))
-    assert [n for _, n in outs] == [1, 1, 0]
-    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][0], outs[2][0])
+        o = run((kc.clone(), vc.clone()))
+        outs.append((o, len(calls)))
+    assert [n for _, n in outs] == [1, 1, 1, 0, 0]
+    assert all(torch.equal(outs[0][0], o) for o, _ in outs[1:])
 
 
 def test_strided_caches(gen, device):

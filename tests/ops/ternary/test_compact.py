@@ -281,6 +281,8 @@ def test_quantize_model_compact_report(gen):
     ref.load_state_dict(model.state_dict())
     r_full = quantize_model(ref, verbose=False)
     r = quantize_model(model, verbose=False, compact=True)
+    held = lambda m: sum(x.ternary.nbytes("resident") for x in m if isinstance(x, TernaryLinear))  # noqa: E731
+    assert held(ref) == r_full["bytes_after"] and held(model) == r["bytes_after"]  # what they hold on return
     fp16 = 2 * 2 * 256 * 512
     assert r["bytes_before"] == r_full["bytes_before"] == fp16
     codes = tc.code_words(256) * 512 * 4 + 512 * 4 + tc.code_words(512) * 256 * 4 + 256 * 4  # codes + row scales
@@ -297,7 +299,6 @@ def test_quantize_model_compact_report(gen):
     assert r_full["bytes_after_half_call"] == planes + codes - 4 * 768 + meta
     for m in (model, ref):
         m.to(torch.bfloat16)(torch.randn(2, 256, generator=gen).to(torch.bfloat16))
-    held = lambda m: sum(x.ternary.nbytes("resident") for x in m if isinstance(x, TernaryLinear))  # noqa: E731
     if all(x.ternary.resident == "planes+codes" for x in ref if isinstance(x, TernaryLinear)):  # the tc path ran
         assert held(ref) == r_full["bytes_after_half_call"]
     assert held(model) == r["bytes_after_half_call"]

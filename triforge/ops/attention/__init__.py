@@ -980,6 +980,7 @@ def _spec(name, causal_default, force_causal):
         peers={"sdpa_flash": _sdpa_peer("FLASH_ATTENTION"), "sdpa_cudnn": _sdpa_peer("CUDNN_ATTENTION")},
         describe=_describe,
         bench_shapes=tuple(dict(s, causal=int(causal_default)) for s in BENCH_SHAPES),
+        shape_names=("B", "H", "S", "D", "causal", "Hkv", "Sq", "Sk"),  # _make_inputs' dict keys
         magnitudes=_magnitudes,
     )
 

@@ -664,9 +664,12 @@ def flash_attn_with_kvcache(
         raise TypeError(f"check_lengths must be a bool, got {type(check_lengths).__name__}")
     scale = float(q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale)
     if not isinstance(cache_seqlens, torch.Tensor):
+        # a Python int was checked on the host by _validate: the op need not read the tensor made of it
         cache_seqlens = torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32, device=q.device)
-    elif check_lengths and not torch.compiler.is_compiling():
-        # early, before the op; the op then skips its own check (one device sync per call, not two)
+        check_lengths = False
+    elif check_lengths and launch.eager(q, k_cache, v_cache, cache_seqlens):
+        # early, before the op, which then skips its own check (one device sync per call, not two); under any tracer
+        # (dynamo, make_fx, torch.jit.trace) the op keeps its check, so a traced graph checks every replay
         _check_lengths(cache_seqlens, S_new, k_cache.shape[1])
         check_lengths = False
     if k is not None:
@@ -846,6 +849,7 @@ register(OpSpec(
     describe=_describe,
     # the grid: batch 1, 8, 64 against caches of 4k, 32k, 128k (16 q heads / 2 kv heads, D 128)
     bench_shapes=tuple(dict(_REAL, B=B, S=S) for B in (1, 8, 64) for S in (4096, 32768, 131072)),
+    shape_names=tuple(_REAL),
     # timed as CUDA-graph replay (the peer too): decode runs inside a captured step, and per call a 5-50 us kernel
     # times the host's launch (0.30-0.33 ms per call at every batch-1 and batch-8 shape at 4bc4ed3)
     bench_graph=True,

@@ -422,17 +422,21 @@ _recurrent_fwd_op.register_autograd(_recurrent_backward, setup_context=lambda ct
 # ----------------------------------------------------------------------------- public API
 
 
+_SHAPE_NAMES = ("B", "T", "H", "HV", "K", "V")  # a shape dict's keys (bench, tune; K and V optional, 128)
+
 # fla 0.6.0's further keyword arguments: options we run only off (False) or absent (None), and its chunk size
 _FLA_OFF = ("use_beta_sigmoid_in_kernel", "allow_neg_eigval", "state_v_first", "transpose_state_layout",
             "use_gate_in_kernel", "head_first")
-_FLA_NONE = ("cp_context", "chunk_indices", "A_log", "dt_bias", "gk", "gv")
+_FLA_NONE = ("cp_context", "A_log", "dt_bias", "gk", "gv")
+_FLA_UNNEEDED = ("cu_seqlens_cpu", "chunk_indices")  # fla's host copy of cu_seqlens and the chunk table made from it
 
 
 def _fla_kwargs(fn: str, kwargs: dict) -> None:
     """fla's extra keywords, as its functions take them (``**kwargs``): an option on that the kernels do not have
-    raises NotImplementedError naming it; chunk_size must be 64; cu_seqlens_cpu (fla's host copy of cu_seqlens) is
-    not needed; anything else (e.g. the attention kwargs Hugging Face's Qwen3-Next layer passes through to these
-    calls) is ignored, as fla ignores it, with a warning naming it."""
+    raises NotImplementedError naming it; chunk_size must be 64; cu_seqlens_cpu and chunk_indices (fla's host copy
+    of cu_seqlens and its chunk table) are not needed; anything else (e.g. the attention kwargs Hugging Face's
+    Qwen3-Next layer passes through to these calls) is ignored, as fla ignores it, with a warning naming it (not
+    under torch.compile, which cannot trace a warning without a graph break)."""
     unknown = []
     for name, value in kwargs.items():
         if name in _FLA_OFF:
@@ -444,9 +448,9 @@ def _fla_kwargs(fn: str, kwargs: dict) -> None:
         elif name == "chunk_size":
             if value != chunk.BT:
                 raise ValueError(f"{fn}: chunk_size must be {chunk.BT} (the kernels' chunk), got {value!r}")
-        elif name != "cu_seqlens_cpu":
+        elif name not in _FLA_UNNEEDED:
             unknown.append(name)
-    if unknown:
+    if unknown and not torch.compiler.is_compiling():
         warnings.warn(f"{fn}: ignoring keyword argument(s) {', '.join(sorted(unknown))}", stacklevel=3)
 
 
@@ -706,6 +710,7 @@ register(OpSpec(
     bytes=_io_bytes,
     peers={"fla": _fla_peer("chunk_gated_delta_rule")},
     describe=_describe,
+    shape_names=_SHAPE_NAMES,
     bench_shapes=tuple({"B": B, "T": T, "H": H, "HV": HV, "K": 128, "V": 128}
                        for B, T, H, HV in ((1, 32768, 16, 32), (8, 4096, 16, 32), (4, 8192, 16, 16), (1, 8192, 32, 32))),
 ))
@@ -736,6 +741,7 @@ register(OpSpec(
     peers={"fla": _fla_peer("fused_recurrent_gated_delta_rule")},
     describe=_describe,
     bench_shapes=tuple({"B": B, "T": 1, "H": 16, "HV": 32, "K": 128, "V": 128} for B in (1, 64, 256)),
+    shape_names=_SHAPE_NAMES,
     bench_graph=True,  # decode runs inside a captured step: CUDA-graph replay, the fla peer too
 ))
 
@@ -816,7 +822,6 @@ def _tune_bwd_setup(kernel):
 
 
 _TUNE_SHAPE = {"B": 8, "T": 4096, "H": 16, "HV": 32, "K": 128, "V": 128}
-_SHAPE_NAMES = ("B", "T", "H", "HV", "K", "V")
 for _kernel, _space, _shape in (
     # maxnreg: the register cap (sm90.json's entry in sessions 25-26; 128 lets 8-warp programs run two per SM);
     # DIAG_PRODUCT: the solve's diagonal blocks by dense products (1, session 27's entry), by substitution (0) or

@@ -2,7 +2,8 @@
 
 Three kernels, each with its own launcher, so a backward can call any of them alone:
 
-1. ``chunk_gated_delta_rule_fwd_kernel_intra``, grid (chunks, B*HV): everything inside one chunk.
+1. ``chunk_gated_delta_rule_fwd_kernel_intra``, grid (chunks, B*HV) (ORDER 1: (chunks * HV/H, B*H)): everything
+   inside one chunk.
    gamma = cumsum(g); A = strictly_lower(beta k k^T) * exp(gamma_i - gamma_j); T = (I + A)^-1 by
    forward substitution on the four 16x16 diagonal blocks, then a block merge with tensor-core
    dots; w = T diag(beta e^gamma) K, u = T diag(beta) V.
@@ -227,9 +228,9 @@ def chunk_gated_delta_rule_fwd_kernel_intra(
     DIAG_PRODUCT: tl.constexpr = 1,
     ORDER: tl.constexpr = 0,
 ):
-    """ORDER (config key): 0, the grid (chunk, sequence x value head); 1, (chunk x G, sequence x k head) with G = HV / H,
-    so the G value heads that read one k tile run as neighbouring programs and all but the first find it in L2 (2,
-    sm90.json's entry: the launcher picks by the reuse distance, ``_intra_order``).
+    """ORDER (config key): 0, the grid (chunk, sequence x value head); 1, (chunk x G, sequence x k head) with
+    G = HV / H, so the G value heads that read one k tile run as neighbouring programs and all but the first find
+    it in L2 (2, sm90.json's entry: the launcher picks by the reuse distance, ``_intra_order``).
     DIAG_PRODUCT (1, the default where the configs file has no entry; the launcher's config key: 0 for the
     substitution, 2 for the same products batched over the blocks, sm90.json's entry since session 45,
     ``_solve_unit_lower``): the solve's diagonal blocks
@@ -715,7 +716,10 @@ def _intra_order(order, n_c, G, args, kw):
         return order
     if G == 1 or _runtime.INTERPRET:
         return 0
-    key = (args[0].dtype, args[1].dtype, tuple(sorted(kw.items())))
+    # what the compiled variant's resources depend on (its constexprs follow from these and the dtypes), and the device
+    key = (args[0].device, args[0].dtype, args[1].dtype, kw["H"], kw["HV"], kw["K"], kw["V"], kw["L2NORM"],
+           kw["STORE_T"], kw["STAGES"], kw["IS_VARLEN"], kw["V_LATE"], kw["STORE_KN"], kw["DIAG_PRODUCT"],
+           kw["num_warps"], kw["num_stages"], kw.get("maxnreg"))
     per_sm = _RESIDENT.get(key)
     if per_sm is None:
         per_sm = _RESIDENT[key] = launch.resident_programs(chunk_gated_delta_rule_fwd_kernel_intra, args,

@@ -419,7 +419,7 @@ def _register():
         bytes=_registry_bytes, peers={"cublas_fp16": _cublas_fp16_peer, "gemlite_2bit": _gemlite_2bit_peer},
         dtypes=(torch.float16, torch.bfloat16, torch.float32),
         describe=lambda i: f"M={i['x'].shape[0]} N={i['tt'].out_features} K={i['tt'].in_features}",
-        bench_shapes=BENCH_SHAPES, bench_graph=True, extras=_registry_extras,
+        bench_shapes=BENCH_SHAPES, bench_graph=True, extras=_registry_extras, shape_names=("M", "N", "K"),
     ))
 
 

@@ -1,10 +1,13 @@
 """quantize_model: replace the nn.Linear layers of any module tree with TernaryLinear."""
 
+import math
+
 import torch
 from torch import nn
 
 from triforge.nn.ternary import TernaryLinear
 from triforge.ops.ternary.quantize import METHODS
+from triforge.ops.ternary.tensor import CHUNK_COLS
 
 
 def _fp16_bytes(linear: nn.Linear) -> int:
@@ -52,10 +55,11 @@ def quantize_model(model: nn.Module, skip=("lm_head", "embed"), method: str = "a
         before += _fp16_bytes(linear)
         after += new.ternary.nbytes("resident")
         after_b3 += new.ternary.nbytes("base3")
-        tt = new.ternary  # a planes layer's first fp16/bf16 call caches the tc codes beside the planes (after its
-        if not compact:  # dispatch has built the sparsity metadata, built here now as it would be then)
-            tt.sparsity_metadata()
-        after_half += tt.nbytes("resident") + (0 if compact else tt.nbytes("codes") - tt.scales.numel() * 4)
+        tt = new.ternary  # a planes layer's first fp16/bf16 call caches the tc codes beside the planes, after its
+        # dispatch has built the sparsity metadata (an int64 bitmap and an int32 flag per row and 2048 columns)
+        meta = tt.out_features * math.ceil(tt.in_features / CHUNK_COLS) * (8 + 4)
+        after_half += tt.nbytes("resident") + (0 if compact else tt.nbytes("codes") - tt.scales.numel() * 4
+                                                         + meta)
         setattr(parent, child, new)
         names.append(name)
     report = {

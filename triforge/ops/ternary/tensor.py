@@ -662,7 +662,8 @@ class TernaryTensor:
                 f"path {str(path)!r} has format version {meta.get('format_version')!r}; this build reads {FORMAT_VERSION}"
             )
         if "sha256" in meta and meta["sha256"] != _digest(tensors):
-            raise ValueError(f"path {str(path)!r} is corrupt: its tensors' sha256 does not match the one saved with them")
+            raise ValueError(
+                f"path {str(path)!r} is corrupt: its tensors' sha256 does not match the one saved with them")
         storage = meta.get("storage", "planes")
         need = {"scales", "shape"} | ({"plus", "minus"} if storage == "planes" else {"base3"})
         missing = need - set(tensors)
