@@ -120,6 +120,27 @@ def test_reference_matches_hugging_face(hf_name, gen):
     _check("final vs HF", final, final_hf, torch.float32)
 
 
+@pytest.mark.parametrize("hf_name", ["torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"])
+def test_kernels_match_hugging_face(hf_name, gen):
+    """The kernels themselves (chunked and recurrent, fp32) against Hugging Face's PyTorch functions on the same inputs,
+    grouped value heads, a partial chunk, an initial state: HF as an independent reference, not through ours."""
+    import importlib.util
+
+    if importlib.util.find_spec("fla") is not None:
+        pytest.skip("flash-linear-attention is installed: HF's functions are not plain PyTorch")
+    hf = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
+    x = _inputs(2, 70, 2, 4, 32, 32, torch.float32, gen, normalized_k=False)
+    with _quiet():
+        o_hf, final_hf = getattr(hf, hf_name)(*(x[n].cpu() for n in ("q", "k", "v", "g", "beta")),
+                                              initial_state=x["initial_state"].cpu(), output_final_state=True,
+                                              use_qk_l2norm_in_kernel=True)
+    for fn in (chunk_gated_delta_rule, fused_recurrent_gated_delta_rule):
+        with poisoned():
+            o, final = fn(**x, output_final_state=True, use_qk_l2norm_in_kernel=True)
+        _check(f"o vs HF ({fn.__name__})", o_hf.double(), o.cpu(), torch.float32)
+        _check(f"final vs HF ({fn.__name__})", final_hf.double(), final.cpu(), torch.float32)
+
+
 class _quiet:
     """Silence HF's 'falling back to the PyTorch implementation' notice."""
 
