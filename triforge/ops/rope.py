@@ -149,10 +149,13 @@ def rope_launch(q, k, cos, sin, backward=False, cfg=None):
     block = cfg["BLOCK"]
     n_q, n_k = q.numel(), (k.numel() if k is not None else 0)
     n_q_blocks = launch.cdiv(n_q, block)
+    # bytes (the registry's model, for triforge trace): q and k read and written, cos and sin read once
+    nbytes = (2 * (q.element_size() * n_q + (k.element_size() * n_k if k is not None else 0))
+              + cos.element_size() * cos.numel() + sin.element_size() * sin.numel())
     launch.launch(
         "rope_bwd" if backward else "rope_fwd", rope_kernel, (n_q_blocks + launch.cdiv(n_k, block),),
         q, k if k is not None else q, cos, sin, q_out, k_out if k is not None else q_out,
-        n_q, n_k, n_q_blocks, T,
+        n_q, n_k, n_q_blocks, T, nbytes=nbytes,
         D=D, HQD=HQ * D, HKD=max(HK, 1) * D, BLOCK=block,
         HAS_K=k is not None, BATCHED=cos.dim() == 3, BACKWARD=backward, num_warps=cfg["num_warps"],
     )
