@@ -671,31 +671,3 @@ def test_project_str_eps_names_the_argument(gen, device):
     C = 8
     with pytest.raises((TypeError, ValueError), match=r"^eps\b"):
         fused_rmsnorm_project(_x((5, 4 * C), torch.float32, gen, device=device), _W(C, gen, device=device), "1e-6")
-
-
-def test_every_kernel_launch_carries_its_byte_model(gen, device, monkeypatch):
-    """Each mHC launch, forward and backward of the three ops, passes its byte model to launch.launch (what
-    ``triforge trace`` marks as ours and rates against copy bandwidth): the K1 backward's prologue too."""
-    from triforge import launch
-
-    seen = {}
-    real = launch.launch
-
-    def spy(name, fn, grid, *args, nbytes=None, **kw):
-        seen.setdefault(name, []).append(nbytes)
-        return real(name, fn, grid, *args, nbytes=nbytes, **kw)
-
-    monkeypatch.setattr(launch, "launch", spy)
-    T, C = 37, 40
-    x = torch.randn(T, 4, C, generator=gen).to(device=device, dtype=torch.bfloat16).requires_grad_(True)
-    W = (0.02 * torch.randn(N_PROJ, 4 * C, generator=gen)).to(device).requires_grad_(True)
-    h = torch.rand(T, 4, generator=gen).to(device).requires_grad_(True)
-    H = torch.rand(T, 4, 4, generator=gen).to(device).requires_grad_(True)
-    f = torch.randn(T, C, generator=gen).to(device=device, dtype=torch.bfloat16).requires_grad_(True)
-    proj, inv = fused_rmsnorm_project(x.view(T, 4 * C), W)
-    y = fused_pre_map(x, h)
-    z = fused_post_res(x, f, H, h)
-    (proj.sum() + inv.sum() + y.float().sum() + z.float().sum()).backward()
-    assert "mhc_project_bwd_prologue" in seen and len(seen) >= 6, sorted(seen)
-    for name, sizes in seen.items():
-        assert all(b is not None and b > 0 for b in sizes), (name, sizes)
