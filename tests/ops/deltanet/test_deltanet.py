@@ -394,6 +394,28 @@ def test_extreme_decay_and_beta_stay_finite(beta_value, gen):
     _check("o recurrent", o_ref, o_rec, torch.float32)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("big", [float("-inf"), -1e4, -1e6, -1e30], ids=["-inf", "-1e4", "-1e6", "-1e30"])
+def test_single_huge_negative_decay(big, dtype, gen):
+    """A few tokens with g far below -30 (a near or full reset of the state) among ordinary ones: the chunked kernels
+    floor g at chunk.G_FLOOR (-80), so -inf no longer gives exp(-inf - -inf) = NaN and -1e4..-1e30 no longer swallow
+    the following g in the chunk's fp32 cumsum (at -1e6 the output was off by 0.015 of 0.17): o and the final state
+    match the float64 recurrence (no cumsum: e^g = 0 there); the recurrent kernel too. A NaN in g stays NaN."""
+    x = _inputs(2, 100, 1, 2, 32, 32, dtype, gen, normalized_k=False)
+    x["g"][:, 5] = big
+    x["g"][1, 70, 1] = big
+    x["g"][0, 64] = big  # a chunk's first token
+    o_ref, f_ref = recurrent_ref(**_f64(x), output_final_state=True, use_qk_l2norm_in_kernel=True)
+    for fn in (chunk_gated_delta_rule, fused_recurrent_gated_delta_rule):
+        with poisoned():
+            o, f = fn(**x, output_final_state=True, use_qk_l2norm_in_kernel=True)
+        _check(f"o {fn.__name__}", o_ref, o, dtype)
+        _check(f"final_state {fn.__name__}", f_ref, f, dtype)
+    x["g"][0, 30, 0] = float("nan")
+    o, f = chunk_gated_delta_rule(**x, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    assert o[0, 30:64, 0].isnan().all() and f[0, 0].isnan().any() and not o[1].isnan().any()
+
+
 # ----------------------------------------------------------------------------- recurrent kernel
 
 

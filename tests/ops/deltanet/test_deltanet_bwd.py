@@ -376,6 +376,35 @@ def test_extreme_decay_and_beta_stay_finite(dtype, beta_value, gen):
         _assert_stages(ref, got, dtype, scales, EXTREME if dtype == torch.float32 else None)
 
 
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+def test_gradients_with_a_huge_negative_decay(impl, gen, monkeypatch):
+    """g = -1e4 and -inf at a few tokens (beyond the kernels' floor, chunk.G_FLOOR), through the Triton backward and
+    the PyTorch one: every gradient, dg included, finite and equal to float64 autograd through the recurrence (which
+    needs no cumsum of g) at -1e4, fp32; at -inf (a full reset) finite."""
+    from triforge.ops.deltanet.reference import recurrent_ref
+
+    monkeypatch.setenv("TRIFORGE_DELTANET_BWD", impl)
+    x = _inputs(1, 100, 1, 2, 32, 32, torch.float32, gen, normalized_k=False)
+    leaves = {n: x[n].clone().requires_grad_(True) for n in GRAD_NAMES}
+    leaves["g"].data[0, 40] = float("-inf")
+    o, _ = chunk_gated_delta_rule(**leaves, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    for n, d in zip(GRAD_NAMES, torch.autograd.grad(o.sum(), [leaves[n] for n in GRAD_NAMES])):
+        assert d.isfinite().all(), f"d{n} at g = -inf"
+    x["g"][0, 5] = -1e4
+    x["g"][0, 70, 1] = -1e4
+    do = torch.randn(x["v"].shape, generator=gen).to(DEV)
+    leaves = {n: x[n].clone().requires_grad_(True) for n in GRAD_NAMES}
+    o, _ = chunk_gated_delta_rule(**leaves, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    got = dict(zip(GRAD_NAMES, torch.autograd.grad(o, [leaves[n] for n in GRAD_NAMES], do)))
+    ref_leaves = {n: t.detach().double().cpu().requires_grad_(True) for n, t in x.items()}
+    o_ref, _ = recurrent_ref(**ref_leaves, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    want = dict(zip(GRAD_NAMES, torch.autograd.grad(o_ref, [ref_leaves[n] for n in GRAD_NAMES], do.double().cpu())))
+    for n in GRAD_NAMES:
+        assert got[n].isfinite().all(), n
+        res = compare(f"d{n}", want[n], got[n].cpu(), dtype=torch.float32, verbose=False)
+        assert res.ok, res.line()
+
+
 # ----------------------------------------------------------------------------- switch, autograd, custom op
 
 

@@ -196,7 +196,11 @@ def chunk_bwd_torch(do, dht, q, k, v, g, beta, scale, initial_state, use_qk_l2no
     with torch.enable_grad():
         leaves = [t.detach().requires_grad_(True) for t in (q, k, v, g, beta)]
         h0 = initial_state.detach().requires_grad_(True) if initial_state is not None else None
-        st = chunk_ref_stages(*leaves, scale=scale, initial_state=h0, output_final_state=dht is not None,
+        # g floored as the chunked kernels floor it (chunk.G_FLOOR: e^-80 is 0 to fp32 beside O(1) values; -inf or
+        # -1e6 would make this fp32 cumsum NaN or swallow the next g); clamp keeps a NaN
+        g_in = leaves[3].clamp_min(chunk.G_FLOOR_VALUE)
+        st = chunk_ref_stages(*leaves[:3], g_in, leaves[4], scale=scale, initial_state=h0,
+                              output_final_state=dht is not None,
                               use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens,
                               dtype=torch.float32)
         outs, grads = [st["o"]], [do.float()]

@@ -44,6 +44,12 @@ from triforge.ops._tl import cast as _cast
 BT = 64  # chunk length
 BC = 16  # diagonal block of the triangular solve
 L2NORM_EPS = tl.constexpr(1e-6)
+# the log decay's floor inside the chunked kernels: e^-80 (1.8e-35) is below every decay fp32 can tell from 0 beside
+# O(1) values, so a g below it (-1e4, or -inf: a full reset) gives the same fp32 result, while gamma = cumsum(g)
+# stays small enough that the g after it keep their bits (an unclamped -1e6 swallowed the next -0.1, and -inf gave
+# exp(-inf - -inf) = NaN; the recurrent kernel reads g itself and needs no floor). NaN stays NaN.
+G_FLOOR_VALUE = -80.0
+G_FLOOR = tl.constexpr(G_FLOOR_VALUE)
 
 
 # ----------------------------------------------------------------------------- shared helpers
@@ -258,6 +264,7 @@ def chunk_gated_delta_rule_fwd_kernel_intra(
     o_v = tl.arange(0, V)
 
     b_g = tl.load(g_ptr + o_row * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
+    b_g = tl.where(b_g < G_FLOOR, G_FLOOR, b_g)  # (a NaN compares false: it stays)
     b_beta = tl.load(beta_ptr + o_row * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
     b_gamma = tl.cumsum(b_g, axis=0)
     tl.store(gamma_ptr + o_row * HV + i_hv, b_gamma, mask=m_t)
