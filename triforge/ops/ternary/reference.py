@@ -20,8 +20,9 @@ _BLOCK_ELEMS = 1 << 23  # bound on the [rows, N, KW] temporaries
 def absmax_quantize_int8(x: torch.Tensor):
     """Per-row (token) absmax int8 quantization, computed in fp32.
 
-    scale = 127 / max|x| per row; q = clamp(round(x * scale), -128, 127). All-zero rows: scale 1, q 0.
-    Returns (q int8 [..., K], dequant fp32 [..., 1]) with x ~= q * dequant (dequant = 1 / scale).
+    q = clamp(round(127 x / max|x|), -128, 127) per row (x / max|x| first: 127 / max|x| overflows to inf for
+    max|x| < 3.7e-37, and inf * 0 is NaN); all-zero rows: q 0, dequant 1.
+    Returns (q int8 [..., K], dequant fp32 [..., 1]) with x ~= q * dequant (dequant = max|x| / 127).
     """
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
@@ -31,9 +32,10 @@ def absmax_quantize_int8(x: torch.Tensor):
         raise ValueError(f"x must be a non-empty tensor [..., K], got shape {tuple(x.shape)}")
     xf = x.to(torch.float32)
     amax = xf.abs().amax(dim=-1, keepdim=True)
-    scale = torch.where(amax > 0, 127.0 / amax, torch.ones_like(amax))
-    q = torch.round(xf * scale).clamp(-128, 127).to(torch.int8)
-    return q, (1.0 / scale)
+    nonzero = amax > 0
+    safe = torch.where(nonzero, amax, torch.ones_like(amax))
+    q = torch.round(xf / safe * 127.0).clamp(-128, 127).to(torch.int8)
+    return q, torch.where(nonzero, safe / 127.0, torch.ones_like(amax))
 
 
 def activation_bit_planes(x_int8: torch.Tensor) -> torch.Tensor:
