@@ -1,13 +1,34 @@
 """Every kernel launch carries its byte model (``launch.launch(..., nbytes=)``): ``triforge trace`` marks a kernel as
 ours and rates it against the copy bandwidth only from that annotation, so a launch without one would drop out of a
-profiled training step's accounting. Each registered op runs its tiny tier forward and backward here."""
+profiled training step's accounting. Each registered op runs its tiny tier forward and backward here, and every
+``launch.launch`` call in the package is read for an ``nbytes`` argument (the GPU-only launches included)."""
+
+import ast
+from pathlib import Path
 
 import torch
 
 from triforge import _runtime, launch, registry
 
 
+def test_every_launch_call_in_the_source_passes_nbytes():
+    root = Path(__file__).resolve().parent.parent / "triforge"
+    calls, missing = 0, []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            f = getattr(node, "func", None)
+            if isinstance(node, ast.Call) and isinstance(f, ast.Attribute) and f.attr == "launch" \
+                    and isinstance(f.value, ast.Name) and f.value.id == "launch":
+                calls += 1
+                # nbytes=..., or **kwargs that may carry it (the launchers that forward a dict)
+                if not any(k.arg in ("nbytes", None) for k in node.keywords):
+                    missing.append(f"{path.relative_to(root.parent)}:{node.lineno}")
+    assert calls >= 40, calls
+    assert not missing, missing
+
+
 def test_every_launch_of_every_op_carries_bytes(monkeypatch):
+    monkeypatch.delenv("TRIFORGE_DELTANET_BWD", raising=False)  # the Triton backward (torch would launch nothing)
     seen = {}
     real = launch.launch
 

@@ -416,6 +416,24 @@ def test_single_huge_negative_decay(big, dtype, gen):
     assert o[0, 30:64, 0].isnan().all() and f[0, 0].isnan().any() and not o[1].isnan().any()
 
 
+def test_a_run_of_full_resets(gen):
+    """32 tokens of g = -inf in a row inside one chunk: each erases the one before (the floor keeps that: -80 a token,
+    e^-80 beside O(1) values), so o and the final state follow the float64 recurrence; gamma reaches -2560 there, so
+    the decays after the run carry the fp32 cumsum's ~1e-4 relative error (the same as at g = -30 a token)."""
+    x = _inputs(1, 130, 1, 2, 32, 32, torch.float32, gen, normalized_k=False)
+    x["g"][:, 64:96] = float("-inf")
+    with poisoned():
+        o, final = chunk_gated_delta_rule(**x, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    o_ref, final_ref = recurrent_ref(**_f64(x), output_final_state=True, use_qk_l2norm_in_kernel=True)
+    loose = Tolerance(rel_rms=1e-3, atol=1e-3, rtol=1e-3)
+    _check("o", o_ref, o, torch.float32, loose)
+    _check("final_state", final_ref, final, torch.float32, loose)
+    # inside the run each token sees only itself: o_t = scale (q_t . k_t) beta_t v_t (l2-normalised q, k)
+    qn, kn = (F.normalize(x[n][0, 64:96].double(), dim=-1, eps=0) for n in ("q", "k"))
+    own = (qn * kn).sum(-1).repeat_interleave(2, dim=1) * 32**-0.5 * x["beta"][0, 64:96].double()
+    torch.testing.assert_close(o[0, 64:96].double(), own[..., None] * x["v"][0, 64:96].double(), rtol=1e-4, atol=1e-5)
+
+
 # ----------------------------------------------------------------------------- recurrent kernel
 
 

@@ -392,13 +392,16 @@ def test_gradients_with_a_huge_negative_decay(impl, gen, monkeypatch):
         assert d.isfinite().all(), f"d{n} at g = -inf"
     x["g"][0, 5] = -1e4
     x["g"][0, 70, 1] = -1e4
+    x["g"][0, 63, 0] = -1e4  # a chunk's last row
     do = torch.randn(x["v"].shape, generator=gen).to(DEV)
+    dht = torch.randn(x["initial_state"].shape, generator=gen).to(DEV)  # the final state's gradient too
     leaves = {n: x[n].clone().requires_grad_(True) for n in GRAD_NAMES}
-    o, _ = chunk_gated_delta_rule(**leaves, output_final_state=True, use_qk_l2norm_in_kernel=True)
-    got = dict(zip(GRAD_NAMES, torch.autograd.grad(o, [leaves[n] for n in GRAD_NAMES], do)))
+    o, fin = chunk_gated_delta_rule(**leaves, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    got = dict(zip(GRAD_NAMES, torch.autograd.grad((o, fin), [leaves[n] for n in GRAD_NAMES], (do, dht))))
     ref_leaves = {n: t.detach().double().cpu().requires_grad_(True) for n, t in x.items()}
-    o_ref, _ = recurrent_ref(**ref_leaves, output_final_state=True, use_qk_l2norm_in_kernel=True)
-    want = dict(zip(GRAD_NAMES, torch.autograd.grad(o_ref, [ref_leaves[n] for n in GRAD_NAMES], do.double().cpu())))
+    o_ref, fin_ref = recurrent_ref(**ref_leaves, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    want = dict(zip(GRAD_NAMES, torch.autograd.grad((o_ref, fin_ref), [ref_leaves[n] for n in GRAD_NAMES],
+                                                    (do.double().cpu(), dht.double().cpu()))))
     for n in GRAD_NAMES:
         assert got[n].isfinite().all(), n
         res = compare(f"d{n}", want[n], got[n].cpu(), dtype=torch.float32, verbose=False)

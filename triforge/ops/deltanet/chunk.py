@@ -44,10 +44,12 @@ from triforge.ops._tl import cast as _cast
 BT = 64  # chunk length
 BC = 16  # diagonal block of the triangular solve
 L2NORM_EPS = tl.constexpr(1e-6)
-# the log decay's floor inside the chunked kernels: e^-80 (1.8e-35) is below every decay fp32 can tell from 0 beside
-# O(1) values, so a g below it (-1e4, or -inf: a full reset) gives the same fp32 result, while gamma = cumsum(g)
-# stays small enough that the g after it keep their bits (an unclamped -1e6 swallowed the next -0.1, and -inf gave
-# exp(-inf - -inf) = NaN; the recurrent kernel reads g itself and needs no floor). NaN stays NaN.
+# the log decay's floor inside the chunked kernels: e^-80 (1.8e-35, a normal fp32 number) is negligible beside O(1)
+# values, so a g below it (-1e4, or -inf: a full reset) gives the fp32 result of -80, while gamma = cumsum(g) stays
+# small enough that the g after it keep their bits (an unclamped -1e6 swallowed the next -0.1, and -inf gave
+# exp(-inf - -inf) = NaN; the recurrent kernel reads g itself and needs no floor). NaN stays NaN. A run of r floored
+# tokens in one chunk adds -80 r to gamma, as r tokens of g = -80 would: past a few dozen, the decays after it carry
+# the fp32 cumsum's ~1e-4 relative error of any large |gamma| (the same at g = -30 a token, gamma ~ -1900).
 G_FLOOR_VALUE = -80.0
 G_FLOOR = tl.constexpr(G_FLOOR_VALUE)
 

@@ -21,7 +21,8 @@ def absmax_quantize_int8(x: torch.Tensor):
     """Per-row (token) absmax int8 quantization, computed in fp32.
 
     q = clamp(round(127 x / max|x|), -128, 127) per row (x / max|x| first: 127 / max|x| overflows to inf for
-    max|x| < 3.7e-37, and inf * 0 is NaN); all-zero rows: q 0, dequant 1.
+    max|x| < 3.7e-37, and inf * 0 is NaN); all-zero rows: q 0, dequant 1. Below max|x| ~1.5e-36 the dequant
+    max|x| / 127 is subnormal in fp32 and loses bits (0 below ~9e-44): such rows come back as ~0.
     Returns (q int8 [..., K], dequant fp32 [..., 1]) with x ~= q * dequant (dequant = max|x| / 127).
     """
     if not isinstance(x, torch.Tensor):
