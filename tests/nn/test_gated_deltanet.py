@@ -351,6 +351,12 @@ def test_bad_inputs_name_the_argument(device, gen):
         GatedDeltaNet(64, 2, 3, 32, 32)
     with pytest.raises(ValueError, match="head_k_dim"):
         GatedDeltaNet(64, 2, 4, 0, 32)
+    # the kernels' head dims at construction (the torch backend takes any)
+    with pytest.raises(ValueError, match="head_k_dim must be one of"):
+        GatedDeltaNet(64, 2, 4, 48, 32)
+    with pytest.raises(ValueError, match="head_v_dim must be one of"):
+        GatedDeltaNet(64, 2, 4, 32, 24)
+    assert GatedDeltaNet(64, 2, 4, 48, 24, backend="torch").head_k_dim == 48
     with pytest.raises(TypeError, match="module"):
         GatedDeltaNet.from_hf(torch.nn.Linear(4, 4))
 

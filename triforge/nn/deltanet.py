@@ -105,6 +105,13 @@ class GatedDeltaNet(nn.Module):
             raise ValueError(f"num_v_heads ({num_v_heads}) must be a multiple of num_k_heads ({num_k_heads})")
         if backend not in BACKENDS:
             raise ValueError(f"backend must be 'triton' or 'torch', got {backend!r}")
+        if backend == "triton":  # the kernels' head dims (the torch backend takes any)
+            from triforge.ops.deltanet import K_DIMS, V_DIMS
+
+            if head_k_dim not in K_DIMS:
+                raise ValueError(f"head_k_dim must be one of {K_DIMS} with backend='triton', got {head_k_dim}")
+            if head_v_dim not in V_DIMS:
+                raise ValueError(f"head_v_dim must be one of {V_DIMS} with backend='triton', got {head_v_dim}")
         self.hidden_size = hidden_size
         self.num_k_heads = num_k_heads
         self.num_v_heads = num_v_heads
