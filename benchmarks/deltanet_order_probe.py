@@ -4,9 +4,10 @@ under each sm90 ORDER (0, 1, 2) in one process (issue 4, session 45).
     PYTHONPATH=. python3 benchmarks/deltanet_order_probe.py [OUT.json [BxTxHxHV ...]]
 
 Each forward runs twice: on q, k, v, g, beta alone ("plain", session 45's call 7) and with the bench's whole input
-set (an initial state, the final state returned: "bench"); the orders run 0, 1, 2 and then 2, 1, 0 again. In session 45 ORDER 1 measured 1.358 against 1.377 ms
-for ORDER 0 in the plain form at (1, 32768, 16, 32), while `triforge bench` (the bench form) measured 1.377-1.378 ms
-both before and after ORDER 2 took 1 there: this probe's second form is the check of that.
+set (an initial state, the final state returned: "bench"); the orders run 0, 1, 2 and then 2, 1, 0 again. In
+session 45 ORDER 1 measured 1.358 against 1.377 ms for ORDER 0 in the plain form at (1, 32768, 16, 32), while
+`triforge bench` (the bench form) measured 1.377-1.378 ms both before and after ORDER 2 took 1 there: this probe's
+second form and its reversed pass are the check of that.
 """
 
 import json

@@ -184,8 +184,8 @@ def test_shape_flags_are_checked_against_the_op():
     from triforge import registry, tune
     from triforge.cli import _check_shape_dims, tune_targets
 
-    assert registry.shape_names(registry.get("mhc_project")) == ("T", "C")
-    assert set(registry.shape_names(registry.get("gated_delta_rule"))) == {"B", "T", "H", "HV", "K", "V"}
+    assert registry.get("mhc_project").shape_names == ("T", "C")
+    assert set(registry.get("gated_delta_rule").shape_names) == {"B", "T", "H", "HV", "K", "V"}
     with pytest.raises(SystemExit, match="unknown: --t"):
         main(["bench", "mhc", "--t", "65536", "--C", "2560"])
     targets = tune_targets("mhc")
@@ -200,10 +200,10 @@ def test_shape_flags_are_checked_against_the_op():
     # every dimension an op reads counts, the optional ones too (attention's Hkv, Sq, Sk beside its bench shapes')
     attn = registry.get("flash_attn")
     _check_shape_dims({"B": 1, "H": 16, "S": 4096, "D": 128, "Hkv": 2, "Sq": 1, "Sk": 4096},
-                      [(attn.name, registry.shape_names(attn))])
+                      [(attn.name, attn.shape_names)])
     for spec in registry.select(None):
         if spec.bench_shapes:  # a bench shape's keys are names the op takes
-            assert set(spec.bench_shapes[0]) <= set(registry.shape_names(spec)), spec.name
+            assert set(spec.bench_shapes[0]) <= set(spec.shape_names), spec.name
 
 
 def test_bench_table_shows_spread_and_bytes():

@@ -92,7 +92,7 @@ def cmd_bench(args) -> int:
     from triforge import _runtime, bench, registry
 
     specs = registry.select(args.ops)
-    _check_shape_dims(args.shape_dims, [(s.name, registry.shape_names(s)) for s in specs])
+    _check_shape_dims(args.shape_dims, [(s.name, s.shape_names) for s in specs])
     _runtime.require_gpu("triforge bench")
     modes = tuple(args.modes.split(","))
 

@@ -55,11 +55,6 @@ class OpSpec:
     shape_names: tuple = ()
 
 
-def shape_names(spec: OpSpec) -> tuple:
-    """The dimension names a shape dict for ``spec`` may hold (() where the op does not say)."""
-    return spec.shape_names
-
-
 _OPS: dict[str, OpSpec] = {}
 
 

@@ -196,7 +196,7 @@ def chunk_bwd_torch(do, dht, q, k, v, g, beta, scale, initial_state, use_qk_l2no
     with torch.enable_grad():
         leaves = [t.detach().requires_grad_(True) for t in (q, k, v, g, beta)]
         h0 = initial_state.detach().requires_grad_(True) if initial_state is not None else None
-        # g floored as the chunked kernels floor it (chunk.G_FLOOR: e^-80 is 0 to fp32 beside O(1) values; -inf or
+        # g floored as the chunked kernels floor it (chunk.G_FLOOR: e^-80 is negligible beside O(1) values; -inf or
         # -1e6 would make this fp32 cumsum NaN or swallow the next g); clamp keeps a NaN
         g_in = leaves[3].clamp_min(chunk.G_FLOOR_VALUE)
         st = chunk_ref_stages(*leaves[:3], g_in, leaves[4], scale=scale, initial_state=h0,
@@ -462,7 +462,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
                            use_qk_l2norm_in_kernel=False, cu_seqlens=None, **kwargs):
     """Chunked Gated DeltaNet (fla's ``chunk_gated_delta_rule``): forward kernels, differentiable.
 
-    q, k [B, T, H, K]; v [B, T, HV, V]; g, beta [B, T, HV] (fp32 or the input dtype); scale
+    q, k [B, T, H, K]; v [B, T, HV, V]; g, beta [B, T, HV] (any float dtype, read as fp32); scale
     defaults to K^-1/2; initial_state [N, HV, K, V] fp32; cu_seqlens int32/int64 [N + 1] with
     B = 1. Returns (o [B, T, HV, V] in v's dtype, final state [N, HV, K, V] fp32 or None).
     Gradients (q, k, v, g, beta, initial_state) come from the Triton backward kernels

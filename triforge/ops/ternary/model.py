@@ -52,14 +52,16 @@ def quantize_model(model: nn.Module, skip=("lm_head", "embed"), method: str = "a
         new = TernaryLinear.from_linear(linear, method=method, per_row=per_row)
         if compact:
             new.compact()
+        tt = new.ternary
+        held = tt.nbytes("resident")
         before += _fp16_bytes(linear)
-        after += new.ternary.nbytes("resident")
-        after_b3 += new.ternary.nbytes("base3")
-        tt = new.ternary  # a planes layer's first fp16/bf16 call caches the tc codes beside the planes, after its
-        # dispatch has built the sparsity metadata (an int64 bitmap and an int32 flag per row and 2048 columns)
-        meta = tt.out_features * math.ceil(tt.in_features / CHUNK_COLS) * (8 + 4)
-        after_half += tt.nbytes("resident") + (0 if compact else tt.nbytes("codes") - tt.scales.numel() * 4
-                                                         + meta)
+        after += held
+        after_b3 += tt.nbytes("base3")
+        after_half += held
+        if not compact:  # a planes layer's first fp16/bf16 call caches the tc codes beside the planes (scales shared),
+            # after its dispatch has built the sparsity metadata (an int64 bitmap and an int32 flag per row and chunk)
+            meta = tt.out_features * math.ceil(tt.in_features / CHUNK_COLS) * (8 + 4)
+            after_half += tt.nbytes("codes") - tt.scales.numel() * 4 + meta
         setattr(parent, child, new)
         names.append(name)
     report = {

@@ -116,7 +116,7 @@ def _index(name: str, value, size: int) -> int:
     return i
 
 
-# ----------------------------------------------------------------------------- sparsity metadata
+# ----------------------------------------------------------------------------- checkpoints
 
 
 def _digest(tensors: dict) -> str:
@@ -129,6 +129,9 @@ def _digest(tensors: dict) -> str:
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
         h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
+
+
+# ----------------------------------------------------------------------------- sparsity metadata
 
 
 class SparsityMetadata:
