@@ -815,20 +815,20 @@ def attention_ref_chunked(q, k, v, causal=False, softmax_scale=None, max_scores=
     return OrderedDict(lse=lse, o=o)
 
 
-def attention_magnitudes_chunked(q, k, v, do=None, causal=False, softmax_scale=None, max_scores=1 << 26):
+def attention_magnitudes_chunked(q, k, v, do=None, causal=False, softmax_scale=None, max_scores=1 << 26, dtype=None):
     """attention_magnitudes one (batch, kv head) slice at a time when the float64 score matrices
     would not fit in memory at once."""
     B, Sq, H, D = q.shape
     Hkv = k.shape[2]
     if B * H * Sq * k.shape[1] <= max_scores:
-        return attention_magnitudes(q, k, v, do, causal, softmax_scale)
+        return attention_magnitudes(q, k, v, do, causal, softmax_scale, dtype)
     group = H // Hkv
     parts = {}
     for b in range(B):
         for hk in range(Hkv):
             heads = slice(hk * group, (hk + 1) * group)
             one = attention_magnitudes(q[b : b + 1, :, heads], k[b : b + 1, :, hk : hk + 1], v[b : b + 1, :, hk : hk + 1],
-                                       None if do is None else do[b : b + 1, :, heads], causal, softmax_scale)
+                                       None if do is None else do[b : b + 1, :, heads], causal, softmax_scale, dtype)
             for name, t in one.items():
                 parts.setdefault(name, []).append((b, hk, t))
     out = OrderedDict()
@@ -842,7 +842,7 @@ def attention_magnitudes_chunked(q, k, v, do=None, causal=False, softmax_scale=N
 def _magnitudes(inputs, grads, dtype=None):
     """The registry's error scales (see attention_magnitudes): o, and with the upstream gradient dq/dk/dv."""
     do = None if grads is None else grads[0]
-    return attention_magnitudes_chunked(inputs["q"], inputs["k"], inputs["v"], do, bool(inputs["causal"]))
+    return attention_magnitudes_chunked(inputs["q"], inputs["k"], inputs["v"], do, bool(inputs["causal"]), dtype=dtype)
 
 
 def _flops(inputs, mode):
@@ -1057,14 +1057,14 @@ def varlen_attention_ref_chunked(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=Fal
     return OrderedDict(lse=torch.cat(lses, dim=1), o=torch.cat(outs, dim=0))
 
 
-def varlen_attention_magnitudes(q, k, v, cu_seqlens_q, cu_seqlens_k, do=None, causal=False, softmax_scale=None):
+def varlen_attention_magnitudes(q, k, v, cu_seqlens_q, cu_seqlens_k, do=None, causal=False, softmax_scale=None, dtype=None):
     """attention_magnitudes of packed sequences, each on its own: o / dq [Tq, H, D], dk / dv [Tk, Hkv, D]."""
     cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     parts = {}
     for b in range(len(cu_q) - 1):
         rows_q, rows_k = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
         one = attention_magnitudes_chunked(q[None, rows_q], k[None, rows_k], v[None, rows_k],
-                                           None if do is None else do[None, rows_q], causal, softmax_scale)
+                                           None if do is None else do[None, rows_q], causal, softmax_scale, dtype=dtype)
         for name, t in one.items():
             parts.setdefault(name, []).append(t[0])
     return OrderedDict((name, torch.cat(ts, dim=0)) for name, ts in parts.items())
@@ -1124,7 +1124,7 @@ register(OpSpec(
     describe=_varlen_describe,
     magnitudes=lambda inputs, grads, dtype=None: varlen_attention_magnitudes(
         inputs["q"], inputs["k"], inputs["v"], inputs["cu_seqlens_q"], inputs["cu_seqlens_k"],
-        None if grads is None else grads[0], bool(inputs["causal"])),
+        None if grads is None else grads[0], bool(inputs["causal"]), dtype=dtype),
 ))
 
 __all__ = [

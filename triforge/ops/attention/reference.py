@@ -51,7 +51,13 @@ def attention_ref(q, k, v, causal: bool = False, softmax_scale: float | None = N
     return OrderedDict(lse=lse.squeeze(-1), o=o)
 
 
-def attention_magnitudes(q, k, v, do=None, causal: bool = False, softmax_scale: float | None = None):
+def _magnitude_floor(dtype) -> float:
+    """The least a seen key's P or dS counts in attention_magnitudes for a kernel storing them in
+    ``dtype``: max(dtype's smallest normal, fp32's smallest normal / u)."""
+    return max(torch.finfo(dtype).tiny, torch.finfo(torch.float32).tiny / (torch.finfo(dtype).eps / 2))
+
+
+def attention_magnitudes(q, k, v, do=None, causal: bool = False, softmax_scale: float | None = None, dtype=None):
     """The scale of each output element's rounding error (run it in float64): the root-sum-square of
     the terms that produce it. Kernels round each term (P to 16 bits before P V, dS before dS K, ...)
     independently, so a dot product's error grows like the rss of its terms, not like its result,
@@ -69,6 +75,14 @@ def attention_magnitudes(q, k, v, do=None, causal: bool = False, softmax_scale: 
                                                   round apart)
         dq: scale sqrt(dS^2 K^2),  dk: scale sqrt(dS^2^T Q^2),  dv: sqrt(P^2^T dO^2)
                                                   (dk, dv: the sum over each GQA group under the root)
+
+    ``dtype``: the dtype the kernel stores P and dS in (its unit roundoff u). Rounding a term errs by
+    at most u max(|term|, dtype's smallest normal) (below it the spacing is fixed), and a term under
+    fp32's smallest normal, 1.2e-38, may come back as anything up to it (fp32 arithmetic flushes or
+    loses it: bf16 gradients made of P ~ 1e-38 came back with errors ~1e-38). So each visible key's
+    P and dS count at least max(dtype's smallest normal, fp32's smallest normal / u): fp16 6.1e-5
+    (a near-one-hot row's other keys, P ~ 1e-9, are stored to 3e-8), bf16 3.0e-36. Without
+    ``dtype`` the terms count at their values.
 
     Returns {"o"} and, with ``do``, also {"dq", "dk", "dv"}, in the shapes of o, q, k, v.
     """
@@ -89,7 +103,9 @@ def attention_magnitudes(q, k, v, do=None, causal: bool = False, softmax_scale: 
     p = torch.exp(s - torch.where(torch.isinf(m), torch.zeros_like(m), m))
     l = p.sum(-1, keepdim=True)
     p = p / torch.where(l == 0, torch.ones_like(l), l)  # rows that see no key: p = 0
-    p2 = p.square()
+    floor = 0.0 if dtype is None else _magnitude_floor(dtype)
+    visible = torch.isfinite(s)
+    p2 = torch.where(visible, p.clamp_min(floor), 0.0).square()
     out["o"] = torch.einsum("bhqk,bkhd->bqhd", p2, ve.square()).sqrt()
     if do is None:
         return out
@@ -98,7 +114,8 @@ def attention_magnitudes(q, k, v, do=None, causal: bool = False, softmax_scale: 
     delta_rss = (do * o).square().sum(-1).sqrt().transpose(1, 2)[..., None]
     dp = torch.einsum("bqhd,bkhd->bhqk", do, ve).abs()
     dp_rss = torch.einsum("bqhd,bkhd->bhqk", do.square(), ve.square()).sqrt()
-    ds2 = (p * (torch.maximum(dp, dp_rss) + torch.maximum(delta.abs(), delta_rss))).square()
+    ds = p * (torch.maximum(dp, dp_rss) + torch.maximum(delta.abs(), delta_rss))
+    ds2 = torch.where(visible, ds.clamp_min(floor), 0.0).square()
     out["dq"] = scale * torch.einsum("bhqk,bkhd->bqhd", ds2, ke.square()).sqrt()
     group = H // Hkv
     dk2 = torch.einsum("bhqk,bqhd->bkhd", ds2, q.square()).view(B, Sk, Hkv, group, D).sum(3)
