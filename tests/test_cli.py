@@ -227,3 +227,16 @@ def test_bench_table_shows_spread_and_bytes():
     assert f"{row['mean_ms']:.4f} / {row['min_ms']:.4f} / {row['max_ms']:.4f}" in text
     assert f"{row['bytes'] / 1e6:.1f}" in text and "boom" in text
     assert any(r.get("op", "").endswith("total") for r in result["rows"])  # the layer total is a row of its own
+
+
+def test_margins_ranks_checks_and_exits_nonzero_only_when_asked(tmp_path, capsys):
+    log = tmp_path / "m.jsonl"
+    rows = [{"test": "t.py::close", "name": "dq", "elem": 0.9, "rms": 0.2, "ok": True},
+            {"test": "t.py::far", "name": "o", "elem": 0.1, "rms": 0.05, "ok": True}]
+    log.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["margins", str(log)]) == 0
+    out = capsys.readouterr().out
+    assert out.index("t.py::close") < out.index("t.py::far") and "1 checks at or above 0.5" in out
+    assert main(["margins", str(log), "--strict"]) == 1
+    assert main(["margins", str(log), "--strict", "--warn", "0.95"]) == 0
+    assert main(["margins", str(tmp_path / "missing.jsonl")]) == 1

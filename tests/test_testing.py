@@ -29,6 +29,7 @@ from triforge.testing import (
     load_dump,
     new_output,
     poisoned,
+    rank_margins,
     tolerance_for,
 )
 
@@ -282,6 +283,29 @@ def test_compare_verbose_prints_the_line(gen, capsys):
     ref = _ref((3, 4), gen)
     r = compare("printed", ref, ref, verbose=True)
     assert capsys.readouterr().out.strip() == r.line()
+
+
+def test_margin_log_records_how_close_each_check_came(tmp_path, monkeypatch):
+    """TRIFORGE_MARGIN_LOG: one line per comparison; the element margin is |got - ref| / bound of the
+    worst element, the rms margin rel_rms / its tolerance; merged runs keep each check's worst."""
+    log = tmp_path / "m.jsonl"
+    monkeypatch.setenv("TRIFORGE_MARGIN_LOG", str(log))
+    tol = Tolerance(rel_rms=1.0, atol=0.0, rtol=0.1)
+    ref = torch.tensor([1.0, 2.0, 4.0], dtype=torch.float64)
+    compare("a", ref, ref + torch.tensor([0.05, 0.0, 0.0], dtype=torch.float64), tol=tol, verbose=False)  # half its bound
+    compare("a", ref, ref + torch.tensor([0.0, 0.3, 0.0], dtype=torch.float64), tol=tol, verbose=False)  # 1.5x: fails
+    compare("b", ref, ref, tol=tol, verbose=False)
+    rows = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [r["name"] for r in rows] == ["a", "a", "b"] and [r["ok"] for r in rows] == [True, False, True]
+    assert rows[0]["elem"] == pytest.approx(0.5) and rows[1]["elem"] == pytest.approx(1.5) and rows[2]["elem"] == 0
+    assert rows[1]["rms"] == pytest.approx(0.3 / math.sqrt(21))  # rel_rms / 1.0
+    assert rows[0]["test"].endswith("test_margin_log_records_how_close_each_check_came")
+    ranked = rank_margins([log, log])
+    assert [(r["name"], r["runs"], r["failed"]) for r in ranked] == [("a", 4, 2), ("b", 2, 0)]
+    assert ranked[0]["elem"] == pytest.approx(1.5)
+    monkeypatch.delenv("TRIFORGE_MARGIN_LOG")
+    compare("c", ref, ref, tol=tol, verbose=False)
+    assert len(log.read_text().splitlines()) == 3  # unset: nothing written
 
 
 # ----------------------------------------------------------------------------- poisoning

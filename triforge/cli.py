@@ -1,4 +1,4 @@
-"""The ``triforge`` command: check, bench, tune, peaks, report, compare-dumps, trace, parity, list."""
+"""The ``triforge`` command: check, bench, tune, peaks, report, compare-dumps, trace, margins, parity, list."""
 
 import argparse
 import json
@@ -263,6 +263,32 @@ def cmd_trace(args) -> int:
     return 0
 
 
+def cmd_margins(args) -> int:
+    from triforge.testing import rank_margins
+
+    missing = [p for p in args.logs if not Path(p).is_file()]
+    if missing:
+        console.print(f"[red]no such margin log: {', '.join(missing)}[/red] (run the tests with TRIFORGE_MARGIN_LOG=PATH)")
+        return 1
+    rows = rank_margins(args.logs)
+    if not rows:
+        console.print(f"[red]no comparisons in {', '.join(args.logs)}[/red]")
+        return 1
+    table = Table(title=f"{len(rows)} checks by how close they came to failing (1.0 fails)")
+    for col in ("margin", "element", "rel_rms", "runs", "failed"):
+        table.add_column(col, justify="right")
+    table.add_column("check", overflow="fold")
+    for r in rows[: args.top]:
+        m = max(r["elem"], r["rms"])
+        style = "red" if m > 1 else "yellow" if m >= args.warn else ""
+        cells = [f"{m:.3f}", f"{r['elem']:.3f}", f"{r['rms']:.3f}", str(r["runs"]), str(r["failed"]), f"{r['test']} :: {r['name']}"]
+        table.add_row(*(f"[{style}]{c}[/{style}]" if style else c for c in cells))
+    console.print(table)
+    near = sum(max(r["elem"], r["rms"]) >= args.warn for r in rows)
+    console.print(f"{near} checks at or above {args.warn} of their bound")
+    return 1 if any(max(r["elem"], r["rms"]) >= args.warn for r in rows) and args.strict else 0
+
+
 def cmd_parity(args) -> int:
     from triforge.models import parity
 
@@ -376,6 +402,13 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--copy-tbps", type=float, default=None, help="copy ceiling for the efficiency column (default: the cached peaks)")
     tr.add_argument("--top", type=int, default=30)
     tr.set_defaults(func=cmd_trace)
+
+    mg = sub.add_parser("margins", help="rank parity checks by how close they came to failing (TRIFORGE_MARGIN_LOG files)")
+    mg.add_argument("logs", nargs="+", help="files written by test runs with TRIFORGE_MARGIN_LOG=PATH")
+    mg.add_argument("--top", type=int, default=30)
+    mg.add_argument("--warn", type=float, default=0.5, help="highlight checks at or above this fraction of their bound")
+    mg.add_argument("--strict", action="store_true", help="exit 1 when a check is at or above --warn")
+    mg.set_defaults(func=cmd_margins)
 
     pa = sub.add_parser("parity", help="layer-by-layer parity of a model engine against Hugging Face transformers")
     pa.add_argument("model_name", choices=("qwen2",), help="the engine to check")

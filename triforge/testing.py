@@ -5,7 +5,9 @@ at the first that fails, so a failure points at one stage. ``poisoned()`` (from 
 every output a launcher allocates start as NaN, so elements a kernel never writes cannot pass.
 """
 
+import json
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -134,7 +136,8 @@ def compare(name, ref, got, *, dtype=None, tol=None, scale=None, verbose=True) -
         scale = scale if scale > 0 else 1.0
     else:
         scale = scale.detach().to(ref_d.device, torch.float64)
-    over = diff > tol.atol * scale + tol.rtol * ref_d.abs().nan_to_num(0.0, 0.0, 0.0) + floor
+    bound = tol.atol * scale + tol.rtol * ref_d.abs().nan_to_num(0.0, 0.0, 0.0) + floor
+    over = diff > bound
     # a non-finite got passes only where the reference holds the same infinity
     bad_nonfinite = ~got_d.isfinite() & ~((got_d == ref_d) & ref_d.isinf())
     bad_nonfinite |= ~ref_fin & got_d.isfinite()
@@ -178,7 +181,41 @@ def compare(name, ref, got, *, dtype=None, tol=None, scale=None, verbose=True) -
     )
     if verbose:
         print(result.line())
+    _log_margin(result, diff, bound)
     return result
+
+
+def _log_margin(result: CompareResult, diff, bound) -> None:
+    """With TRIFORGE_MARGIN_LOG set, append how close this comparison came to failing (one JSON line:
+    the test, the worst element's |got - ref| / bound and rel_rms / its tolerance). A check that
+    passes at 0.9 of its bound fails now and then on fresh inputs: a few runs of the suite with the
+    log find such checks before CI does (``triforge margins LOG`` ranks them)."""
+    path = os.environ.get("TRIFORGE_MARGIN_LOG")
+    if not path:
+        return
+    elem = float((diff / bound.clamp_min(1e-300)).max()) if diff.numel() else 0.0
+    row = {"test": os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0], "name": result.name,
+           "elem": elem, "rms": result.rel_rms / result.tol.rel_rms, "ok": result.ok}
+    with open(path, "a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
+def rank_margins(paths) -> list[dict]:
+    """Merge TRIFORGE_MARGIN_LOG files: one row per check (test id, compared name) with its worst
+    element margin and rel_rms margin over all its runs, the number of runs and failures; closest
+    to failing first."""
+    worst = {}
+    for path in paths:
+        with open(path) as f:
+            for line in f:
+                row = json.loads(line)
+                w = worst.setdefault((row["test"], row["name"]), {"test": row["test"], "name": row["name"],
+                                                                  "elem": 0.0, "rms": 0.0, "runs": 0, "failed": 0})
+                w["elem"] = max(w["elem"], row["elem"])
+                w["rms"] = max(w["rms"], row["rms"])
+                w["runs"] += 1
+                w["failed"] += not row["ok"]
+    return sorted(worst.values(), key=lambda w: max(w["elem"], w["rms"]), reverse=True)
 
 
 def compare_stages(ref_stages: dict, got_stages: dict, *, dtype, tols=None, scales=None, prefix="", verbose=True):
