@@ -232,11 +232,19 @@ def test_bench_table_shows_spread_and_bytes():
 def test_margins_ranks_checks_and_exits_nonzero_only_when_asked(tmp_path, capsys):
     log = tmp_path / "m.jsonl"
     rows = [{"test": "t.py::close", "name": "dq", "elem": 0.9, "rms": 0.2, "ok": True},
-            {"test": "t.py::far", "name": "o", "elem": 0.1, "rms": 0.05, "ok": True}]
+            {"test": "t.py::far", "name": "o", "elem": 0.1, "rms": 0.05, "ok": True},
+            {"test": "t.py::planted", "name": "bad", "elem": 50.0, "rms": 3.0, "ok": False}]
     log.write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert main(["margins", str(log)]) == 0
     out = capsys.readouterr().out
-    assert out.index("t.py::close") < out.index("t.py::far") and "1 checks at or above 0.5" in out
+    assert out.index("t.py::close") < out.index("t.py::far") < out.index("t.py::planted")
+    assert "1 checks passed at or above 0.5" in out and "1 failed in every run" in out
     assert main(["margins", str(log), "--strict"]) == 1
     assert main(["margins", str(log), "--strict", "--warn", "0.95"]) == 0
+    other = tmp_path / "run2.jsonl"  # a second run in which t.py::far failed
+    other.write_text(json.dumps({"test": "t.py::far", "name": "o", "elem": 1.2, "rms": 0.05, "ok": False}) + "\n")
+    capsys.readouterr()
+    assert main(["margins", str(log), str(other), "--strict", "--warn", "0.95"]) == 1
+    out = capsys.readouterr().out
+    assert out.index("t.py::far") < out.index("t.py::close") and "1 checks failed in some runs" in out
     assert main(["margins", str(tmp_path / "missing.jsonl")]) == 1

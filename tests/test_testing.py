@@ -300,9 +300,14 @@ def test_margin_log_records_how_close_each_check_came(tmp_path, monkeypatch):
     assert rows[0]["elem"] == pytest.approx(0.5) and rows[1]["elem"] == pytest.approx(1.5) and rows[2]["elem"] == 0
     assert rows[1]["rms"] == pytest.approx(0.3 / math.sqrt(21))  # rel_rms / 1.0
     assert rows[0]["test"].endswith("test_margin_log_records_how_close_each_check_came")
+    # two runs of the same log: "a" fails in both (a planted error), "b" in neither
     ranked = rank_margins([log, log])
-    assert [(r["name"], r["runs"], r["failed"]) for r in ranked] == [("a", 4, 2), ("b", 2, 0)]
-    assert ranked[0]["elem"] == pytest.approx(1.5)
+    assert [(r["name"], r["runs"], r["failed"]) for r in ranked] == [("a", 2, 2), ("b", 2, 0)]
+    assert ranked[0]["elem"] == pytest.approx(0.5)  # the worst of its passing comparisons
+    clean = tmp_path / "clean.jsonl"
+    clean.write_text("".join(line + "\n" for line in log.read_text().splitlines() if '"ok": true' in line))
+    flaky = rank_margins([clean, log])[0]  # "a" failed in one run and not in the other
+    assert (flaky["name"], flaky["runs"], flaky["failed"]) == ("a", 2, 1)
     monkeypatch.delenv("TRIFORGE_MARGIN_LOG")
     compare("c", ref, ref, tol=tol, verbose=False)
     assert len(log.read_text().splitlines()) == 3  # unset: nothing written

@@ -201,21 +201,27 @@ def _log_margin(result: CompareResult, diff, bound) -> None:
 
 
 def rank_margins(paths) -> list[dict]:
-    """Merge TRIFORGE_MARGIN_LOG files: one row per check (test id, compared name) with its worst
-    element margin and rel_rms margin over all its runs, the number of runs and failures; closest
-    to failing first."""
+    """Merge TRIFORGE_MARGIN_LOG files, one per test run: one row per check (test id, compared name)
+    with the worst element and rel_rms margins of its passing comparisons, the runs it appears in and
+    the runs in which it failed. A check that failed in some runs and not in others is flaky and
+    comes first; then every check by how close its passing comparisons came to their bounds. A check
+    that fails in every run is a negative test's planted error (its test asserts the failure) or a
+    test that fails outright; its passing comparisons still count."""
     worst = {}
-    for path in paths:
+    for run, path in enumerate(paths):
         with open(path) as f:
             for line in f:
                 row = json.loads(line)
                 w = worst.setdefault((row["test"], row["name"]), {"test": row["test"], "name": row["name"],
-                                                                  "elem": 0.0, "rms": 0.0, "runs": 0, "failed": 0})
-                w["elem"] = max(w["elem"], row["elem"])
-                w["rms"] = max(w["rms"], row["rms"])
-                w["runs"] += 1
-                w["failed"] += not row["ok"]
-    return sorted(worst.values(), key=lambda w: max(w["elem"], w["rms"]), reverse=True)
+                                                                  "elem": 0.0, "rms": 0.0, "runs": set(), "failed": set()})
+                w["runs"].add(run)
+                if row["ok"]:
+                    w["elem"] = max(w["elem"], row["elem"])
+                    w["rms"] = max(w["rms"], row["rms"])
+                else:
+                    w["failed"].add(run)
+    rows = [dict(w, runs=len(w["runs"]), failed=len(w["failed"])) for w in worst.values()]
+    return sorted(rows, key=lambda w: (not 0 < w["failed"] < w["runs"], -max(w["elem"], w["rms"])))
 
 
 def compare_stages(ref_stages: dict, got_stages: dict, *, dtype, tols=None, scales=None, prefix="", verbose=True):
