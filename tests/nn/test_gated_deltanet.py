@@ -319,6 +319,105 @@ def test_attention_mask_matches_hf(device, gen):
     assert compare("left-padded prefill", want, got, tol=FP32).ok
 
 
+PACKED_LENGTHS = (5, 1, 0, 70, 2)  # a one-token sequence, an empty one, one past a chunk, two shorter than W - 1
+
+
+def _packed(lengths, device):
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    return torch.tensor(cu, dtype=torch.int32, device=device)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_packed_sequences_equal_separate_calls(backend, device, gen):
+    """cu_seqlens: each packed sequence's convolution starts from zeros and its delta rule from a zero
+    state, so the output and every gradient equal those of one call per sequence (the convolution of a
+    sequence shorter than W - 1, a one-token sequence and an empty one included). The check would fail
+    if the conv or the state leaked: a leak moves a sequence's first tokens by O(1)."""
+    _, _, ours = _pair(backend, device, torch.float32, gen)
+    T = sum(PACKED_LENGTHS)
+    x = _x(1, T, device, torch.float32, gen).requires_grad_()
+    dy = torch.randn(1, T, 64, generator=gen).to(device)
+    params = list(ours.parameters())
+    with poisoned():
+        y, cache = ours(x, cu_seqlens=_packed(PACKED_LENGTHS, device))
+        got = torch.autograd.grad(y, [x, *params], dy)
+    assert cache is None
+    ys, xs, grads, start = [], [], None, 0
+    for n in PACKED_LENGTHS:
+        if n:
+            xi = x.detach()[:, start : start + n].clone().requires_grad_()
+            yi = ours(xi)[0]
+            gi = torch.autograd.grad(yi, [xi, *params], dy[:, start : start + n])
+            ys.append(yi.detach())
+            xs.append(gi[0])
+            grads = list(gi[1:]) if grads is None else [a + b for a, b in zip(grads, gi[1:])]
+        start += n
+    assert compare(f"packed y {backend}", torch.cat(ys, 1), y, tol=FP32).ok
+    names = [n for n, _ in ours.named_parameters()]
+    for name, want, g in zip(["x", *names], [torch.cat(xs, 1), *grads], got):
+        assert compare(f"packed d{name} {backend}", want, g, tol=FP32_GRAD).ok
+    # the same tokens unpacked (one sequence) differ: the check can tell a leak from a reset
+    with torch.no_grad():
+        leaked = ours(x.detach())[0]
+    assert not compare("unpacked", torch.cat(ys, 1), leaked, tol=FP32, verbose=False).ok
+
+
+def test_packed_layer_under_torch_compile_fullgraph(device, gen):
+    """The packed path traces whole (no host read of cu_seqlens while compiling: the chunked op checks
+    the offsets itself) and gives eager's output and input gradient (~25 s, most of it compiling)."""
+    _, _, ours = _pair("triton", device, torch.float32, gen)
+    x = _x(1, 30, device, torch.float32, gen).requires_grad_()
+    cu = _packed((9, 1, 20), device)
+    dy = torch.randn(1, 30, 64, generator=gen).to(device)
+    compiled = torch.compile(lambda x, cu: ours(x, cu_seqlens=cu)[0], fullgraph=True)
+    y = compiled(x, cu)
+    (dx,) = torch.autograd.grad(y, x, dy)
+    y0 = ours(x, cu_seqlens=cu)[0]
+    (dx0,) = torch.autograd.grad(y0, x, dy)
+    assert compare("compiled packed y", y0, y, tol=FP32).ok
+    assert compare("compiled packed dx", dx0, dx, tol=FP32_GRAD).ok
+
+
+def test_patched_layer_takes_packed_sequences_from_hf_kwargs(device, gen):
+    """Hugging Face's packed-sequence keyword (cu_seq_lens_q, as DataCollatorWithFlattening passes it):
+    the patched layer runs each sequence on its own; with a cache it refuses by name."""
+    cfg, hf, _ = _pair("triton", device, torch.float32, gen)
+    layer = HFGatedDeltaNet.from_hf(hf)
+    lengths = (9, 3, 20)
+    x = _x(1, sum(lengths), device, torch.float32, gen)
+    cu = _packed(lengths, device)
+    with torch.no_grad():
+        got = layer(x, attention_mask=None, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=20, max_length_k=20)
+        want = torch.cat([layer(x[:, int(a) : int(b)]) for a, b in zip(cu[:-1], cu[1:])], 1)
+    assert compare("HF packed", want, got, tol=FP32).ok
+    with pytest.raises(NotImplementedError, match="cu_seq_lens_q"):
+        layer(x, cache=DynamicCache(config=cfg), cu_seq_lens_q=cu)
+
+
+def test_packed_bad_inputs_name_the_argument(device, gen):
+    _, _, ours = _pair("torch", device, torch.float32, gen)
+    x = _x(1, 8, device, torch.float32, gen)
+    cu = _packed((3, 5), device)
+    with pytest.raises(ValueError, match="batch size must be 1"):
+        ours(_x(2, 8, device, torch.float32, gen), cu_seqlens=cu)
+    with pytest.raises(ValueError, match="cu_seqlens must be a 1-D int32 or int64"):
+        ours(x, cu_seqlens=cu.float())
+    with pytest.raises(ValueError, match="cu_seqlens must be a 1-D"):
+        ours(x, cu_seqlens=cu[:1])
+    with pytest.raises(TypeError, match="cu_seqlens must be a torch.Tensor"):
+        ours(x, cu_seqlens=[0, 3, 8])
+    with pytest.raises(ValueError, match="must end at the packed length T = 8"):
+        ours(x, cu_seqlens=_packed((3, 4), device))
+    with pytest.raises(ValueError, match="non-decreasing"):
+        ours(x, cu_seqlens=torch.tensor([0, 5, 3, 8], dtype=torch.int64, device=device))
+    for kwargs, name in (({"use_cache": True}, "use_cache"),
+                         ({"attention_mask": torch.ones(1, 8, device=device)}, "attention_mask")):
+        with pytest.raises(ValueError, match=f"cannot be combined with {name}"):
+            ours(x, cu_seqlens=cu, **kwargs)
+
+
 def test_bad_inputs_name_the_argument(device, gen):
     _, _, ours = _pair("torch", device, torch.float32, gen)
     x = _x(2, 5, device, torch.float32, gen)
@@ -392,6 +491,28 @@ def test_patch_hf_model_keeps_logits_and_generation(backend, device, gen):
         mask[1, :3] = 0
         assert compare("padded logits", model(ids, attention_mask=mask).logits,
                        patched(ids, attention_mask=mask).logits, tol=FP32).ok
+
+
+def test_patched_model_packed_forward_equals_separate_sequences(device, gen):
+    """A whole patched model (linear-attention layers only: Hugging Face's eager full attention does not
+    take packed sequences) fed packed sequences with their position ids and cu_seq_lens_q, as Hugging
+    Face's flattening collator does: its logits equal one call per sequence. Hugging Face's own PyTorch
+    path ignores cu_seq_lens_q (convolution and state carry across sequences), so it is no reference here."""
+    cfg = _config(("linear_attention", "linear_attention"))
+    model = transformers.Qwen3NextForCausalLM(cfg).eval()
+    for layer in model.model.layers:
+        _randomize(layer.linear_attn, gen)
+    model = model.to(device)
+    assert patch_hf_gated_deltanet(model) == 2
+    lengths = (7, 2, 30)
+    ids = torch.randint(0, 97, (1, sum(lengths)), generator=gen).to(device)
+    cu = _packed(lengths, device)
+    pos = torch.cat([torch.arange(n) for n in lengths])[None].to(device)
+    with torch.no_grad():
+        got = model(ids, position_ids=pos, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(lengths),
+                    max_length_k=max(lengths), use_cache=False).logits
+        want = torch.cat([model(ids[:, int(a) : int(b)], use_cache=False).logits for a, b in zip(cu[:-1], cu[1:])], 1)
+    assert compare("packed model logits", want, got, tol=FP32).ok
 
 
 @pytest.mark.gpu

@@ -185,6 +185,28 @@ class GatedDeltaNet(nn.Module):
                         dtype=_compute_dtype(dtype), device=device),
         )
 
+    def _check_packed(self, hidden_states, cache, use_cache, attention_mask, cu_seqlens) -> None:
+        if cu_seqlens is None:
+            return
+        if not isinstance(cu_seqlens, torch.Tensor):
+            raise TypeError(f"cu_seqlens must be a torch.Tensor or None, got {type(cu_seqlens).__name__}")
+        if cu_seqlens.dtype not in (torch.int32, torch.int64) or cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2:
+            raise ValueError(f"cu_seqlens must be a 1-D int32 or int64 tensor of N + 1 >= 2 offsets, "
+                             f"got {cu_seqlens.dtype} of shape {tuple(cu_seqlens.shape)}")
+        if cu_seqlens.device != hidden_states.device:
+            raise ValueError(f"cu_seqlens must be on {hidden_states.device}, got {cu_seqlens.device}")
+        if hidden_states.shape[0] != 1:
+            raise ValueError(f"with cu_seqlens the batch size must be 1 (sequences packed along T), "
+                             f"got hidden_states of shape {tuple(hidden_states.shape)}")
+        for name, given in (("cache", cache is not None), ("use_cache", use_cache), ("attention_mask", attention_mask is not None)):
+            if given:
+                raise ValueError(f"cu_seqlens (packed sequences) cannot be combined with {name}: packing is for "
+                                 "training and prefill without a cache, and packed sequences have no padding")
+        if not torch.compiler.is_compiling():  # the offsets' values: read on the host (the chunked op checks them too)
+            from triforge.ops.deltanet import _check_cu_seqlens
+
+            _check_cu_seqlens(cu_seqlens, hidden_states.shape[1])
+
     def _check_inputs(self, hidden_states, cache, use_cache, attention_mask) -> None:
         if not isinstance(hidden_states, torch.Tensor):
             raise TypeError(f"hidden_states must be a torch.Tensor, got {type(hidden_states).__name__}")
@@ -233,12 +255,27 @@ class GatedDeltaNet(nn.Module):
             if t.device != hidden_states.device:
                 raise ValueError(f"cache.{name} must be on {hidden_states.device}, got {t.device}")
 
-    def _short_conv(self, mixed: torch.Tensor, conv_state):
-        """Causal depthwise conv + silu over [B, T, D]; returns ([B, T, D], the last W - 1 inputs [B, D, W - 1])."""
-        T = mixed.shape[1]
+    def _short_conv(self, mixed: torch.Tensor, conv_state, cu_seqlens=None):
+        """Causal depthwise conv + silu over [B, T, D]; returns ([B, T, D], the last W - 1 inputs [B, D, W - 1]).
+
+        With ``cu_seqlens`` (B = 1) each packed sequence is convolved on its own: W - 1 zeros go before
+        every sequence, as before a batch row, so no sequence sees its predecessor's last tokens."""
+        T, W = mixed.shape[1], self.conv_kernel_size
         x = mixed.transpose(1, 2)  # [B, D, T]
+        if cu_seqlens is not None:
+            # token t of sequence i goes to t + (i + 1)(W - 1) of a zero-filled row: the same convolution as
+            # separate calls, in one conv1d and without a host read of the offsets
+            n = cu_seqlens.shape[0] - 1
+            t = torch.arange(T, device=x.device)
+            seq = torch.searchsorted(cu_seqlens[1:].to(t.dtype), t, right=True).clamp_(max=n - 1)
+            dest = t + (seq + 1) * (W - 1)
+            spread = x.new_zeros(x.shape[0], x.shape[1], T + n * (W - 1))
+            spread[..., dest] = x
+            w = self.conv1d.weight
+            y = F.silu(F.conv1d(spread.to(w.dtype), w, self.conv1d.bias, groups=self.conv_dim))[..., dest - (W - 1)]
+            return y.to(mixed.dtype).transpose(1, 2), None
         if conv_state is None:
-            x = F.pad(x, (self.conv_kernel_size - 1, 0))
+            x = F.pad(x, (W - 1, 0))
         else:
             x = torch.cat([conv_state, x], dim=-1)
         new_state = x[..., T:].contiguous()  # [B, D, W - 1]
@@ -246,30 +283,39 @@ class GatedDeltaNet(nn.Module):
         y = F.silu(F.conv1d(x.to(w.dtype), w, self.conv1d.bias, groups=self.conv_dim))
         return y.to(mixed.dtype).transpose(1, 2), new_state
 
-    def _delta_rule(self, q, k, v, g, beta, initial_state, output_final_state):
+    def _delta_rule(self, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens=None):
         # imported here: the kernels load (and compile) only when the layer first runs
         if self.backend == "torch":
             from triforge.ops.deltanet.reference import recurrent_ref
 
             return recurrent_ref(q, k, v, g, beta, initial_state=initial_state, output_final_state=output_final_state,
-                                 use_qk_l2norm_in_kernel=True, dtype=_compute_dtype(v.dtype))
+                                 use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens, dtype=_compute_dtype(v.dtype))
         from triforge.ops.deltanet import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
 
         # the recurrent kernel is forward only: one token that needs gradients goes through the chunked op
         needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, g, beta))
+        if cu_seqlens is not None:
+            return chunk_gated_delta_rule(q, k, v, g, beta, initial_state=initial_state,
+                                          output_final_state=output_final_state, use_qk_l2norm_in_kernel=True,
+                                          cu_seqlens=cu_seqlens)
         rule = fused_recurrent_gated_delta_rule if q.shape[1] == 1 and not needs_grad else chunk_gated_delta_rule
         return rule(q, k, v, g, beta, initial_state=initial_state, output_final_state=output_final_state,
                     use_qk_l2norm_in_kernel=True)
 
     def forward(self, hidden_states: torch.Tensor, cache: GatedDeltaNetCache | None = None, use_cache: bool = False,
-                attention_mask: torch.Tensor | None = None):
+                attention_mask: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None):
         """hidden_states [B, T, C] -> (out [B, T, C], new cache or None).
 
         ``cache`` continues each row's sequence from a previous call; the new cache is returned when
         ``use_cache`` is set or a cache was given (the old one is not modified). ``attention_mask``
         [B, T] (1 keep, 0 padding) zeroes padded tokens' inputs, as Hugging Face does.
+        ``cu_seqlens`` [N + 1] (int32 / int64, B = 1): N sequences packed along T, each on its own
+        (its convolution starts from zeros and its delta rule from a zero state), equal to N separate
+        calls; for training and prefill without a cache, so it refuses ``cache``, ``use_cache`` and
+        ``attention_mask``.
         """
         self._check_inputs(hidden_states, cache, use_cache, attention_mask)
+        self._check_packed(hidden_states, cache, use_cache, attention_mask, cu_seqlens)
         B, T, _ = hidden_states.shape
         H, HV, K, V = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
         r = HV // H
@@ -279,14 +325,15 @@ class GatedDeltaNet(nn.Module):
         q, k, v, z = qkvz.split([K, K, r * V, r * V], dim=-1)
         b, a = self.in_proj_ba(hidden_states).view(B, T, H, 2 * r).split([r, r], dim=-1)
         mixed = torch.cat([q.reshape(B, T, H * K), k.reshape(B, T, H * K), v.reshape(B, T, HV * V)], dim=-1)
-        mixed, conv_state = self._short_conv(mixed, None if cache is None else cache.conv_state)
+        mixed, conv_state = self._short_conv(mixed, None if cache is None else cache.conv_state, cu_seqlens)
         q, k, v = mixed.split([H * K, H * K, HV * V], dim=-1)
         q, k, v = q.reshape(B, T, H, K), k.reshape(B, T, H, K), v.reshape(B, T, HV, V)
         beta = b.reshape(B, T, HV).sigmoid()
         cdt = _compute_dtype(hidden_states.dtype)
         g = -self.A_log.to(cdt).exp() * F.softplus(a.reshape(B, T, HV).to(cdt) + self.dt_bias)
         keep_state = use_cache or cache is not None
-        o, state = self._delta_rule(q, k, v, g, beta, None if cache is None else cache.recurrent_state, keep_state)
+        o, state = self._delta_rule(q, k, v, g, beta, None if cache is None else cache.recurrent_state, keep_state,
+                                    cu_seqlens)
         o = rms_norm_gated(o, z.reshape(B, T, HV, V), self.norm.weight, self.norm.variance_epsilon, self.backend)
         out = self.out_proj(o.reshape(B, T, HV * V))
         return out, (GatedDeltaNetCache(conv_state, state) if keep_state else None)
@@ -297,6 +344,9 @@ class HFGatedDeltaNet(GatedDeltaNet):
 
     ``forward(hidden_states, cache=None, attention_mask=None)`` returns only the output, as Hugging
     Face's layer does (the cache is also taken as ``cache_params``, its name before transformers 5.24);
+    packed sequences come as Hugging Face passes them (``cu_seq_lens_q``, e.g. from
+    DataCollatorWithFlattening), each run on its own (Hugging Face's PyTorch path ignores them and
+    runs the packed row as one sequence: convolution and state carry across);
     the states live in the cache (a ``DynamicCache`` holding a
     linear-attention layer at ``layer_idx``). Hugging Face keeps W conv inputs where this layer needs
     W - 1: the oldest of the W, never read, is not kept exact.
@@ -314,13 +364,17 @@ class HFGatedDeltaNet(GatedDeltaNet):
 
     def forward(self, hidden_states: torch.Tensor, cache=None, attention_mask: torch.Tensor | None = None,
                 cache_params=None, **kwargs):
-        if kwargs.get("cu_seq_lens_q") is not None:
-            raise NotImplementedError("packed sequences (cu_seq_lens_q) are not supported by HFGatedDeltaNet")
         # transformers 5.24 renamed the argument ``cache_params`` to ``cache`` (its decoder layer passes ``cache=``);
         # both are taken, as Hugging Face's own layer does
         if cache is not None and cache_params is not None and cache is not cache_params:
             raise ValueError("HFGatedDeltaNet: pass the cache as `cache` or `cache_params`, not two different ones")
         cache_params = cache if cache is not None else cache_params
+        cu_seqlens = kwargs.get("cu_seq_lens_q")
+        if cu_seqlens is not None:
+            # packed sequences (flash-attention style, e.g. DataCollatorWithFlattening): each on its own
+            if cache_params is not None:
+                raise NotImplementedError("HFGatedDeltaNet: packed sequences (cu_seq_lens_q) with a cache")
+            return super().forward(hidden_states, attention_mask=attention_mask, cu_seqlens=cu_seqlens)[0]
         if cache_params is None:
             return super().forward(hidden_states, attention_mask=attention_mask)[0]
         idx, W = self.layer_idx, self.conv_kernel_size
