@@ -364,6 +364,41 @@ def test_packed_sequences_equal_separate_calls(backend, device, gen):
     assert not compare("unpacked", torch.cat(ys, 1), leaked, tol=FP32, verbose=False).ok
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_packed_caches_hold_one_row_per_sequence(backend, device, gen):
+    """A packed prefill with use_cache returns one cache row per sequence, equal to each sequence's own
+    cache (an empty sequence's row stays zero); from it, one decode step of all sequences as a batch and
+    a second packed call continue each sequence as separate calls do."""
+    _, _, ours = _pair(backend, device, torch.float32, gen)
+    first, second = (5, 0, 2, 70), (3, 4, 1, 0)
+    x1 = _x(1, sum(first), device, torch.float32, gen)
+    x2 = _x(1, sum(second), device, torch.float32, gen)
+    step = _x(len(first), 1, device, torch.float32, gen)
+    cu1, cu2 = _packed(first, device), _packed(second, device)
+    with torch.no_grad(), poisoned():
+        _, packed_cache = ours(x1, cu_seqlens=cu1, use_cache=True)
+        y2, cache2 = ours(x2, cu_seqlens=cu2, cache=packed_cache)
+        y_step, _ = ours(step, cache=packed_cache)
+        rows, y2_want, y_step_want = [], [], []
+        for i, (n1, n2) in enumerate(zip(first, second)):
+            a, b = int(cu1[i]), int(cu2[i])
+            if n1:
+                _, c = ours(x1[:, a : a + n1], use_cache=True)
+            else:  # no tokens yet: the zero state
+                c = GatedDeltaNetCache(packed_cache.conv_state[i : i + 1] * 0, packed_cache.recurrent_state[i : i + 1] * 0)
+            rows.append(c)
+            if n2:
+                y2_want.append(ours(x2[:, b : b + n2], cache=c)[0])
+            y_step_want.append(ours(step[i : i + 1], cache=c)[0])
+    for name in ("conv_state", "recurrent_state"):
+        want = torch.cat([getattr(c, name) for c in rows])
+        assert compare(f"packed cache {name}", want, getattr(packed_cache, name), tol=FP32).ok
+    assert (packed_cache.conv_state[1] == 0).all() and (packed_cache.recurrent_state[1] == 0).all()
+    assert cache2.conv_state.shape[0] == cache2.recurrent_state.shape[0] == len(second)
+    assert compare("packed continuation", torch.cat(y2_want, 1), y2, tol=FP32).ok
+    assert compare("batched step from a packed cache", torch.cat(y_step_want), y_step, tol=FP32).ok
+
+
 def test_packed_layer_under_torch_compile_fullgraph(device, gen):
     """The packed path traces whole (no host read of cu_seqlens while compiling: the chunked op checks
     the offsets itself) and gives eager's output and input gradient (~25 s, most of it compiling)."""
@@ -412,10 +447,11 @@ def test_packed_bad_inputs_name_the_argument(device, gen):
         ours(x, cu_seqlens=_packed((3, 4), device))
     with pytest.raises(ValueError, match="non-decreasing"):
         ours(x, cu_seqlens=torch.tensor([0, 5, 3, 8], dtype=torch.int64, device=device))
-    for kwargs, name in (({"use_cache": True}, "use_cache"),
-                         ({"attention_mask": torch.ones(1, 8, device=device)}, "attention_mask")):
-        with pytest.raises(ValueError, match=f"cannot be combined with {name}"):
-            ours(x, cu_seqlens=cu, **kwargs)
+    with pytest.raises(ValueError, match="cannot be combined with attention_mask"):
+        ours(x, cu_seqlens=cu, attention_mask=torch.ones(1, 8, device=device))
+    _, cache = ours(_x(3, 4, device, torch.float32, gen), use_cache=True)  # 3 rows for 2 sequences
+    with pytest.raises(ValueError, match=r"cache.conv_state must have shape .* for 2 packed sequences"):
+        ours(x, cu_seqlens=cu, cache=cache)
 
 
 def test_bad_inputs_name_the_argument(device, gen):

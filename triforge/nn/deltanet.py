@@ -185,7 +185,7 @@ class GatedDeltaNet(nn.Module):
                         dtype=_compute_dtype(dtype), device=device),
         )
 
-    def _check_packed(self, hidden_states, cache, use_cache, attention_mask, cu_seqlens) -> None:
+    def _check_packed(self, hidden_states, attention_mask, cu_seqlens) -> None:
         if cu_seqlens is None:
             return
         if not isinstance(cu_seqlens, torch.Tensor):
@@ -198,16 +198,15 @@ class GatedDeltaNet(nn.Module):
         if hidden_states.shape[0] != 1:
             raise ValueError(f"with cu_seqlens the batch size must be 1 (sequences packed along T), "
                              f"got hidden_states of shape {tuple(hidden_states.shape)}")
-        for name, given in (("cache", cache is not None), ("use_cache", use_cache), ("attention_mask", attention_mask is not None)):
-            if given:
-                raise ValueError(f"cu_seqlens (packed sequences) cannot be combined with {name}: packing is for "
-                                 "training and prefill without a cache, and packed sequences have no padding")
+        if attention_mask is not None:
+            raise ValueError("cu_seqlens (packed sequences) cannot be combined with attention_mask: packed sequences "
+                             "have no padding")
         if not torch.compiler.is_compiling():  # the offsets' values: read on the host (the chunked op checks them too)
             from triforge.ops.deltanet import _check_cu_seqlens
 
             _check_cu_seqlens(cu_seqlens, hidden_states.shape[1])
 
-    def _check_inputs(self, hidden_states, cache, use_cache, attention_mask) -> None:
+    def _check_inputs(self, hidden_states, cache, use_cache, attention_mask, cu_seqlens=None) -> None:
         if not isinstance(hidden_states, torch.Tensor):
             raise TypeError(f"hidden_states must be a torch.Tensor, got {type(hidden_states).__name__}")
         weight = self.in_proj_qkvz.weight
@@ -234,13 +233,16 @@ class GatedDeltaNet(nn.Module):
                 raise ValueError(f"attention_mask must be [B, T] = {(B, T)}, got {tuple(attention_mask.shape)}")
             if attention_mask.device != hidden_states.device:
                 raise ValueError(f"attention_mask must be on {hidden_states.device}, got {attention_mask.device}")
+        self._check_packed(hidden_states, attention_mask, cu_seqlens)
         if cache is None:
             return
+        rows, what = (B, f"hidden_states of batch {B}") if cu_seqlens is None else \
+            (cu_seqlens.shape[0] - 1, f"{cu_seqlens.shape[0] - 1} packed sequences")
         if not isinstance(cache, GatedDeltaNetCache):
             raise TypeError(f"cache must be a GatedDeltaNetCache or None, got {type(cache).__name__}")
         expected = {
-            "conv_state": ((B, self.conv_dim, self.conv_kernel_size - 1), hidden_states.dtype),
-            "recurrent_state": ((B, self.num_v_heads, self.head_k_dim, self.head_v_dim),
+            "conv_state": ((rows, self.conv_dim, self.conv_kernel_size - 1), hidden_states.dtype),
+            "recurrent_state": ((rows, self.num_v_heads, self.head_k_dim, self.head_v_dim),
                                 _compute_dtype(hidden_states.dtype)),
         }
         for name, (shape, dtype) in expected.items():
@@ -248,8 +250,7 @@ class GatedDeltaNet(nn.Module):
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"cache.{name} must be a torch.Tensor, got {type(t).__name__}")
             if tuple(t.shape) != shape:
-                raise ValueError(f"cache.{name} must have shape {shape} for hidden_states of batch {B}, "
-                                 f"got {tuple(t.shape)}")
+                raise ValueError(f"cache.{name} must have shape {shape} for {what}, got {tuple(t.shape)}")
             if t.dtype != dtype:
                 raise TypeError(f"cache.{name} must have dtype {dtype}, got {t.dtype}")
             if t.device != hidden_states.device:
@@ -258,22 +259,28 @@ class GatedDeltaNet(nn.Module):
     def _short_conv(self, mixed: torch.Tensor, conv_state, cu_seqlens=None):
         """Causal depthwise conv + silu over [B, T, D]; returns ([B, T, D], the last W - 1 inputs [B, D, W - 1]).
 
-        With ``cu_seqlens`` (B = 1) each packed sequence is convolved on its own: W - 1 zeros go before
-        every sequence, as before a batch row, so no sequence sees its predecessor's last tokens."""
+        With ``cu_seqlens`` (B = 1) each packed sequence is convolved on its own: W - 1 zeros (or its row of
+        ``conv_state``) go before every sequence, as before a batch row, so no sequence sees its
+        predecessor's last tokens; the state returned has one row per sequence."""
         T, W = mixed.shape[1], self.conv_kernel_size
         x = mixed.transpose(1, 2)  # [B, D, T]
         if cu_seqlens is not None:
-            # token t of sequence i goes to t + (i + 1)(W - 1) of a zero-filled row: the same convolution as
-            # separate calls, in one conv1d and without a host read of the offsets
+            # token t of sequence i goes to t + (i + 1)(W - 1) of a row whose W - 1 slots before each sequence hold
+            # zeros or its cached inputs: the same convolution as separate calls, in one conv1d, without a host read
             n = cu_seqlens.shape[0] - 1
             t = torch.arange(T, device=x.device)
-            seq = torch.searchsorted(cu_seqlens[1:].to(t.dtype), t, right=True).clamp_(max=n - 1)
+            cu = cu_seqlens.to(t.dtype)
+            seq = torch.searchsorted(cu[1:], t, right=True).clamp_(max=n - 1)
             dest = t + (seq + 1) * (W - 1)
-            spread = x.new_zeros(x.shape[0], x.shape[1], T + n * (W - 1))
-            spread[..., dest] = x
+            window = torch.arange(n, device=x.device)[:, None] * (W - 1) + torch.arange(W - 1, device=x.device)  # [n, W-1]
+            spread = x.new_zeros(x.shape[1], T + n * (W - 1))  # [D, T + n (W - 1)]
+            if conv_state is not None:
+                spread[:, cu[:-1, None] + window] = conv_state.transpose(0, 1).to(x.dtype)
+            spread[:, dest] = x[0]
+            new_state = spread[:, cu[1:, None] + window].transpose(0, 1).contiguous()  # each sequence's last W - 1
             w = self.conv1d.weight
-            y = F.silu(F.conv1d(spread.to(w.dtype), w, self.conv1d.bias, groups=self.conv_dim))[..., dest - (W - 1)]
-            return y.to(mixed.dtype).transpose(1, 2), None
+            y = F.silu(F.conv1d(spread[None].to(w.dtype), w, self.conv1d.bias, groups=self.conv_dim))[..., dest - (W - 1)]
+            return y.to(mixed.dtype).transpose(1, 2), new_state
         if conv_state is None:
             x = F.pad(x, (W - 1, 0))
         else:
@@ -309,13 +316,13 @@ class GatedDeltaNet(nn.Module):
         ``cache`` continues each row's sequence from a previous call; the new cache is returned when
         ``use_cache`` is set or a cache was given (the old one is not modified). ``attention_mask``
         [B, T] (1 keep, 0 padding) zeroes padded tokens' inputs, as Hugging Face does.
-        ``cu_seqlens`` [N + 1] (int32 / int64, B = 1): N sequences packed along T, each on its own
-        (its convolution starts from zeros and its delta rule from a zero state), equal to N separate
-        calls; for training and prefill without a cache, so it refuses ``cache``, ``use_cache`` and
-        ``attention_mask``.
+        ``cu_seqlens`` [N + 1] (int32 / int64, B = 1): N sequences packed along T, each on its own,
+        equal to N separate calls: its convolution and delta rule start from zeros, or from row i of
+        ``cache`` (a cache of N rows: e.g. one returned by a packed call, or by a batch of N), and the
+        new cache holds N rows, one per sequence (an empty sequence's passes through). Packed
+        sequences have no padding: ``attention_mask`` is refused with them.
         """
-        self._check_inputs(hidden_states, cache, use_cache, attention_mask)
-        self._check_packed(hidden_states, cache, use_cache, attention_mask, cu_seqlens)
+        self._check_inputs(hidden_states, cache, use_cache, attention_mask, cu_seqlens)
         B, T, _ = hidden_states.shape
         H, HV, K, V = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
         r = HV // H
@@ -371,9 +378,12 @@ class HFGatedDeltaNet(GatedDeltaNet):
         cache_params = cache if cache is not None else cache_params
         cu_seqlens = kwargs.get("cu_seq_lens_q")
         if cu_seqlens is not None:
-            # packed sequences (flash-attention style, e.g. DataCollatorWithFlattening): each on its own
+            # packed sequences (flash-attention style, e.g. DataCollatorWithFlattening): each on its own. Hugging
+            # Face's cache has one row per batch row, not per sequence
             if cache_params is not None:
-                raise NotImplementedError("HFGatedDeltaNet: packed sequences (cu_seq_lens_q) with a cache")
+                raise NotImplementedError("HFGatedDeltaNet: packed sequences (cu_seq_lens_q) with a Hugging Face "
+                                          "cache (one row per batch row); GatedDeltaNet takes a cache of one row "
+                                          "per packed sequence")
             return super().forward(hidden_states, attention_mask=attention_mask, cu_seqlens=cu_seqlens)[0]
         if cache_params is None:
             return super().forward(hidden_states, attention_mask=attention_mask)[0]
