@@ -1,0 +1,137 @@
+"""triforge.nn.register_hf_attention: a Hugging Face model with attn_implementation="triforge" against the same
+model on its eager attention (float32): logits, padded batches, cached generation, packed sequences, gradients of
+every parameter, and the refusals."""
+
+import copy
+
+import pytest
+import torch
+
+import triforge.ops.attention as attn_ops
+from triforge.nn import register_hf_attention
+from triforge.testing import Tolerance, compare
+
+transformers = pytest.importorskip("transformers")
+
+# two float32 attention implementations: rounding of different summation orders
+FP32 = Tolerance(rel_rms=1e-5, atol=2e-5, rtol=2e-5)
+FP32_GRAD = Tolerance(rel_rms=5e-5, atol=2e-4, rtol=2e-4)
+
+
+@pytest.fixture
+def pair(device, gen):
+    """(eager model, the same weights on triforge's attention, calls) for a tiny Qwen2 (GQA 2:1, head dim 64);
+    ``calls`` counts the kernels' entry points, so a test knows which path ran."""
+    register_hf_attention()
+    cfg = transformers.Qwen2Config(vocab_size=97, hidden_size=128, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256)
+    cfg._attn_implementation = "eager"
+    eager = transformers.Qwen2ForCausalLM(cfg)
+    with torch.no_grad():
+        for p in eager.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+    eager = eager.to(device).eval()
+    ours = copy.deepcopy(eager)
+    ours.set_attn_implementation("triforge")
+    assert ours.config._attn_implementation == "triforge" and eager.config._attn_implementation == "eager"
+    return eager, ours
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    counts = {"flash_attn_func": 0, "flash_attn_varlen_func": 0}
+    for name in counts:
+        fn = getattr(attn_ops, name)
+
+        def counted(*a, _fn=fn, _name=name, **k):
+            counts[_name] += 1
+            return _fn(*a, **k)
+
+        monkeypatch.setattr(attn_ops, name, counted)
+    return counts
+
+
+def _ids(B, T, device, gen):
+    return torch.randint(0, 97, (B, T), generator=gen).to(device)
+
+
+def test_logits_match_eager(pair, calls, device, gen):
+    eager, ours = pair
+    ids = _ids(2, 37, device, gen)
+    with torch.no_grad():
+        assert compare("logits", eager(ids).logits, ours(ids).logits, tol=FP32).ok
+    assert calls["flash_attn_func"] == 2 and calls["flash_attn_varlen_func"] == 0  # one per layer
+
+
+def test_padded_batch_and_cached_generation_match_eager(pair, calls, device, gen):
+    """Left padding (the 2D mask): rows unpadded into packed sequences; kept positions equal eager's, and
+    greedy generation with the cache (decode steps see Sq = 1 against the cached keys) gives the same tokens."""
+    eager, ours = pair
+    ids = _ids(3, 21, device, gen)
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    mask[2, :20] = 0  # one real token
+    with torch.no_grad():
+        want, got = eager(ids, attention_mask=mask).logits, ours(ids, attention_mask=mask).logits
+    assert calls["flash_attn_varlen_func"] == 2
+    keep = mask.bool()
+    assert compare("padded logits (kept positions)", want[keep], got[keep], tol=FP32).ok
+    g_want = eager.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False)
+    g_got = ours.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False)
+    assert torch.equal(g_want, g_got)
+
+
+def test_packed_sequences_match_separate_calls(pair, calls, device, gen):
+    """Packed input with per-sequence position ids and cu_seq_lens (as DataCollatorWithFlattening passes
+    them): each sequence attends only to itself, equal to eager runs of each sequence alone."""
+    eager, ours = pair
+    lengths = (9, 1, 30)
+    ids = _ids(1, sum(lengths), device, gen)
+    cu = torch.tensor([0, 9, 10, 40], dtype=torch.int32, device=device)
+    pos = torch.cat([torch.arange(n) for n in lengths])[None].to(device)
+    with torch.no_grad():
+        got = ours(ids, position_ids=pos, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=30, max_length_k=30).logits
+        want = torch.cat([eager(ids[:, a:b]).logits for a, b in ((0, 9), (9, 10), (10, 40))], 1)
+    assert calls["flash_attn_varlen_func"] == 2
+    assert compare("packed logits", want, got, tol=FP32).ok
+
+
+def test_gradients_match_eager(pair, device, gen):
+    """Training with a padded row: every parameter's gradient equals eager's (the loss skips padding)."""
+    eager, ours = pair
+    eager.train()
+    ours.train()
+    ids = _ids(2, 19, device, gen)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    # padded positions' outputs differ (eager: a softmax over masked keys; ours: 0), so the loss must not read them:
+    # label t is predicted from position t - 1, ignored where that position (or t itself) is padding
+    ignore = mask == 0
+    ignore[:, 1:] |= mask[:, :-1] == 0
+    labels = ids.masked_fill(ignore, -100)
+    names = [n for n, _ in ours.named_parameters()]
+    grads = []
+    for model in (eager, ours):
+        loss = model(ids, attention_mask=mask, labels=labels).loss
+        grads.append(torch.autograd.grad(loss, list(model.parameters())))
+    for name, w, g in zip(names, *grads):
+        assert compare(f"d{name}", w, g, tol=FP32_GRAD, verbose=False).ok, name
+
+
+def test_refusals_name_the_feature(pair, device, gen):
+    from triforge.nn import hf_attention_forward
+
+    q = torch.randn(1, 2, 5, 64, generator=gen).to(device)
+    kv = torch.randn(1, 1, 5, 64, generator=gen).to(device)
+    module = torch.nn.Module()
+    for kwargs, what in (({"dropout": 0.1}, "dropout"), ({"sliding_window": 4}, "sliding_window"),
+                         ({"softcap": 30.0}, "softcap"), ({"s_aux": torch.zeros(2)}, "s_aux")):
+        with pytest.raises(NotImplementedError, match=what):
+            hf_attention_forward(module, q, kv, kv, None, **kwargs)
+    with pytest.raises(ValueError, match="cu_seq_lens_q and cu_seq_lens_k"):
+        hf_attention_forward(module, q, kv, kv, None, cu_seq_lens_q=torch.tensor([0, 5], dtype=torch.int32))
+    with pytest.raises(ValueError, match="flash-attention mask"):
+        hf_attention_forward(module, q, kv, kv, torch.ones(1, 1, 5, 5, dtype=torch.bool, device=device))
+    # the kernels' own checks still apply: an unsupported head dim is refused by name
+    with pytest.raises(ValueError, match="head_dim|D "):
+        hf_attention_forward(module, q[..., :48], kv[..., :48], kv[..., :48], None)
