@@ -427,8 +427,19 @@ def test_patched_layer_takes_packed_sequences_from_hf_kwargs(device, gen):
         got = layer(x, attention_mask=None, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=20, max_length_k=20)
         want = torch.cat([layer(x[:, int(a) : int(b)]) for a, b in zip(cu[:-1], cu[1:])], 1)
     assert compare("HF packed", want, got, tol=FP32).ok
-    with pytest.raises(NotImplementedError, match="cu_seq_lens_q"):
-        layer(x, cache=DynamicCache(config=cfg), cu_seq_lens_q=cu)
+    # Hugging Face's models make an empty cache whenever use_cache is on (the default, in training too): the
+    # packed call runs and writes nothing, and the cache then refuses to be continued from
+    cache = DynamicCache(config=cfg)
+    with torch.no_grad():
+        assert compare("HF packed, empty cache", want, layer(x, cache=cache, cu_seq_lens_q=cu), tol=FP32).ok
+    assert not cache.has_previous_state(layer.layer_idx)
+    with pytest.raises(NotImplementedError, match="went through a packed call"):
+        layer(x[:, :1], cache=cache)
+    used = DynamicCache(config=cfg)
+    with torch.no_grad():
+        layer(x[:, :5], cache=used)
+    with pytest.raises(NotImplementedError, match="after earlier tokens in the cache"):
+        layer(x, cache=used, cu_seq_lens_q=cu)
 
 
 def test_packed_bad_inputs_name_the_argument(device, gen):
@@ -530,25 +541,35 @@ def test_patch_hf_model_keeps_logits_and_generation(backend, device, gen):
 
 
 def test_patched_model_packed_forward_equals_separate_sequences(device, gen):
-    """A whole patched model (linear-attention layers only: Hugging Face's eager full attention does not
-    take packed sequences) fed packed sequences with their position ids and cu_seq_lens_q, as Hugging
-    Face's flattening collator does: its logits equal one call per sequence. Hugging Face's own PyTorch
-    path ignores cu_seq_lens_q (convolution and state carry across sequences), so it is no reference here."""
-    cfg = _config(("linear_attention", "linear_attention"))
+    """A whole hybrid Qwen3-Next (a linear- and a full-attention layer; the latter on triforge's attention, the
+    Hugging Face attention implementation that honours packing) fed packed sequences with their position ids
+    and cu_seq_lens_q, as Hugging Face's flattening collator does, use_cache at its default (an empty cache
+    reaches the layers, in training too): its logits equal one call per sequence, and a training step's loss
+    runs. Hugging Face's own PyTorch path ignores cu_seq_lens_q (convolution and state carry across
+    sequences), so it is no reference here."""
+    from triforge.nn import register_hf_attention
+
+    register_hf_attention()
+    cfg = _config(("linear_attention", "full_attention"))
     model = transformers.Qwen3NextForCausalLM(cfg).eval()
-    for layer in model.model.layers:
-        _randomize(layer.linear_attn, gen)
+    _randomize(model.model.layers[0].linear_attn, gen)
     model = model.to(device)
-    assert patch_hf_gated_deltanet(model) == 2
+    model.set_attn_implementation("triforge")
+    assert patch_hf_gated_deltanet(model) == 1
     lengths = (7, 2, 30)
     ids = torch.randint(0, 97, (1, sum(lengths)), generator=gen).to(device)
     cu = _packed(lengths, device)
     pos = torch.cat([torch.arange(n) for n in lengths])[None].to(device)
+    packed = {"position_ids": pos, "cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": max(lengths),
+              "max_length_k": max(lengths)}
     with torch.no_grad():
-        got = model(ids, position_ids=pos, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(lengths),
-                    max_length_k=max(lengths), use_cache=False).logits
-        want = torch.cat([model(ids[:, int(a) : int(b)], use_cache=False).logits for a, b in zip(cu[:-1], cu[1:])], 1)
+        got = model(ids, **packed).logits
+        want = torch.cat([model(ids[:, int(a) : int(b)]).logits for a, b in zip(cu[:-1], cu[1:])], 1)
     assert compare("packed model logits", want, got, tol=FP32).ok
+    model.train()
+    loss = model(ids, labels=ids, **packed).loss
+    loss.backward()
+    assert loss.isfinite() and model.model.layers[0].linear_attn.in_proj_qkvz.weight.grad.isfinite().all()
 
 
 @pytest.mark.gpu

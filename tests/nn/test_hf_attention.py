@@ -94,6 +94,44 @@ def test_packed_sequences_match_separate_calls(pair, calls, device, gen):
         want = torch.cat([eager(ids[:, a:b]).logits for a, b in ((0, 9), (9, 10), (10, 40))], 1)
     assert calls["flash_attn_varlen_func"] == 2
     assert compare("packed logits", want, got, tol=FP32).ok
+    # DataCollatorWithFlattening's default form: only the restarting position ids mark the sequences
+    with torch.no_grad():
+        got = ours(ids, position_ids=pos, use_cache=False).logits
+    assert calls["flash_attn_varlen_func"] == 4
+    assert compare("packed logits from position ids", want, got, tol=FP32).ok
+
+
+def test_static_cache_matches_eager(pair, device, gen):
+    """A static cache's keys run past the tokens seen (zeros in the unused slots): without a mask as well as
+    with padding, prefill logits and greedy generation equal eager's (the mask cuts the unused slots off)."""
+    eager, ours = pair
+    ids = _ids(2, 7, device, gen)
+    with torch.no_grad():
+        want = eager(ids).logits
+        cache = transformers.StaticCache(config=ours.config, max_cache_len=32)
+        got = ours(ids, past_key_values=cache, use_cache=True).logits
+    assert compare("static-cache prefill", want, got, tol=FP32).ok
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0
+    for kwargs in ({}, {"attention_mask": mask}):
+        g_want = eager.generate(ids, max_new_tokens=4, do_sample=False, cache_implementation="static", **kwargs)
+        g_got = ours.generate(ids, max_new_tokens=4, do_sample=False, cache_implementation="static", **kwargs)
+        assert torch.equal(g_want, g_got), kwargs
+
+
+def test_sliding_window_that_spans_every_key_is_full_attention(pair, device, gen):
+    """Mistral passes its sliding window (4096 by default) on every call: taken while it spans all keys
+    (query i sees key j where i - j < window), refused once it would cut one off."""
+    from triforge.nn import hf_attention_forward
+
+    q = torch.randn(1, 2, 9, 64, generator=gen).to(device)
+    kv = torch.randn(1, 1, 9, 64, generator=gen).to(device)
+    module = torch.nn.Module()
+    full, _ = hf_attention_forward(module, q, kv, kv, None)
+    spanning, _ = hf_attention_forward(module, q, kv, kv, None, sliding_window=9)
+    assert torch.equal(full, spanning)
+    with pytest.raises(NotImplementedError, match="sliding_window=8 shorter than the 9 keys"):
+        hf_attention_forward(module, q, kv, kv, None, sliding_window=8)
 
 
 def test_gradients_match_eager(pair, device, gen):
@@ -124,8 +162,8 @@ def test_refusals_name_the_feature(pair, device, gen):
     q = torch.randn(1, 2, 5, 64, generator=gen).to(device)
     kv = torch.randn(1, 1, 5, 64, generator=gen).to(device)
     module = torch.nn.Module()
-    for kwargs, what in (({"dropout": 0.1}, "dropout"), ({"sliding_window": 4}, "sliding_window"),
-                         ({"softcap": 30.0}, "softcap"), ({"s_aux": torch.zeros(2)}, "s_aux")):
+    for kwargs, what in (({"dropout": 0.1}, "dropout"), ({"softcap": 30.0}, "softcap"),
+                         ({"s_aux": torch.zeros(2)}, "s_aux")):
         with pytest.raises(NotImplementedError, match=what):
             hf_attention_forward(module, q, kv, kv, None, **kwargs)
     with pytest.raises(ValueError, match="cu_seq_lens_q and cu_seq_lens_k"):

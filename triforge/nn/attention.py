@@ -5,18 +5,22 @@
     model.set_attn_implementation("triforge")                 # or on a model already built
 
 Every Hugging Face model that dispatches through ``ALL_ATTENTION_FUNCTIONS`` (Llama, Qwen2, Qwen3,
-Mistral, ...) then runs triforge's kernels, forward and backward, as it would run flash-attn's:
-the mask is Hugging Face's flash-attention mask (None when nothing is padded, else the 2D padding
-mask), so
+Mistral, ...) then runs triforge's kernels, forward and backward, as it would run flash-attn's.
+The mask is Hugging Face's flash-attention mask (None when nothing is padded, else the 2D padding
+mask; here also the 2D mask of the tokens seen where a static cache's keys run past them), so
 
-- no padding: ``flash_attn_func`` with the module's causality (bottom-right aligned, which is where
-  cached decoding puts the queries);
-- padding (a 2D mask): the rows are unpadded into packed sequences for ``flash_attn_varlen_func``
-  and the output is scattered back, padded query rows getting zeros (as flash-attn's path does);
-- packed sequences (``cu_seq_lens_q`` / ``cu_seq_lens_k`` / ``max_length_q`` / ``max_length_k``,
-  as DataCollatorWithFlattening passes them, batch 1): ``flash_attn_varlen_func`` directly.
+- a 2D mask (padding, or a static cache): the rows are unpadded into packed sequences for
+  ``flash_attn_varlen_func`` and the output is scattered back, padded query rows getting zeros (as
+  flash-attn's path does);
+- packed sequences, batch 1: given as ``cu_seq_lens_q`` / ``cu_seq_lens_k`` (``max_length_q`` /
+  ``max_length_k``), or only by ``position_ids`` that restart (DataCollatorWithFlattening's two
+  forms): ``flash_attn_varlen_func`` over them;
+- otherwise ``flash_attn_func`` with the module's causality (bottom-right aligned, which is where
+  cached decoding puts the queries).
 
-Dropout, sliding windows, softcapping and attention sinks are refused by name (the kernels have none).
+Dropout, softcapping and attention sinks are refused by name (the kernels have none); a sliding
+window is accepted while it spans every key (Mistral's 4096 over shorter sequences) and refused
+once it would cut one off.
 """
 
 import torch
@@ -33,6 +37,20 @@ def _seqlens(mask: torch.Tensor):
     return idx, cu, int(lengths.max())
 
 
+def _restarts(position_ids, B: int, Sq: int, Sk: int):
+    """cu_seqlens int32 of the sequences packed in one row, from position ids that restart (a new sequence
+    starts wherever the position does not follow the previous one), or None: no position ids, not a
+    single-row prefill, or one sequence. Reads the positions on the host (as Hugging Face's flash path does)."""
+    if position_ids is None or B != 1 or Sq != Sk or Sq < 2 or position_ids.numel() != Sq:
+        return None
+    p = position_ids.reshape(-1)
+    starts = ((p[1:] - p[:-1]) != 1).nonzero().flatten() + 1
+    if starts.numel() == 0:
+        return None
+    ends = torch.tensor([0, Sq], dtype=starts.dtype, device=starts.device)
+    return torch.cat([ends[:1], starts, ends[1:]]).to(torch.int32)
+
+
 def hf_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None,
                          softcap=None, **kwargs):
     """Hugging Face's attention-function signature: query [B, H, Sq, D], key / value [B, Hkv, Sk, D] (heads
@@ -43,8 +61,9 @@ def hf_attention_forward(module, query, key, value, attention_mask, scaling=None
     if dropout:
         raise NotImplementedError(f"attn_implementation='{NAME}': dropout={dropout} (the kernels have no dropout; "
                                   "set the model's attention_dropout to 0)")
-    if sliding_window is not None:
-        raise NotImplementedError(f"attn_implementation='{NAME}': sliding_window={sliding_window} is not supported")
+    if sliding_window is not None and key.shape[2] > sliding_window:  # query i sees key j where i - j < window
+        raise NotImplementedError(f"attn_implementation='{NAME}': sliding_window={sliding_window} shorter than the "
+                                  f"{key.shape[2]} keys is not supported")
     if softcap:
         raise NotImplementedError(f"attn_implementation='{NAME}': softcap={softcap} is not supported")
     if kwargs.get("s_aux") is not None:
@@ -53,8 +72,12 @@ def hf_attention_forward(module, query, key, value, attention_mask, scaling=None
     causal = bool(getattr(module, "is_causal", True) if causal is None else causal)
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # [B, S, heads, D], last dim contiguous
     B, Sq, H, D = q.shape
-    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
-    if cu_q is not None or cu_k is not None:
+    if attention_mask is None:
+        cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+        if cu_q is None and cu_k is None:
+            cu_q = cu_k = _restarts(kwargs.get("position_ids"), B, Sq, k.shape[1])
+        if cu_q is None and cu_k is None:
+            return flash_attn_func(q, k, v, causal=causal, softmax_scale=scaling), None
         if cu_q is None or cu_k is None or B != 1:
             raise ValueError(f"attn_implementation='{NAME}': packed sequences need cu_seq_lens_q and cu_seq_lens_k "
                              f"with batch 1, got {'both' if cu_q is not None and cu_k is not None else 'one'} "
@@ -65,8 +88,6 @@ def hf_attention_forward(module, query, key, value, attention_mask, scaling=None
         out = flash_attn_varlen_func(q[0], k[0], v[0], cu_q.to(torch.int32), cu_k.to(torch.int32), max_q, max_k,
                                      causal=causal, softmax_scale=scaling)
         return out[None], None
-    if attention_mask is None:
-        return flash_attn_func(q, k, v, causal=causal, softmax_scale=scaling), None
     if attention_mask.dim() != 2 or attention_mask.shape[0] != B or attention_mask.shape[1] > k.shape[1]:
         raise ValueError(f"attn_implementation='{NAME}' takes Hugging Face's flash-attention mask: None or [B, L <= "
                          f"Sk] = [{B}, <= {k.shape[1]}], got shape {tuple(attention_mask.shape)}")
@@ -84,12 +105,26 @@ def hf_attention_forward(module, query, key, value, attention_mask, scaling=None
     return out.view(B, Sq, H, -1), None
 
 
+def hf_attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,
+                      attention_mask=None, **kwargs):
+    """Hugging Face's flash-attention mask (None, or the 2D padding mask sliced to the keys), and where it is
+    None while the keys run past the tokens seen (a static cache's unused slots), the 2D mask of the seen
+    ones: the kernels align the queries with the last key, so the unused slots must be cut off."""
+    from transformers.masking_utils import causal_mask_function, flash_attention_mask
+
+    mask = flash_attention_mask(batch_size, q_length, kv_length, q_offset, kv_offset,
+                                mask_function or causal_mask_function, attention_mask, **kwargs)
+    seen = int(q_offset) + int(q_length)
+    if mask is None and seen < kv_length:
+        mask = torch.ones(batch_size, seen, dtype=torch.bool, device=kwargs.get("device"))
+    return mask
+
+
 def register_hf_attention(name: str = NAME) -> str:
-    """Register triforge's attention with Hugging Face transformers under ``name`` (its attention function and
-    the flash-attention mask, None or the 2D padding mask); returns the name for ``attn_implementation``."""
+    """Register triforge's attention with Hugging Face transformers under ``name`` (hf_attention_forward and
+    hf_attention_mask); returns the name for ``attn_implementation``."""
     from transformers import AttentionInterface, AttentionMaskInterface
-    from transformers.masking_utils import flash_attention_mask
 
     AttentionInterface.register(name, hf_attention_forward)
-    AttentionMaskInterface.register(name, flash_attention_mask)
+    AttentionMaskInterface.register(name, hf_attention_mask)
     return name

@@ -376,18 +376,26 @@ class HFGatedDeltaNet(GatedDeltaNet):
         if cache is not None and cache_params is not None and cache is not cache_params:
             raise ValueError("HFGatedDeltaNet: pass the cache as `cache` or `cache_params`, not two different ones")
         cache_params = cache if cache is not None else cache_params
+        idx, W = self.layer_idx, self.conv_kernel_size
         cu_seqlens = kwargs.get("cu_seq_lens_q")
         if cu_seqlens is not None:
             # packed sequences (flash-attention style, e.g. DataCollatorWithFlattening): each on its own. Hugging
-            # Face's cache has one row per batch row, not per sequence
+            # Face's cache has one row per batch row, not per sequence: none is written. Its models make an empty
+            # one whenever use_cache is on (the config's default, in training too), so an empty cache is taken,
+            # and marked: a later call must not continue from it as if nothing had run
             if cache_params is not None:
-                raise NotImplementedError("HFGatedDeltaNet: packed sequences (cu_seq_lens_q) with a Hugging Face "
-                                          "cache (one row per batch row); GatedDeltaNet takes a cache of one row "
-                                          "per packed sequence")
+                if cache_params.has_previous_state(idx):
+                    raise NotImplementedError("HFGatedDeltaNet: packed sequences (cu_seq_lens_q) after earlier tokens "
+                                              "in the cache (Hugging Face's cache holds one state per batch row, not "
+                                              "per packed sequence)")
+                cache_params._triforge_packed = getattr(cache_params, "_triforge_packed", set()) | {idx}
             return super().forward(hidden_states, attention_mask=attention_mask, cu_seqlens=cu_seqlens)[0]
         if cache_params is None:
             return super().forward(hidden_states, attention_mask=attention_mask)[0]
-        idx, W = self.layer_idx, self.conv_kernel_size
+        if idx in getattr(cache_params, "_triforge_packed", ()):
+            raise NotImplementedError("HFGatedDeltaNet: this cache went through a packed call (cu_seq_lens_q), which "
+                                      "keeps no state in it; continue packed sequences with GatedDeltaNet's own "
+                                      "cache (one row per sequence)")
         if idx < len(cache_params.layers) and getattr(cache_params.layers[idx], "record_past", False):
             raise NotImplementedError("HFGatedDeltaNet does not support caches that record past states "
                                       "(assisted generation)")
