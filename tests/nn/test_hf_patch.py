@@ -1,0 +1,152 @@
+"""triforge.nn.patch_hf_model: a Hugging Face model with every triforge kernel patched in (RMSNorm, the fused SwiGLU
+MLP, the fused RoPE, the attention implementation, Gated DeltaNet) against the same model unpatched (float32):
+logits, every parameter's gradient, cached generation, which kernels ran, and the RoPE patch's fallbacks."""
+
+import copy
+
+import pytest
+import torch
+
+import triforge.ops.rope as rope_ops
+import triforge.ops.swiglu as swiglu_ops
+from triforge.nn import SwiGLUMLP, patch_hf_model, patch_hf_rope, unpatch_hf_rope
+from triforge.testing import Tolerance, compare
+
+transformers = pytest.importorskip("transformers")
+qwen2 = pytest.importorskip("transformers.models.qwen2.modeling_qwen2")
+
+FP32 = Tolerance(rel_rms=1e-5, atol=2e-5, rtol=2e-5)
+FP32_GRAD = Tolerance(rel_rms=5e-5, atol=2e-4, rtol=2e-4)
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """Counts the fused kernels' entry points (the patched code imports them at call time)."""
+    counts = {"swiglu": 0, "apply_rotary_qk": 0}
+    for mod, name in ((swiglu_ops, "swiglu"), (rope_ops, "apply_rotary_qk")):
+        fn = getattr(mod, name)
+
+        def counted(*a, _fn=fn, _name=name, **k):
+            counts[_name] += 1
+            return _fn(*a, **k)
+
+        monkeypatch.setattr(mod, name, counted)
+    return counts
+
+
+@pytest.fixture
+def qwen2_pair(device, gen):
+    """(eager Qwen2, patched copy, counts); the RoPE patch (module-wide) is undone afterwards."""
+    cfg = transformers.Qwen2Config(vocab_size=97, hidden_size=128, intermediate_size=96, num_hidden_layers=2,
+                                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256)
+    cfg._attn_implementation = "eager"
+    model = transformers.Qwen2ForCausalLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+    model = model.to(device).eval()
+    patched = copy.deepcopy(model)
+    counts = patch_hf_model(patched)
+    yield model, patched, counts
+    unpatch_hf_rope(patched)
+
+
+def test_counts_and_kernels_that_run(qwen2_pair, calls, device, gen):
+    eager, patched, counts = qwen2_pair
+    assert counts == {"rms_norm": 5, "swiglu": 2, "rope": 1, "gated_deltanet": 0, "attention": 1}
+    assert sum(isinstance(m, SwiGLUMLP) for m in patched.modules()) == 2
+    assert patched.config._attn_implementation == "triforge"
+    assert patch_hf_rope(patched) == 0  # already patched: not wrapped twice
+    ids = torch.randint(0, 97, (2, 17), generator=gen).to(device)
+    with torch.no_grad():
+        patched(ids)
+    assert calls == {"swiglu": 2, "apply_rotary_qk": 2}  # one per layer
+
+
+def test_logits_gradients_and_generation_match_unpatched(qwen2_pair, device, gen):
+    """The unpatched model runs the original apply_rotary_pos_emb: the RoPE patch is undone around its calls."""
+    eager, patched, _ = qwen2_pair
+    ids = torch.randint(0, 97, (2, 23), generator=gen).to(device)
+
+    def run_eager(fn):
+        unpatch_hf_rope(patched)
+        try:
+            return fn()
+        finally:
+            patch_hf_rope(patched)
+
+    with torch.no_grad():
+        want = run_eager(lambda: eager(ids).logits)
+        got = patched(ids).logits
+    assert compare("logits", want, got, tol=FP32).ok
+    eager.train()
+    patched.train()
+    names = [n for n, _ in patched.named_parameters()]
+    g_want = run_eager(lambda: torch.autograd.grad(eager(ids, labels=ids).loss, list(eager.parameters())))
+    g_got = torch.autograd.grad(patched(ids, labels=ids).loss, list(patched.parameters()))
+    for name, w, g in zip(names, g_want, g_got):
+        assert compare(f"d{name}", w, g, tol=FP32_GRAD, verbose=False).ok, name
+    eager.eval()
+    patched.eval()
+    out_want = run_eager(lambda: eager.generate(ids, max_new_tokens=4, do_sample=False))
+    assert torch.equal(out_want, patched.generate(ids, max_new_tokens=4, do_sample=False))
+
+
+def test_rope_patch_falls_back_where_it_does_not_apply(qwen2_pair, calls, device, gen):
+    """Partial rotary (cos narrower than the head), the [B, T, H, D] layout (unsqueeze_dim=2): the original
+    function runs and gives its own result; the plain form runs the kernel and equals the original."""
+    _, patched, _ = qwen2_pair
+    fused = qwen2.apply_rotary_pos_emb
+    original = fused.triforge_original
+    q = torch.randn(2, 4, 9, 64, generator=gen).to(device)
+    k = torch.randn(2, 2, 9, 64, generator=gen).to(device)
+    cos, sin = rope_ops.hf_cos_sin(9, 64, device=device)
+    cos, sin = cos[None].expand(2, -1, -1), sin[None].expand(2, -1, -1)
+    for got, want in zip(fused(q, k, cos, sin), original(q, k, cos, sin)):
+        assert compare("plain rope", want, got, tol=FP32).ok
+    assert calls["apply_rotary_qk"] == 1
+    for args, kwargs in (((q, k, cos[..., :32], sin[..., :32]), {}),  # partial: HF's original refuses it here too
+                         ((q.transpose(1, 2), k.transpose(1, 2), cos, sin), {"unsqueeze_dim": 2})):
+        try:
+            want = original(*args, **kwargs)
+        except RuntimeError:
+            with pytest.raises(RuntimeError):
+                fused(*args, **kwargs)
+        else:
+            for w, g in zip(want, fused(*args, **kwargs)):
+                assert torch.equal(w, g)
+    assert calls["apply_rotary_qk"] == 1  # the fallbacks did not reach the kernel
+
+
+def test_switches_and_a_hybrid_qwen3_next(device, gen):
+    """Keywords switch each patch off; Qwen3-Next (partial rotary: its RoPE calls fall back) gets Gated
+    DeltaNet, the attention implementation, the SwiGLU MLP, and its (1 + weight) RMSNorm is left alone."""
+    qwen3_next = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
+    cfg = transformers.Qwen3NextConfig(
+        vocab_size=97, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+        layer_types=["linear_attention", "full_attention"], num_attention_heads=2, num_key_value_heads=1,
+        head_dim=32, num_experts=0, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32,
+        linear_value_head_dim=32, linear_conv_kernel_dim=4)
+    model = transformers.Qwen3NextForCausalLM(cfg).to(device).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+        for layer in model.model.layers:  # decays moderate, as Qwen3-Next initialises them
+            if hasattr(layer, "linear_attn"):
+                layer.linear_attn.A_log.copy_(torch.empty(4).uniform_(0.02, 0.5, generator=gen).log())
+    ids = torch.randint(0, 97, (1, 19), generator=gen).to(device)
+    with torch.no_grad():
+        want = model(ids).logits
+    patched = copy.deepcopy(model)
+    try:
+        counts = patch_hf_model(patched, swiglu=False)
+        assert counts == {"rms_norm": 0, "rope": 1, "gated_deltanet": 1, "attention": 1}
+        assert not any(isinstance(m, SwiGLUMLP) for m in patched.modules())
+        with torch.no_grad():
+            got = patched(ids).logits
+        # Hugging Face's chunked PyTorch recurrence against the kernels: fp32 rounding in different orders
+        assert compare("Qwen3-Next logits", want, got, tol=Tolerance(rel_rms=2e-5, atol=5e-5, rtol=5e-5)).ok
+        assert patch_hf_model(patched, rms_norm=False, rope=False, attention=False, gated_deltanet=False) == {"swiglu": 2}
+    finally:
+        unpatch_hf_rope(patched)
+    assert not hasattr(qwen3_next.apply_rotary_pos_emb, "triforge_original")
