@@ -173,3 +173,34 @@ def test_refusals_name_the_feature(pair, device, gen):
     # the kernels' own checks still apply: an unsupported head dim is refused by name
     with pytest.raises(ValueError, match="head_dim|D "):
         hf_attention_forward(module, q[..., :48], kv[..., :48], kv[..., :48], None)
+
+
+def test_encoder_decoder_cross_attention_matches_eager(device, gen):
+    """BART: the decoder's cross-attention keys are the encoder's tokens (a bidirectional mask, or none): every
+    decoder query is kept and the keys are not cut to the decoder's length; logits with and without encoder
+    padding, and cached greedy generation, equal eager's."""
+    register_hf_attention()
+    cfg = transformers.BartConfig(vocab_size=97, d_model=128, encoder_layers=1, decoder_layers=1,
+                                  encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=96,
+                                  decoder_ffn_dim=96, dropout=0.0, attention_dropout=0.0, max_position_embeddings=64)
+    cfg._attn_implementation = "eager"
+    eager = transformers.BartForConditionalGeneration(cfg)
+    with torch.no_grad():
+        for p in eager.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+    eager = eager.to(device).eval()
+    ours = copy.deepcopy(eager)
+    ours.set_attn_implementation("triforge")
+    enc = torch.randint(3, 97, (2, 12), generator=gen).to(device)
+    emask = torch.ones_like(enc)
+    emask[1, 9:] = 0
+    for dec_len in (5, 16):
+        dec = torch.randint(3, 97, (2, dec_len), generator=gen).to(device)
+        for kwargs in ({}, {"attention_mask": emask}):
+            with torch.no_grad():
+                want = eager(input_ids=enc, decoder_input_ids=dec, **kwargs).logits
+                got = ours(input_ids=enc, decoder_input_ids=dec, **kwargs).logits
+            assert compare(f"bart logits dec {dec_len} {list(kwargs)}", want, got, tol=FP32).ok
+    g_want = eager.generate(enc, attention_mask=emask, max_new_tokens=4, do_sample=False, num_beams=1)
+    g_got = ours.generate(enc, attention_mask=emask, max_new_tokens=4, do_sample=False, num_beams=1)
+    assert torch.equal(g_want, g_got)

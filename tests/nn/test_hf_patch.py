@@ -150,3 +150,76 @@ def test_switches_and_a_hybrid_qwen3_next(device, gen):
     finally:
         unpatch_hf_rope(patched)
     assert not hasattr(qwen3_next.apply_rotary_pos_emb, "triforge_original")
+
+
+def test_rope_patch_only_where_the_family_rotates_like_llama(device, gen):
+    """A module's apply_rotary_pos_emb is replaced only where it is Llama's rotate-half form on a random probe
+    and takes (q, k, cos, sin): Cohere's interleaved pairs and GPT-J's (tensor, sin, cos) keep their own."""
+    cohere = transformers.CohereForCausalLM(transformers.CohereConfig(
+        vocab_size=97, hidden_size=128, intermediate_size=96, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1)).to(device)
+    gptj = transformers.GPTJForCausalLM(transformers.GPTJConfig(vocab_size=97, n_embd=128, n_layer=1, n_head=2,
+                                                                rotary_dim=16)).to(device)
+    for model in (cohere, gptj):
+        module = __import__(type(model.model if hasattr(model, "model") else model.transformer).__module__,
+                            fromlist=["apply_rotary_pos_emb"])
+        before = module.apply_rotary_pos_emb
+        assert patch_hf_rope(model) == 0
+        assert module.apply_rotary_pos_emb is before
+
+
+class _ClampedMLP(torch.nn.Module):
+    """The plain structure, another formula: must not be replaced."""
+
+    def __init__(self, hidden, inter):
+        super().__init__()
+        self.gate_proj, self.up_proj = torch.nn.Linear(hidden, inter), torch.nn.Linear(hidden, inter)
+        self.down_proj = torch.nn.Linear(inter, hidden)
+        self.act_fn = torch.nn.SiLU()
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)).clamp(max=0.1) * self.up_proj(x))
+
+
+class _PlainMLP(_ClampedMLP):
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class _ScaledMLP(_PlainMLP):
+    """The plain formula, but a parameter of its own (a scale): must not be replaced (it would be lost)."""
+
+    def __init__(self, hidden, inter):
+        super().__init__(hidden, inter)
+        self.scale = torch.nn.Parameter(torch.ones(hidden))
+
+
+def test_swiglu_patch_takes_only_the_plain_formula(device, gen):
+    from triforge.nn import patch_hf_swiglu
+
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({"plain": _PlainMLP(16, 24), "clamped": _ClampedMLP(16, 24),
+                                 "scaled": _ScaledMLP(16, 24)}).to(device)
+    x = torch.randn(2, 5, 16, generator=gen).to(device)
+    with torch.no_grad():
+        want = model["plain"](x)
+    assert patch_hf_swiglu(model) == 1
+    assert isinstance(model["plain"], SwiGLUMLP)
+    assert type(model["clamped"]) is _ClampedMLP and type(model["scaled"]) is _ScaledMLP
+    with torch.no_grad():
+        assert compare("patched plain MLP", want, model["plain"](x), tol=FP32).ok
+
+
+def test_attention_left_alone_where_the_kernels_cannot_serve_it(device, gen):
+    """head_dim 80 (Phi-2, Qwen2-VL's vision tower): a warning naming it, attention counted 0, the model's own
+    implementation kept (the kernels take head dims 32, 64, 128 and 256)."""
+    cfg = transformers.Qwen2Config(vocab_size=97, hidden_size=160, intermediate_size=96, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=1)
+    cfg._attn_implementation = "eager"
+    model = transformers.Qwen2ForCausalLM(cfg).to(device)
+    try:
+        with pytest.warns(UserWarning, match="head_dim 80"):
+            counts = patch_hf_model(model)
+        assert counts["attention"] == 0 and model.config._attn_implementation == "eager"
+    finally:
+        unpatch_hf_rope(model)

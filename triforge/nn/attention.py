@@ -93,7 +93,10 @@ def hf_attention_forward(module, query, key, value, attention_mask, scaling=None
                          f"Sk] = [{B}, <= {k.shape[1]}], got shape {tuple(attention_mask.shape)}")
     mask_k = attention_mask.bool()
     L = mask_k.shape[1]
-    mask_q = mask_k[:, -Sq:] if Sq <= L else F.pad(mask_k, (Sq - L, 0), value=True)
+    if not causal:  # the mask is the keys' (an encoder's padding, for cross-attention): every query is kept
+        mask_q = torch.ones(B, Sq, dtype=torch.bool, device=mask_k.device)
+    else:  # self-attention: the queries are the last Sq of the tokens the mask covers
+        mask_q = mask_k[:, -Sq:] if Sq <= L else F.pad(mask_k, (Sq - L, 0), value=True)
     idx_q, cu_q, max_q = _seqlens(mask_q)
     idx_k, cu_k, max_k = _seqlens(mask_k)
     Hkv = k.shape[2]
@@ -107,15 +110,17 @@ def hf_attention_forward(module, query, key, value, attention_mask, scaling=None
 
 def hf_attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,
                       attention_mask=None, **kwargs):
-    """Hugging Face's flash-attention mask (None, or the 2D padding mask sliced to the keys), and where it is
-    None while the keys run past the tokens seen (a static cache's unused slots), the 2D mask of the seen
-    ones: the kernels align the queries with the last key, so the unused slots must be cut off."""
+    """Hugging Face's flash-attention mask (None, or the 2D padding mask sliced to the keys), and for a causal
+    mask that is None while the keys run past the tokens seen (a static cache's unused slots), the 2D mask
+    of the seen ones: the kernels align the queries with the last key, so the unused slots must be cut off.
+    A bidirectional mask (an encoder's, or cross-attention's, where the keys are another sequence) is left
+    as Hugging Face makes it."""
     from transformers.masking_utils import causal_mask_function, flash_attention_mask
 
     mask = flash_attention_mask(batch_size, q_length, kv_length, q_offset, kv_offset,
                                 mask_function or causal_mask_function, attention_mask, **kwargs)
     seen = int(q_offset) + int(q_length)
-    if mask is None and seen < kv_length:
+    if mask is None and seen < kv_length and "allow_is_bidirectional_skip" not in kwargs:  # not create_bidirectional_mask
         mask = torch.ones(batch_size, seen, dtype=torch.bool, device=kwargs.get("device"))
     return mask
 

@@ -15,7 +15,9 @@
 Each is on by default and can be switched off by keyword; the counts say what was replaced.
 """
 
+import inspect
 import sys
+import warnings
 
 import torch
 from torch import nn
@@ -49,13 +51,44 @@ class SwiGLUMLP(nn.Module):
 
 
 def _is_swiglu_mlp(module: nn.Module) -> bool:
-    return (not isinstance(module, SwiGLUMLP) and all(hasattr(module, n) for n in ("gate_proj", "up_proj", "down_proj"))
-            and type(getattr(module, "act_fn", None)).__name__ in _SILU)
+    """The structure of a plain gated SiLU MLP: exactly gate_proj, up_proj, down_proj and a SiLU act_fn as
+    children, and no parameter or buffer of its own (an extra scale, gate or clamp would be lost)."""
+    if isinstance(module, SwiGLUMLP) or type(getattr(module, "act_fn", None)).__name__ not in _SILU:
+        return False
+    children = {name for name, _ in module.named_children()}
+    own = list(module.named_parameters(recurse=False)) + list(module.named_buffers(recurse=False))
+    return children == {"gate_proj", "up_proj", "down_proj", "act_fn"} and not own
+
+
+def _computes_swiglu(module: nn.Module) -> bool:
+    """The module's own forward equals down(silu(gate(x)) * up(x)) on a small random input: a class that
+    has the structure but another formula (a clamp in forward, a scale from the config) is left alone."""
+    weight = getattr(module.gate_proj, "weight", None)
+    in_features = getattr(module.gate_proj, "in_features", None)
+    if not isinstance(weight, torch.Tensor) or in_features is None or not weight.dtype.is_floating_point:
+        return False
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, in_features, generator=g).to(weight.device, weight.dtype)
+    with torch.no_grad():
+        want = module(x)
+        got = module.down_proj(torch.nn.functional.silu(module.gate_proj(x)) * module.up_proj(x))
+    return want.shape == got.shape and torch.allclose(want.float(), got.float(), rtol=1e-3, atol=1e-3 * float(got.abs().max()))
 
 
 def patch_hf_swiglu(model: nn.Module) -> int:
-    """Replace every gated SiLU MLP of a Hugging Face model in place by SwiGLUMLP; returns the count."""
-    targets = [name for name, m in model.named_modules() if _is_swiglu_mlp(m)]
+    """Replace every gated SiLU MLP of a Hugging Face model in place by SwiGLUMLP; returns the count. A
+    class is taken when its structure is the plain one and its forward computes the plain formula (checked
+    once per class on a small random input)."""
+    verdict = {}
+
+    def takes(m):
+        if not _is_swiglu_mlp(m):
+            return False
+        if type(m) not in verdict:
+            verdict[type(m)] = _computes_swiglu(m)
+        return verdict[type(m)]
+
+    targets = [name for name, m in model.named_modules() if takes(m)]
     for name in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
@@ -80,16 +113,40 @@ def _fused_rope(original):
     return apply_rotary_pos_emb
 
 
+def _rope_matches(original, fused, device) -> bool:
+    """Whether ``original`` is Llama's rotate-half rotation: its signature starts (q, k, cos, sin) and it gives
+    the fused rotation's result on random q, k, cos and sin (interleaved pairs, another sign or another
+    argument order differ)."""
+    params = list(inspect.signature(original).parameters)
+    if params[:4] != ["q", "k", "cos", "sin"]:
+        return False
+    g = torch.Generator().manual_seed(0)
+    q, k, cos, sin = (torch.randn(shape, generator=g).to(device) for shape in ((1, 2, 5, 64), (1, 1, 5, 64), (1, 5, 64),
+                                                                              (1, 5, 64)))
+    try:
+        with torch.no_grad():
+            want, got = original(q, k, cos, sin), fused(q, k, cos, sin)
+    except Exception:
+        return False
+    return all(a.shape == b.shape and torch.allclose(a, b, rtol=1e-5, atol=1e-5) for a, b in zip(want, got))
+
+
 def patch_hf_rope(model: nn.Module) -> int:
     """Point ``apply_rotary_pos_emb`` of the modeling modules that define this model's layers at the fused
-    rotation (the module's function is replaced: every model of the family in the process gets it);
-    returns the number of modules patched now (0 where they already were)."""
+    rotation, where the module's function is Llama's rotate-half form (its signature and its result on a
+    random probe; other families keep theirs). The module's function is replaced: every model of the family
+    in the process gets it. Returns the number of modules patched now (0 where they already were)."""
     patched = 0
+    weight = next(model.parameters(), None)
+    device = weight.device if weight is not None else "cpu"
     for module in {sys.modules.get(type(m).__module__) for m in model.modules()}:
         fn = getattr(module, "apply_rotary_pos_emb", None)
         if fn is None or hasattr(fn, "triforge_original") or not module.__name__.startswith("transformers."):
             continue
-        module.apply_rotary_pos_emb = _fused_rope(fn)
+        fused = _fused_rope(fn)
+        if not _rope_matches(fn, fused, device):
+            continue
+        module.apply_rotary_pos_emb = fused
         patched += 1
     return patched
 
@@ -120,8 +177,27 @@ def patch_hf_model(model: nn.Module, *, rms_norm: bool = True, swiglu: bool = Tr
         counts["gated_deltanet"] = patch_hf_gated_deltanet(model)
     if attention:
         counts["attention"] = 0
-        if hasattr(model, "set_attn_implementation") and any(
-                hasattr(m, "is_causal") and hasattr(m, "scaling") for m in model.modules()):
-            model.set_attn_implementation(register_hf_attention())
-            counts["attention"] = 1
+        layers = [m for m in model.modules() if hasattr(m, "is_causal") and hasattr(m, "scaling")]
+        if hasattr(model, "set_attn_implementation") and layers:
+            why = _unservable(layers)
+            if why:
+                warnings.warn(f"patch_hf_model: attention left as it is: {why}", stacklevel=2)
+            else:
+                model.set_attn_implementation(register_hf_attention())
+                counts["attention"] = 1
     return counts
+
+
+def _unservable(layers) -> str:
+    """Why triforge's attention cannot serve every one of these attention modules (the implementation is
+    switched for the whole model, vision towers included), or ''."""
+    from triforge.ops.attention import HEAD_DIMS
+
+    for m in layers:
+        head_dim = getattr(m, "head_dim", None)
+        if head_dim is not None and head_dim not in HEAD_DIMS:
+            return f"{type(m).__name__} has head_dim {head_dim} (the kernels take {', '.join(map(str, HEAD_DIMS))})"
+        softcap = getattr(getattr(m, "config", None), "attn_logit_softcapping", None)
+        if softcap:
+            return f"{type(m).__name__} softcaps its logits ({softcap}), which the kernels do not"
+    return ""
