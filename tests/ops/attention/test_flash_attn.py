@@ -112,10 +112,18 @@ def _check_backward(q, k, v, causal, dtype, gen, scale=None, with_lse=False):
         ref_grads = torch.autograd.grad(loss, (q64, k64, v64))
     else:
         ref_grads = torch.autograd.grad(ref["o"], (q64, k64, v64), do.double())
+    # each element within atol of the larger of the tensor's rms and its own terms' rounding scale: in a causal
+    # row that sees few keys, or a key seen by few rows, the terms are ~10-100x the rms and an element that
+    # cancels keeps an error of a 16-bit ulp of them (length 1000: 0.74 of the rms bound over six runs; the
+    # peaked test's near-ties failed it). The rms-relative error of the whole tensor is held to rel_rms as before.
+    mags = attn.attention_magnitudes(q.double(), k.double(), v.double(), do.double(), causal, scale, dtype=dtype)
     for name, r, g, x in zip(("dq", "dk", "dv"), ref_grads, (dq, dk, dv), (q, k, v)):
         assert g.shape == x.shape and g.dtype == x.dtype
         assert g.isfinite().all(), f"{name} has NaN/Inf"
-        _assert_ok(name, r, g, dtype)
+        whole = compare(f"{name} rel_rms", r, g, dtype=dtype, verbose=False)  # its element bound is not the check
+        assert whole.rel_rms <= whole.tol.rel_rms, whole.line()
+        rms = float(r.detach().double().square().mean().sqrt())
+        _assert_ok_scaled(name, r, g, dtype, mags[name].clamp_min(rms))
     seen = _seen_rows(Sq, k.shape[1], causal)
     assert (dq[:, ~seen] == 0).all()  # rows that saw no key get no gradient
     return dq, dk, dv
@@ -266,7 +274,7 @@ def test_gradients_peaked_softmax(dtype, gen):
     mags = attn.attention_magnitudes(q.double(), k.double(), v.double(), do.double(), True, dtype=dtype)
     for name, r, g in zip(("dq", "dk", "dv"), ref, grads):
         assert g.isfinite().all(), f"{name} has NaN/Inf"
-        whole = compare(name, r, g, dtype=dtype, verbose=False)
+        whole = compare(f"{name} rel_rms", r, g, dtype=dtype, verbose=False)  # its element bound is not the check
         assert whole.rel_rms <= whole.tol.rel_rms, whole.line()
         _assert_ok_scaled(name, r, g, dtype, mags[name])
 
