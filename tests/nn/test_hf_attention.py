@@ -11,6 +11,8 @@ import triforge.ops.attention as attn_ops
 from triforge.nn import register_hf_attention
 from triforge.testing import Tolerance, compare
 
+from .hf_models import count_calls, random_eager
+
 transformers = pytest.importorskip("transformers")
 
 # two float32 attention implementations: rounding of different summation orders
@@ -25,12 +27,7 @@ def pair(device, gen):
     register_hf_attention()
     cfg = transformers.Qwen2Config(vocab_size=97, hidden_size=128, intermediate_size=128, num_hidden_layers=2,
                                    num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256)
-    cfg._attn_implementation = "eager"
-    eager = transformers.Qwen2ForCausalLM(cfg)
-    with torch.no_grad():
-        for p in eager.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
-    eager = eager.to(device).eval()
+    eager = random_eager(transformers.Qwen2ForCausalLM, cfg, device, gen)
     ours = copy.deepcopy(eager)
     ours.set_attn_implementation("triforge")
     assert ours.config._attn_implementation == "triforge" and eager.config._attn_implementation == "eager"
@@ -39,16 +36,7 @@ def pair(device, gen):
 
 @pytest.fixture
 def calls(monkeypatch):
-    counts = {"flash_attn_func": 0, "flash_attn_varlen_func": 0}
-    for name in counts:
-        fn = getattr(attn_ops, name)
-
-        def counted(*a, _fn=fn, _name=name, **k):
-            counts[_name] += 1
-            return _fn(*a, **k)
-
-        monkeypatch.setattr(attn_ops, name, counted)
-    return counts
+    return count_calls(monkeypatch, [(attn_ops, "flash_attn_func"), (attn_ops, "flash_attn_varlen_func")])
 
 
 def _ids(B, T, device, gen):
@@ -183,12 +171,7 @@ def test_encoder_decoder_cross_attention_matches_eager(device, gen):
     cfg = transformers.BartConfig(vocab_size=97, d_model=128, encoder_layers=1, decoder_layers=1,
                                   encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=96,
                                   decoder_ffn_dim=96, dropout=0.0, attention_dropout=0.0, max_position_embeddings=64)
-    cfg._attn_implementation = "eager"
-    eager = transformers.BartForConditionalGeneration(cfg)
-    with torch.no_grad():
-        for p in eager.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
-    eager = eager.to(device).eval()
+    eager = random_eager(transformers.BartForConditionalGeneration, cfg, device, gen)
     ours = copy.deepcopy(eager)
     ours.set_attn_implementation("triforge")
     enc = torch.randint(3, 97, (2, 12), generator=gen).to(device)

@@ -12,6 +12,8 @@ import triforge.ops.swiglu as swiglu_ops
 from triforge.nn import SwiGLUMLP, patch_hf_model, patch_hf_rope, unpatch_hf_rope
 from triforge.testing import Tolerance, compare
 
+from .hf_models import count_calls, random_eager
+
 transformers = pytest.importorskip("transformers")
 qwen2 = pytest.importorskip("transformers.models.qwen2.modeling_qwen2")
 
@@ -22,16 +24,7 @@ FP32_GRAD = Tolerance(rel_rms=5e-5, atol=2e-4, rtol=2e-4)
 @pytest.fixture
 def calls(monkeypatch):
     """Counts the fused kernels' entry points (the patched code imports them at call time)."""
-    counts = {"swiglu": 0, "apply_rotary_qk": 0}
-    for mod, name in ((swiglu_ops, "swiglu"), (rope_ops, "apply_rotary_qk")):
-        fn = getattr(mod, name)
-
-        def counted(*a, _fn=fn, _name=name, **k):
-            counts[_name] += 1
-            return _fn(*a, **k)
-
-        monkeypatch.setattr(mod, name, counted)
-    return counts
+    return count_calls(monkeypatch, [(swiglu_ops, "swiglu"), (rope_ops, "apply_rotary_qk")])
 
 
 @pytest.fixture
@@ -39,12 +32,7 @@ def qwen2_pair(device, gen):
     """(eager Qwen2, patched copy, counts); the RoPE patch (module-wide) is undone afterwards."""
     cfg = transformers.Qwen2Config(vocab_size=97, hidden_size=128, intermediate_size=96, num_hidden_layers=2,
                                    num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256)
-    cfg._attn_implementation = "eager"
-    model = transformers.Qwen2ForCausalLM(cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
-    model = model.to(device).eval()
+    model = random_eager(transformers.Qwen2ForCausalLM, cfg, device, gen)
     patched = copy.deepcopy(model)
     counts = patch_hf_model(patched)
     yield model, patched, counts
