@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import triforge.ops.attention as attn_ops
+import triforge.ops.attention.decode as decode_ops
 from triforge.nn import register_hf_attention
 from triforge.testing import Tolerance, compare
 
@@ -36,7 +37,8 @@ def pair(device, gen):
 
 @pytest.fixture
 def calls(monkeypatch):
-    return count_calls(monkeypatch, [(attn_ops, "flash_attn_func"), (attn_ops, "flash_attn_varlen_func")])
+    return count_calls(monkeypatch, [(attn_ops, "flash_attn_func"), (attn_ops, "flash_attn_varlen_func"),
+                                     (decode_ops, "flash_attn_with_kvcache")])
 
 
 def _ids(B, T, device, gen):
@@ -49,6 +51,23 @@ def test_logits_match_eager(pair, calls, device, gen):
     with torch.no_grad():
         assert compare("logits", eager(ids).logits, ours(ids).logits, tol=FP32).ok
     assert calls["flash_attn_func"] == 2 and calls["flash_attn_varlen_func"] == 0  # one per layer
+
+
+def test_cached_decoding_runs_flash_decoding(pair, calls, device, gen):
+    """Decoding steps (one token against the cached keys, no gradient) go to flash_attn_with_kvcache over HF's
+    cache tensors as they are (strided [B, S, Hkv, D] views); logits of every step equal eager's."""
+    eager, ours = pair
+    ids = _ids(2, 11, device, gen)
+    with torch.no_grad():
+        want, got = eager(ids, use_cache=True), ours(ids, use_cache=True)
+        cache_want, cache_got = want.past_key_values, got.past_key_values
+        token = want.logits[:, -1:].argmax(-1)
+        for step in range(3):
+            want = eager(token, past_key_values=cache_want, use_cache=True)
+            got = ours(token, past_key_values=cache_got, use_cache=True)
+            assert compare(f"decode step {step}", want.logits, got.logits, tol=FP32).ok
+            token = want.logits[:, -1:].argmax(-1)
+    assert calls["flash_attn_with_kvcache"] == 6 and calls["flash_attn_func"] == 2  # 3 steps x 2 layers; the prefill
 
 
 def test_padded_batch_and_cached_generation_match_eager(pair, calls, device, gen):

@@ -15,6 +15,9 @@ mask; here also the 2D mask of the tokens seen where a static cache's keys run p
 - packed sequences, batch 1: given as ``cu_seq_lens_q`` / ``cu_seq_lens_k`` (``max_length_q`` /
   ``max_length_k``), or only by ``position_ids`` that restart (DataCollatorWithFlattening's two
   forms): ``flash_attn_varlen_func`` over them;
+- a decoding step (one query per row against the cached keys, no gradient wanted, head dim 64 or
+  128): ``flash_attn_with_kvcache`` over the keys as they are (flash-decoding: the keys split across
+  programs, so batch-1 decoding fills the GPU);
 - otherwise ``flash_attn_func`` with the module's causality (bottom-right aligned, which is where
   cached decoding puts the queries).
 
@@ -51,6 +54,16 @@ def _restarts(position_ids, B: int, Sq: int, Sk: int):
     return torch.cat([ends[:1], starts, ends[1:]]).to(torch.int32)
 
 
+def _decode_step(q, k, *tensors) -> bool:
+    """One query per row against more keys (a cached decoding step), at a head dim flash-decoding takes,
+    with no gradient wanted."""
+    from triforge.ops.attention.decode import HEAD_DIMS as DECODE_HEAD_DIMS
+
+    if q.shape[1] != 1 or k.shape[1] <= 1 or q.shape[-1] not in DECODE_HEAD_DIMS:
+        return False
+    return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+
+
 def hf_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None,
                          softcap=None, **kwargs):
     """Hugging Face's attention-function signature: query [B, H, Sq, D], key / value [B, Hkv, Sk, D] (heads
@@ -77,6 +90,14 @@ def hf_attention_forward(module, query, key, value, attention_mask, scaling=None
         if cu_q is None and cu_k is None:
             cu_q = cu_k = _restarts(kwargs.get("position_ids"), B, Sq, k.shape[1])
         if cu_q is None and cu_k is None:
+            if _decode_step(q, k, query, key, value):
+                # one new token against the cached keys, nothing to differentiate: flash-decoding splits the keys
+                # across programs (the training kernel would run one program per head over all of them); the
+                # length is a Python int, so no host sync and the step stays graph-capturable
+                from triforge.ops.attention.decode import flash_attn_with_kvcache
+
+                return flash_attn_with_kvcache(q, k, v, cache_seqlens=k.shape[1], causal=causal,
+                                               softmax_scale=scaling), None
             return flash_attn_func(q, k, v, causal=causal, softmax_scale=scaling), None
         if cu_q is None or cu_k is None or B != 1:
             raise ValueError(f"attn_implementation='{NAME}': packed sequences need cu_seq_lens_q and cu_seq_lens_k "
