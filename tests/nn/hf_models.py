@@ -2,6 +2,8 @@
 
 import torch
 
+from triforge.testing import compare
+
 
 def random_eager(model_cls, cfg, device, gen, scale=0.2):
     """``model_cls(cfg)`` on its eager attention with every parameter drawn from N(0, scale^2) by ``gen``."""
@@ -25,3 +27,18 @@ def count_calls(monkeypatch, targets) -> dict:
 
         monkeypatch.setattr(module, name, counted)
     return counts
+
+
+def assert_cached_decoding_matches(reference, model, ids, tol, steps=3):
+    """A prefill with the cache and ``steps`` greedy decoding steps of each model from its own cache: logits equal
+    within ``tol`` at every step (the tokens fed are the reference's)."""
+    with torch.no_grad():
+        want, got = reference(ids, use_cache=True), model(ids, use_cache=True)
+        assert compare("prefill logits", want.logits, got.logits, tol=tol).ok
+        cache_want, cache_got = want.past_key_values, got.past_key_values
+        token = want.logits[:, -1:].argmax(-1)
+        for step in range(steps):
+            want = reference(token, past_key_values=cache_want, use_cache=True)
+            got = model(token, past_key_values=cache_got, use_cache=True)
+            assert compare(f"decode logits step {step}", want.logits, got.logits, tol=tol).ok
+            token = want.logits[:, -1:].argmax(-1)

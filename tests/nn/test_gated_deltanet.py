@@ -17,6 +17,8 @@ from triforge.nn.deltanet import GatedDeltaNetCache, HFGatedDeltaNet, RMSNormGat
 from triforge.ops.deltanet.reference import STORE_C, stored_error_scales
 from triforge.testing import Tolerance, compare
 
+from .hf_models import assert_cached_decoding_matches
+
 transformers = pytest.importorskip("transformers")
 qwen3_next = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
 from transformers import Qwen3NextConfig  # noqa: E402
@@ -524,16 +526,8 @@ def test_patch_hf_model_keeps_logits_and_generation(backend, device, gen):
     assert sum(isinstance(m, HFGatedDeltaNet) for m in patched.modules()) == 2
     assert [m.layer_idx for m in patched.modules() if isinstance(m, HFGatedDeltaNet)] == [0, 2]
     ids = torch.randint(0, 97, (2, 11), generator=gen).to(device)
+    assert_cached_decoding_matches(model, patched, ids, FP32, steps=3)
     with torch.no_grad():
-        want, got = model(ids, use_cache=True), patched(ids, use_cache=True)
-        assert compare("prefill logits", want.logits, got.logits, tol=FP32).ok
-        cache_want, cache_got = want.past_key_values, got.past_key_values
-        token = want.logits[:, -1:].argmax(-1)
-        for step in range(3):
-            want = model(token, past_key_values=cache_want, use_cache=True)
-            got = patched(token, past_key_values=cache_got, use_cache=True)
-            assert compare(f"decode logits step {step}", want.logits, got.logits, tol=FP32).ok
-            token = want.logits[:, -1:].argmax(-1)
         mask = torch.ones_like(ids)
         mask[1, :3] = 0
         assert compare("padded logits", model(ids, attention_mask=mask).logits,

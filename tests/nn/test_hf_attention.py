@@ -12,7 +12,7 @@ import triforge.ops.attention.decode as decode_ops
 from triforge.nn import register_hf_attention
 from triforge.testing import Tolerance, compare
 
-from .hf_models import count_calls, random_eager
+from .hf_models import assert_cached_decoding_matches, count_calls, random_eager
 
 transformers = pytest.importorskip("transformers")
 
@@ -57,16 +57,7 @@ def test_cached_decoding_runs_flash_decoding(pair, calls, device, gen):
     """Decoding steps (one token against the cached keys, no gradient) go to flash_attn_with_kvcache over HF's
     cache tensors as they are (strided [B, S, Hkv, D] views); logits of every step equal eager's."""
     eager, ours = pair
-    ids = _ids(2, 11, device, gen)
-    with torch.no_grad():
-        want, got = eager(ids, use_cache=True), ours(ids, use_cache=True)
-        cache_want, cache_got = want.past_key_values, got.past_key_values
-        token = want.logits[:, -1:].argmax(-1)
-        for step in range(3):
-            want = eager(token, past_key_values=cache_want, use_cache=True)
-            got = ours(token, past_key_values=cache_got, use_cache=True)
-            assert compare(f"decode step {step}", want.logits, got.logits, tol=FP32).ok
-            token = want.logits[:, -1:].argmax(-1)
+    assert_cached_decoding_matches(eager, ours, _ids(2, 11, device, gen), FP32, steps=3)
     assert calls["flash_attn_with_kvcache"] == 6 and calls["flash_attn_func"] == 2  # 3 steps x 2 layers; the prefill
 
 
