@@ -197,3 +197,14 @@ def test_encoder_decoder_cross_attention_matches_eager(device, gen):
     g_want = eager.generate(enc, attention_mask=emask, max_new_tokens=4, do_sample=False, num_beams=1)
     g_got = ours.generate(enc, attention_mask=emask, max_new_tokens=4, do_sample=False, num_beams=1)
     assert torch.equal(g_want, g_got)
+
+
+def test_registration_names_what_an_old_transformers_lacks(monkeypatch):
+    import sys
+    import types
+
+    old = types.ModuleType("transformers")  # a transformers from before the attention interfaces
+    old.__version__ = "4.45.0"
+    monkeypatch.setitem(sys.modules, "transformers", old)
+    with pytest.raises(ImportError, match=r"AttentionMaskInterface \(4.53 or later\); found 4.45.0"):
+        register_hf_attention()

@@ -149,8 +149,13 @@ def hf_attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, 
 def register_hf_attention(name: str = NAME) -> str:
     """Register triforge's attention with Hugging Face transformers under ``name`` (hf_attention_forward and
     hf_attention_mask); returns the name for ``attn_implementation``."""
-    from transformers import AttentionInterface, AttentionMaskInterface
+    import transformers
 
+    try:
+        from transformers import AttentionInterface, AttentionMaskInterface
+    except ImportError as e:
+        raise ImportError(f"register_hf_attention needs a transformers with AttentionInterface and "
+                          f"AttentionMaskInterface (4.53 or later); found {transformers.__version__}") from e
     AttentionInterface.register(name, hf_attention_forward)
     AttentionMaskInterface.register(name, hf_attention_mask)
     return name
