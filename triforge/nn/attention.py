@@ -33,11 +33,9 @@ NAME = "triforge"
 
 
 def _seqlens(mask: torch.Tensor):
-    """A [B, L] bool mask -> (flat indices of its kept positions, cu_seqlens int32 [B + 1], longest row)."""
+    """A [B, L] bool mask -> (cu_seqlens int32 [B + 1] of its kept positions, longest row)."""
     lengths = mask.sum(-1, dtype=torch.int32)
-    idx = mask.flatten().nonzero().flatten()
-    cu = F.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
-    return idx, cu, int(lengths.max())
+    return F.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0)), int(lengths.max())
 
 
 def _restarts(position_ids, B: int, Sq: int, Sk: int):
@@ -84,7 +82,7 @@ def hf_attention_forward(module, query, key, value, attention_mask, scaling=None
     causal = kwargs.get("is_causal")
     causal = bool(getattr(module, "is_causal", True) if causal is None else causal)
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # [B, S, heads, D], last dim contiguous
-    B, Sq, H, D = q.shape
+    B, Sq, H = q.shape[:3]
     if attention_mask is None:
         cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
         if cu_q is None and cu_k is None:
@@ -116,17 +114,18 @@ def hf_attention_forward(module, query, key, value, attention_mask, scaling=None
     L = mask_k.shape[1]
     if not causal:  # the mask is the keys' (an encoder's padding, for cross-attention): every query is kept
         mask_q = torch.ones(B, Sq, dtype=torch.bool, device=mask_k.device)
+    elif Sq == L:  # self-attention prefill: the queries are the keys' tokens
+        mask_q = mask_k
     else:  # self-attention: the queries are the last Sq of the tokens the mask covers
-        mask_q = mask_k[:, -Sq:] if Sq <= L else F.pad(mask_k, (Sq - L, 0), value=True)
-    idx_q, cu_q, max_q = _seqlens(mask_q)
-    idx_k, cu_k, max_k = _seqlens(mask_k)
-    Hkv = k.shape[2]
-    q_un = q.reshape(B * Sq, H, D)[idx_q]
-    k_un = k[:, :L].reshape(B * L, Hkv, D)[idx_k]
-    v_un = v[:, :L].reshape(B * L, Hkv, v.shape[-1])[idx_k]
-    out_un = flash_attn_varlen_func(q_un, k_un, v_un, cu_q, cu_k, max_q, max_k, causal=causal, softmax_scale=scaling)
-    out = out_un.new_zeros(B * Sq, H, out_un.shape[-1]).index_copy(0, idx_q, out_un)
-    return out.view(B, Sq, H, -1), None
+        mask_q = mask_k[:, -Sq:] if Sq < L else F.pad(mask_k, (Sq - L, 0), value=True)
+    cu_k, max_k = _seqlens(mask_k)
+    cu_q, max_q = (cu_k, max_k) if mask_q is mask_k else _seqlens(mask_q)
+    # the kept rows gathered straight from the [B, S, heads, D] views (one copy each), packed row-major as cu_* count
+    out_un = flash_attn_varlen_func(q[mask_q], k[:, :L][mask_k], v[:, :L][mask_k], cu_q, cu_k, max_q, max_k,
+                                    causal=causal, softmax_scale=scaling)
+    out = out_un.new_zeros(B, Sq, H, out_un.shape[-1])
+    out[mask_q] = out_un
+    return out, None
 
 
 def hf_attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,

@@ -201,7 +201,9 @@ class GatedDeltaNet(nn.Module):
         if attention_mask is not None:
             raise ValueError("cu_seqlens (packed sequences) cannot be combined with attention_mask: packed sequences "
                              "have no padding")
-        if not torch.compiler.is_compiling():  # the offsets' values: read on the host (the chunked op checks them too)
+        if self.backend == "torch" and not torch.compiler.is_compiling():
+            # the offsets' values, read on the host; with backend='triton' the chunked op reads and checks them (one
+            # device sync per call, not two), and the convolution before it indexes only inside its own buffer
             from triforge.ops.deltanet import _check_cu_seqlens
 
             _check_cu_seqlens(cu_seqlens, hidden_states.shape[1])
@@ -273,11 +275,15 @@ class GatedDeltaNet(nn.Module):
             seq = torch.searchsorted(cu[1:], t, right=True).clamp_(max=n - 1)
             dest = t + (seq + 1) * (W - 1)
             window = torch.arange(n, device=x.device)[:, None] * (W - 1) + torch.arange(W - 1, device=x.device)  # [n, W-1]
-            spread = x.new_zeros(x.shape[1], T + n * (W - 1))  # [D, T + n (W - 1)]
+            size = T + n * (W - 1)
+            spread = x.new_zeros(x.shape[1], size)  # [D, T + n (W - 1)]
+            # the slots before (and the last W - 1 of) each sequence; clamped so that offsets the chunked op will
+            # refuse cannot index outside the buffer first (a device-side assert on a GPU)
+            before, last = ((cu[:-1, None] + window).clamp(0, size - 1), (cu[1:, None] + window).clamp(0, size - 1))
             if conv_state is not None:
-                spread[:, cu[:-1, None] + window] = conv_state.transpose(0, 1).to(x.dtype)
+                spread[:, before] = conv_state.transpose(0, 1).to(x.dtype)
             spread[:, dest] = x[0]
-            new_state = spread[:, cu[1:, None] + window].transpose(0, 1).contiguous()  # each sequence's last W - 1
+            new_state = spread[:, last].transpose(0, 1).contiguous()  # each sequence's last W - 1
             w = self.conv1d.weight
             y = F.silu(F.conv1d(spread[None].to(w.dtype), w, self.conv1d.bias, groups=self.conv_dim))[..., dest - (W - 1)]
             return y.to(mixed.dtype).transpose(1, 2), new_state
