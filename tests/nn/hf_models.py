@@ -1,8 +1,21 @@
 """Tiny Hugging Face models for the integration tests: eager attention, fresh random weights, eval mode."""
 
+import inspect
+
 import torch
 
 from triforge.testing import compare
+
+# Hugging Face binds these module functions to fla / causal-conv1d when those are importable (a GPU machine with
+# the peers installed): fla's fp32 products are tf32, so a reference must unwrap them to HF's plain PyTorch
+QWEN3_NEXT_KERNEL_FUNCTIONS = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn",
+                               "causal_conv1d_update")
+
+
+def use_hf_torch_gated_delta(monkeypatch, qwen3_next) -> None:
+    """Qwen3-Next's linear attention on HF's own PyTorch functions, even where fla / causal-conv1d are installed."""
+    for name in QWEN3_NEXT_KERNEL_FUNCTIONS:
+        monkeypatch.setattr(qwen3_next, name, inspect.unwrap(getattr(qwen3_next, name)))
 
 
 def random_eager(model_cls, cfg, device, gen, scale=0.2):

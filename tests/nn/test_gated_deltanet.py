@@ -5,7 +5,6 @@ Prefill, cached decode, gradients, input validation, and the drop-in into a whol
 
 import contextlib
 import copy
-import inspect
 
 import pytest
 import torch
@@ -17,7 +16,7 @@ from triforge.nn.deltanet import GatedDeltaNetCache, HFGatedDeltaNet, RMSNormGat
 from triforge.ops.deltanet.reference import STORE_C, stored_error_scales
 from triforge.testing import Tolerance, compare
 
-from .hf_models import assert_cached_decoding_matches
+from .hf_models import assert_cached_decoding_matches, use_hf_torch_gated_delta
 
 transformers = pytest.importorskip("transformers")
 qwen3_next = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
@@ -45,9 +44,7 @@ BF16_U = 2.0 ** -8  # round to nearest in bf16 moves a value by at most this rel
 @pytest.fixture(autouse=True)
 def hf_torch_path(monkeypatch):
     """Hugging Face's layer on its plain PyTorch functions, even where fla / causal-conv1d are installed."""
-    for name in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn",
-                 "causal_conv1d_update"):
-        monkeypatch.setattr(qwen3_next, name, inspect.unwrap(getattr(qwen3_next, name)))
+    use_hf_torch_gated_delta(monkeypatch, qwen3_next)
 
 
 def _config(layer_types=("linear_attention",)) -> Qwen3NextConfig:

@@ -12,7 +12,7 @@ import triforge.ops.swiglu as swiglu_ops
 from triforge.nn import SwiGLUMLP, patch_hf_model, patch_hf_rope, unpatch_hf_rope
 from triforge.testing import Tolerance, compare
 
-from .hf_models import count_calls, random_eager
+from .hf_models import count_calls, random_eager, use_hf_torch_gated_delta
 
 transformers = pytest.importorskip("transformers")
 qwen2 = pytest.importorskip("transformers.models.qwen2.modeling_qwen2")
@@ -106,10 +106,12 @@ def test_rope_patch_falls_back_where_it_does_not_apply(qwen2_pair, calls, device
     assert calls["apply_rotary_qk"] == 1  # the fallbacks did not reach the kernel
 
 
-def test_switches_and_a_hybrid_qwen3_next(device, gen):
+def test_switches_and_a_hybrid_qwen3_next(device, gen, monkeypatch):
     """Keywords switch each patch off; Qwen3-Next (partial rotary: its RoPE calls fall back) gets Gated
-    DeltaNet, the attention implementation, the SwiGLU MLP, and its (1 + weight) RMSNorm is left alone."""
+    DeltaNet, the attention implementation, the SwiGLU MLP, and its (1 + weight) RMSNorm is left alone.
+    The reference runs HF's PyTorch recurrence (where fla is installed HF would call it: tf32 products)."""
     qwen3_next = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
+    use_hf_torch_gated_delta(monkeypatch, qwen3_next)
     cfg = transformers.Qwen3NextConfig(
         vocab_size=97, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
         layer_types=["linear_attention", "full_attention"], num_attention_heads=2, num_key_value_heads=1,

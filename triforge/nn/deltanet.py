@@ -272,7 +272,11 @@ class GatedDeltaNet(nn.Module):
             n = cu_seqlens.shape[0] - 1
             t = torch.arange(T, device=x.device)
             cu = cu_seqlens.to(t.dtype)
-            seq = torch.searchsorted(cu[1:], t, right=True).clamp_(max=n - 1)
+            # the sequence of token t: how many inner boundaries lie at or before it (a count and a cumulative sum,
+            # not searchsorted: Inductor's CUDA lowering of that on a slice of a computed offset raises)
+            starts = torch.zeros(T + 1, dtype=t.dtype, device=x.device)
+            starts.index_add_(0, cu[1:-1].clamp(0, T), torch.ones_like(cu[1:-1]))
+            seq = starts[:T].cumsum(0).clamp_(max=n - 1)
             dest = t + (seq + 1) * (W - 1)
             window = torch.arange(n, device=x.device)[:, None] * (W - 1) + torch.arange(W - 1, device=x.device)  # [n, W-1]
             size = T + n * (W - 1)
