@@ -112,7 +112,7 @@ def setup_engine():
     model = build_model(24, 0)
     engine = Qwen2Engine.from_hf(model, max_seq_len=4096)
     ids = torch.randint(0, model.config.vocab_size, (1, 16), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
-    return engine, ids, launch._table(_runtime.arch())
+    return engine, ids, launch._table(_runtime.arch(), _runtime.device_tag())
 
 
 def main():

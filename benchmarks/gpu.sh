@@ -6,7 +6,8 @@
 #   TESTS="tests/x.py ..."  files for the tests step (run with pytest-xdist, TEST_WORKERS processes, when installed)
 #   TESTS_K="expr"          pytest -k filter for the tests step; REAL_K="expr": for the realtier step (tests/test_gpu.py)
 #   OPS="rms_norm swiglu"   ops (or families) for tune/bench/sanitize; TUNE="mhc swiglu": kernel prefixes to tune,
-#                           TUNE_ARGS="--shape T=65536,C=1024" at a shape (TUNE_TAG names its JSON files)
+#                           TUNE_ARGS="--shape T=65536,C=1024" at a shape (TUNE_TAG names its JSON files);
+#                           TUNE_FOR_DEVICE=1 writes to the device model's file (configs/sm90.h200.json), not the arch's
 # Results land in $OUT: all.tgz (everything) plus the bench JSON, report and configs.
 # Run from a snapshot of a commit (benchmarks/snapshot.sh writes .snap/ with the tree and .commit).
 set -uo pipefail
@@ -68,7 +69,7 @@ for step in $STEPS; do
           sel=${TUNE:-$OPS}
           if [ -n "$sel" ] && ! echo "$k" | grep -qE "^($(echo $sel | tr ' ' '|'))"; then continue; fi
           if [ $SECONDS -ge "${TUNE_S:-300}" ]; then echo "tune: time is up, $k ($ta) not tuned"; continue; fi
-          python3 -m triforge tune "$k" $ta --write --top 3 --json "$OUT/tune-$k${TUNE_TAG:-}-$ti.json" 2>&1 | tail -4
+          python3 -m triforge tune "$k" $ta --write ${TUNE_FOR_DEVICE:+--for-device} --top 3 --json "$OUT/tune-$k${TUNE_TAG:-}-$ti.json" 2>&1 | tail -4
         done
       done
       ;;
@@ -77,7 +78,7 @@ for step in $STEPS; do
       for kv in ${TUNE_LIST:-}; do
         ti=$((ti + 1)); k=${kv%%:*}; shape=${kv#*:}
         if [ $SECONDS -ge "${TUNE_S:-300}" ]; then echo "tunelist: time is up, $k ($shape) not tuned"; continue; fi
-        python3 -m triforge tune "$k" --shape "$shape" --write --top 3 --json "$OUT/tune-$k-$ti.json" 2>&1 | tail -5
+        python3 -m triforge tune "$k" --shape "$shape" --write ${TUNE_FOR_DEVICE:+--for-device} --top 3 --json "$OUT/tune-$k-$ti.json" 2>&1 | tail -5
       done ;;
     bench)
       f="$OUT/bench-$(date -u +%Y-%m-%d)-$TRIFORGE_COMMIT.json"

@@ -29,6 +29,12 @@ def test_gpu_only_commands_refuse_without_gpu(argv, capsys):
     assert "needs a CUDA GPU" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("flag", ["--force", "--for-device"])
+def test_tune_write_flags_need_write(flag, capsys):
+    assert main(["tune", "rms_norm_fwd", flag]) == 2
+    assert "add --write" in capsys.readouterr().out
+
+
 def test_tune_list(capsys):
     assert main(["tune", "--list"]) == 0
     assert "rms_norm_fwd" in capsys.readouterr().out

@@ -7,6 +7,7 @@ Each test here must be able to fail: the harness is what every kernel test trust
 import dataclasses
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -738,6 +739,37 @@ def test_write_config_keeps_keys_outside_the_space(config_dir, monkeypatch):
     prov = data["provenance"]["fake_kernel[fake-key-5]"]
     assert prov["gluon"] == "why" and prov["emu"] == "because"
 
+
+
+def test_device_configs_are_read_over_the_arch(config_dir, monkeypatch):
+    """A device model's file (<arch>.<tag>.json, written by write_config(for_device=True)) is read over the arch's,
+    field by field, on that model only; the arch's file is left as it was."""
+    assert [_runtime.device_tag_of(n) for n in ("NVIDIA H200", "NVIDIA H100 80GB HBM3", "Tesla V100-SXM2-16GB", "??")] \
+        == ["h200", "h100-80gb-hbm3", "tesla-v100-sxm2-16gb", "unknown"]
+    arch, tag = "sm_test_arch_d", {"now": "h200"}
+    monkeypatch.setattr(_runtime, "arch", lambda: arch)
+    monkeypatch.setattr(_runtime, "device_tag", lambda: tag["now"])
+    arch_text = json.dumps({"arch": arch, "kernels": {"fake_kernel": {
+        "fake-key-5": {"p": 9, "q": 9, "GLUON": {"BLOCK_N": 128}}, "fake-key-7": {"p": 4, "q": 20}}}})
+    (config_dir / f"{arch}.json").write_text(arch_text)
+    launch.reload()
+    t, timer = _fake_tunable()
+    res = tune.tune(t, {"M": 5}, torch.float32, timer=timer)
+    assert res["device_tag"] == "h200"
+    path = tune.write_config(res, force=True, for_device=True)
+    assert path == str(config_dir / f"{arch}.h200.json")
+    assert (config_dir / f"{arch}.json").read_text() == arch_text
+    data = json.loads(Path(path).read_text())
+    assert data["kernels"] == {"fake_kernel": {"fake-key-5": {"p": 2, "q": 10}}} and data["device"] == res["device"]
+    # on the H200: its tiles over the arch's entry, the arch's other fields kept; keys it lacks from the arch
+    assert launch.stored_config("fake_kernel", "fake-key-5") == {"p": 2, "q": 10, "GLUON": {"BLOCK_N": 128}}
+    assert launch.stored_config("fake_kernel", "fake-key-7") == {"p": 4, "q": 20}
+    assert launch.config("fake_kernel", "fake-key-5", {"p": 0, "extra": 1}) == {"p": 2, "q": 10, "GLUON": {"BLOCK_N": 128},
+                                                                             "extra": 1}
+    tag["now"] = "h100-80gb-hbm3"  # another model of the arch reads the arch's file alone
+    assert launch.stored_config("fake_kernel", "fake-key-5") == {"p": 9, "q": 9, "GLUON": {"BLOCK_N": 128}}
+    with pytest.raises(ValueError, match="device_tag"):
+        tune.write_config({k: v for k, v in res.items() if k != "device_tag"}, force=True, for_device=True)
 
 
 def test_write_config_then_launch_config_returns_it(config_dir, monkeypatch):

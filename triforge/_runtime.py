@@ -6,6 +6,7 @@ Imported first by ``triforge/__init__.py`` so that TRITON_INTERPRET is set befor
 
 import functools
 import os
+import re
 
 import torch
 
@@ -30,9 +31,17 @@ def device_name() -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def _device_facts(index: int) -> tuple[str, int]:
+def _device_facts(index: int) -> tuple[str, int, str]:
     props = torch.cuda.get_device_properties(index)
-    return f"sm{props.major}{props.minor}", props.multi_processor_count
+    return f"sm{props.major}{props.minor}", props.multi_processor_count, device_tag_of(props.name)
+
+
+def device_tag_of(name: str) -> str:
+    """A device name as a file-name tag: lower case, the vendor dropped, runs of other characters as one '-'
+    ('NVIDIA H200' -> 'h200', 'NVIDIA H100 80GB HBM3' -> 'h100-80gb-hbm3')."""
+    low = name.lower()
+    low = low[len("nvidia"):] if low.startswith("nvidia") else low
+    return re.sub(r"[^a-z0-9]+", "-", low).strip("-") or "unknown"
 
 
 def arch() -> str:
@@ -41,6 +50,14 @@ def arch() -> str:
     if HAS_CUDA and not INTERPRET:
         return _device_facts(torch.cuda.current_device())[0]
     return "interpreter"
+
+
+def device_tag() -> str:
+    """The current device's model as a tag (:func:`device_tag_of`; 'cpu-interpreter' under the interpreter): the
+    per-device configs file ``<arch>.<tag>.json`` is read before the arch's. Cached per device."""
+    if HAS_CUDA and not INTERPRET:
+        return _device_facts(torch.cuda.current_device())[2]
+    return "cpu-interpreter"
 
 
 def num_sms() -> int:

@@ -135,6 +135,9 @@ def cmd_tune(args) -> int:
             t = tune.get(name)
             console.print(f"{name}: shape {list(t.shape_names)} (default {t.default_shape}), space {t.space}")
         return 0
+    if (args.force or args.for_device) and not args.write:
+        console.print("[red]error:[/red] --force and --for-device apply to --write; add --write")
+        return 2
     _runtime.require_gpu("triforge tune")
     kernels = tune_targets(args.kernel)
     if not kernels:
@@ -185,7 +188,7 @@ def _tune_one(args, t) -> int:
             path = path / f"tune-{t.kernel}.json"
         path.write_text(json.dumps(result, indent=2))
     if args.write:
-        path = tune.write_config(result, force=args.force)
+        path = tune.write_config(result, force=args.force, for_device=args.for_device)
         if path is None:
             console.print("not written: the stored entry in use measured at least as fast as the grid's best "
                           "(--force writes it anyway)")
@@ -385,6 +388,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--write", action="store_true", help="store the best config in triforge/configs/<arch>.json "
                    "(not over a stored entry that measured at least as fast in the same run)")
     t.add_argument("--force", action="store_true", help="with --write: replace the stored entry even where it was faster")
+    t.add_argument("--for-device", action="store_true", help="with --write: store in triforge/configs/<arch>.<device>.json "
+                   "(e.g. sm90.h200.json), read over <arch>.json on this device model only")
     t.add_argument("--list", action="store_true", help="list the tunable kernels")
     t.set_defaults(func=cmd_tune)
 

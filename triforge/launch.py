@@ -48,12 +48,29 @@ def config_key(**fields) -> str:
     return ",".join(f"{k}={fields[k]}" for k in sorted(fields))
 
 
+def configs_file(arch: str, device: str | None = None) -> Path:
+    """The configs file of an arch (``<arch>.json``), or of one device model of it (``<arch>.<device>.json``, a
+    :func:`triforge._runtime.device_tag`): a device's entries are read over the arch's, key by key, so a GPU
+    that differs from the one the arch's entries were tuned on (an H200 against the H100) keeps its own."""
+    return CONFIG_DIR / (f"{arch}.json" if device is None else f"{arch}.{device}.json")
+
+
+def _read_kernels(path: Path) -> dict:
+    return json.loads(path.read_text()).get("kernels", {}) if path.exists() else {}
+
+
 @functools.lru_cache(maxsize=None)
-def _table(arch: str) -> dict:
-    path = CONFIG_DIR / f"{arch}.json"
-    if not path.exists():
-        return {}
-    return json.loads(path.read_text()).get("kernels", {})
+def _table(arch: str, device: str | None = None) -> dict:
+    """kernel -> key -> entry: the arch's file, with the device's file (if any) over it, each entry's fields
+    merged (a device entry may set only what its tuning space holds; the arch's other fields, e.g. the
+    attention forward's GLUON, stay)."""
+    merged = {kernel: {key: dict(entry) for key, entry in keys.items()}
+              for kernel, keys in _read_kernels(configs_file(arch)).items()}
+    if device is not None:
+        for kernel, keys in _read_kernels(configs_file(arch, device)).items():
+            for key, entry in keys.items():
+                merged.setdefault(kernel, {}).setdefault(key, {}).update(entry)
+    return merged
 
 
 _reload_hooks: list = []
@@ -75,8 +92,9 @@ def config_cache(fn):
 
 
 def stored_config(kernel: str, key: str) -> dict | None:
-    """The entry stored for ``kernel`` at ``key`` in this arch's configs file (None: the launcher falls back)."""
-    found = _table(_runtime.arch()).get(kernel, {}).get(key)
+    """The entry stored for ``kernel`` at ``key`` for this device: its arch's configs file with the device's
+    own file over it (:func:`configs_file`; None: the launcher falls back)."""
+    found = _table(_runtime.arch(), _runtime.device_tag()).get(kernel, {}).get(key)
     return None if found is None else dict(found)
 
 

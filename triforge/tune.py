@@ -157,6 +157,7 @@ def tune(tunable: Tunable, shape: dict, dtype: torch.dtype, *, top: int = 5, tim
         "kernel": tunable.kernel,
         "device": _runtime.device_name(),
         "arch": _runtime.arch(),
+        "device_tag": _runtime.device_tag(),
         "shape": shape,
         "dtype": str(dtype).replace("torch.", ""),
         "key": key,
@@ -180,17 +181,22 @@ def keeps_entry_in_use(result: dict) -> bool:
                 and in_use["ms"] <= best["ms"])
 
 
-def write_config(result: dict, arch: str | None = None, force: bool = False) -> str | None:
-    """Store ``result['best']`` in triforge/configs/<arch>.json under kernel and key; unless ``force``,
-    not over a stored entry that measured at least as fast in the same run (then nothing is written and
-    None is returned)."""
+def write_config(result: dict, arch: str | None = None, force: bool = False, for_device: bool = False) -> str | None:
+    """Store ``result['best']`` in triforge/configs/<arch>.json under kernel and key (``for_device``: in
+    <arch>.<device tag>.json, read over the arch's file on that device model only); unless ``force``, not over
+    a stored entry that measured at least as fast in the same run (then nothing is written and None is
+    returned)."""
     if not result.get("best"):
         raise ValueError(f"no config of {result['kernel']} ran; nothing to write")
     if not force and keeps_entry_in_use(result):
         return None
     arch = arch or result["arch"]
-    path = launch.CONFIG_DIR / f"{arch}.json"
+    if for_device and not result.get("device_tag"):
+        raise ValueError("for_device: the tune result names no device_tag (tuned before per-device configs)")
+    path = launch.configs_file(arch, result["device_tag"] if for_device else None)
     data = json.loads(path.read_text()) if path.exists() else {"arch": arch, "kernels": {}}
+    if for_device:
+        data.setdefault("device", result["device"])
     entry = dict(result["best"]["config"])
     prov_key = f"{result['kernel']}[{result['key']}]"
     old = data.get("kernels", {}).get(result["kernel"], {}).get(result["key"], {})
