@@ -29,6 +29,51 @@ def test_gpu_only_commands_refuse_without_gpu(argv, capsys):
     assert "needs a CUDA GPU" in capsys.readouterr().out
 
 
+def test_bench_resume_refuses_another_run(tmp_path, capsys, monkeypatch):
+    """--resume continues only its own --json file, at the same commit, device and dtype (checked before the GPU)."""
+    from triforge import bench
+
+    assert main(["bench", "rms_norm", "--resume"]) == 2
+    assert "name it" in capsys.readouterr().out
+    monkeypatch.setattr(bench, "git_commit", lambda: "abc1234")
+    f = tmp_path / "r.json"
+    base = {"commit": "abc1234", "device": _runtime.device_name(), "rows": [{"op": "rms_norm", "dtype": "bfloat16"}]}
+    for changed, word in (({"commit": "0000000"}, "commit"), ({"device": "other"}, "device"),
+                          ({"rows": [{"op": "rms_norm", "dtype": "float16"}]}, "float16")):
+        f.write_text(json.dumps({**base, **changed}))
+        assert main(["bench", "rms_norm", "--json", str(f), "--resume"]) == 2
+        out = capsys.readouterr().out
+        assert "--resume" in out and word in out
+
+
+def test_run_bench_skips_the_shapes_a_resumed_file_measured(monkeypatch):
+    """run_bench with done_rows keeps their measured shapes, re-runs a failed one (its old rows dropped) and the
+    rest, and recomputes the totals."""
+    import types
+
+    from triforge import bench
+
+    ran = []
+
+    def fake_bench_op(spec, *, shape=None, **kw):
+        ran.append(shape)
+        return [{"op": spec.name, "mode": "fwd", "impl": "triforge", "shape": str(shape), "bench_shape": shape,
+                 "median_ms": 1.0}]
+
+    monkeypatch.setattr(bench, "bench_op", fake_bench_op)
+    monkeypatch.setattr(bench, "peaks", lambda: {"copy_tbps": 1.0, "matmul_bf16_tflops": 1.0})
+    spec = types.SimpleNamespace(name="op_a", family="fam", bench_shapes=({"M": 1}, {"M": 2}, {"M": 3}))
+    done = [{"op": "op_a", "mode": "fwd", "impl": "triforge", "bench_shape": {"M": 1}, "median_ms": 0.5},
+            {"op": "op_a", "mode": "fwd", "impl": "peer", "bench_shape": {"M": 1}, "median_ms": 0.7},
+            {"op": "op_a", "mode": "fwd", "impl": "triforge", "bench_shape": {"M": 2}, "error": "parity check failed"},
+            {"op": "fam total", "mode": "fwd", "impl": "triforge"}]
+    result = bench.run_bench([spec], done_rows=done)
+    assert ran == [{"M": 2}, {"M": 3}]
+    got = [(r["impl"], r.get("bench_shape"), r.get("median_ms"), "error" in r) for r in result["rows"]]
+    assert got == [("triforge", {"M": 1}, 0.5, False), ("peer", {"M": 1}, 0.7, False),
+                   ("triforge", {"M": 2}, 1.0, False), ("triforge", {"M": 3}, 1.0, False)]
+
+
 @pytest.mark.parametrize("flag", ["--force", "--for-device"])
 def test_tune_write_flags_need_write(flag, capsys):
     assert main(["tune", "rms_norm_fwd", flag]) == 2

@@ -207,7 +207,7 @@ def bench_op(spec, *, dtype=torch.bfloat16, modes=("fwd", "bwd"), peers=True, se
         if not verdict.ok:
             failed = verdict.error or verdict.failed_stage
             return [{"op": spec.name, "mode": m, "impl": "triforge", "shape": verdict.shape, "dtype": verdict.dtype,
-                     "error": f"parity check failed: {failed}"} for m in modes]
+                     "bench_shape": shape, "error": f"parity check failed: {failed}"} for m in modes]
     sets = _rotation(spec, dtype, seed, tier)
     impls = {"triforge": spec.call}
     if peers:
@@ -222,7 +222,7 @@ def bench_op(spec, *, dtype=torch.bfloat16, modes=("fwd", "bwd"), peers=True, se
         ours = None
         for name, impl in impls.items():
             row = {"op": spec.name, "mode": mode, "impl": name, "shape": spec.describe(sets[0]),
-                   "dtype": str(dtype).replace("torch.", ""), "n_input_sets": len(sets)}
+                   "dtype": str(dtype).replace("torch.", ""), "n_input_sets": len(sets), "bench_shape": shape}
             try:
                 fn = _fwd_fn(impl, sets) if mode == "fwd" else _bwd_fn(impl, spec, sets)
                 launch._compiled.clear()
@@ -298,12 +298,23 @@ def family_totals(specs, rows) -> list[dict]:
     return out
 
 
+def _measured(rows, op: str, shape) -> bool:
+    """Whether ``rows`` hold a measured (not failed) triforge row of ``op`` at bench shape ``shape``."""
+    return any(r["op"] == op and r["impl"] == "triforge" and "error" not in r and "bench_shape" in r
+               and r["bench_shape"] == shape for r in rows)
+
+
 def run_bench(specs, *, dtype=torch.bfloat16, modes=("fwd", "bwd"), peers=True, progress=None, shape=None,
-              on_partial=None) -> dict:
-    """Every op's rows plus family totals; ``on_partial(result)`` sees the result after each op."""
-    rows = []
+              on_partial=None, done_rows=None) -> dict:
+    """Every op's rows plus family totals; ``on_partial(result)`` sees the result after each op. ``done_rows``
+    (a cut-off run's rows at this commit, ``triforge bench --resume``) are kept, and the shapes they measured
+    are not run again."""
+    rows = [r for r in (done_rows or []) if not r["op"].endswith(" total")]
     for spec in specs:
         for one in ([shape] if shape or not spec.bench_shapes else spec.bench_shapes):
+            if _measured(rows, spec.name, one):
+                continue
+            rows = [r for r in rows if not (r["op"] == spec.name and r.get("bench_shape", ()) == one)]  # failed
             rows += bench_op(spec, dtype=dtype, modes=modes, peers=peers, shape=one)
             if on_partial is not None:  # a sweep cut off by a time limit (or a fault) keeps its finished shapes,
                 on_partial(_result(rows, shape))  # and the rows of a shape whose calls failed name the failing call

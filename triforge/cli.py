@@ -93,6 +93,9 @@ def cmd_bench(args) -> int:
 
     specs = registry.select(args.ops)
     _check_shape_dims(args.shape_dims, [(s.name, s.shape_names) for s in specs])
+    done = _resumed_rows(args) if args.resume else None
+    if done is False:
+        return 2
     _runtime.require_gpu("triforge bench")
     modes = tuple(args.modes.split(","))
 
@@ -105,13 +108,38 @@ def cmd_bench(args) -> int:
         task = prog.add_task("benchmarking", total=len(specs))
         result = bench.run_bench(specs, dtype=args.dtype, modes=modes, peers=not args.no_peers,
                                  progress=lambda name: prog.advance(task), shape=args.shape_dims or None,
-                                 on_partial=save)
+                                 on_partial=save, done_rows=done)
     console.print(_bench_table(result))
     save(result)
     if args.json:
         console.print(f"results written to {args.json}")
     failed = [r for r in result["rows"] if r["impl"] == "triforge" and "error" in r]
     return 1 if failed else 0
+
+
+def _resumed_rows(args):
+    """``bench --resume``: the rows of the --json file (None where it does not exist yet), or False after saying why
+    they cannot be continued (another commit, device or dtype: one file must describe one run's conditions)."""
+    from triforge import _runtime, bench
+
+    if not args.json:
+        console.print("[red]error:[/red] --resume continues the --json file; name it")
+        return False
+    path = Path(args.json)
+    if not path.exists():
+        return None
+    old = json.loads(path.read_text())
+    want = {"commit": bench.git_commit(), "device": _runtime.device_name()}
+    for key, value in want.items():
+        if old.get(key) != value:
+            console.print(f"[red]error:[/red] --resume: {path} is from {key} {old.get(key)!r}, this run is {value!r}")
+            return False
+    dtype = str(args.dtype).replace("torch.", "")
+    other = sorted({r["dtype"] for r in old.get("rows", []) if r.get("dtype") not in (None, dtype)})
+    if other:
+        console.print(f"[red]error:[/red] --resume: {path} holds {other} rows, this run is {dtype}")
+        return False
+    return old.get("rows", [])
 
 
 def _parse_shape(text, names):
@@ -377,6 +405,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--dtype", type=_dtype, default="bf16")
     b.add_argument("--modes", default="fwd,bwd")
     b.add_argument("--no-peers", action="store_true")
+    b.add_argument("--resume", action="store_true", help="with --json: keep the file's rows (a run cut off by a time "
+                   "limit, same commit, device and dtype) and run only the shapes it has not measured")
     b.set_defaults(func=cmd_bench)
 
     t = sub.add_parser("tune", help="grid-search a kernel's launch parameters at one shape (GPU only)")
