@@ -42,16 +42,28 @@ def count_calls(monkeypatch, targets) -> dict:
     return counts
 
 
+def cache_keyword(model) -> str:
+    """The keyword a Hugging Face model's forward takes its cache by: ``cache`` since transformers 5.2x (where
+    ``past_key_values`` is deprecated, to be removed), ``past_key_values`` before."""
+    return "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
+
+
+def output_cache(out):
+    """The cache a forward returned (``out.cache``, or ``out.past_key_values`` on older transformers)."""
+    return out.cache if "cache" in out else out.past_key_values
+
+
 def assert_cached_decoding_matches(reference, model, ids, tol, steps=3):
     """A prefill with the cache and ``steps`` greedy decoding steps of each model from its own cache: logits equal
-    within ``tol`` at every step (the tokens fed are the reference's)."""
+    within ``tol`` at every step (the tokens fed are the reference's). ``reference`` takes ``model``'s keywords."""
+    kw = cache_keyword(model)
     with torch.no_grad():
         want, got = reference(ids, use_cache=True), model(ids, use_cache=True)
         assert compare("prefill logits", want.logits, got.logits, tol=tol).ok
-        cache_want, cache_got = want.past_key_values, got.past_key_values
+        cache_want, cache_got = output_cache(want), output_cache(got)
         token = want.logits[:, -1:].argmax(-1)
         for step in range(steps):
-            want = reference(token, past_key_values=cache_want, use_cache=True)
-            got = model(token, past_key_values=cache_got, use_cache=True)
+            want = reference(token, use_cache=True, **{kw: cache_want})
+            got = model(token, use_cache=True, **{kw: cache_got})
             assert compare(f"decode logits step {step}", want.logits, got.logits, tol=tol).ok
             token = want.logits[:, -1:].argmax(-1)

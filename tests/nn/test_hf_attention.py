@@ -12,7 +12,7 @@ import triforge.ops.attention.decode as decode_ops
 from triforge.nn import register_hf_attention
 from triforge.testing import Tolerance, compare
 
-from .hf_models import assert_cached_decoding_matches, count_calls, random_eager
+from .hf_models import assert_cached_decoding_matches, cache_keyword, count_calls, random_eager
 
 transformers = pytest.importorskip("transformers")
 
@@ -107,7 +107,7 @@ def test_static_cache_matches_eager(pair, device, gen):
     with torch.no_grad():
         want = eager(ids).logits
         cache = transformers.StaticCache(config=ours.config, max_cache_len=32)
-        got = ours(ids, past_key_values=cache, use_cache=True).logits
+        got = ours(ids, use_cache=True, **{cache_keyword(ours): cache}).logits
     assert compare("static-cache prefill", want, got, tol=FP32).ok
     mask = torch.ones_like(ids)
     mask[0, :2] = 0

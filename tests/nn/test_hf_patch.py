@@ -12,7 +12,7 @@ import triforge.ops.swiglu as swiglu_ops
 from triforge.nn import SwiGLUMLP, patch_hf_model, patch_hf_rope, unpatch_hf_rope
 from triforge.testing import Tolerance, compare
 
-from .hf_models import count_calls, random_eager, use_hf_torch_gated_delta
+from .hf_models import assert_cached_decoding_matches, count_calls, random_eager, use_hf_torch_gated_delta
 
 transformers = pytest.importorskip("transformers")
 qwen2 = pytest.importorskip("transformers.models.qwen2.modeling_qwen2")
@@ -213,3 +213,52 @@ def test_attention_left_alone_where_the_kernels_cannot_serve_it(device, gen):
         assert counts["attention"] == 0 and model.config._attn_implementation == "eager"
     finally:
         unpatch_hf_rope(model)
+
+
+def _family(name):
+    """(model class, config, the counts patch_hf_model must report) of a tiny two-layer model of a family."""
+    common = dict(vocab_size=97, hidden_size=128, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256)
+    t = transformers
+    return {
+        # Llama and Mistral: the Qwen2 structure without biases
+        "llama": (t.LlamaForCausalLM, t.LlamaConfig(**common),
+                  {"rms_norm": 5, "swiglu": 2, "rope": 1, "gated_deltanet": 0, "attention": 1}),
+        "mistral": (t.MistralForCausalLM, t.MistralConfig(**common, sliding_window=None),
+                    {"rms_norm": 5, "swiglu": 2, "rope": 1, "gated_deltanet": 0, "attention": 1}),
+        # Qwen3: also an RMSNorm over each head's q and k (q_norm, k_norm) before RoPE
+        "qwen3": (t.Qwen3ForCausalLM, t.Qwen3Config(**common, head_dim=32),
+                  {"rms_norm": 9, "swiglu": 2, "rope": 1, "gated_deltanet": 0, "attention": 1}),
+        # Gemma: (1 + weight) RMSNorms and a GELU-gated MLP stay the model's own; its RoPE and attention are Llama's
+        "gemma": (t.GemmaForCausalLM, t.GemmaConfig(**common, head_dim=32, hidden_activation="gelu_pytorch_tanh"),
+                  {"rms_norm": 0, "swiglu": 0, "rope": 1, "gated_deltanet": 0, "attention": 1}),
+    }[name]
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen3", "gemma"])
+def test_other_families_drop_in(family, calls, device, gen):
+    """patch_hf_model on Llama, Mistral, Qwen3 and Gemma: what it replaces (and leaves) per family, prompt logits
+    against the unpatched model (the original RoPE restored around its calls), and cached decoding step by step."""
+    model_cls, cfg, counts_want = _family(family)
+    eager = random_eager(model_cls, cfg, device, gen)
+    patched = copy.deepcopy(eager)
+    try:
+        assert patch_hf_model(patched) == counts_want
+
+        def reference(*args, **kwargs):  # the unpatched model on the module's original apply_rotary_pos_emb
+            unpatch_hf_rope(patched)
+            try:
+                return eager(*args, **kwargs)
+            finally:
+                patch_hf_rope(patched)
+
+        ids = torch.randint(0, 97, (2, 19), generator=gen).to(device)
+        with torch.no_grad():
+            want = reference(ids).logits
+            calls.update(dict.fromkeys(calls, 0))  # (re-patching after the reference probes the kernel once)
+            got = patched(ids).logits
+        assert calls == {"swiglu": counts_want["swiglu"], "apply_rotary_qk": 2}  # one per layer (two layers)
+        assert compare(f"{family} logits", want, got, tol=FP32).ok
+        assert_cached_decoding_matches(reference, patched, ids[:1], FP32, steps=2)
+    finally:
+        unpatch_hf_rope(patched)
