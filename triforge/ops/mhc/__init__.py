@@ -610,10 +610,12 @@ def _run_post_res(kind):
 
 
 _ROW_SPACE = {"BLOCK_T": [1, 2, 4], "BLOCK_C": [256, 512, 1024], "num_warps": [4, 8]}
-# K1 forward: BLOCK_K 256 never placed in the top 3 of the 54-point sweep at C=1024 (8f802a2); TMA: x and W
+# K1 forward: BLOCK_K 256 never placed in the top 3 of the 54-point sweep at C=1024 on the H100 (8f802a2), but is
+# back in the space for the H200 (session 47: its K1 forward reached 68-80% of copy with the H100's entries, where
+# x is read in runs of BLOCK_K * 2 bytes per token, rows 8-20 KB apart; longer runs are the first guess); TMA: x and W
 # through tensor descriptors. A persistent grid (equal token shares per program, nested tile/K loops) measured
 # 0.2055 vs 0.2036 ms at C=1024 and 0.4741 vs 0.4781 at C=2560 (session 25): not kept
-_tunable("mhc_project_fwd", {"BLOCK_T": [64, 128, 256], "BLOCK_K": [64, 128], "num_warps": [4, 8],
+_tunable("mhc_project_fwd", {"BLOCK_T": [64, 128, 256], "BLOCK_K": [64, 128, 256], "num_warps": [4, 8],
                              "num_stages": [2, 3, 4], "TMA": [0, 1]},
          _run_project_fwd)
 # K1 backward: programs_per_sm sets the persistent grid (one wave); TMA: x and dx through tensor descriptors
