@@ -41,6 +41,8 @@ def main():
     p.add_argument("--no-sweep", action="store_true")
     p.add_argument("--write", action="store_true", help="store the best flash_decode_oproj config (by generate "
                    "tokens/s, if it beats the current by more than 0.5%%) in triforge/configs/<arch>.json")
+    p.add_argument("--for-device", action="store_true", help="with --write: into configs/<arch>.<device>.json (read on "
+                   "this device model only), not <arch>.json")
     args = p.parse_args()
     _runtime.require_gpu("benchmarks/decode_ab.py")
     engine, ids, table = setup_engine()
@@ -133,8 +135,8 @@ def main():
     if args.write and split_rows:
         top = max(split_rows, key=lambda r: r["generate_tokens_per_s"])
         if top["generate_tokens_per_s"] > 1.005 * best[0]:
-            path = launch.CONFIG_DIR / f"{_runtime.arch()}.json"
-            data = json.loads(path.read_text())
+            path = launch.configs_file(_runtime.arch(), _runtime.device_tag() if args.for_device else None)
+            data = json.loads(path.read_text()) if path.exists() else {"arch": _runtime.arch(), "kernels": {}}
             data["kernels"].setdefault("flash_decode_oproj", {})[op_key] = top["config"]
             data.setdefault("provenance", {})[f"flash_decode_oproj[{op_key}]"] = {
                 "device": _runtime.device_name(), "shape": {"role": "Qwen2 decode attention + o_proj", "B": 1},

@@ -119,6 +119,8 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--json")
     p.add_argument("--write", action="store_true")
+    p.add_argument("--for-device", action="store_true", help="with --write: into configs/<arch>.<device>.json (read on "
+                   "this device model only), not <arch>.json")
     p.add_argument("--new", type=int, default=128)
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--roles", default="gate_up,down,qkv,o_proj")
@@ -169,8 +171,8 @@ def main():
         best_all[role] = {"kernel": kernel, "key": key, "config": best[1], "tokens_per_s": best[0]}
         print(f"{role}: best {json.dumps(best[1])} {best[0]:.0f} steps/s")
     if args.write:
-        path = launch.CONFIG_DIR / f"{_runtime.arch()}.json"
-        data = json.loads(path.read_text())
+        path = launch.configs_file(_runtime.arch(), _runtime.device_tag() if args.for_device else None)
+        data = json.loads(path.read_text()) if path.exists() else {"arch": _runtime.arch(), "kernels": {}}
         for role, b in best_all.items():
             if b["config"] is None:
                 continue

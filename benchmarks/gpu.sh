@@ -35,7 +35,8 @@ run_script() {  # one benchmark script: its output to $OUT/<name>.log, its JSON 
   timeout "${SCRIPT_S:-240}" python3 "${args[@]}" > "$OUT/$n.log" 2>&1 || status=1
   echo "$n: ${SECONDS}s"; tail -${SCRIPT_TAIL:-25} "$OUT/$n.log"
 }
-kexpr=(); rexpr=()
+kexpr=(); rexpr=(); fordev=()
+[ "${TUNE_FOR_DEVICE:-0}" = 1 ] && fordev=(--for-device)
 [ -n "${TESTS_K:-}" ] && kexpr=(-k "$TESTS_K")
 [ -n "${REAL_K:-}" ] && rexpr=(-k "$REAL_K")
 for step in $STEPS; do
@@ -69,7 +70,7 @@ for step in $STEPS; do
           sel=${TUNE:-$OPS}
           if [ -n "$sel" ] && ! echo "$k" | grep -qE "^($(echo $sel | tr ' ' '|'))"; then continue; fi
           if [ $SECONDS -ge "${TUNE_S:-300}" ]; then echo "tune: time is up, $k ($ta) not tuned"; continue; fi
-          python3 -m triforge tune "$k" $ta --write ${TUNE_FOR_DEVICE:+--for-device} --top 3 --json "$OUT/tune-$k${TUNE_TAG:-}-$ti.json" 2>&1 | tail -4
+          python3 -m triforge tune "$k" $ta --write "${fordev[@]}" --top 3 --json "$OUT/tune-$k${TUNE_TAG:-}-$ti.json" 2>&1 | tail -4
         done
       done
       ;;
@@ -78,7 +79,7 @@ for step in $STEPS; do
       for kv in ${TUNE_LIST:-}; do
         ti=$((ti + 1)); k=${kv%%:*}; shape=${kv#*:}
         if [ $SECONDS -ge "${TUNE_S:-300}" ]; then echo "tunelist: time is up, $k ($shape) not tuned"; continue; fi
-        python3 -m triforge tune "$k" --shape "$shape" --write ${TUNE_FOR_DEVICE:+--for-device} --top 3 --json "$OUT/tune-$k-$ti.json" 2>&1 | tail -5
+        python3 -m triforge tune "$k" --shape "$shape" --write "${fordev[@]}" --top 3 --json "$OUT/tune-$k-$ti.json" 2>&1 | tail -5
       done ;;
     bench)
       f="$OUT/bench-$(date -u +%Y-%m-%d)-$TRIFORGE_COMMIT.json"

@@ -4,6 +4,7 @@ import json
 
 import numpy as np
 import pytest
+import torch
 
 from triforge import _runtime
 from triforge.cli import main
@@ -29,26 +30,40 @@ def test_gpu_only_commands_refuse_without_gpu(argv, capsys):
     assert "needs a CUDA GPU" in capsys.readouterr().out
 
 
-def test_bench_resume_refuses_another_run(tmp_path, capsys, monkeypatch):
-    """--resume continues only its own --json file, at the same commit, device and dtype (checked before the GPU)."""
+def test_bench_resume_continues_only_the_same_run(tmp_path, capsys, monkeypatch):
+    """--resume continues only its own --json file: the same commit, device, shape, modes, peers and dtype (checked
+    before the GPU); a matching file's rows are handed on."""
+    import argparse
+
     from triforge import bench
+    from triforge.cli import _resumed_rows
 
     assert main(["bench", "rms_norm", "--resume"]) == 2
     assert "name it" in capsys.readouterr().out
     monkeypatch.setattr(bench, "git_commit", lambda: "abc1234")
     f = tmp_path / "r.json"
-    base = {"commit": "abc1234", "device": _runtime.device_name(), "rows": [{"op": "rms_norm", "dtype": "bfloat16"}]}
+    rows = [{"op": "rms_norm", "impl": "triforge", "dtype": "bfloat16", "bench_shape": None, "median_ms": 1.0}]
+    base = {"commit": "abc1234", "device": _runtime.device_name(), "shape": None, "modes": ["fwd", "bwd"],
+            "peers": True, "rows": rows}
     for changed, word in (({"commit": "0000000"}, "commit"), ({"device": "other"}, "device"),
-                          ({"rows": [{"op": "rms_norm", "dtype": "float16"}]}, "float16")):
+                          ({"modes": ["fwd"]}, "modes"), ({"peers": False}, "peers"), ({"shape": {"M": 4}}, "shape"),
+                          ({"rows": [{**rows[0], "dtype": "float16"}]}, "float16")):
         f.write_text(json.dumps({**base, **changed}))
         assert main(["bench", "rms_norm", "--json", str(f), "--resume"]) == 2
-        out = capsys.readouterr().out
-        assert "--resume" in out and word in out
+        out = " ".join(capsys.readouterr().out.split())  # (rich wraps lines)
+        assert "--resume" in out and word in out, word
+    f.write_text(json.dumps(base)[:-20])  # a write cut off
+    assert main(["bench", "rms_norm", "--json", str(f), "--resume"]) == 2
+    assert "not a bench result" in " ".join(capsys.readouterr().out.split())
+    f.write_text(json.dumps(base))
+    args = argparse.Namespace(json=str(f), shape_dims={}, modes="fwd,bwd", no_peers=False, dtype=torch.bfloat16)
+    assert _resumed_rows(args) == rows
+    assert _resumed_rows(argparse.Namespace(**{**vars(args), "json": str(tmp_path / "new.json")})) is None
 
 
 def test_run_bench_skips_the_shapes_a_resumed_file_measured(monkeypatch):
-    """run_bench with done_rows keeps their measured shapes, re-runs a failed one (its old rows dropped) and the
-    rest, and recomputes the totals."""
+    """run_bench with done_rows keeps the shapes they measured, runs again a shape with any failed row (its old
+    rows dropped) and the rest, and recomputes the family totals from old and new rows."""
     import types
 
     from triforge import bench
@@ -56,22 +71,31 @@ def test_run_bench_skips_the_shapes_a_resumed_file_measured(monkeypatch):
     ran = []
 
     def fake_bench_op(spec, *, shape=None, **kw):
-        ran.append(shape)
-        return [{"op": spec.name, "mode": "fwd", "impl": "triforge", "shape": str(shape), "bench_shape": shape,
-                 "median_ms": 1.0}]
+        ran.append((spec.name, shape))
+        return [{"op": spec.name, "mode": m, "impl": "triforge", "shape": str(shape), "bench_shape": shape,
+                 "median_ms": 1.0, "bytes": 10, "flops": 0, "dtype": "bfloat16"} for m in ("fwd", "bwd")]
 
     monkeypatch.setattr(bench, "bench_op", fake_bench_op)
     monkeypatch.setattr(bench, "peaks", lambda: {"copy_tbps": 1.0, "matmul_bf16_tflops": 1.0})
-    spec = types.SimpleNamespace(name="op_a", family="fam", bench_shapes=({"M": 1}, {"M": 2}, {"M": 3}))
-    done = [{"op": "op_a", "mode": "fwd", "impl": "triforge", "bench_shape": {"M": 1}, "median_ms": 0.5},
-            {"op": "op_a", "mode": "fwd", "impl": "peer", "bench_shape": {"M": 1}, "median_ms": 0.7},
-            {"op": "op_a", "mode": "fwd", "impl": "triforge", "bench_shape": {"M": 2}, "error": "parity check failed"},
-            {"op": "fam total", "mode": "fwd", "impl": "triforge"}]
-    result = bench.run_bench([spec], done_rows=done)
-    assert ran == [{"M": 2}, {"M": 3}]
-    got = [(r["impl"], r.get("bench_shape"), r.get("median_ms"), "error" in r) for r in result["rows"]]
-    assert got == [("triforge", {"M": 1}, 0.5, False), ("peer", {"M": 1}, 0.7, False),
-                   ("triforge", {"M": 2}, 1.0, False), ("triforge", {"M": 3}, 1.0, False)]
+    sweep = types.SimpleNamespace(name="op_a", family="fam_a", bench_shapes=({"M": 1}, {"M": 2}, {"M": 3}))
+    layer = [types.SimpleNamespace(name=n, family="fam_b", bench_shapes=None) for n in ("op_b", "op_c")]
+
+    def row(op, mode, shape, **kw):
+        return {"op": op, "mode": mode, "impl": "triforge", "bench_shape": shape, "median_ms": 0.5, "bytes": 10,
+                "flops": 0, "shape": "s", "dtype": "bfloat16", **kw}
+
+    done = [row("op_a", "fwd", {"M": 1}), row("op_a", "bwd", {"M": 1}), {**row("op_a", "fwd", {"M": 1}), "impl": "peer"},
+            row("op_a", "fwd", {"M": 2}), row("op_a", "bwd", {"M": 2}, error="RuntimeError: bwd"),
+            row("op_b", "fwd", None), row("op_b", "bwd", None),
+            {"op": "fam_b total", "mode": "bwd+fwd", "impl": "triforge", "median_ms": 99.0}]
+    result = bench.run_bench([sweep, *layer], done_rows=done)
+    assert ran == [("op_a", {"M": 2}), ("op_a", {"M": 3}), ("op_c", None)]
+    got = [(r["op"], r["impl"], r.get("bench_shape"), r["median_ms"], "error" in r) for r in result["rows"]]
+    assert got[:3] == [("op_a", "triforge", {"M": 1}, 0.5, False), ("op_a", "triforge", {"M": 1}, 0.5, False),
+                       ("op_a", "peer", {"M": 1}, 0.5, False)]
+    assert [g for g in got if g[2] == {"M": 2}] == [("op_a", "triforge", {"M": 2}, 1.0, False)] * 2
+    assert [g[3] for g in got if g[0] == "fam_b total"] == [0.5 + 0.5 + 1.0 + 1.0]  # recomputed, not the old 99
+    assert result["modes"] == ["fwd", "bwd"] and result["peers"] is True
 
 
 @pytest.mark.parametrize("flag", ["--force", "--for-device"])

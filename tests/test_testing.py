@@ -711,6 +711,13 @@ def test_output_mismatch_rules():
     assert tune._tensors({"a": w, "b": (None, [w, 1])}) == [w, w]
 
 
+def _use_arch(monkeypatch, arch: str) -> None:
+    """Configs looked up (and tune results labelled) as on ``arch``, with the device tag _runtime.device_tag gives
+    (a test may patch it too)."""
+    monkeypatch.setattr(_runtime, "arch", lambda: arch)
+    monkeypatch.setattr(_runtime, "config_scope", lambda: (_runtime.arch(), _runtime.device_tag()))
+
+
 @pytest.fixture
 def config_dir(tmp_path, monkeypatch):
     d = tmp_path / "configs"
@@ -725,7 +732,7 @@ def test_write_config_keeps_keys_outside_the_space(config_dir, monkeypatch):
     """A re-tune replaces an entry's tiles but keeps its keys outside the tuning space (the attention forward's GLUON
     and EMU) and their provenance notes."""
     arch = "sm_test_arch_g"
-    monkeypatch.setattr(_runtime, "arch", lambda: arch)
+    _use_arch(monkeypatch, arch)
     (config_dir / f"{arch}.json").write_text(json.dumps({
         "arch": arch,
         "kernels": {"fake_kernel": {"fake-key-5": {"p": 9, "q": 9, "GLUON": {"BLOCK_N": 128}, "EMU": 1}}},
@@ -746,8 +753,9 @@ def test_device_configs_are_read_over_the_arch(config_dir, monkeypatch):
     field by field, on that model only; the arch's file is left as it was."""
     assert [_runtime.device_tag_of(n) for n in ("NVIDIA H200", "NVIDIA H100 80GB HBM3", "Tesla V100-SXM2-16GB", "??")] \
         == ["h200", "h100-80gb-hbm3", "tesla-v100-sxm2-16gb", "unknown"]
+    assert _runtime.config_scope() == (_runtime.arch(), _runtime.device_tag())  # one query, the same pair
     arch, tag = "sm_test_arch_d", {"now": "h200"}
-    monkeypatch.setattr(_runtime, "arch", lambda: arch)
+    _use_arch(monkeypatch, arch)
     monkeypatch.setattr(_runtime, "device_tag", lambda: tag["now"])
     arch_text = json.dumps({"arch": arch, "kernels": {"fake_kernel": {
         "fake-key-5": {"p": 9, "q": 9, "GLUON": {"BLOCK_N": 128}}, "fake-key-7": {"p": 4, "q": 20}}}})
@@ -774,7 +782,7 @@ def test_device_configs_are_read_over_the_arch(config_dir, monkeypatch):
 
 def test_write_config_then_launch_config_returns_it(config_dir, monkeypatch):
     arch = "sm_test_arch_0"
-    monkeypatch.setattr(_runtime, "arch", lambda: arch)
+    _use_arch(monkeypatch, arch)
     t, timer = _fake_tunable()
     res = tune.tune(t, {"M": 5}, torch.float32, timer=timer)
     assert res["arch"] == arch
@@ -803,7 +811,7 @@ def test_tune_times_the_config_in_use_and_write_keeps_a_faster_entry(config_dir,
     """tune() times the launcher's own config beside the grid (the stored entry, else the fallback); write_config
     keeps a stored entry that measured at least as fast as the grid's best (an entry from a wider sweep that the
     grid lacks), replaces a slower one, and writes over it anyway with force."""
-    monkeypatch.setattr(_runtime, "arch", lambda: "sm_test_arch_1")
+    _use_arch(monkeypatch, "sm_test_arch_1")
     last = {}
 
     def setup(shape, dtype, device):

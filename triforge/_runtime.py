@@ -60,6 +60,15 @@ def device_tag() -> str:
     return "cpu-interpreter"
 
 
+def config_scope() -> tuple[str, str]:
+    """(:func:`arch`, :func:`device_tag`) with one device query: the key launchers look their tuned configs up by,
+    on every call."""
+    if HAS_CUDA and not INTERPRET:
+        facts = _device_facts(torch.cuda.current_device())
+        return facts[0], facts[2]
+    return "interpreter", "cpu-interpreter"
+
+
 def num_sms() -> int:
     """Streaming multiprocessors of the current device (4 under the interpreter); cached per device."""
     if HAS_CUDA and not INTERPRET:

@@ -299,9 +299,10 @@ def family_totals(specs, rows) -> list[dict]:
 
 
 def _measured(rows, op: str, shape) -> bool:
-    """Whether ``rows`` hold a measured (not failed) triforge row of ``op`` at bench shape ``shape``."""
-    return any(r["op"] == op and r["impl"] == "triforge" and "error" not in r and "bench_shape" in r
-               and r["bench_shape"] == shape for r in rows)
+    """Whether ``rows`` hold ``op``'s triforge rows at bench shape ``shape``, none of them failed (a shape whose
+    forward ran and backward raised is run again)."""
+    ours = [r for r in rows if r["op"] == op and r["impl"] == "triforge" and r.get("bench_shape", ()) == shape]
+    return bool(ours) and not any("error" in r for r in ours)
 
 
 def run_bench(specs, *, dtype=torch.bfloat16, modes=("fwd", "bwd"), peers=True, progress=None, shape=None,
@@ -317,15 +318,16 @@ def run_bench(specs, *, dtype=torch.bfloat16, modes=("fwd", "bwd"), peers=True, 
             rows = [r for r in rows if not (r["op"] == spec.name and r.get("bench_shape", ()) == one)]  # failed
             rows += bench_op(spec, dtype=dtype, modes=modes, peers=peers, shape=one)
             if on_partial is not None:  # a sweep cut off by a time limit (or a fault) keeps its finished shapes,
-                on_partial(_result(rows, shape))  # and the rows of a shape whose calls failed name the failing call
+                on_partial(_result(rows, shape, modes, peers))  # and a failed shape's rows name the failing call
             torch.cuda.empty_cache()
         if progress is not None:
             progress(spec.name)
     rows += family_totals(specs, rows)
-    return _result(rows, shape)
+    return _result(rows, shape, modes, peers)
 
 
-def _result(rows, shape) -> dict:
+def _result(rows, shape, modes, peers) -> dict:
+    """A bench result file's content: the run's conditions (what ``--resume`` must find unchanged) and its rows."""
     return {
         "device": _runtime.device_name(),
         "arch": _runtime.arch(),
@@ -335,5 +337,7 @@ def _result(rows, shape) -> dict:
         "triton": __import__("triton").__version__,
         "peaks": peaks(),
         "shape": shape,
+        "modes": list(modes),
+        "peers": bool(peers),
         "rows": rows,
     }

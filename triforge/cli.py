@@ -2,6 +2,7 @@
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -99,10 +100,13 @@ def cmd_bench(args) -> int:
     _runtime.require_gpu("triforge bench")
     modes = tuple(args.modes.split(","))
 
-    def save(result):
+    def save(result):  # whole or not at all (a run killed mid-write must leave a file --resume can read)
         if args.json:
-            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.json).write_text(json.dumps(result, indent=2))
+            path = Path(args.json)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text(json.dumps(result, indent=2))
+            os.replace(tmp, path)
 
     with _progress() as prog:
         task = prog.add_task("benchmarking", total=len(specs))
@@ -128,8 +132,13 @@ def _resumed_rows(args):
     path = Path(args.json)
     if not path.exists():
         return None
-    old = json.loads(path.read_text())
-    want = {"commit": bench.git_commit(), "device": _runtime.device_name()}
+    try:
+        old = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        console.print(f"[red]error:[/red] --resume: {path} is not a bench result ({e})")
+        return False
+    want = {"commit": bench.git_commit(), "device": _runtime.device_name(), "shape": args.shape_dims or None,
+            "modes": args.modes.split(","), "peers": not args.no_peers}
     for key, value in want.items():
         if old.get(key) != value:
             console.print(f"[red]error:[/red] --resume: {path} is from {key} {old.get(key)!r}, this run is {value!r}")

@@ -94,7 +94,7 @@ def config_cache(fn):
 def stored_config(kernel: str, key: str) -> dict | None:
     """The entry stored for ``kernel`` at ``key`` for this device: its arch's configs file with the device's
     own file over it (:func:`configs_file`; None: the launcher falls back)."""
-    found = _table(_runtime.arch(), _runtime.device_tag()).get(kernel, {}).get(key)
+    found = _table(*_runtime.config_scope()).get(kernel, {}).get(key)
     return None if found is None else dict(found)
 
 

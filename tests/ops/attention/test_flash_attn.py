@@ -493,6 +493,7 @@ def test_varlen_launches_take_their_own_config_entry(tmp_path, monkeypatch):
 
     monkeypatch.setattr(launch, "CONFIG_DIR", tmp_path)
     monkeypatch.setattr(_runtime, "arch", lambda: "sm_test_varlen")
+    monkeypatch.setattr(_runtime, "config_scope", lambda: ("sm_test_varlen", "test-device"))
     monkeypatch.setattr(_runtime, "INTERPRET", False)
     dense = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2, "TMA": 1}
     packed = {"BLOCK_M": 32, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "TMA": 1}

@@ -578,11 +578,11 @@ def fwd_config(kernel, K, V, dtype, nh=None):
     """Tuned config of ``kernel`` (recurrences keyed by nh = sequences x value heads too), else the
     fallback: V-blocks of 64 (at most V), 8 warps once the state block passes 128 x 64."""
     nh = nh if kernel in _RECURRENCES else None
-    return dict(_fwd_config(kernel, K, V, dtype, nh, _runtime.arch()))  # (a copy: callers may edit it)
+    return dict(_fwd_config(kernel, K, V, dtype, nh, _runtime.config_scope()))  # (a copy: callers may edit it)
 
 
 @launch.config_cache
-def _fwd_config(kernel, K, V, dtype, nh, arch):  # arch: a key of the cache only
+def _fwd_config(kernel, K, V, dtype, nh, scope):  # scope (arch, device tag): a key of the cache only
     fallback = dict(_FALLBACK[kernel])
     if "BV" in fallback:
         fallback["BV"] = min(fallback["BV"], V)

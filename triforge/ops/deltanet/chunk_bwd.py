@@ -487,11 +487,11 @@ def bwd_config(kernel, K, V, dtype, nh=None):
     blocks each). The recurrence takes V-blocks of 32 at K = 32 and 8 warps once its state block
     reaches 128 x 64: the other choices spill registers on sm90 (24 and 44 bytes)."""
     nh = nh if kernel == "gated_delta_rule_bwd_dh" else None
-    return dict(_bwd_config(kernel, K, V, dtype, nh, _runtime.arch()))  # (a copy: callers may edit it)
+    return dict(_bwd_config(kernel, K, V, dtype, nh, _runtime.config_scope()))  # (a copy: callers may edit it)
 
 
 @launch.config_cache
-def _bwd_config(kernel, K, V, dtype, nh, arch):  # arch: a key of the cache only
+def _bwd_config(kernel, K, V, dtype, nh, scope):  # scope (arch, device tag): a key of the cache only
     fallback = dict(_FALLBACK[kernel])
     for name, dim in (("BK", K), ("BV", V)):
         if name in fallback:
