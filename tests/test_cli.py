@@ -164,6 +164,29 @@ def test_report_renders_tables_and_roofline(tmp_path, capsys):
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
 
 
+def test_report_tokens_and_floor():
+    """tokens/s and the floor per row: tokens as each op's bench shape names them; the floor is the larger of bytes
+    over the copy rate and FLOPs over the matmul rate."""
+    from triforge.report import floor_ms, markdown, tokens_per_call
+
+    shapes = {"B=1 T=32768 H=16 HV=32 K=128 V=128": 32768, "B=64 T=1 H=16 HV=32 K=128 V=128": 64,
+              "B=16 H=16 S=2048 D=64": 32768, "B=8 H=16 Tq=16384 D=128 causal": 16384,
+              "B=8 S=32768 H=16 Hkv=2 D=128 Sq=1 Sn=1": 8, "T=65536 C=1024 n=4": 65536, "M=16 N=8192 K=8192": 16,
+              "65536x4096": 65536, "q 8x4096x32x128 k 8x4096x8x128 cos 4096x128": 32768, "C=3": None, "": None}
+    for shape, want in shapes.items():
+        assert tokens_per_call({"shape": shape}) == want, shape
+    pk = {"copy_tbps": 2.0, "matmul_bf16_tflops": 500.0}
+    assert floor_ms({"bytes": 4e9, "flops": 1e12}, pk) == pytest.approx(2.0)  # bytes: 2 ms; FLOPs: 2 ms
+    assert floor_ms({"bytes": 1e9, "flops": 5e12}, pk) == pytest.approx(10.0)  # FLOPs bound
+    assert floor_ms({"bytes": 1e9, "flops": 5e12, "floor_ms": 3.0}, pk) == 3.0 and floor_ms({}, pk) is None
+    row = {"op": "gated_delta_rule", "mode": "fwd", "shape": "B=1 T=32768 H=16", "dtype": "bfloat16", "impl": "triforge",
+           "median_ms": 1.6384, "bytes": 4e9, "flops": 1e12, "gbps": 1.0, "pct_copy": 1.0, "tflops": 1.0,
+           "triforge_speedup": 1.0}
+    md = markdown([{"device": "d", "commit": "c", "date": "2026-11-29", "torch": "t", "triton": "3.6.0", "peaks": pk,
+                    "rows": [row]}])
+    assert "| median ms | floor ms | tokens/s |" in md and "| 1.6384 | 2.0000 | 20M |" in md  # 32768 / 1.6384 ms
+
+
 def test_report_regenerates_readme_section(tmp_path):
     res = tmp_path / "r.json"
     _fake_results(res)

@@ -1,6 +1,7 @@
 """``triforge report``: Markdown tables and a roofline plot from ``triforge bench --json`` files."""
 
 import json
+import re
 from pathlib import Path
 
 
@@ -20,6 +21,45 @@ def load_results(paths) -> list[dict]:
 
 def _fmt(v, spec):
     return "-" if v is None else format(v, spec)
+
+
+_DIM = re.compile(r"\b(B|T|S|Sq|Tq|M)=(\d+)")
+
+
+def tokens_per_call(row: dict) -> int | None:
+    """The tokens one call of a bench row processes, as its shape names them: packed ``Tq`` (the sequences' total),
+    decode ``B * Sq`` (the new queries, not the cache), ``B * T``, ``B * S``, a matmul's ``M`` rows; ``AxB`` (row-wise
+    ops: A rows) and RoPE's ``q BxTxHxD`` (B * T). None where the shape names none of these."""
+    shape = row.get("shape") or ""
+    dims = {k: int(v) for k, v in _DIM.findall(shape)}
+    batch = dims.get("B", 1)
+    for key, per in (("Tq", 1), ("Sq", batch), ("T", batch), ("S", batch), ("M", 1)):
+        if key in dims:
+            return per * dims[key]
+    sizes = re.match(r"(?:q )?(\d+(?:x\d+)+)", shape)
+    if sizes is None:
+        return None
+    sizes = [int(v) for v in sizes.group(1).split("x")]
+    return sizes[0] * sizes[1] if len(sizes) == 4 else sizes[0] if len(sizes) == 2 else None
+
+
+def floor_ms(row: dict, peaks: dict) -> float | None:
+    """The row's time floor: its bytes over the measured copy rate or its FLOPs over the matmul rate, the larger
+    (the bench's own ``floor_ms`` where it recorded one)."""
+    if row.get("floor_ms") is not None:
+        return row["floor_ms"]
+    if row.get("bytes") is None or row.get("flops") is None:
+        return None
+    return 1e3 * max(row["bytes"] / (peaks["copy_tbps"] * 1e12), row["flops"] / (peaks["matmul_bf16_tflops"] * 1e12))
+
+
+def _per_s(v) -> str:
+    if v is None:
+        return "-"
+    for scale, unit in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if v >= scale:
+            return f"{v / scale:.3g}{unit}"
+    return f"{v:.3g}"
 
 
 def _decode_markdown(res: dict) -> list[str]:
@@ -70,16 +110,19 @@ def markdown(results: list[dict]) -> str:
             f"Measured ceilings: copy {pk['copy_tbps']:.2f} TB/s (read + write), "
             f"bf16 matmul {pk['matmul_bf16_tflops']:.0f} TFLOP/s.\n"
         )
-        out.append("| op | mode | shape | dtype | impl | median ms | GB/s | % of copy | TFLOP/s | triforge speedup |")
-        out.append("|---|---|---|---|---|---|---|---|---|---|")
+        out.append("| op | mode | shape | dtype | impl | median ms | floor ms | tokens/s | GB/s | % of copy | TFLOP/s | "
+                   "triforge speedup |")
+        out.append("|---|---|---|---|---|---|---|---|---|---|---|---|")
         for r in res["rows"]:
             if "error" in r:
                 out.append(f"| {r['op']} | {r['mode']} | {r.get('shape', '')} | {r.get('dtype', '')} | {r['impl']} | "
-                           f"error: {r['error']} | | | | |")
+                           f"error: {r['error']} | | | | | | |")
                 continue
             speed = r.get("triforge_speedup")
+            tokens = tokens_per_call(r)
             out.append(
                 f"| {r['op']} | {r['mode']} | {r['shape']} | {r['dtype']} | {r['impl']} | {r['median_ms']:.4f} | "
+                f"{_fmt(floor_ms(r, pk), '.4f')} | {_per_s(None if tokens is None else tokens / (r['median_ms'] * 1e-3))} | "
                 f"{r['gbps']:.0f} | {r['pct_copy']:.1f}% | {_fmt(r.get('tflops'), '.1f')} | {_fmt(speed, '.2f')}x |"
             )
         res_rows = [(r["op"], r["mode"], k, v) for r in res["rows"] if r.get("impl") == "triforge" for k, v in (r.get("kernels") or {}).items() if v]
