@@ -319,11 +319,13 @@ def test_bench_table_shows_spread_and_bytes():
     console = Console(record=True, width=400)
     console.print(_bench_table(result))
     text = console.export_text()
-    for col in ("median ms", "mean / min / max ms", "MB moved", "GB/s", "% copy"):
+    for col in ("median ms", "mean / min / max ms", "floor ms", "tokens/s", "MB moved", "GB/s", "% copy"):
         assert col in text
     row = next(r for r in result["rows"] if r["impl"] == "triforge" and r["op"] == "mhc_pre_map" and r["mode"] == "fwd")
     assert f"{row['mean_ms']:.4f} / {row['min_ms']:.4f} / {row['max_ms']:.4f}" in text
     assert f"{row['bytes'] / 1e6:.1f}" in text and "boom" in text
+    rate = 65536 / (row["median_ms"] * 1e-3)  # T tokens per call
+    assert f"{rate / 1e6:.3g}M" in text
     assert any(r.get("op", "").endswith("total") for r in result["rows"])  # the layer total is a row of its own
 
 

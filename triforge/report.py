@@ -54,6 +54,7 @@ def floor_ms(row: dict, peaks: dict) -> float | None:
 
 
 def _per_s(v) -> str:
+    """A rate with an SI suffix (3 significant digits): 2.17e7 -> '21.7M'."""
     if v is None:
         return "-"
     for scale, unit in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
