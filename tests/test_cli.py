@@ -98,6 +98,27 @@ def test_run_bench_skips_the_shapes_a_resumed_file_measured(monkeypatch):
     assert result["modes"] == ["fwd", "bwd"] and result["peers"] is True
 
 
+def test_configs_lists_what_a_device_reads(tmp_path, capsys, monkeypatch):
+    """`triforge configs`: each stored entry an arch / device reads, merged, and the files it comes from."""
+    from triforge import launch
+
+    monkeypatch.setattr(launch, "CONFIG_DIR", tmp_path)
+    (tmp_path / "smx.json").write_text(json.dumps({"kernels": {"k_a": {"key1": {"p": 1, "q": 2}}, "k_b": {"key2": {"r": 3}}}}))
+    (tmp_path / "smx.h200.json").write_text(json.dumps({"kernels": {"k_a": {"key1": {"p": 5}}}}))
+    launch.reload()
+    try:
+        assert main(["configs", "k_a", "--arch", "smx", "--device", "h200"]) == 0
+        out = " ".join(capsys.readouterr().out.split())
+        assert '"p": 5, "q": 2' in out and "smx.json + smx.h200.json" in out and "k_b" not in out
+        assert main(["configs", "--arch", "smx", "--device", "h100"]) == 0
+        out = " ".join(capsys.readouterr().out.split())
+        assert '"p": 1, "q": 2' in out and '"r": 3' in out and "h200" not in out
+        assert main(["configs", "nothing_here", "--arch", "smx"]) == 0
+        assert "no stored configs" in capsys.readouterr().out
+    finally:
+        launch.reload()
+
+
 @pytest.mark.parametrize("flag", ["--force", "--for-device"])
 def test_tune_write_flags_need_write(flag, capsys):
     assert main(["tune", "rms_norm_fwd", flag]) == 2

@@ -401,6 +401,30 @@ def cmd_list(args) -> int:
     return 0
 
 
+def cmd_configs(args) -> int:
+    from rich.markup import escape
+
+    from triforge import _runtime, launch
+
+    arch, device = _runtime.config_scope()
+    arch, device = args.arch or arch, args.device or device
+    rows = [r for r in launch.config_sources(arch, device) if not args.kernels or r[0] in args.kernels
+            or any(r[0].startswith(k + "_") for k in args.kernels)]
+    files = f"{launch.configs_file(arch).name} and {launch.configs_file(arch, device).name}"
+    if not rows:
+        console.print(f"no stored configs for {' '.join(args.kernels) or 'any kernel'} in {files} (the launchers' "
+                      "fallbacks apply)")
+        return 0
+    table = Table(title=f"tuned launch configs read on {arch} / {device} ({files}; a key not listed takes the "
+                  "launcher's fallback)")
+    for col in ("kernel", "key", "entry", "from"):
+        table.add_column(col, overflow="fold")
+    for kernel, key, entry, source in rows:
+        table.add_row(kernel, key, escape(json.dumps(entry, sort_keys=True)), source)
+    console.print(table)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="triforge", description="Fused Triton kernels: parity, benchmarks, tuning.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -480,6 +504,13 @@ def build_parser() -> argparse.ArgumentParser:
     pa.add_argument("--seed", type=int, default=0)
     pa.add_argument("--dump", metavar="DIR", help="write every stage of both sides as .npy for compare-dumps")
     pa.set_defaults(func=cmd_parity)
+
+    cf = sub.add_parser("configs", help="the tuned launch configs this device reads (or --arch / --device's), and from "
+                        "which file")
+    cf.add_argument("kernels", nargs="*", help="kernel names or family prefixes (default: all)")
+    cf.add_argument("--arch", help="e.g. sm90 (default: this device's)")
+    cf.add_argument("--device", help="a device tag, e.g. h200 (default: this device's)")
+    cf.set_defaults(func=cmd_configs)
 
     ls = sub.add_parser("list", help="registered ops and tunable kernels")
     ls.set_defaults(func=cmd_list)

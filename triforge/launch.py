@@ -91,6 +91,20 @@ def config_cache(fn):
     return cached
 
 
+def config_sources(arch: str, device: str | None = None) -> list[tuple[str, str, dict, str]]:
+    """Every stored entry an (arch, device) reads, as (kernel, key, merged entry, where from): the arch's file name,
+    the device's, or both joined by ' + ' (the device's fields over the arch's)."""
+    base = _read_kernels(configs_file(arch))
+    own = _read_kernels(configs_file(arch, device)) if device is not None else {}
+    rows = []
+    for kernel in sorted(set(base) | set(own)):
+        for key in sorted(set(base.get(kernel, {})) | set(own.get(kernel, {}))):
+            names = [f.name for f, table in ((configs_file(arch), base), (configs_file(arch, device), own))
+                     if key in table.get(kernel, {})]
+            rows.append((kernel, key, _table(arch, device)[kernel][key], " + ".join(names)))
+    return rows
+
+
 def stored_config(kernel: str, key: str) -> dict | None:
     """The entry stored for ``kernel`` at ``key`` for this device: its arch's configs file with the device's
     own file over it (:func:`configs_file`; None: the launcher falls back)."""
