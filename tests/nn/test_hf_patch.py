@@ -215,35 +215,66 @@ def test_attention_left_alone_where_the_kernels_cannot_serve_it(device, gen):
         unpatch_hf_rope(model)
 
 
+def _classes(prefix):
+    model_cls, cfg_cls = (getattr(transformers, prefix + suffix, None) for suffix in ("ForCausalLM", "Config"))
+    if model_cls is None or cfg_cls is None:
+        pytest.skip(f"transformers {transformers.__version__} has no {prefix}ForCausalLM")
+    return model_cls, cfg_cls
+
+
 def _family(name):
-    """(model class, config, the counts patch_hf_model must report) of a tiny two-layer model of a family."""
+    """(model class, config, the counts patch_hf_model must report) of a tiny two-layer model of a family (skipped
+    where this transformers lacks the family)."""
     common = dict(vocab_size=97, hidden_size=128, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=256)
-    t = transformers
-    return {
+    table = {
         # Llama and Mistral: the Qwen2 structure without biases
-        "llama": (t.LlamaForCausalLM, t.LlamaConfig(**common),
+        "llama": ("Llama", dict(**common),
                   {"rms_norm": 5, "swiglu": 2, "rope": 1, "gated_deltanet": 0, "attention": 1}),
-        "mistral": (t.MistralForCausalLM, t.MistralConfig(**common, sliding_window=None),
+        "mistral": ("Mistral", dict(**common, sliding_window=None),
                     {"rms_norm": 5, "swiglu": 2, "rope": 1, "gated_deltanet": 0, "attention": 1}),
         # Qwen3: also an RMSNorm over each head's q and k (q_norm, k_norm) before RoPE
-        "qwen3": (t.Qwen3ForCausalLM, t.Qwen3Config(**common, head_dim=32),
+        "qwen3": ("Qwen3", dict(**common, head_dim=32),
                   {"rms_norm": 9, "swiglu": 2, "rope": 1, "gated_deltanet": 0, "attention": 1}),
         # Gemma: (1 + weight) RMSNorms and a GELU-gated MLP stay the model's own; its RoPE and attention are Llama's
-        "gemma": (t.GemmaForCausalLM, t.GemmaConfig(**common, head_dim=32, hidden_activation="gelu_pytorch_tanh"),
+        "gemma": ("Gemma", dict(**common, head_dim=32, hidden_activation="gelu_pytorch_tanh"),
                   {"rms_norm": 0, "swiglu": 0, "rope": 1, "gated_deltanet": 0, "attention": 1}),
-    }[name]
+        # Gemma 2 softcaps its attention logits: its attention stays its own (a warning says why)
+        "gemma2": ("Gemma2", dict(**common, head_dim=32),
+                   {"rms_norm": 0, "swiglu": 0, "rope": 1, "gated_deltanet": 0, "attention": 0}),
+        # Phi-3: gate and up in one fused projection (gate_up_proj): not the plain MLP, left alone
+        "phi3": ("Phi3", dict(**common, pad_token_id=0),
+                 {"rms_norm": 5, "swiglu": 0, "rope": 1, "gated_deltanet": 0, "attention": 1}),
+        # OLMo 2: RMSNorms after attention and MLP and over the whole q and k projections
+        "olmo2": ("Olmo2", dict(**common),
+                  {"rms_norm": 9, "swiglu": 2, "rope": 1, "gated_deltanet": 0, "attention": 1}),
+        # Granite: Llama's structure with multipliers outside the MLP and attention modules
+        "granite": ("Granite", dict(**common),
+                    {"rms_norm": 5, "swiglu": 2, "rope": 1, "gated_deltanet": 0, "attention": 1}),
+        # Qwen2-MoE: each layer's shared expert is a plain MLP; the routed experts (fused weights) stay
+        "qwen2_moe": ("Qwen2Moe", dict(**common, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                       shared_expert_intermediate_size=64),
+                      {"rms_norm": 5, "swiglu": 2, "rope": 1, "gated_deltanet": 0, "attention": 1}),
+    }
+    prefix, kwargs, counts = table[name]
+    model_cls, cfg_cls = _classes(prefix)
+    return model_cls, cfg_cls(**kwargs), counts
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen3", "gemma"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen3", "gemma", "gemma2", "phi3", "olmo2", "granite",
+                                    "qwen2_moe"])
 def test_other_families_drop_in(family, calls, device, gen):
-    """patch_hf_model on Llama, Mistral, Qwen3 and Gemma: what it replaces (and leaves) per family, prompt logits
-    against the unpatched model (the original RoPE restored around its calls), and cached decoding step by step."""
+    """patch_hf_model on other families: what it replaces (and leaves) per family, prompt logits against the
+    unpatched model (the original RoPE restored around its calls), and cached decoding step by step."""
     model_cls, cfg, counts_want = _family(family)
     eager = random_eager(model_cls, cfg, device, gen)
     patched = copy.deepcopy(eager)
     try:
-        assert patch_hf_model(patched) == counts_want
+        if counts_want["attention"]:
+            assert patch_hf_model(patched) == counts_want
+        else:
+            with pytest.warns(UserWarning, match="softcaps"):
+                assert patch_hf_model(patched) == counts_want
 
         def reference(*args, **kwargs):  # the unpatched model on the module's original apply_rotary_pos_emb
             unpatch_hf_rope(patched)
