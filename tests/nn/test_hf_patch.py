@@ -293,3 +293,29 @@ def test_other_families_drop_in(family, calls, device, gen):
         assert_cached_decoding_matches(reference, patched, ids[:1], FP32, steps=2)
     finally:
         unpatch_hf_rope(patched)
+
+
+def test_patched_model_under_torch_compile_fullgraph(qwen2_pair, device, gen):
+    """A patched model traces whole under torch.compile(fullgraph=True) (every kernel a custom op with a fake
+    implementation): logits equal the unpatched model's, and a training step's loss and every gradient equal the
+    patched model's eager ones."""
+    eager, patched, _ = qwen2_pair
+    ids = torch.randint(0, 97, (2, 17), generator=gen).to(device)
+    unpatch_hf_rope(patched)
+    try:
+        with torch.no_grad():
+            want = eager(ids, use_cache=False).logits
+    finally:
+        patch_hf_rope(patched)
+    with torch.no_grad():
+        got = torch.compile(patched, fullgraph=True)(ids, use_cache=False).logits
+    assert compare("compiled logits", want, got, tol=FP32).ok
+    patched.train()
+    params = [p for p in patched.parameters() if p.requires_grad]
+    loss_want = patched(ids, labels=ids, use_cache=False).loss
+    g_want = torch.autograd.grad(loss_want, params)
+    loss_got = torch.compile(lambda i: patched(i, labels=i, use_cache=False).loss, fullgraph=True)(ids)
+    g_got = torch.autograd.grad(loss_got, params)
+    assert compare("compiled loss", loss_want, loss_got, tol=FP32).ok
+    for (name, _), w, g in zip(((n, p) for n, p in patched.named_parameters() if p.requires_grad), g_want, g_got):
+        assert compare(f"compiled d{name}", w, g, tol=FP32_GRAD, verbose=False).ok, name
