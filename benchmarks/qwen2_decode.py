@@ -9,6 +9,9 @@ For each batch size (default 1, 8, 32): prompt of 16 random tokens + 256 new tok
                          dynamic cache
     hf_static_compile    Qwen2ForCausalLM.generate(cache_implementation="static"): transformers compiles
                          the decode forward (torch.compile, mode="reduce-overhead": CUDA graphs) itself
+    hf_patched           the same model with triforge.nn.patch_hf_model (RMSNorm, SwiGLU, RoPE, attention:
+                         flash-decoding over HF's dynamic cache), eager generate: the drop-in's gain for HF users
+                         (the RoPE patch is module-wide, so it is applied only around this peer's runs)
 tokens/s = batch * new tokens / wall time of generate (prefill included), the median of --runs runs
 after a warm-up run (which captures the engine's graph / compiles HF's forward).
 
@@ -224,7 +227,7 @@ def main(argv=None) -> int:
     p.add_argument("--new", type=int, default=256)
     p.add_argument("--layers", type=int, default=24)
     p.add_argument("--runs", type=int, default=3, help="timed runs per engine measurement (median)")
-    p.add_argument("--peers", default="hf_eager,hf_static_compile", help="comma list, or 'none'")
+    p.add_argument("--peers", default="hf_eager,hf_patched,hf_static_compile", help="comma list, or 'none'")
     p.add_argument("--budget-s", type=float, default=150.0, help="start no peer run after this many seconds")
     p.add_argument("--trace", default="/tmp/qwen2_decode_step.json", help="Chrome trace of the profiled step")
     p.add_argument("--seed", type=int, default=0)
@@ -258,6 +261,24 @@ def main(argv=None) -> int:
                 json.dump(result, f, indent=2)
 
     prompts = {b: torch.randint(0, QWEN25_05B["vocab_size"], (b, args.prompt), generator=gen).cuda() for b in batches}
+    patched = None
+    if "hf_patched" in peers:
+        from triforge.nn import patch_hf_model, patch_hf_rope, unpatch_hf_rope
+
+        patched = copy.deepcopy(model)
+        result["hf_patched_counts"] = patch_hf_model(patched)
+        unpatch_hf_rope(patched)  # (module-wide: HF's own model must not run it)
+        # greedy tokens against HF's own (bf16 both, other rounding: they may part where the top two nearly tie)
+        want = hf_generate(model, prompts[batches[0]][:1], 32, False)
+        patch_hf_rope(patched)
+        try:
+            got = hf_generate(patched, prompts[batches[0]][:1], 32, False)
+        finally:
+            unpatch_hf_rope(patched)
+        differ = (want != got)[0, args.prompt:].nonzero()
+        result["hf_patched_first_divergence"] = int(differ[0]) if len(differ) else None
+        print(f"hf_patched: {result['hf_patched_counts']}, greedy tokens equal HF's up to "
+              f"{result['hf_patched_first_divergence'] if differ.numel() else 'all 32'}", flush=True)
     result["correctness"] = correctness(model, engine, prompts[batches[0]], min(args.new, 64))
     print(f"correctness: {result['correctness']}", flush=True)
     save()
@@ -273,9 +294,16 @@ def main(argv=None) -> int:
                 continue
             try:
                 static = peer == "hf_static_compile"
+                which = patched if peer == "hf_patched" else model
+                if peer == "hf_patched":
+                    patch_hf_rope(patched)  # (imported with patch_hf_model above)
                 # eager warms up on a short run; the static cache's compiled forward needs the same shapes
-                warm = None if static else (lambda: hf_generate(model, prompts[b], 8, False))
-                _, times = timed(lambda: hf_generate(model, prompts[b], args.new, static), 1, warm)
+                warm = None if static else (lambda: hf_generate(which, prompts[b], 8, False))
+                try:
+                    _, times = timed(lambda: hf_generate(which, prompts[b], args.new, static), 1, warm)
+                finally:
+                    if peer == "hf_patched":
+                        unpatch_hf_rope(patched)
                 result["throughput"].append(throughput_row(peer, b, args.new, times))
                 print(f"{peer} batch {b}: {result['throughput'][-1]['tokens_per_s']:.0f} tokens/s", flush=True)
             except Exception as e:  # a peer that fails is reported, not fatal
