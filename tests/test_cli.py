@@ -104,12 +104,13 @@ def test_configs_lists_what_a_device_reads(tmp_path, capsys, monkeypatch):
 
     monkeypatch.setattr(launch, "CONFIG_DIR", tmp_path)
     (tmp_path / "smx.json").write_text(json.dumps({"kernels": {"k_a": {"key1": {"p": 1, "q": 2}}, "k_b": {"key2": {"r": 3}}}}))
-    (tmp_path / "smx.h200.json").write_text(json.dumps({"kernels": {"k_a": {"key1": {"p": 5}}}}))
+    (tmp_path / "smx.h200.json").write_text(json.dumps({"kernels": {"k_a": {"key1": {"p": 5}}},
+                                                        "provenance": {"k_a[key1]": {"device": "NVIDIA H200"}}}))
     launch.reload()
     try:
         assert main(["configs", "k_a", "--arch", "smx", "--device", "h200"]) == 0
         out = " ".join(capsys.readouterr().out.split())
-        assert '"p": 5, "q": 2' in out and "smx.json + smx.h200.json" in out and "k_b" not in out
+        assert '"p": 5, "q": 2' in out and "smx.json + smx.h200.json" in out and "NVIDIA H200" in out and "k_b" not in out
         assert main(["configs", "--arch", "smx", "--device", "h100"]) == 0
         out = " ".join(capsys.readouterr().out.split())
         assert '"p": 1, "q": 2' in out and '"r": 3' in out and "h200" not in out

@@ -417,10 +417,10 @@ def cmd_configs(args) -> int:
         return 0
     table = Table(title=f"tuned launch configs read on {arch} / {device} ({files}; a key not listed takes the "
                   "launcher's fallback)")
-    for col in ("kernel", "key", "entry", "from"):
+    for col in ("kernel", "key", "entry", "from", "tuned on"):
         table.add_column(col, overflow="fold")
-    for kernel, key, entry, source in rows:
-        table.add_row(kernel, key, escape(json.dumps(entry, sort_keys=True)), source)
+    for kernel, key, entry, source, tuned_on in rows:
+        table.add_row(kernel, key, escape(json.dumps(entry, sort_keys=True)), source, escape(tuned_on))
     console.print(table)
     return 0
 

@@ -91,17 +91,19 @@ def config_cache(fn):
     return cached
 
 
-def config_sources(arch: str, device: str | None = None) -> list[tuple[str, str, dict, str]]:
-    """Every stored entry an (arch, device) reads, as (kernel, key, merged entry, where from): the arch's file name,
-    the device's, or both joined by ' + ' (the device's fields over the arch's)."""
-    base = _read_kernels(configs_file(arch))
-    own = _read_kernels(configs_file(arch, device)) if device is not None else {}
+def config_sources(arch: str, device: str | None = None) -> list[tuple[str, str, dict, str, str]]:
+    """Every stored entry an (arch, device) reads, as (kernel, key, merged entry, where from, tuned on): the arch's
+    file name, the device's, or both joined by ' + ' (the device's fields over the arch's), and the device its
+    provenance names (the device file's where it has the entry; '?' where none is recorded)."""
+    files = [configs_file(arch)] + ([configs_file(arch, device)] if device is not None else [])
+    data = [json.loads(f.read_text()) if f.exists() else {} for f in files]
     rows = []
-    for kernel in sorted(set(base) | set(own)):
-        for key in sorted(set(base.get(kernel, {})) | set(own.get(kernel, {}))):
-            names = [f.name for f, table in ((configs_file(arch), base), (configs_file(arch, device), own))
-                     if key in table.get(kernel, {})]
-            rows.append((kernel, key, _table(arch, device)[kernel][key], " + ".join(names)))
+    kernels = sorted({k for d in data for k in d.get("kernels", {})})
+    for kernel in kernels:
+        for key in sorted({key for d in data for key in d.get("kernels", {}).get(kernel, {})}):
+            holders = [(f, d) for f, d in zip(files, data) if key in d.get("kernels", {}).get(kernel, {})]
+            tuned_on = holders[-1][1].get("provenance", {}).get(f"{kernel}[{key}]", {}).get("device", "?")
+            rows.append((kernel, key, _table(arch, device)[kernel][key], " + ".join(f.name for f, _ in holders), tuned_on))
     return rows
 
 
