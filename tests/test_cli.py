@@ -120,6 +120,24 @@ def test_configs_lists_what_a_device_reads(tmp_path, capsys, monkeypatch):
         launch.reload()
 
 
+def test_tune_space_overrides_one_kernels_grid(capsys):
+    """--space: a JSON object of non-empty lists replacing (or adding) grid parameters, for one kernel only; checked
+    before the GPU."""
+    from triforge import tune
+    from triforge.cli import parse_space, with_space
+
+    t = tune.get("ternary_tc")
+    wider = with_space(t, parse_space('{"BLOCK_M": [128, 256], "programs_per_sm": [1, 2]}'))
+    assert wider.space == {**t.space, "BLOCK_M": [128, 256], "programs_per_sm": [1, 2]} and t.space != wider.space
+    assert len(tune.grid(wider.space)) == len(tune.grid(t.space)) // 3 * 2 * 2
+    assert with_space(t, None) is t
+    for bad in ("not json", "[1, 2]", "{}", '{"BLOCK_M": []}', '{"BLOCK_M": 128}'):
+        with pytest.raises(SystemExit, match="--space expects"):
+            main(["tune", "ternary_tc", "--space", bad])
+    assert main(["tune", "mhc", "--space", '{"BLOCK_T": [64]}']) == 2  # a family: several kernels
+    assert "one kernel" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("flag", ["--force", "--for-device"])
 def test_tune_write_flags_need_write(flag, capsys):
     assert main(["tune", "rms_norm_fwd", flag]) == 2

@@ -170,6 +170,25 @@ def _parse_shape(text, names):
     return shape
 
 
+def parse_space(text: str) -> dict:
+    """``tune --space``: a JSON object of non-empty lists, the grid's values for those parameters (new ones added)."""
+    try:
+        space = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise SystemExit(f"--space expects a JSON object of lists, e.g. '{{\"BLOCK_M\": [128, 256]}}': {e}") from e
+    if not isinstance(space, dict) or not space or not all(isinstance(v, list) and v for v in space.values()):
+        raise SystemExit(f"--space expects a JSON object of non-empty lists, e.g. '{{\"BLOCK_M\": [128, 256]}}', "
+                         f"got {text!r}")
+    return space
+
+
+def with_space(t, space: dict | None):
+    """The tunable ``t`` with ``space``'s values replacing (or adding to) its grid's parameters."""
+    import dataclasses
+
+    return t if not space else dataclasses.replace(t, space={**t.space, **space})
+
+
 def cmd_tune(args) -> int:
     from triforge import _runtime, tune
 
@@ -181,13 +200,17 @@ def cmd_tune(args) -> int:
     if (args.force or args.for_device) and not args.write:
         console.print("[red]error:[/red] --force and --for-device apply to --write; add --write")
         return 2
-    _runtime.require_gpu("triforge tune")
+    args.space = parse_space(args.space) if args.space else None
     kernels = tune_targets(args.kernel)
     if not kernels:
         raise KeyError(f"unknown tunable kernel or family {args.kernel!r}; known: {', '.join(tune.all_tunables())}")
+    if args.space and len(kernels) > 1:
+        console.print(f"[red]error:[/red] --space applies to one kernel; {args.kernel!r} names {len(kernels)}")
+        return 2
+    _runtime.require_gpu("triforge tune")
     status = 0
     for name in kernels:
-        status |= _tune_one(args, tune.get(name))
+        status |= _tune_one(args, with_space(tune.get(name), args.space))
     return status
 
 
@@ -459,6 +482,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--force", action="store_true", help="with --write: replace the stored entry even where it was faster")
     t.add_argument("--for-device", action="store_true", help="with --write: store in triforge/configs/<arch>.<device>.json "
                    "(e.g. sm90.h200.json), read over <arch>.json on this device model only")
+    t.add_argument("--space", metavar="JSON", help="one kernel's grid with these parameters' values replaced or added, "
+                   "e.g. '{\"BLOCK_M\": [128, 256], \"programs_per_sm\": [1, 2]}'")
     t.add_argument("--list", action="store_true", help="list the tunable kernels")
     t.set_defaults(func=cmd_tune)
 
