@@ -5,8 +5,10 @@ Every kernel call runs under ``poisoned()``: outputs start as NaN, so an element
 writes fails the comparison instead of passing on whatever memory happened to hold.
 """
 
-import torch
+import dataclasses
+
 import pytest
+import torch
 
 import triforge  # noqa: F401  (sets TRITON_INTERPRET before triton kernels are defined)
 from triforge import _runtime, registry
@@ -43,6 +45,16 @@ _CASTS_ROUND_BF16 = not _runtime.INTERPRET
 
 def _rounds_like_torch(dtype):
     return dtype != torch.bfloat16 or _CASTS_ROUND_BF16
+
+
+def _y_tolerance(dtype):
+    """y = weight * (x * rstd).to(dtype) is rounded to its dtype twice (Qwen2's numerics). Rounded to nearest each
+    rounding moves it by at most half an ulp, 2^-8 relative in bf16, and the dtype's tolerance (rel_rms 1e-2)
+    covers both; the interpreter truncates bf16 casts, a whole ulp each (up to 2^-7) and of the same sign, so
+    its y may be 2 x 2^-7 = 2^-6 off (a 7-element row reached rel_rms 1.01e-2, session 47): the bound of two
+    truncations there, the dtype's elsewhere."""
+    tol = TOLERANCES[dtype]
+    return tol if _rounds_like_torch(dtype) else dataclasses.replace(tol, rel_rms=2 * 2.0**-7)
 
 
 def _coarser(*dtypes):
@@ -114,7 +126,7 @@ def _check_forward(x, weight, eps=1e-6, residual=None, dtype=None):
         ref["y"] = rms_norm_ref(_to64(out[1]), _to64(weight), eps)["y"]
     assert y.shape == x.shape
     assert y.dtype == torch.promote_types(x.dtype, weight.dtype)
-    _assert_ok(compare("y", ref["y"], y, dtype=dtype, verbose=False))
+    _assert_ok(compare("y", ref["y"], y, tol=_y_tolerance(dtype), verbose=False))
     if residual is not None:
         h = out[1]
         assert h.shape == x.shape and h.dtype == x.dtype
