@@ -227,7 +227,7 @@ def main(argv=None) -> int:
     p.add_argument("--new", type=int, default=256)
     p.add_argument("--layers", type=int, default=24)
     p.add_argument("--runs", type=int, default=3, help="timed runs per engine measurement (median)")
-    p.add_argument("--peers", default="hf_eager,hf_patched,hf_static_compile", help="comma list, or 'none'")
+    p.add_argument("--peers", default="hf_eager,hf_static_compile,hf_patched", help="comma list, or 'none'")
     p.add_argument("--budget-s", type=float, default=150.0, help="start no peer run after this many seconds")
     p.add_argument("--trace", default="/tmp/qwen2_decode_step.json", help="Chrome trace of the profiled step")
     p.add_argument("--seed", type=int, default=0)
@@ -261,24 +261,6 @@ def main(argv=None) -> int:
                 json.dump(result, f, indent=2)
 
     prompts = {b: torch.randint(0, QWEN25_05B["vocab_size"], (b, args.prompt), generator=gen).cuda() for b in batches}
-    patched = None
-    if "hf_patched" in peers:
-        from triforge.nn import patch_hf_model, patch_hf_rope, unpatch_hf_rope
-
-        patched = copy.deepcopy(model)
-        result["hf_patched_counts"] = patch_hf_model(patched)
-        unpatch_hf_rope(patched)  # (module-wide: HF's own model must not run it)
-        # greedy tokens against HF's own (bf16 both, other rounding: they may part where the top two nearly tie)
-        want = hf_generate(model, prompts[batches[0]][:1], 32, False)
-        patch_hf_rope(patched)
-        try:
-            got = hf_generate(patched, prompts[batches[0]][:1], 32, False)
-        finally:
-            unpatch_hf_rope(patched)
-        differ = (want != got)[0, args.prompt:].nonzero()
-        result["hf_patched_first_divergence"] = int(differ[0]) if len(differ) else None
-        print(f"hf_patched: {result['hf_patched_counts']}, greedy tokens equal HF's up to "
-              f"{result['hf_patched_first_divergence'] if differ.numel() else 'all 32'}", flush=True)
     result["correctness"] = correctness(model, engine, prompts[batches[0]], min(args.new, 64))
     print(f"correctness: {result['correctness']}", flush=True)
     save()
@@ -286,6 +268,33 @@ def main(argv=None) -> int:
         _, times = timed(lambda: engine.generate(prompts[b], args.new), args.runs)
         result["throughput"].append(throughput_row("triforge", b, args.new, times))
         print(f"triforge batch {b}: {result['throughput'][-1]['tokens_per_s']:.0f} tokens/s", flush=True)
+        save()
+    patched = None
+    if "hf_patched" in peers:  # set up after the engine's numbers are saved: a failure here costs this peer only
+        from triforge.nn import patch_hf_model, patch_hf_rope, unpatch_hf_rope
+
+        try:
+            patched = copy.deepcopy(model)
+            result["hf_patched_counts"] = patch_hf_model(patched)
+            unpatch_hf_rope(patched)  # (module-wide: HF's own model must not run it)
+            # greedy tokens against HF's own (bf16 both, other rounding: they may part where the top two nearly tie)
+            want = hf_generate(model, prompts[batches[0]][:1], 32, False)
+            if patch_hf_rope(patched) != 1:
+                raise RuntimeError("patch_hf_rope did not patch modeling_qwen2's apply_rotary_pos_emb")
+            try:
+                got = hf_generate(patched, prompts[batches[0]][:1], 32, False)
+            finally:
+                unpatch_hf_rope(patched)
+            differ = (want != got)[0, args.prompt:].nonzero()
+            result["hf_patched_first_divergence"] = int(differ[0]) if len(differ) else None
+            print(f"hf_patched: {result['hf_patched_counts']}, greedy tokens equal HF's up to "
+                  f"{result['hf_patched_first_divergence'] if differ.numel() else 'all 32'}", flush=True)
+        except Exception as e:  # reported, not fatal (as every peer)
+            if patched is not None:
+                unpatch_hf_rope(patched)
+            patched = None
+            peers = [p for p in peers if p != "hf_patched"]
+            result["skipped"].append({"impl": "hf_patched", "batch": None, "reason": f"set-up: {type(e).__name__}: {e}"[:300]})
         save()
     for b in batches:
         for peer in peers:
@@ -295,8 +304,8 @@ def main(argv=None) -> int:
             try:
                 static = peer == "hf_static_compile"
                 which = patched if peer == "hf_patched" else model
-                if peer == "hf_patched":
-                    patch_hf_rope(patched)  # (imported with patch_hf_model above)
+                if peer == "hf_patched" and patch_hf_rope(patched) != 1:  # (imported with patch_hf_model above)
+                    raise RuntimeError("patch_hf_rope did not patch modeling_qwen2's apply_rotary_pos_emb")
                 # eager warms up on a short run; the static cache's compiled forward needs the same shapes
                 warm = None if static else (lambda: hf_generate(which, prompts[b], 8, False))
                 try:

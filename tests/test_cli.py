@@ -100,20 +100,26 @@ def test_run_bench_skips_the_shapes_a_resumed_file_measured(monkeypatch):
 
 def test_configs_lists_what_a_device_reads(tmp_path, capsys, monkeypatch):
     """`triforge configs`: each stored entry an arch / device reads, merged, and the files it comes from."""
-    from triforge import launch
+    from rich.console import Console
+
+    from triforge import cli, launch
+
+    monkeypatch.setattr(cli, "console", Console(width=300))  # (one line per row: cells not folded)
 
     monkeypatch.setattr(launch, "CONFIG_DIR", tmp_path)
     (tmp_path / "smx.json").write_text(json.dumps({"kernels": {"k_a": {"key1": {"p": 1, "q": 2}}, "k_b": {"key2": {"r": 3}}}}))
-    (tmp_path / "smx.h200.json").write_text(json.dumps({"kernels": {"k_a": {"key1": {"p": 5}}},
-                                                        "provenance": {"k_a[key1]": {"device": "NVIDIA H200"}}}))
+    (tmp_path / "smx.h200.json").write_text(json.dumps({"kernels": {"k_a": {"key1": {"p": 5}}, "k_c": {"key3": {"s": 1}}},
+                                                        "provenance": {"k_a[key1]": {"device": "NVIDIA H200"},
+                                                                       "k_c[key3]": "not a record"}}))
     launch.reload()
     try:
-        assert main(["configs", "k_a", "--arch", "smx", "--device", "h200"]) == 0
+        assert main(["configs", "k_a", "k_c", "--arch", "smx", "--device", "NVIDIA H200"]) == 0  # (a name is tagged)
         out = " ".join(capsys.readouterr().out.split())
-        assert '"p": 5, "q": 2' in out and "smx.json + smx.h200.json" in out and "NVIDIA H200" in out and "k_b" not in out
+        assert '"p": 5, "q": 2' in out and "smx.json + smx.h200.json" in out and "? + NVIDIA H200" in out
+        assert '"s": 1' in out and "k_b" not in out  # an entry of the device file alone, its provenance unreadable
         assert main(["configs", "--arch", "smx", "--device", "h100"]) == 0
         out = " ".join(capsys.readouterr().out.split())
-        assert '"p": 1, "q": 2' in out and '"r": 3' in out and "h200" not in out
+        assert '"p": 1, "q": 2' in out and '"r": 3' in out and "h200" not in out and "smx.h100.json" not in out
         assert main(["configs", "nothing_here", "--arch", "smx"]) == 0
         assert "no stored configs" in capsys.readouterr().out
     finally:
@@ -131,7 +137,8 @@ def test_tune_space_overrides_one_kernels_grid(capsys):
     assert wider.space == {**t.space, "BLOCK_M": [128, 256], "programs_per_sm": [1, 2]} and t.space != wider.space
     assert len(tune.grid(wider.space)) == len(tune.grid(t.space)) // 3 * 2 * 2
     assert with_space(t, None) is t
-    for bad in ("not json", "[1, 2]", "{}", '{"BLOCK_M": []}', '{"BLOCK_M": 128}'):
+    for bad in ("not json", "[1, 2]", "{}", '{"BLOCK_M": []}', '{"BLOCK_M": 128}', '{"BLOCK_M": [null]}',
+                '{"BLOCK_M": [{"a": 1}]}'):
         with pytest.raises(SystemExit, match="--space expects"):
             main(["tune", "ternary_tc", "--space", bad])
     assert main(["tune", "mhc", "--space", '{"BLOCK_T": [64]}']) == 2  # a family: several kernels

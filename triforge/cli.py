@@ -176,9 +176,10 @@ def parse_space(text: str) -> dict:
         space = json.loads(text)
     except json.JSONDecodeError as e:
         raise SystemExit(f"--space expects a JSON object of lists, e.g. '{{\"BLOCK_M\": [128, 256]}}': {e}") from e
-    if not isinstance(space, dict) or not space or not all(isinstance(v, list) and v for v in space.values()):
-        raise SystemExit(f"--space expects a JSON object of non-empty lists, e.g. '{{\"BLOCK_M\": [128, 256]}}', "
-                         f"got {text!r}")
+    if not isinstance(space, dict) or not space or not all(
+            isinstance(v, list) and v and all(isinstance(x, (int, float, str, bool)) for x in v) for v in space.values()):
+        raise SystemExit(f"--space expects a JSON object of non-empty lists of numbers or strings, e.g. "
+                         f"'{{\"BLOCK_M\": [128, 256]}}', got {text!r}")
     return space
 
 
@@ -207,6 +208,9 @@ def cmd_tune(args) -> int:
     if args.space and len(kernels) > 1:
         console.print(f"[red]error:[/red] --space applies to one kernel; {args.kernel!r} names {len(kernels)}")
         return 2
+    for key in sorted(set(args.space or {}) - set(tune.get(kernels[0]).space)):
+        console.print(f"[yellow]note:[/yellow] {key} is not in {kernels[0]}'s registered grid: its launcher must take "
+                      "it (a key it ignores is timed as duplicates and stored with --write)")
     _runtime.require_gpu("triforge tune")
     status = 0
     for name in kernels:
@@ -236,6 +240,8 @@ def _tune_one(args, t) -> int:
     with _progress() as prog:
         task = prog.add_task(f"tuning {t.kernel}", total=n)
         result = tune.tune(t, shape, args.dtype, top=args.top, progress=lambda: prog.advance(task))
+    if args.space:
+        result["space_override"] = args.space  # (kept in the provenance of a written entry)
     table = Table(title=f"{t.kernel} at {shape} {result['dtype']} — {result['n_tried']} tried, {result['n_failed']} failed"
                   f" ({result['n_mismatch']} whose outputs disagree with the launcher's config)")
     table.add_column("rank")
@@ -430,10 +436,11 @@ def cmd_configs(args) -> int:
     from triforge import _runtime, launch
 
     arch, device = _runtime.config_scope()
-    arch, device = args.arch or arch, args.device or device
+    arch, device = args.arch or arch, _runtime.device_tag_of(args.device) if args.device else device
     rows = [r for r in launch.config_sources(arch, device) if not args.kernels or r[0] in args.kernels
             or any(r[0].startswith(k + "_") for k in args.kernels)]
-    files = f"{launch.configs_file(arch).name} and {launch.configs_file(arch, device).name}"
+    files = " and ".join(f.name for f in (launch.configs_file(arch), launch.configs_file(arch, device)) if f.exists()) \
+        or f"no {launch.configs_file(arch).name} or {launch.configs_file(arch, device).name}"
     if not rows:
         console.print(f"no stored configs for {' '.join(args.kernels) or 'any kernel'} in {files} (the launchers' "
                       "fallbacks apply)")

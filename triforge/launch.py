@@ -91,10 +91,16 @@ def config_cache(fn):
     return cached
 
 
+def _tuned_on(data: dict, entry: str) -> str:
+    """The device a configs file's provenance names for an entry ('?' where it records none)."""
+    prov = data.get("provenance", {}).get(entry)
+    return str(prov.get("device", "?")) if isinstance(prov, dict) else "?"
+
+
 def config_sources(arch: str, device: str | None = None) -> list[tuple[str, str, dict, str, str]]:
     """Every stored entry an (arch, device) reads, as (kernel, key, merged entry, where from, tuned on): the arch's
-    file name, the device's, or both joined by ' + ' (the device's fields over the arch's), and the device its
-    provenance names (the device file's where it has the entry; '?' where none is recorded)."""
+    file name, the device's, or both joined by ' + ' (the device's fields over the arch's), and the device each of
+    those files' provenance names, joined the same way ('?' where one records none)."""
     files = [configs_file(arch)] + ([configs_file(arch, device)] if device is not None else [])
     data = [json.loads(f.read_text()) if f.exists() else {} for f in files]
     rows = []
@@ -102,8 +108,8 @@ def config_sources(arch: str, device: str | None = None) -> list[tuple[str, str,
     for kernel in kernels:
         for key in sorted({key for d in data for key in d.get("kernels", {}).get(kernel, {})}):
             holders = [(f, d) for f, d in zip(files, data) if key in d.get("kernels", {}).get(kernel, {})]
-            tuned_on = holders[-1][1].get("provenance", {}).get(f"{kernel}[{key}]", {}).get("device", "?")
-            rows.append((kernel, key, _table(arch, device)[kernel][key], " + ".join(f.name for f, _ in holders), tuned_on))
+            rows.append((kernel, key, _table(arch, device)[kernel][key], " + ".join(f.name for f, _ in holders),
+                         " + ".join(_tuned_on(d, f"{kernel}[{key}]") for _, d in holders)))
     return rows
 
 

@@ -201,6 +201,8 @@ def write_config(result: dict, arch: str | None = None, force: bool = False, for
     prov_key = f"{result['kernel']}[{result['key']}]"
     old = data.get("kernels", {}).get(result["kernel"], {}).get(result["key"], {})
     provenance = {"device": result["device"], "shape": result["shape"], "ms": result["best"]["ms"]}
+    if result.get("space_override"):  # (tune --space: the grid this entry won in)
+        provenance["space_override"] = result["space_override"]
     # keys of the entry that the tuning space does not hold (the attention forward's GLUON and EMU) stay, with their
     # provenance notes (under the key's lower-case name)
     space = _TUNABLES[result["kernel"]].space if result["kernel"] in _TUNABLES else {}

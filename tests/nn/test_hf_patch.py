@@ -307,9 +307,20 @@ def test_patched_model_under_torch_compile_fullgraph(qwen2_pair, device, gen):
             want = eager(ids, use_cache=False).logits
     finally:
         patch_hf_rope(patched)
+    traced = []
+
+    def recording(gm, example_inputs):  # the graph dynamo hands a backend, run as it is
+        traced.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    with torch.no_grad():
+        got = torch.compile(patched, fullgraph=True, backend=recording)(ids, use_cache=False).logits
+    assert compare("compiled logits", want, got, tol=FP32).ok
+    for op in ("rms_norm", "swiglu", "rope", "flash_attn"):  # the kernels are in the graph, not HF's fallbacks
+        assert any(t.startswith("triforge.") and op in t for t in traced), (op, sorted(set(traced)))
     with torch.no_grad():
         got = torch.compile(patched, fullgraph=True)(ids, use_cache=False).logits
-    assert compare("compiled logits", want, got, tol=FP32).ok
+    assert compare("compiled (inductor) logits", want, got, tol=FP32).ok
     patched.train()
     params = [p for p in patched.parameters() if p.requires_grad]
     loss_want = patched(ids, labels=ids, use_cache=False).loss
