@@ -192,6 +192,11 @@ def git_commit() -> str:
         return "unknown"
 
 
+def floor_ms(nbytes, flops, ceil: dict) -> float:
+    """A call's time floor: its bytes over the measured copy rate or its FLOPs over the matmul rate, the larger."""
+    return 1e3 * max(nbytes / (ceil["copy_tbps"] * 1e12), flops / (ceil["matmul_bf16_tflops"] * 1e12))
+
+
 def bench_op(spec, *, dtype=torch.bfloat16, modes=("fwd", "bwd"), peers=True, seed=0, check=True, shape=None) -> list[dict]:
     """Rows for each mode and implementation (triforge first, then the peers).
 
@@ -258,7 +263,7 @@ def bench_op(spec, *, dtype=torch.bfloat16, modes=("fwd", "bwd"), peers=True, se
             row["gbps"] = nbytes / sec / 1e9
             row["tflops"] = flops / sec / 1e12
             row["pct_copy"] = 100 * row["gbps"] / (ceil["copy_tbps"] * 1e3)
-            row["floor_ms"] = 1e3 * max(nbytes / (ceil["copy_tbps"] * 1e12), flops / (ceil["matmul_bf16_tflops"] * 1e12))
+            row["floor_ms"] = floor_ms(nbytes, flops, ceil)
             if name == "triforge":
                 ours = row["median_ms"]
             row["triforge_speedup"] = (row["median_ms"] / ours) if ours else None

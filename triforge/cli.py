@@ -68,7 +68,7 @@ def cmd_check(args) -> int:
 
 def _bench_table(result):
     table = Table(title=f"triforge bench — {result['device']} ({result['commit']})")
-    from triforge.report import _per_s, floor_ms, tokens_per_call
+    from triforge.report import floor_and_rate_cells
 
     cols = ("op", "mode", "shape", "impl", "median ms", "mean / min / max ms", "floor ms", "tokens/s", "MB moved", "GB/s",
             "% copy", "triforge speedup")
@@ -86,11 +86,8 @@ def _bench_table(result):
         sp = r.get("triforge_speedup")
         spread = " / ".join(ms(r, k) for k in ("mean_ms", "min_ms", "max_ms"))
         moved = f"{r['bytes'] / 1e6:.1f}" if isinstance(r.get("bytes"), (int, float)) else "-"
-        floor = floor_ms(r, result["peaks"]) if result.get("peaks") else r.get("floor_ms")
-        tokens = tokens_per_call(r)
         table.add_row(r["op"], r["mode"], r["shape"], r["impl"], f"{r['median_ms']:.4f}", spread,
-                      "-" if floor is None else f"{floor:.4f}",
-                      _per_s(None if tokens is None else tokens / (r["median_ms"] * 1e-3)), moved,
+                      *floor_and_rate_cells(r, result.get("peaks")), moved,
                       f"{r['gbps']:.0f}", f"{r['pct_copy']:.1f}", "-" if sp is None else f"{sp:.2f}x")
     return table
 

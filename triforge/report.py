@@ -44,13 +44,15 @@ def tokens_per_call(row: dict) -> int | None:
 
 
 def floor_ms(row: dict, peaks: dict) -> float | None:
-    """The row's time floor: its bytes over the measured copy rate or its FLOPs over the matmul rate, the larger
-    (the bench's own ``floor_ms`` where it recorded one)."""
+    """The row's time floor (``bench.floor_ms`` of its bytes and FLOPs; the bench's own ``floor_ms`` where it
+    recorded one)."""
+    from triforge.bench import floor_ms as call_floor_ms
+
     if row.get("floor_ms") is not None:
         return row["floor_ms"]
-    if row.get("bytes") is None or row.get("flops") is None:
+    if row.get("bytes") is None or row.get("flops") is None or not peaks:
         return None
-    return 1e3 * max(row["bytes"] / (peaks["copy_tbps"] * 1e12), row["flops"] / (peaks["matmul_bf16_tflops"] * 1e12))
+    return call_floor_ms(row["bytes"], row["flops"], peaks)
 
 
 def _per_s(v) -> str:
@@ -61,6 +63,12 @@ def _per_s(v) -> str:
         if v >= scale:
             return f"{v / scale:.3g}{unit}"
     return f"{v:.3g}"
+
+
+def floor_and_rate_cells(row: dict, peaks: dict | None) -> tuple[str, str]:
+    """A measured row's "floor ms" and "tokens/s" cells, as the report and the bench's printed table show them."""
+    floor, tokens = floor_ms(row, peaks), tokens_per_call(row)
+    return _fmt(floor, ".4f"), _per_s(None if tokens is None else tokens / (row["median_ms"] * 1e-3))
 
 
 def _decode_markdown(res: dict) -> list[str]:
@@ -120,10 +128,10 @@ def markdown(results: list[dict]) -> str:
                            f"error: {r['error']} | | | | | | |")
                 continue
             speed = r.get("triforge_speedup")
-            tokens = tokens_per_call(r)
+            floor, rate = floor_and_rate_cells(r, pk)
             out.append(
                 f"| {r['op']} | {r['mode']} | {r['shape']} | {r['dtype']} | {r['impl']} | {r['median_ms']:.4f} | "
-                f"{_fmt(floor_ms(r, pk), '.4f')} | {_per_s(None if tokens is None else tokens / (r['median_ms'] * 1e-3))} | "
+                f"{floor} | {rate} | "
                 f"{r['gbps']:.0f} | {r['pct_copy']:.1f}% | {_fmt(r.get('tflops'), '.1f')} | {_fmt(speed, '.2f')}x |"
             )
         res_rows = [(r["op"], r["mode"], k, v) for r in res["rows"] if r.get("impl") == "triforge" for k, v in (r.get("kernels") or {}).items() if v]
