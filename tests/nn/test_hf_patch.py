@@ -3,6 +3,7 @@ MLP, the fused RoPE, the attention implementation, Gated DeltaNet) against the s
 logits, every parameter's gradient, cached generation, which kernels ran, and the RoPE patch's fallbacks."""
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -51,17 +52,22 @@ def test_counts_and_kernels_that_run(qwen2_pair, calls, device, gen):
     assert calls == {"swiglu": 2, "apply_rotary_qk": 2}  # one per layer
 
 
+def _on_original_rope(patched, fn, *args, **kwargs):
+    """fn(*args, **kwargs) on the modeling module's original apply_rotary_pos_emb: the RoPE patch is module-wide, so
+    an unpatched model of the family runs the fused rotation too unless it is undone around the call."""
+    unpatch_hf_rope(patched)
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        patch_hf_rope(patched)
+
+
 def test_logits_gradients_and_generation_match_unpatched(qwen2_pair, device, gen):
     """The unpatched model runs the original apply_rotary_pos_emb: the RoPE patch is undone around its calls."""
     eager, patched, _ = qwen2_pair
     ids = torch.randint(0, 97, (2, 23), generator=gen).to(device)
 
-    def run_eager(fn):
-        unpatch_hf_rope(patched)
-        try:
-            return fn()
-        finally:
-            patch_hf_rope(patched)
+    run_eager = functools.partial(_on_original_rope, patched)
 
     with torch.no_grad():
         want = run_eager(lambda: eager(ids).logits)
@@ -276,12 +282,7 @@ def test_other_families_drop_in(family, calls, device, gen):
             with pytest.warns(UserWarning, match="softcaps"):
                 assert patch_hf_model(patched) == counts_want
 
-        def reference(*args, **kwargs):  # the unpatched model on the module's original apply_rotary_pos_emb
-            unpatch_hf_rope(patched)
-            try:
-                return eager(*args, **kwargs)
-            finally:
-                patch_hf_rope(patched)
+        reference = functools.partial(_on_original_rope, patched, eager)  # the unpatched model, HF's own RoPE
 
         ids = torch.randint(0, 97, (2, 19), generator=gen).to(device)
         with torch.no_grad():
@@ -301,12 +302,8 @@ def test_patched_model_under_torch_compile_fullgraph(qwen2_pair, device, gen):
     patched model's eager ones."""
     eager, patched, _ = qwen2_pair
     ids = torch.randint(0, 97, (2, 17), generator=gen).to(device)
-    unpatch_hf_rope(patched)
-    try:
-        with torch.no_grad():
-            want = eager(ids, use_cache=False).logits
-    finally:
-        patch_hf_rope(patched)
+    with torch.no_grad():
+        want = _on_original_rope(patched, eager, ids, use_cache=False).logits
     traced = []
 
     def recording(gm, example_inputs):  # the graph dynamo hands a backend, run as it is
