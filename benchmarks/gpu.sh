@@ -7,6 +7,7 @@
 #   TESTS_K="expr"          pytest -k filter for the tests step; REAL_K="expr": for the realtier step (tests/test_gpu.py)
 #   OPS="rms_norm swiglu"   ops (or families) for tune/bench/sanitize; TUNE="mhc swiglu": kernel prefixes to tune,
 #                           TUNE_ARGS="--shape T=65536,C=1024" at a shape (TUNE_TAG names its JSON files);
+#                           TUNE_BUDGET=SECONDS caps each kernel's tune (tune --budget),
 #                           TUNE_FOR_DEVICE=1 writes to the device model's file (configs/sm90.h200.json), not the arch's
 # Results land in $OUT: all.tgz (everything) plus the bench JSON, report and configs.
 # Run from a snapshot of a commit (benchmarks/snapshot.sh writes .snap/ with the tree and .commit).
@@ -70,7 +71,7 @@ for step in $STEPS; do
           sel=${TUNE:-$OPS}
           if [ -n "$sel" ] && ! echo "$k" | grep -qE "^($(echo $sel | tr ' ' '|'))"; then continue; fi
           if [ $SECONDS -ge "${TUNE_S:-300}" ]; then echo "tune: time is up, $k ($ta) not tuned"; continue; fi
-          python3 -m triforge tune "$k" $ta --write "${fordev[@]}" --top 3 --json "$OUT/tune-$k${TUNE_TAG:-}-$ti.json" 2>&1 | tail -4
+          python3 -m triforge tune "$k" $ta --write "${fordev[@]}" ${TUNE_BUDGET:+--budget "$TUNE_BUDGET"} --top 3 --json "$OUT/tune-$k${TUNE_TAG:-}-$ti.json" 2>&1 | tail -4
         done
       done
       ;;

@@ -662,6 +662,25 @@ def test_tune_counts_timer_failures_and_calls_progress():
     assert all(r["ms"] <= 15 for r in res["top"])
 
 
+def test_tune_budget_stops_starting_configs_and_keeps_the_best_tried(monkeypatch):
+    t, timer = _fake_tunable(fail_p=None)
+    clock = {"now": 100.0}
+    monkeypatch.setattr(tune.time, "monotonic", lambda: clock["now"])
+
+    def slow_timer(fn):  # each timed config takes 10 s of the fake clock
+        clock["now"] += 10.0
+        return timer(fn)
+
+    configs = tune.grid(t.space)
+    res = tune.tune(t, {"M": 1}, torch.float32, timer=slow_timer, budget_s=25.0)
+    # the config in use is timed before the grid (10 s), then configs start at 10, 20 s: the third would start at 30
+    assert res["n_tried"] == 2 and res["n_skipped"] == len(configs) - 2
+    assert res["best"] == min(({"config": c, "ms": cost(c)} for c in configs[:2]), key=lambda r: r["ms"])
+    clock["now"] = 100.0
+    full = tune.tune(t, {"M": 1}, torch.float32, timer=timer)  # no budget: every config, none skipped
+    assert full["n_tried"] == len(configs) and full["n_skipped"] == 0
+
+
 def test_tune_refuses_configs_whose_outputs_disagree_with_the_launchers():
     """A miscompiled config (its outputs off by 1 % of their RMS, or NaN in one element, or another
     shape) is refused like a failing one, even where it is the fastest; configs that differ only by

@@ -236,9 +236,11 @@ def _tune_one(args, t) -> int:
     n = len(tune.grid(t.space))
     with _progress() as prog:
         task = prog.add_task(f"tuning {t.kernel}", total=n)
-        result = tune.tune(t, shape, args.dtype, top=args.top, progress=lambda: prog.advance(task))
+        result = tune.tune(t, shape, args.dtype, top=args.top, progress=lambda: prog.advance(task), budget_s=args.budget)
     if args.space:
         result["space_override"] = args.space  # (kept in the provenance of a written entry)
+    if result["n_skipped"]:
+        console.print(f"[yellow]budget:[/yellow] {result['n_skipped']} of {n} configs not tried ({args.budget:g} s spent)")
     table = Table(title=f"{t.kernel} at {shape} {result['dtype']} — {result['n_tried']} tried, {result['n_failed']} failed"
                   f" ({result['n_mismatch']} whose outputs disagree with the launcher's config)")
     table.add_column("rank")
@@ -488,6 +490,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "(e.g. sm90.h200.json), read over <arch>.json on this device model only")
     t.add_argument("--space", metavar="JSON", help="one kernel's grid with these parameters' values replaced or added, "
                    "e.g. '{\"BLOCK_M\": [128, 256], \"programs_per_sm\": [1, 2]}'")
+    t.add_argument("--budget", type=float, metavar="SECONDS", default=None,
+                   help="start no config after this many seconds of the kernel's tune (the best of those tried is "
+                        "kept and written): a tune that ends inside a device call's time limit")
     t.add_argument("--list", action="store_true", help="list the tunable kernels")
     t.set_defaults(func=cmd_tune)
 

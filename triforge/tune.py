@@ -20,6 +20,7 @@ not with the math: the parity checks (``triforge check``, the tests) do that for
 
 import itertools
 import json
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -117,13 +118,17 @@ def _error_line(e: Exception) -> str:
     return f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
 
 
-def tune(tunable: Tunable, shape: dict, dtype: torch.dtype, *, top: int = 5, timer=None, progress=None) -> dict:
+def tune(tunable: Tunable, shape: dict, dtype: torch.dtype, *, top: int = 5, timer=None, progress=None,
+         budget_s: float | None = None) -> dict:
     """Time every config of ``tunable`` at ``shape``; return best, top-N and the failures (configs
-    that raise, and configs whose outputs disagree with the launcher's config's: ``n_mismatch``)."""
+    that raise, and configs whose outputs disagree with the launcher's config's: ``n_mismatch``).
+    ``budget_s``: start no config after that many seconds (the rest are counted in ``n_skipped``; the best is
+    the best of those tried), so a tune inside a device call's time limit ends with a result to write."""
     if timer is None:
         from triforge.bench import time_ms
 
         timer = lambda fn: time_ms(fn, warmup=10, rep=60)["median_ms"]  # noqa: E731
+    deadline = None if budget_s is None else time.monotonic() + budget_s
     device = _runtime.default_device()
     run, key = tunable.setup(shape, dtype, device)
     want = [t.clone() for t in _tensors(run(None))]
@@ -134,7 +139,12 @@ def tune(tunable: Tunable, shape: dict, dtype: torch.dtype, *, top: int = 5, tim
         in_use = {"config": stored, "ms": None, "error": _error_line(e)}
     timed, failed = [], []
     n_mismatch = 0
-    for cfg in grid(tunable.space):
+    configs = grid(tunable.space)
+    n_skipped = 0
+    for i, cfg in enumerate(configs):
+        if deadline is not None and time.monotonic() >= deadline:
+            n_skipped = len(configs) - i
+            break
         try:
             got = _tensors(run(cfg))
             if device.type == "cuda":
@@ -167,6 +177,7 @@ def tune(tunable: Tunable, shape: dict, dtype: torch.dtype, *, top: int = 5, tim
         "n_tried": len(timed) + len(failed),
         "n_failed": len(failed),
         "n_mismatch": n_mismatch,
+        "n_skipped": n_skipped,  # configs not tried: the budget ran out
         "checked": bool(want),
         "failed": failed,
     }
