@@ -98,6 +98,24 @@ def test_run_bench_skips_the_shapes_a_resumed_file_measured(monkeypatch):
     assert result["modes"] == ["fwd", "bwd"] and result["peers"] is True
 
 
+def test_bench_dimensions_pick_the_rows_of_a_sweep():
+    """`bench OP --M 256` on a swept op runs the sweep's shapes with M = 256 (all their dimensions); dimensions that
+    match no sweep shape, or an op without a sweep, run the given shape itself."""
+    import types
+
+    from triforge import bench
+
+    sweep = types.SimpleNamespace(bench_shapes=({"M": 1, "N": 8, "K": 8}, {"M": 256, "N": 8, "K": 8},
+                                                {"M": 256, "N": 4, "K": 16}, {"M": 1, "N": 4, "K": 16}))
+    assert bench.shapes_to_run(sweep, {"M": 256}) == [{"M": 256, "N": 8, "K": 8}, {"M": 256, "N": 4, "K": 16}]
+    assert bench.shapes_to_run(sweep, {"M": 1, "K": 16}) == [{"M": 1, "N": 4, "K": 16}]
+    assert bench.shapes_to_run(sweep, {"M": 64, "N": 8, "K": 8}) == [{"M": 64, "N": 8, "K": 8}]  # off the sweep
+    assert bench.shapes_to_run(sweep, {"Q": 1}) == [{"Q": 1}]  # (the CLI refuses names an op does not take)
+    assert bench.shapes_to_run(sweep, None) == list(sweep.bench_shapes)
+    assert bench.shapes_to_run(types.SimpleNamespace(bench_shapes=()), {"T": 7}) == [{"T": 7}]
+    assert bench.shapes_to_run(types.SimpleNamespace(bench_shapes=None), None) == [None]
+
+
 def test_configs_lists_what_a_device_reads(tmp_path, capsys, monkeypatch):
     """`triforge configs`: each stored entry an arch / device reads, merged, and the files it comes from."""
     from rich.console import Console

@@ -310,6 +310,18 @@ def _measured(rows, op: str, shape) -> bool:
     return bool(ours) and not any("error" in r for r in ours)
 
 
+def shapes_to_run(spec, shape) -> list:
+    """The bench shapes of ``spec`` at CLI dimensions ``shape``: its sweep (``bench_shapes``) without them; with
+    them, the sweep's shapes that agree on every given dimension (``--M 256``: the M = 256 row of a matmul sweep),
+    else ``shape`` itself (a shape off the sweep, or an op without one)."""
+    if not spec.bench_shapes:
+        return [shape]
+    if not shape:
+        return list(spec.bench_shapes)
+    picked = [s for s in spec.bench_shapes if all(k in s and s[k] == v for k, v in shape.items())]
+    return picked or [shape]
+
+
 def run_bench(specs, *, dtype=torch.bfloat16, modes=("fwd", "bwd"), peers=True, progress=None, shape=None,
               on_partial=None, done_rows=None) -> dict:
     """Every op's rows plus family totals; ``on_partial(result)`` sees the result after each op. ``done_rows``
@@ -317,7 +329,7 @@ def run_bench(specs, *, dtype=torch.bfloat16, modes=("fwd", "bwd"), peers=True, 
     are not run again."""
     rows = [r for r in (done_rows or []) if not r["op"].endswith(" total")]
     for spec in specs:
-        for one in ([shape] if shape or not spec.bench_shapes else spec.bench_shapes):
+        for one in shapes_to_run(spec, shape):
             if _measured(rows, spec.name, one):
                 continue
             rows = [r for r in rows if not (r["op"] == spec.name and r.get("bench_shape", ()) == one)]  # failed
