@@ -11,7 +11,7 @@ from triforge import _runtime, registry
 from triforge.check import check_op
 from triforge.launch import poisoned
 from triforge.ops import softmax as softmax_mod
-from triforge.ops.softmax import MAX_N, softmax, softmax_ref, softmax_stages
+from triforge.ops.softmax import MAX_N, softmax, softmax_dx_scale, softmax_ref, softmax_stages
 from triforge.testing import compare, compare_stages
 
 DEV = _runtime.default_device()  # cpu through the interpreter, cuda when compiled
@@ -34,21 +34,10 @@ def _grad(fn, x, dy):
     return x.grad
 
 
-def _dx_scale(x64, dy64, dim=-1):
-    """Each input gradient's error scale: dx_i = y_i (dy_i - sum_j y_j dy_j) rounds with its terms,
-    y_i (|dy_i| + sum_j y_j |dy_j|), not with its value (which cancels when one y is near one).
-    The kernels hold y in float32, where a value below the smallest normal keeps an absolute error of
-    half a subnormal spacing (exp(-100) ~ 4e-44 has two significant bits): y_i enters the scale as
-    no less than that smallest normal."""
-    y = softmax_ref(x64, dim)["y"]
-    y_held = y.clamp(min=torch.finfo(torch.float32).tiny)
-    return y_held * (dy64.abs() + (y * dy64.abs()).sum(dim, keepdim=True))
-
-
 def _check_dx(name, x, dy, dx, dim=-1, ref_fn=None):
     x64, dy64 = x.double(), dy.double()
     ref_fn = ref_fn or (lambda t: softmax_ref(t, dim)["y"])
-    res = compare(name, _grad(ref_fn, x64, dy64), dx, dtype=x.dtype, scale=_dx_scale(x64, dy64, dim))
+    res = compare(name, _grad(ref_fn, x64, dy64), dx, dtype=x.dtype, scale=softmax_dx_scale(x64, dy64, dim))
     assert res.ok, res.line()
 
 
@@ -230,7 +219,7 @@ def test_ill_conditioned_gradient_is_judged_by_its_terms(gen):
     dy = torch.randn(x.shape, generator=gen).to(DEV)
     x64, dy64 = x.double(), dy.double()
     ref = _grad(lambda t: softmax_ref(t, 0)["y"], x64, dy64)
-    scale = _dx_scale(x64, dy64, 0)
+    scale = softmax_dx_scale(x64, dy64, 0)
     torch_dx = _grad(lambda t: F.softmax(t, 0), x, dy)
     assert not compare("torch by ||dx||", ref, torch_dx, dtype=torch.float32, verbose=False).ok
     assert compare("torch by terms", ref, torch_dx, dtype=torch.float32, scale=scale, verbose=False).ok
@@ -318,3 +307,15 @@ def test_registry_inputs_are_masked(gen):
     assert ((x == NEG_INF).any(-1) & ~full).sum() > 0
     assert spec.bytes({"x": x}, "fwd") == 2 * 4 * x.numel()
     assert spec.bytes({"x": x}, "bwd") == 3 * 4 * x.numel()
+
+
+def test_registry_judges_dx_by_its_terms(gen):
+    """check_op's dx scale is the terms' (softmax_dx_scale), as the tests above judge it; the forward stages keep
+    the rms default."""
+    spec = registry.get("softmax")
+    x64 = spec.make_inputs("tiny", torch.float32, "cpu", gen)["x"].double()
+    dy64 = torch.randn(x64.shape, generator=gen, dtype=torch.float64)
+    assert spec.magnitudes({"x": x64}, None, torch.float32) == {}
+    scale = spec.magnitudes({"x": x64}, [dy64], torch.float32)["dx"]
+    assert torch.equal(scale, softmax_dx_scale(x64, dy64))
+    assert scale.shape == x64.shape and bool((scale > 0).all())
