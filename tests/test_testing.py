@@ -621,9 +621,9 @@ def test_tune_picks_best_sorts_top_and_counts_failures():
     t, timer = _fake_tunable(calls=calls)
     res = tune.tune(t, {"M": 7}, torch.float16, top=3, timer=timer)
     expected = sorted(
-        ({"config": c, "ms": cost(c)} for c in tune.grid(t.space) if c["p"] != 3), key=lambda r: r["ms"]
-    )
-    assert res["best"] == expected[0] == {"config": {"p": 2, "q": 10}, "ms": cost({"p": 2, "q": 10})}
+        ({"config": c, "ms": cost(c), "spills": None} for c in tune.grid(t.space) if c["p"] != 3), key=lambda r: r["ms"]
+    )  # (spills None: the fake launches no compiled kernel)
+    assert res["best"] == expected[0] == {"config": {"p": 2, "q": 10}, "ms": cost({"p": 2, "q": 10}), "spills": None}
     assert res["top"] == expected[:3]
     assert [r["ms"] for r in res["top"]] == sorted(r["ms"] for r in res["top"])
     assert res["n_tried"] == 8 and res["n_failed"] == 2
@@ -675,10 +675,38 @@ def test_tune_budget_stops_starting_configs_and_keeps_the_best_tried(monkeypatch
     res = tune.tune(t, {"M": 1}, torch.float32, timer=slow_timer, budget_s=25.0)
     # the config in use is timed before the grid (10 s), then configs start at 10, 20 s: the third would start at 30
     assert res["n_tried"] == 2 and res["n_skipped"] == len(configs) - 2
-    assert res["best"] == min(({"config": c, "ms": cost(c)} for c in configs[:2]), key=lambda r: r["ms"])
+    assert res["best"] == min(({"config": c, "ms": cost(c), "spills": None} for c in configs[:2]), key=lambda r: r["ms"])
     clock["now"] = 100.0
     full = tune.tune(t, {"M": 1}, torch.float32, timer=timer)  # no budget: every config, none skipped
     assert full["n_tried"] == len(configs) and full["n_skipped"] == 0
+
+
+def test_tune_records_each_configs_spills_and_a_written_entry_keeps_them(config_dir, monkeypatch):
+    """Each timed config carries the registers its launches spilled (summed over its kernels), read from the
+    compiled kernels the run launched; written to the provenance of a stored entry that spills."""
+    import types
+
+    monkeypatch.setattr(launch, "_compiled", {})  # (the fake kernels stay out of the module's record)
+
+    def fake_compiled(spills):
+        return types.SimpleNamespace(n_regs=255, n_spills=spills,
+                                     metadata=types.SimpleNamespace(shared=0, num_warps=4, num_stages=2))
+
+    def setup(shape, dtype, device):
+        def run(cfg):
+            if cfg is not None:  # two kernels per launch of a config: p's spills and one more
+                launch._compiled["k_main"] = fake_compiled(cfg["p"])
+                launch._compiled["k_tail"] = fake_compiled(1)
+            return torch.full((4,), 1.0)
+        return run, "fake-key"
+
+    t = tune.Tunable(kernel="fake_spills", space={"p": [0, 2]}, setup=setup, shape_names=("M",))
+    res = tune.tune(t, {"M": 1}, torch.float32, timer=lambda fn: 1.0 if fn() is not None else 0.0)
+    assert sorted(r["spills"] for r in res["top"]) == [1, 3]
+    res["best"] = next(r for r in res["top"] if r["spills"] == 3)
+    path = tune.write_config(res, arch="smx")
+    prov = json.loads(Path(path).read_text())["provenance"]["fake_spills[fake-key]"]
+    assert prov["spills"] == 3
 
 
 def test_tune_refuses_configs_whose_outputs_disagree_with_the_launchers():

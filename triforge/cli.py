@@ -246,8 +246,9 @@ def _tune_one(args, t) -> int:
     table.add_column("rank")
     table.add_column("config")
     table.add_column("median ms", justify="right")
+    table.add_column("spills", justify="right")
     for i, r in enumerate(result["top"], 1):
-        table.add_row(str(i), json.dumps(r["config"]), f"{r['ms']:.4f}")
+        table.add_row(str(i), json.dumps(r["config"]), f"{r['ms']:.4f}", "-" if r.get("spills") is None else str(r["spills"]))
     console.print(table)
     in_use = result["in_use"]
     where = json.dumps(in_use["config"]) if in_use["config"] is not None else "the fallback"

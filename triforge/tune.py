@@ -118,6 +118,14 @@ def _error_line(e: Exception) -> str:
     return f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
 
 
+def _spills() -> int | None:
+    """Registers spilled by the kernels the last run launched, summed (None where none was compiled: the
+    interpreter). Shown beside each config's time and kept in a written entry's provenance; not a filter (a config
+    that spills a few registers may still be the fastest, as the H200's ternary_tc at 8192^2, M = 256 was)."""
+    n = [r["spills"] for r in map(launch.kernel_resources, launch.recorded_kernels()) if r and r["spills"] is not None]
+    return sum(n) if n else None
+
+
 def tune(tunable: Tunable, shape: dict, dtype: torch.dtype, *, top: int = 5, timer=None, progress=None,
          budget_s: float | None = None) -> dict:
     """Time every config of ``tunable`` at ``shape``; return best, top-N and the failures (configs
@@ -146,9 +154,11 @@ def tune(tunable: Tunable, shape: dict, dtype: torch.dtype, *, top: int = 5, tim
             n_skipped = len(configs) - i
             break
         try:
+            launch._compiled.clear()
             got = _tensors(run(cfg))
             if device.type == "cuda":
                 torch.cuda.synchronize()
+            spills = _spills()
             why = output_mismatch(want, got) if want else None
             del got
             ms = None if why else timer(lambda: run(cfg))
@@ -159,7 +169,7 @@ def tune(tunable: Tunable, shape: dict, dtype: torch.dtype, *, top: int = 5, tim
                 n_mismatch += 1
                 failed.append({"config": cfg, "error": why})
             else:
-                timed.append({"config": cfg, "ms": ms})
+                timed.append({"config": cfg, "ms": ms, "spills": spills})
         if progress is not None:
             progress()
     timed.sort(key=lambda r: r["ms"])
@@ -212,6 +222,8 @@ def write_config(result: dict, arch: str | None = None, force: bool = False, for
     prov_key = f"{result['kernel']}[{result['key']}]"
     old = data.get("kernels", {}).get(result["kernel"], {}).get(result["key"], {})
     provenance = {"device": result["device"], "shape": result["shape"], "ms": result["best"]["ms"]}
+    if result["best"].get("spills"):
+        provenance["spills"] = result["best"]["spills"]
     if result.get("space_override"):  # (tune --space: the grid this entry won in)
         provenance["space_override"] = result["space_override"]
     # keys of the entry that the tuning space does not hold (the attention forward's GLUON and EMU) stay, with their
