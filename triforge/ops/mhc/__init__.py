@@ -109,25 +109,10 @@ def project_bwd_grid(T, K, cfg):
 
 def project_bwd(x_flat, W, proj, inv_rms, dproj, dinv, cfg=None):
     T, K = x_flat.shape
-    cfg = cfg or _cfg("mhc_project_bwd", K // N_STREAMS, x_flat.dtype)
-    # every buffer, grid and flag of the three launches is prepared before the first of them, so they follow one
-    # another with no host work between: the prologue takes a few microseconds on the GPU, which then idled while the
-    # host prepared the main launch (the GPU machine's host runs this Python ~5x slower than a workstation)
-    a_hi, a_lo, coef, prologue = _prologue_launch(x_flat, W, proj, inv_rms, dproj, dinv)
-    dx, dw_part, main = _main_launch(x_flat, a_hi, a_lo, coef, W.float().contiguous(), cfg)
-    dW, reduce = _reduce_launch(dw_part, T, K, cfg, W.dtype)
-    prologue()
-    main()
-    reduce()
-    return dx, dW
-
-
-def _prologue_launch(x_flat, W, proj, inv_rms, dproj, dinv):
-    """K1 backward's prologue: its outputs (a = inv_rms * dproj, in two 16-bit parts for dW when split, and coef)
-    and a function that launches it."""
-    T, K = x_flat.shape
     R = W.shape[0]
+    cfg = cfg or _cfg("mhc_project_bwd", K // N_STREAMS, x_flat.dtype)
     split = x_flat.dtype != torch.float32
+    # a = inv_rms * dproj (in two 16-bit parts for dW when split) and coef, one prologue kernel
     a_hi = new_output((T, R), x_flat.dtype if split else torch.float32, x_flat.device)
     a_lo = new_output((T, R), x_flat.dtype, x_flat.device) if split else a_hi
     coef = new_output((T,), torch.float32, x_flat.device)
@@ -135,48 +120,31 @@ def _prologue_launch(x_flat, W, proj, inv_rms, dproj, dinv):
     nbytes = (dproj.numel() * dproj.element_size() + proj.numel() * proj.element_size()
               + inv_rms.numel() * inv_rms.element_size() * (1 + int(dinv is not None))
               + a_hi.numel() * a_hi.element_size() * (1 + int(split)) + coef.numel() * 4)
-
-    def go():
-        launch.launch(
-            "mhc_project_bwd_prologue", mhc_project_bwd_prologue_kernel, (launch.cdiv(T, _PROLOGUE_T),),
-            dproj, proj, inv_rms, dinv if dinv is not None else inv_rms, a_hi, a_lo, coef, T, K, nbytes=nbytes,
-            R=R, BLOCK_T=_PROLOGUE_T, HAS_DINV=dinv is not None, SPLIT=split, RNE=_runtime.INTERPRET, num_warps=4,
-        )
-
-    return a_hi, a_lo, coef, go
+    launch.launch(
+        "mhc_project_bwd_prologue", mhc_project_bwd_prologue_kernel, (launch.cdiv(T, _PROLOGUE_T),),
+        dproj, proj, inv_rms, dinv if dinv is not None else inv_rms, a_hi, a_lo, coef, T, K, nbytes=nbytes,
+        R=R, BLOCK_T=_PROLOGUE_T, HAS_DINV=dinv is not None, SPLIT=split, RNE=_runtime.INTERPRET, num_warps=4,
+    )
+    dx, dw_part = project_bwd_main(x_flat, a_hi, a_lo, coef, W.float().contiguous(), cfg)
+    return dx, project_bwd_reduce(dw_part, T, K, cfg, W.dtype)
 
 
 def project_bwd_reduce(dw_part, T, K, cfg, dtype):
     """dW [R, K] in ``dtype`` from K1 backward's per-program partials, summed in a fixed order."""
-    dW, go = _reduce_launch(dw_part, T, K, cfg, dtype)
-    go()
-    return dW
-
-
-def _reduce_launch(dw_part, T, K, cfg, dtype):
     R = dw_part.shape[2]
     n_t, U, P, J = project_bwd_grid(T, K, cfg)
     dW = new_output((R, K), dtype, dw_part.device)
-
-    def go():
-        launch.launch(
-            "mhc_project_bwd_reduce", mhc_project_bwd_reduce_kernel, (launch.cdiv(K, cfg["BLOCK_K"]),),
-            dw_part, dW, K, n_t, U, P, J, nbytes=dw_part.numel() * 4 + dW.numel() * dW.element_size(),
-            R=R, BLOCK_K=cfg["BLOCK_K"], num_warps=4,
-        )
-
-    return dW, go
+    launch.launch(
+        "mhc_project_bwd_reduce", mhc_project_bwd_reduce_kernel, (launch.cdiv(K, cfg["BLOCK_K"]),),
+        dw_part, dW, K, n_t, U, P, J, nbytes=dw_part.numel() * 4 + dW.numel() * dW.element_size(),
+        R=R, BLOCK_K=cfg["BLOCK_K"], num_warps=4,
+    )
+    return dW
 
 
 def project_bwd_main(x_flat, a_hi, a_lo, coef, w, cfg):
     """K1 backward's streaming kernel alone (the prologue's outputs and fp32 W in): (dx, dW partials
     [P, J, R, BLOCK_K])."""
-    dx, dw_part, go = _main_launch(x_flat, a_hi, a_lo, coef, w, cfg)
-    go()
-    return dx, dw_part
-
-
-def _main_launch(x_flat, a_hi, a_lo, coef, w, cfg):
     T, K = x_flat.shape
     R = w.shape[0]
     n_t, U, P, J = project_bwd_grid(T, K, cfg)
@@ -192,20 +160,16 @@ def _main_launch(x_flat, a_hi, a_lo, coef, w, cfg):
     tma = int(cfg.get("TMA", 0)) if aligned else 0
     if tma:
         launch.use_tensor_descriptors()
-    nbytes = 2 * x_flat.numel() * x_flat.element_size() + T * (R + 1) * 4
-    options = launch.maxnreg_option(cfg)
-
-    def go():
-        launch.launch(
-            "mhc_project_bwd", mhc_project_bwd_kernel, (P,),
-            x_flat, a_hi, a_lo, coef, w, dx, dw_part, T, K, n_t, U, P, J, nbytes=nbytes,
-            R=R, BLOCK_T=cfg["BLOCK_T"], BLOCK_K=cfg["BLOCK_K"], SPLIT=x_flat.dtype != torch.float32,
-            UPCAST=_runtime.INTERPRET and x_flat.dtype == torch.bfloat16, RNE=_runtime.INTERPRET, TMA=tma,
-            PREFETCH=int(cfg.get("PREFETCH", 0)),
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **options,
-        )
-
-    return dx, dw_part, go
+    launch.launch(
+        "mhc_project_bwd", mhc_project_bwd_kernel, (P,),
+        x_flat, a_hi, a_lo, coef, w, dx, dw_part, T, K, n_t, U, P, J,
+        nbytes=2 * x_flat.numel() * x_flat.element_size() + T * (R + 1) * 4,
+        R=R, BLOCK_T=cfg["BLOCK_T"], BLOCK_K=cfg["BLOCK_K"], SPLIT=x_flat.dtype != torch.float32,
+        UPCAST=_runtime.INTERPRET and x_flat.dtype == torch.bfloat16, RNE=_runtime.INTERPRET, TMA=tma,
+        PREFETCH=int(cfg.get("PREFETCH", 0)),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch.maxnreg_option(cfg),
+    )
+    return dx, dw_part
 
 
 def pre_map_fwd(x, h_pre, cfg=None):
