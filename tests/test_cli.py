@@ -252,6 +252,31 @@ def test_report_tokens_and_floor():
     assert "| median ms | floor ms | tokens/s |" in md and "| 1.6384 | 2.0000 | 20M |" in md  # 32768 / 1.6384 ms
 
 
+def test_host_time_and_the_reports_host_bound_note(tmp_path):
+    """bench.host_time_ms: the enqueue time of one call (a 2 ms sleep: at least 2 ms). The report names the rows whose
+    host time reaches HOST_BOUND of the median, and no others (files without host_ms: no note)."""
+    import time as _time
+
+    from triforge import bench
+    from triforge.report import host_bound, markdown
+
+    assert 2.0 <= bench.host_time_ms(lambda: _time.sleep(0.002), calls=3, batches=2) < 50.0
+    pk = {"copy_tbps": 2.0, "matmul_bf16_tflops": 500.0}
+
+    def row(impl, median, host):
+        return {"op": "mhc_project", "mode": "bwd", "shape": "T=65536 C=1024 n=4", "dtype": "bfloat16", "impl": impl,
+                "median_ms": median, "bytes": 1e9, "flops": 0, "gbps": 1.0, "pct_copy": 1.0, "tflops": 0.0,
+                "triforge_speedup": 1.0, **({"host_ms": host} if host is not None else {})}
+
+    rows = [row("triforge", 0.40, 0.35), row("torch.compile", 1.6, 0.2), row("eager", 2.0, None)]
+    assert [host_bound(r) for r in rows] == [True, False, False]
+    res = {"device": "d", "commit": "c", "date": "2026-11-29", "torch": "t", "triton": "3.6.0", "peaks": pk}
+    md = markdown([{**res, "rows": rows}])
+    assert "Host-bound rows" in md and "mhc_project bwd triforge (T=65536 C=1024 n=4): host 0.3500 ms" in md
+    assert "torch.compile (" not in md
+    assert "Host-bound" not in markdown([{**res, "rows": rows[1:]}])
+
+
 def test_report_regenerates_readme_section(tmp_path):
     res = tmp_path / "r.json"
     _fake_results(res)

@@ -15,6 +15,7 @@ import json
 import math
 import os
 import subprocess
+import time
 from pathlib import Path
 
 import torch
@@ -30,6 +31,28 @@ def time_ms(fn, *, warmup: int = 25, rep: int = 200) -> dict:
 
     times = triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="all")
     return _stats(times)
+
+
+HOST_BOUND = 0.8  # a row whose host enqueue time reaches this fraction of its median is marked host-bound
+
+
+def host_time_ms(fn, *, calls: int = 10, batches: int = 3) -> float:
+    """The host's time to enqueue one call of ``fn`` (ms): ``calls`` calls back to back with no synchronisation, the
+    fastest of ``batches`` batches (host noise only adds). Where it nears the GPU time of a call, the GPU waits on
+    the host's launches (a per-call timing then measures the host path; a captured or host-ahead run would not).
+    A call that synchronises (a host read of a device value) measures its GPU time here too."""
+    cuda = torch.cuda.is_available()
+    best = float("inf")
+    for _ in range(batches):
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / calls)
+    if cuda:
+        torch.cuda.synchronize()
+    return best * 1e3
 
 
 def _stats(times) -> dict:
@@ -253,6 +276,7 @@ def bench_op(spec, *, dtype=torch.bfloat16, modes=("fwd", "bwd"), peers=True, se
                 else:
                     row.update(time_ms(fn))
                     row["timing"] = "per_call"
+                    row["host_ms"] = host_time_ms(fn)
             except Exception as e:  # a peer that crashes or refuses the shape is reported, not fatal
                 row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
                 rows.append(row)

@@ -104,6 +104,26 @@ def _decode_markdown(res: dict) -> list[str]:
     return out
 
 
+def host_bound(row: dict) -> bool:
+    """Whether a per-call row's host enqueue time (the bench's host_ms) reaches HOST_BOUND of its median."""
+    from triforge.bench import HOST_BOUND
+
+    return bool(row.get("host_ms")) and "error" not in row and row["host_ms"] >= HOST_BOUND * row["median_ms"]
+
+
+def _host_bound_lines(rows) -> list[str]:
+    """A note under a table naming its host-bound rows (none: no note; files from before host_ms: none)."""
+    from triforge.bench import HOST_BOUND
+
+    hb = [r for r in rows if host_bound(r)]
+    if not hb:
+        return []
+    cells = "; ".join(f"{r['op']} {r['mode']} {r['impl']} ({r['shape']}): host {r['host_ms']:.4f} ms per call against "
+                      f"a median of {r['median_ms']:.4f}" for r in hb)
+    return [f"\nHost-bound rows (the host's enqueue time per call is at least {HOST_BOUND:.0%} of the median, so the "
+            f"per-call time there measures the host's launches as much as the kernels): {cells}.\n"]
+
+
 def markdown(results: list[dict]) -> str:
     """One table per results file: every op, mode and implementation, with ratios to triforge."""
     out = []
@@ -134,6 +154,7 @@ def markdown(results: list[dict]) -> str:
                 f"{floor} | {rate} | "
                 f"{r['gbps']:.0f} | {r['pct_copy']:.1f}% | {_fmt(r.get('tflops'), '.1f')} | {_fmt(speed, '.2f')}x |"
             )
+        out += _host_bound_lines(res["rows"])
         res_rows = [(r["op"], r["mode"], k, v) for r in res["rows"] if r.get("impl") == "triforge" for k, v in (r.get("kernels") or {}).items() if v]
         if res_rows:
             out.append("\nKernel resources (compiled metadata of the benchmarked launch):\n")
