@@ -6,7 +6,8 @@
 #   device command:  bash benchmarks/devrun.sh [-t SECONDS] 'STEP' [-t SECONDS] 'STEP' ...
 #   (carry [".snap", ".peers", ".tcache"]; -t sets the limit of the steps after it, 300 s by default; a step is a
 #    shell command run with PYTHONPATH, TRIFORGE_COMMIT and PYTHONUNBUFFERED set; $OUT is the call's output folder)
-# Exits nonzero when a step failed or hit its limit. DEVRUN_NO_CACHE=1 skips the compile cache's save.
+# Exits nonzero when a step failed or hit its limit. DEVRUN_NO_CACHE=1 skips the compile cache's save. At most 8
+# files come back from a call: past that the step logs are packed into logs.tgz, then everything into all.tgz.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-/tmp/devrun-out}
@@ -47,5 +48,25 @@ while [ $# -gt 0 ]; do
   tail -"${DEVRUN_TAIL:-15}" "$OUT/step$n.log"
   shift
 done
-[ "${DEVRUN_NO_CACHE:-0}" = 1 ] || bash "$root/benchmarks/tcache.sh" save "$OUT"
+# the device returns at most 8 files from $OUT (session 48 lost a tune's JSON and the compile cache past that): the
+# step logs go into one archive when there are more, then everything; the compile cache is saved only where its
+# parts still fit
+nfiles() { find "$OUT" -type f | wc -l; }
+if [ "$(nfiles)" -gt 8 ] && ls "$OUT"/step*.log > /dev/null 2>&1; then
+  (cd "$OUT" && tar czf logs.tgz step*.log && rm -f step*.log)
+fi
+if [ "$(nfiles)" -gt 8 ]; then
+  tar czf /tmp/devrun-all.tgz -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv /tmp/devrun-all.tgz "$OUT/all.tgz"
+  echo "devrun: more than 8 files: all of them in all.tgz"
+fi
+if [ "${DEVRUN_NO_CACHE:-0}" != 1 ]; then
+  rm -rf /tmp/devrun-tcache && mkdir -p /tmp/devrun-tcache
+  bash "$root/benchmarks/tcache.sh" save /tmp/devrun-tcache
+  parts=$(find /tmp/devrun-tcache -type f | wc -l)
+  if [ $(($(nfiles) + parts)) -le 8 ]; then
+    mv /tmp/devrun-tcache/* "$OUT/" 2> /dev/null
+  else
+    echo "devrun: compile cache not saved ($parts parts would pass the 8-file limit)"
+  fi
+fi
 exit $status
