@@ -2,7 +2,7 @@
 
     ncu --clock-control none -k regex:KERNEL -s 2 -c 1 --section ... python benchmarks/ncu_targets.py TARGET
 
-Targets: mhc_k1_bwd (T=65536, C=2560), gate_up (Qwen2.5-0.5B gate/up GEMV + RMSNorm, M=1),
+Targets: mhc_k1_bwd (T=65536, C=2560), mhc_k1_fwd / mhc_k1_fwd_1024 (K1's forward at C=2560 / 1024), gate_up (Qwen2.5-0.5B gate/up GEMV + RMSNorm, M=1),
 down (down_proj GEMV + residual, M=1), ternary_m1 (ternary.matmul, M=1, 8192 x 8192: the tc kernel),
 ternary_m1_ffn (the same at 28672 x 8192), gdn_intra / gdn_h / gdn_o (the Gated DeltaNet forward's intra kernel,
 unfused recurrence and output kernel at (B, T, H, HV) = (1, 32768, 16, 32), K = V = 128), gdn_bwd (the backward's
@@ -20,7 +20,13 @@ import triforge  # noqa: F401  (sets the interpreter up before any kernel is def
 def main():
     target = sys.argv[1]
     dt = torch.bfloat16
-    if target == "mhc_k1_bwd":
+    if target in ("mhc_k1_fwd", "mhc_k1_fwd_1024"):
+        from triforge.ops import mhc as M
+        T, K = 65536, 4 * (2560 if target == "mhc_k1_fwd" else 1024)
+        x = torch.randn(T, K, device="cuda", dtype=dt)
+        W = torch.randn(M.N_PROJ, K, device="cuda") * 0.02
+        fn = lambda: M.project_fwd(x, W, M.EPS)  # noqa: E731
+    elif target == "mhc_k1_bwd":
         from triforge.ops import mhc as M
         T, K = 65536, 4 * 2560
         x = torch.randn(T, K, device="cuda", dtype=dt)
