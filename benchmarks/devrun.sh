@@ -7,7 +7,7 @@
 #   (carry [".snap", ".peers", ".tcache"]; -t sets the limit of the steps after it, 300 s by default; a step is a
 #    shell command run with PYTHONPATH, TRIFORGE_COMMIT and PYTHONUNBUFFERED set; $OUT is the call's output folder)
 # Exits nonzero when a step failed or hit its limit. DEVRUN_NO_CACHE=1 skips the compile cache's save. At most 8
-# files come back from a call: past that the step logs are packed into logs.tgz, then everything into all.tgz.
+# files come back from a call: past that the step logs are packed into logs.tgz, then everything into devrun-all.tgz.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-/tmp/devrun-out}
@@ -55,18 +55,27 @@ nfiles() { find "$OUT" -type f | wc -l; }
 if [ "$(nfiles)" -gt 8 ] && ls "$OUT"/step*.log > /dev/null 2>&1; then
   (cd "$OUT" && tar czf logs.tgz step*.log && rm -f step*.log)
 fi
-if [ "$(nfiles)" -gt 8 ]; then
-  tar czf /tmp/devrun-all.tgz -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv /tmp/devrun-all.tgz "$OUT/all.tgz"
-  echo "devrun: more than 8 files: all of them in all.tgz"
+if [ "$(nfiles)" -gt 8 ]; then  # (named apart from gpu.sh's own all.tgz, which it may hold; a file over 16 MiB does
+  # not come back either: split in 15 MiB parts, joined with `cat devrun-all.tgz.part-* | tar xz`)
+  tar czf /tmp/devrun-all.tgz -C "$OUT" . && find "$OUT" -mindepth 1 -delete
+  if [ "$(stat -c %s /tmp/devrun-all.tgz)" -gt $((15 * 1024 * 1024)) ]; then
+    split -b 15m /tmp/devrun-all.tgz "$OUT/devrun-all.tgz.part-" && rm -f /tmp/devrun-all.tgz
+  else
+    mv /tmp/devrun-all.tgz "$OUT/devrun-all.tgz"
+  fi
+  echo "devrun: more than 8 files: all of them in devrun-all.tgz ($(nfiles) file(s))"
 fi
 if [ "${DEVRUN_NO_CACHE:-0}" != 1 ]; then
   rm -rf /tmp/devrun-tcache && mkdir -p /tmp/devrun-tcache
-  bash "$root/benchmarks/tcache.sh" save /tmp/devrun-tcache
-  parts=$(find /tmp/devrun-tcache -type f | wc -l)
-  if [ $(($(nfiles) + parts)) -le 8 ]; then
-    mv /tmp/devrun-tcache/* "$OUT/" 2> /dev/null
+  if bash "$root/benchmarks/tcache.sh" save /tmp/devrun-tcache; then
+    parts=$(find /tmp/devrun-tcache -type f | wc -l)
+    if [ $(($(nfiles) + parts)) -le 8 ]; then
+      mv /tmp/devrun-tcache/* "$OUT/" 2> /dev/null
+    else
+      echo "devrun: compile cache not saved ($parts parts would pass the 8-file limit)"
+    fi
   else
-    echo "devrun: compile cache not saved ($parts parts would pass the 8-file limit)"
+    echo "devrun: compile cache not saved (its archive failed)"
   fi
 fi
 exit $status

@@ -260,7 +260,7 @@ def test_host_time_and_the_reports_host_bound_note(tmp_path):
     from triforge import bench
     from triforge.report import host_bound, markdown
 
-    assert 2.0 <= bench.host_time_ms(lambda: _time.sleep(0.002), calls=3, batches=2) < 50.0
+    assert 2.0 <= bench.host_time_ms(lambda: _time.sleep(0.002), calls=3, batches=2)["host_ms"] < 50.0
     pk = {"copy_tbps": 2.0, "matmul_bf16_tflops": 500.0}
 
     def row(impl, median, host):
@@ -275,6 +275,27 @@ def test_host_time_and_the_reports_host_bound_note(tmp_path):
     assert "Host-bound rows" in md and "mhc_project bwd triforge (T=65536 C=1024 n=4): host 0.3500 ms" in md
     assert "torch.compile (" not in md
     assert "Host-bound" not in markdown([{**res, "rows": rows[1:]}])
+
+
+def test_host_time_of_a_synchronising_call_is_not_a_host_time(monkeypatch):
+    """A call that reads a device value on the host (torch's sync debug mode warns) gets no host_ms: its enqueue time
+    would be its GPU time. The debug mode is restored after. (CUDA stubbed: the logic, not the driver.)"""
+    import warnings
+
+    from triforge import bench
+
+    modes = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
+
+    def syncing():
+        warnings.warn("called a synchronizing CUDA operation", UserWarning)
+
+    assert bench.host_time_ms(syncing, calls=2, batches=1) == {"host_ms": None, "host_syncs": True}
+    assert modes == ["warn", 0]
+    assert bench.host_time_ms(lambda: None, calls=2, batches=1)["host_ms"] >= 0.0
 
 
 def test_report_regenerates_readme_section(tmp_path):

@@ -679,6 +679,25 @@ def test_tune_budget_stops_starting_configs_and_keeps_the_best_tried(monkeypatch
     clock["now"] = 100.0
     full = tune.tune(t, {"M": 1}, torch.float32, timer=timer)  # no budget: every config, none skipped
     assert full["n_tried"] == len(configs) and full["n_skipped"] == 0
+    clock["now"] = 100.0
+    none = tune.tune(t, {"M": 1}, torch.float32, timer=slow_timer, budget_s=5.0)  # spent before the grid: one runs
+    assert none["n_tried"] == 1 and none["n_skipped"] == len(configs) - 1 and none["best"]["config"] == configs[0]
+
+
+def test_a_budget_cut_tune_keeps_even_the_fallback_when_it_was_as_fast(config_dir):
+    """With no stored entry the launcher runs its fallback: a full grid's best is written (the fallback is one of the
+    configs a full grid tries or beats, as before), but the best of a budget's corner of the grid only when it beat
+    the fallback; a written cut-short entry says so in its provenance."""
+    def result(n_skipped, best_ms, fallback_ms=1.0):
+        return {"kernel": "fake_budget", "key": "k", "arch": "smx", "device": "dev", "shape": {"M": 1},
+                "best": {"config": {"p": 1}, "ms": best_ms}, "in_use": {"config": None, "ms": fallback_ms},
+                "n_tried": 3, "n_skipped": n_skipped}
+
+    assert tune.write_config(result(5, 1.5)) is None  # cut short and slower than the fallback: kept
+    assert tune.write_config(result(0, 1.5)) is not None  # a full grid: written as before
+    path = tune.write_config(result(5, 0.5))  # cut short and faster: written, with its counts
+    prov = json.loads(Path(path).read_text())["provenance"]["fake_budget[k]"]
+    assert prov["n_tried"] == 3 and prov["n_skipped"] == 5
 
 
 def test_tune_records_each_configs_spills_and_a_written_entry_keeps_them(config_dir, monkeypatch):
@@ -694,19 +713,19 @@ def test_tune_records_each_configs_spills_and_a_written_entry_keeps_them(config_
 
     def setup(shape, dtype, device):
         def run(cfg):
-            if cfg is not None:  # two kernels per launch of a config: p's spills and one more
-                launch._compiled["k_main"] = fake_compiled(cfg["p"])
-                launch._compiled["k_tail"] = fake_compiled(1)
+            if cfg is not None:  # two kernels per config, named by it (an earlier config's record must not count)
+                launch._compiled[f"k_main_{cfg['p']}"] = fake_compiled(cfg["p"] * 10)
+                launch._compiled[f"k_tail_{cfg['p']}"] = fake_compiled(1)
             return torch.full((4,), 1.0)
         return run, "fake-key"
 
     t = tune.Tunable(kernel="fake_spills", space={"p": [0, 2]}, setup=setup, shape_names=("M",))
     res = tune.tune(t, {"M": 1}, torch.float32, timer=lambda fn: 1.0 if fn() is not None else 0.0)
-    assert sorted(r["spills"] for r in res["top"]) == [1, 3]
-    res["best"] = next(r for r in res["top"] if r["spills"] == 3)
+    assert sorted((r["config"]["p"], r["spills"]) for r in res["top"]) == [(0, 1), (2, 21)]
+    res["best"] = next(r for r in res["top"] if r["spills"] == 21)
     path = tune.write_config(res, arch="smx")
     prov = json.loads(Path(path).read_text())["provenance"]["fake_spills[fake-key]"]
-    assert prov["spills"] == 3
+    assert prov["spills"] == 21
 
 
 def test_tune_refuses_configs_whose_outputs_disagree_with_the_launchers():

@@ -36,23 +36,35 @@ def time_ms(fn, *, warmup: int = 25, rep: int = 200) -> dict:
 HOST_BOUND = 0.8  # a row whose host enqueue time reaches this fraction of its median is marked host-bound
 
 
-def host_time_ms(fn, *, calls: int = 10, batches: int = 3) -> float:
-    """The host's time to enqueue one call of ``fn`` (ms): ``calls`` calls back to back with no synchronisation, the
-    fastest of ``batches`` batches (host noise only adds). Where it nears the GPU time of a call, the GPU waits on
-    the host's launches (a per-call timing then measures the host path; a captured or host-ahead run would not).
-    A call that synchronises (a host read of a device value) measures its GPU time here too."""
+def host_time_ms(fn, *, calls: int = 10, batches: int = 3) -> dict:
+    """The host's time to enqueue one call of ``fn``, as {"host_ms": ms}: ``calls`` calls back to back with no
+    synchronisation, the fastest of ``batches`` batches (host noise only adds). Where it nears the GPU time of a
+    call, the GPU waits on the host's launches (a per-call timing then measures the host path; a captured or
+    host-ahead run would not). A call that synchronises with the GPU (a device value read on the host: torch's sync
+    debug mode warns) would measure its GPU time here: {"host_ms": None, "host_syncs": True} instead."""
+    import warnings
+
     cuda = torch.cuda.is_available()
     best = float("inf")
-    for _ in range(batches):
-        if cuda:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        best = min(best, (time.perf_counter() - t0) / calls)
-    if cuda:
-        torch.cuda.synchronize()
-    return best * 1e3
+    mode = torch.cuda.get_sync_debug_mode() if cuda else None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            if cuda:
+                torch.cuda.synchronize()
+                torch.cuda.set_sync_debug_mode("warn")
+            for _ in range(batches):
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    fn()
+                best = min(best, (time.perf_counter() - t0) / calls)
+        finally:
+            if cuda:
+                torch.cuda.set_sync_debug_mode(mode)
+                torch.cuda.synchronize()
+    if any("synchroniz" in str(w.message) for w in caught):
+        return {"host_ms": None, "host_syncs": True}
+    return {"host_ms": best * 1e3}
 
 
 def _stats(times) -> dict:
@@ -276,7 +288,11 @@ def bench_op(spec, *, dtype=torch.bfloat16, modes=("fwd", "bwd"), peers=True, se
                 else:
                     row.update(time_ms(fn))
                     row["timing"] = "per_call"
-                    row["host_ms"] = host_time_ms(fn)
+                    try:  # (a diagnostic: a failure here leaves the timed row as it is)
+                        row.update(host_time_ms(fn))
+                    except Exception as e:
+                        torch.cuda.synchronize()
+                        row["host_ms"], row["host_error"] = None, f"{type(e).__name__}"
             except Exception as e:  # a peer that crashes or refuses the shape is reported, not fatal
                 row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
                 rows.append(row)

@@ -240,7 +240,8 @@ def _tune_one(args, t) -> int:
     if args.space:
         result["space_override"] = args.space  # (kept in the provenance of a written entry)
     if result["n_skipped"]:
-        console.print(f"[yellow]budget:[/yellow] {result['n_skipped']} of {n} configs not tried ({args.budget:g} s spent)")
+        console.print(f"[yellow]budget:[/yellow] {result['n_skipped']} of {n} configs not started after the "
+                      f"{args.budget:g} s budget")
     table = Table(title=f"{t.kernel} at {shape} {result['dtype']} — {result['n_tried']} tried, {result['n_failed']} failed"
                   f" ({result['n_mismatch']} whose outputs disagree with the launcher's config)")
     table.add_column("rank")
@@ -259,10 +260,12 @@ def _tune_one(args, t) -> int:
             path.mkdir(parents=True, exist_ok=True)
             path = path / f"tune-{t.kernel}.json"
         path.write_text(json.dumps(result, indent=2))
-    if args.write:
+    if args.write and not result["best"]:
+        console.print("not written: no config ran")
+    elif args.write:
         path = tune.write_config(result, force=args.force, for_device=args.for_device)
         if path is None:
-            console.print("not written: the stored entry in use measured at least as fast as the grid's best "
+            console.print("not written: the config in use measured at least as fast as the grid's best "
                           "(--force writes it anyway)")
         else:
             console.print(f"best config written to {path}")
@@ -492,8 +495,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--space", metavar="JSON", help="one kernel's grid with these parameters' values replaced or added, "
                    "e.g. '{\"BLOCK_M\": [128, 256], \"programs_per_sm\": [1, 2]}'")
     t.add_argument("--budget", type=float, metavar="SECONDS", default=None,
-                   help="start no config after this many seconds of the kernel's tune (the best of those tried is "
-                        "kept and written): a tune that ends inside a device call's time limit")
+                   help="start no config after this many seconds of the kernel's tune (the first always runs; the best "
+                        "of those tried is written, unless the config in use, even the fallback, measured as fast)")
     t.add_argument("--list", action="store_true", help="list the tunable kernels")
     t.set_defaults(func=cmd_tune)
 

@@ -130,8 +130,9 @@ def tune(tunable: Tunable, shape: dict, dtype: torch.dtype, *, top: int = 5, tim
          budget_s: float | None = None) -> dict:
     """Time every config of ``tunable`` at ``shape``; return best, top-N and the failures (configs
     that raise, and configs whose outputs disagree with the launcher's config's: ``n_mismatch``).
-    ``budget_s``: start no config after that many seconds (the rest are counted in ``n_skipped``; the best is
-    the best of those tried), so a tune inside a device call's time limit ends with a result to write."""
+    ``budget_s``: start no config after that many seconds from the tune's start (the first is always tried; the rest
+    are counted in ``n_skipped``; the best is the best of those tried), so a tune under a device call's time limit
+    ends with a result (the last config started may still take its compile and timing past the budget)."""
     if timer is None:
         from triforge.bench import time_ms
 
@@ -150,7 +151,7 @@ def tune(tunable: Tunable, shape: dict, dtype: torch.dtype, *, top: int = 5, tim
     configs = grid(tunable.space)
     n_skipped = 0
     for i, cfg in enumerate(configs):
-        if deadline is not None and time.monotonic() >= deadline:
+        if deadline is not None and i > 0 and time.monotonic() >= deadline:  # (one config at least)
             n_skipped = len(configs) - i
             break
         try:
@@ -194,12 +195,13 @@ def tune(tunable: Tunable, shape: dict, dtype: torch.dtype, *, top: int = 5, tim
 
 
 def keeps_entry_in_use(result: dict) -> bool:
-    """Whether ``write_config`` keeps the stored entry: there is one, and it measured at least as fast as
-    the grid's best in the same run."""
+    """Whether ``write_config`` keeps the config in use: a stored entry that measured at least as fast as the grid's
+    best in the same run; and after a tune cut short by its budget (a corner of the grid), the launcher's fallback
+    too when it measured at least as fast."""
     in_use = result.get("in_use") or {}
     best = result.get("best")
-    return bool(in_use.get("config") is not None and in_use.get("ms") is not None and best
-                and in_use["ms"] <= best["ms"])
+    guarded = in_use.get("config") is not None or result.get("n_skipped", 0) > 0
+    return bool(guarded and in_use.get("ms") is not None and best and in_use["ms"] <= best["ms"])
 
 
 def write_config(result: dict, arch: str | None = None, force: bool = False, for_device: bool = False) -> str | None:
@@ -224,6 +226,8 @@ def write_config(result: dict, arch: str | None = None, force: bool = False, for
     provenance = {"device": result["device"], "shape": result["shape"], "ms": result["best"]["ms"]}
     if result["best"].get("spills"):
         provenance["spills"] = result["best"]["spills"]
+    if result.get("n_skipped"):  # (tune --budget ran out: the entry won among the configs tried)
+        provenance["n_tried"], provenance["n_skipped"] = result["n_tried"], result["n_skipped"]
     if result.get("space_override"):  # (tune --space: the grid this entry won in)
         provenance["space_override"] = result["space_override"]
     # keys of the entry that the tuning space does not hold (the attention forward's GLUON and EMU) stay, with their

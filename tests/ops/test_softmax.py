@@ -319,3 +319,34 @@ def test_registry_judges_dx_by_its_terms(gen):
     scale = spec.magnitudes({"x": x64}, [dy64], torch.float32)["dx"]
     assert torch.equal(scale, softmax_dx_scale(x64, dy64))
     assert scale.shape == x64.shape and bool((scale > 0).all())
+
+
+def test_check_op_compares_dx_with_the_terms_scale(monkeypatch):
+    """check_op hands compare() the registry's dx scale (softmax_dx_scale of its float64 input and upstream
+    gradient), not the rms default; the forward stages get none."""
+    import triforge.check as check_mod
+
+    seen = {}
+    real = check_mod.compare
+
+    def spy(name, ref, got, **kw):
+        seen[name] = kw.get("scale")
+        return real(name, ref, got, **kw)
+
+    monkeypatch.setattr(check_mod, "compare", spy)
+    seen_stages = {}
+    real_stages = check_mod.compare_stages
+
+    def spy_stages(ref_stages, got_stages, **kw):
+        seen_stages.update(kw.get("scales") or {})
+        return real_stages(ref_stages, got_stages, **kw)
+
+    monkeypatch.setattr(check_mod, "compare_stages", spy_stages)
+    spec = registry.get("softmax")
+    res = check_op(spec, torch.float32, tier="tiny", seed=3, verbose=False)
+    assert res.ok, res.failed_stage
+    assert seen_stages == {}
+    x64 = spec.make_inputs("tiny", torch.float32, "cpu", torch.Generator().manual_seed(3))["x"].double()
+    # check_op's upstream gradient: drawn in float64 from seed + 1, rounded to the output's dtype
+    dy64 = torch.randn(x64.shape, generator=torch.Generator().manual_seed(4), dtype=torch.float64).float().double()
+    assert torch.equal(seen["bwd.dx"].cpu(), softmax_dx_scale(x64, dy64))
