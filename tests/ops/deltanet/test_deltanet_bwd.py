@@ -380,7 +380,11 @@ def test_extreme_decay_and_beta_stay_finite(dtype, beta_value, gen):
 def test_gradients_with_a_huge_negative_decay(impl, gen, monkeypatch):
     """g = -1e4 and -inf at a few tokens (beyond the kernels' floor, chunk.G_FLOOR), through the Triton backward and
     the PyTorch one: every gradient, dg included, finite and equal to float64 autograd through the recurrence (which
-    needs no cumsum of g) at -1e4, fp32; at -inf (a full reset) finite."""
+    needs no cumsum of g) at -1e4, fp32; at -inf (a full reset) finite. Each element is judged at the registry's fp32
+    error scale (``deltanet._chunk_magnitudes``, of the inputs with g at the floor, as the kernels read them: e^-80
+    and e^-1e4 differ by nothing fp32 holds): by the rms of each gradient, 2 of 40 seeds failed (session 48) at dk's
+    last rows (95-97 of 100), where the final state's gradient makes dk cancel, and at dg's rel. RMS (1.009e-5)."""
+    from triforge.ops import deltanet as dn
     from triforge.ops.deltanet.reference import recurrent_ref
 
     monkeypatch.setenv("TRIFORGE_DELTANET_BWD", impl)
@@ -402,9 +406,13 @@ def test_gradients_with_a_huge_negative_decay(impl, gen, monkeypatch):
     o_ref, fin_ref = recurrent_ref(**ref_leaves, output_final_state=True, use_qk_l2norm_in_kernel=True)
     want = dict(zip(GRAD_NAMES, torch.autograd.grad((o_ref, fin_ref), [ref_leaves[n] for n in GRAD_NAMES],
                                                     (do.double().cpu(), dht.double().cpu()))))
+    x64 = {n: t.detach().double().cpu() for n, t in x.items()}
+    x64["g"] = x64["g"].clamp(min=chunk_fwd_module.G_FLOOR_VALUE)
+    scales = dn._chunk_magnitudes({**x64, "use_qk_l2norm_in_kernel": True}, [do.double().cpu(), dht.double().cpu()],
+                                  torch.float32)
     for n in GRAD_NAMES:
         assert got[n].isfinite().all(), n
-        res = compare(f"d{n}", want[n], got[n].cpu(), dtype=torch.float32, verbose=False)
+        res = compare(f"d{n}", want[n], got[n].cpu(), dtype=torch.float32, scale=scales[f"d{n}"], verbose=False)
         assert res.ok, res.line()
 
 
