@@ -30,6 +30,19 @@ def swiglu_ref(gate, up):
     return OrderedDict(y=y)
 
 
+def swiglu_dgate_scale(gate, up, dy):
+    """Each gate gradient's error scale (float64 tensors): dgate = dy up s (1 + g (1 - s)), s = sigmoid(g), rounds
+    with its terms, |dy up| s (1 + |g| (1 - s)), not with its value: silu' has a zero at g ~ -1.2785, where
+    1 + g (1 - s) cancels (a one-element check there failed fp32 by its own size, rel. 8.8e-4, session 48)."""
+    s = torch.sigmoid(gate)
+    return (dy * up).abs() * s * (1 + gate.abs() * (1 - s))
+
+
+def _magnitudes(inputs, grads, dtype=None):
+    """The registry's error scales: y and dup by their rms (products, no cancellation), dgate by its terms."""
+    return {} if grads is None else {"dgate": swiglu_dgate_scale(inputs["gate"], inputs["up"], grads[0])}
+
+
 # ----------------------------------------------------------------------------- kernels
 
 
@@ -258,4 +271,5 @@ register(OpSpec(
     bytes=_bytes,
     peers={"liger": _liger, "torch.compile": _torch_compile},
     describe=lambda inputs: "x".join(map(str, inputs["gate"].shape)),
+    magnitudes=_magnitudes,
 ))
