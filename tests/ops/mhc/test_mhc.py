@@ -209,7 +209,9 @@ def triton_cdiv(a, b):
 @pytest.mark.parametrize("cfg", [
     {"BLOCK_T": 16, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3},
     {"BLOCK_T": 16, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3, "TMA": 1},  # descriptors (GPU)
-], ids=["pointers", "tma"])
+    {"BLOCK_T": 16, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3, "STACK": 1},  # one transposed dot of [hi; lo]
+    {"BLOCK_T": 16, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3, "TMA": 1, "STACK": 1},
+], ids=["pointers", "tma", "stack", "stack-tma"])
 def test_project_forward_configs(cfg, dtype, gen, device):
     """K1 forward at explicit launch configs: 3 token tiles of 16 (the last partial) and K = 160, 2.5 column
     blocks of 64 (descriptor rows are 16-byte multiples); proj and inv_rms against the float64 reference."""
@@ -671,3 +673,32 @@ def test_project_str_eps_names_the_argument(gen, device):
     C = 8
     with pytest.raises((TypeError, ValueError), match=r"^eps\b"):
         fused_rmsnorm_project(_x((5, 4 * C), torch.float32, gen, device=device), _W(C, gen, device=device), "1e-6")
+
+
+def test_project_forward_stack_compiles_to_half_the_wgmmas():
+    """K1's forward compiled for sm90a (no GPU: the triton wheel's ptxas / nvdisasm) at the H200's tuned tile (256
+    tokens x 128 columns, 8 warps, 3 stages, descriptors): with STACK its token loop issues half the wgmmas of the
+    two-dot form (one N = 64 dot of x against [hi | lo] instead of two of N = 32), none serialized by ptxas, and
+    neither form spills."""
+    from ...sm90 import compile_for_sm90
+
+    def case(stack):
+        return {"kernel": "triforge.ops.mhc.forward:mhc_project_fwd_kernel",
+                "signature": {"x_ptr": "*bf16", "w_ptr": "*fp32", "proj_ptr": "*fp32", "inv_rms_ptr": "*fp32",
+                              "T": "i32", "K": "i32", "eps": "fp32"},
+                "constexprs": {"R": 32, "BLOCK_T": 256, "BLOCK_K": 128, "SPLIT_W": True, "UPCAST": False,
+                               "RNE": False, "TMA": 1, "STACK": stack},
+                "divisible": ["x_ptr", "w_ptr", "proj_ptr", "inv_rms_ptr", "T", "K"],
+                "options": {"num_warps": 8, "num_stages": 3}}
+
+    two, one = compile_for_sm90([case(0), case(1)])
+
+    def wgmmas(r):
+        return sum(n for op, n in r["loops"][0].items() if op.startswith("HGMMA"))
+
+    print(f"two dots: {wgmmas(two)} wgmmas, {sum(two['loops'][0].values())} instructions per tile; "
+          f"stacked: {wgmmas(one)}, {sum(one['loops'][0].values())}")
+    assert wgmmas(two) > 0 and wgmmas(one) * 2 == wgmmas(two)
+    assert sum(one["loops"][0].values()) < sum(two["loops"][0].values())
+    assert not one["serialized"] and not two["serialized"]
+    assert one["spill_bytes"] == 0 and two["spill_bytes"] == 0

@@ -92,6 +92,7 @@ def project_fwd(x_flat, W, eps, cfg=None):
         nbytes=x_flat.numel() * x_flat.element_size() + T * (W.shape[0] + 1) * 4,
         R=W.shape[0], BLOCK_T=cfg["BLOCK_T"], BLOCK_K=cfg["BLOCK_K"], SPLIT_W=x_flat.dtype != torch.float32,
         UPCAST=_runtime.INTERPRET and x_flat.dtype == torch.bfloat16, RNE=_runtime.INTERPRET, TMA=tma,
+        STACK=int(cfg.get("STACK", 0)),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return proj, inv_rms
@@ -614,9 +615,11 @@ _ROW_SPACE = {"BLOCK_T": [1, 2, 4], "BLOCK_C": [256, 512, 1024], "num_warps": [4
 # back in the space for the H200 (session 47: its K1 forward reached 68-80% of copy with the H100's entries, where
 # x is read in runs of BLOCK_K * 2 bytes per token, rows 8-20 KB apart; longer runs are the first guess); TMA: x and W
 # through tensor descriptors. A persistent grid (equal token shares per program, nested tile/K loops) measured
-# 0.2055 vs 0.2036 ms at C=1024 and 0.4741 vs 0.4781 at C=2560 (session 25): not kept
-_tunable("mhc_project_fwd", {"BLOCK_T": [64, 128, 256], "BLOCK_K": [64, 128, 256], "num_warps": [4, 8],
-                             "num_stages": [2, 3, 4], "TMA": [0, 1]},
+# 0.2055 vs 0.2036 ms at C=1024 and 0.4741 vs 0.4781 at C=2560 (session 25): not kept. STACK (session 48, not yet
+# timed on a GPU): one transposed dot of [W_hi; W_lo] x x^T per tile instead of two dots of x (the x tile read once by
+# the tensor cores); BLOCK_K 64 left the space then (128 won every sweep on both GPUs), keeping it at 144 points
+_tunable("mhc_project_fwd", {"BLOCK_T": [64, 128, 256], "BLOCK_K": [128, 256], "num_warps": [4, 8],
+                             "num_stages": [2, 3, 4], "TMA": [0, 1], "STACK": [0, 1]},
          _run_project_fwd)
 # K1 backward: programs_per_sm sets the persistent grid (one wave); TMA: x and dx through tensor descriptors
 # (won at both benchmark shapes at fc53703; BLOCK_K 64 and the pointer path lost every earlier sweep)

@@ -31,19 +31,26 @@ def mhc_project_fwd_kernel(
     UPCAST: tl.constexpr,
     RNE: tl.constexpr,
     TMA: tl.constexpr,
+    STACK: tl.constexpr = 0,
 ):
     """proj = (x W^T) * inv_rms, inv_rms = rsqrt(mean(x^2) + eps). 16-bit x: each W^T tile is split here
     into two parts in x's dtype (hi = W rounded, lo = W - hi: ~16 mantissa bits of W kept) and takes
     two tensor-core dots; the split of a [BLOCK_K, R] tile is a few ALU operations per element, cheaper
     than the four PyTorch launches that split W once per call (~10 us: 5% of the kernel at C = 1024).
     TMA: x and W tiles arrive through tensor descriptors (no per-element addresses; rows past T and
-    columns past K are zero-filled)."""
+    columns past K are zero-filled).
+    STACK (16-bit x): one dot per tile instead of two: x times [hi | lo] (W^T's two parts as 2R = 64 interleaved
+    columns: hi of row r in column 2r, lo in 2r + 1), so the tensor cores read the x tile once instead of twice (wgmma
+    N = 64 instead of two of N = 32); each row's hi and lo products are summed after the loop. (x^T as the B operand
+    of one dot of [hi; lo] instead: ptxas serialized every wgmma, its A operand in registers; session 48's local
+    sm90 compile.)"""
     i_t = tl.program_id(0)
     o_t = i_t * BLOCK_T + tl.arange(0, BLOCK_T)
     m_t = o_t < T
     o_r = tl.arange(0, R)
     p_x = x_ptr + o_t.to(tl.int64)[:, None] * K
     b_acc = tl.zeros([BLOCK_T, R], dtype=tl.float32)
+    b_acc2 = tl.zeros([BLOCK_T, 2 * R], dtype=tl.float32)  # (STACK: column 2r the hi products of row r, 2r + 1 lo)
     b_ss = tl.zeros([BLOCK_T], dtype=tl.float32)
     if TMA:
         x_desc = tl.make_tensor_descriptor(x_ptr, [T, K], [K, 1], [BLOCK_T, BLOCK_K])
@@ -59,13 +66,21 @@ def mhc_project_fwd_kernel(
             b_w = tl.load(w_ptr + o_r[None, :] * K + o_k[:, None], mask=m_k[:, None], other=0.0)  # [BLOCK_K, R]: W^T
         b_xf = b_x.to(tl.float32)
         b_ss += tl.sum(b_xf * b_xf, axis=1)
-        if SPLIT_W:
+        if STACK and SPLIT_W:
+            b_hi = _cast(b_w, x_ptr.dtype.element_ty, RNE)
+            b_lo = _cast(b_w - b_hi.to(tl.float32), x_ptr.dtype.element_ty, RNE)
+            b_ws = tl.reshape(tl.join(b_hi, b_lo), (BLOCK_K, 2 * R))  # [BLOCK_K, R, 2] -> columns (r, hi / lo)
+            b_acc2 = dot16(b_x, b_ws, b_acc2, UPCAST)
+        elif SPLIT_W:
             b_hi = _cast(b_w, x_ptr.dtype.element_ty, RNE)
             b_lo = _cast(b_w - b_hi.to(tl.float32), x_ptr.dtype.element_ty, RNE)
             b_acc = dot16(b_x, b_hi, b_acc, UPCAST)
             b_acc = dot16(b_x, b_lo, b_acc, UPCAST)
         else:
             b_acc = tl.dot(b_xf, b_w, b_acc, input_precision="tf32x3")
+    if STACK and SPLIT_W:  # [BLOCK_T, 2R] -> [BLOCK_T, R, 2] -> hi + lo
+        b_hi_p, b_lo_p = tl.split(tl.reshape(b_acc2, (BLOCK_T, R, 2)))
+        b_acc = b_hi_p + b_lo_p
     b_inv = tl.rsqrt(b_ss / K + eps)
     tl.store(inv_rms_ptr + o_t, b_inv, mask=m_t)
     o_p = o_t.to(tl.int64)[:, None] * R + o_r[None, :]
