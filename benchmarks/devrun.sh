@@ -57,13 +57,17 @@ if [ "$(nfiles)" -gt 8 ] && ls "$OUT"/step*.log > /dev/null 2>&1; then
 fi
 if [ "$(nfiles)" -gt 8 ]; then  # (named apart from gpu.sh's own all.tgz, which it may hold; a file over 16 MiB does
   # not come back either: split in 15 MiB parts, joined with `cat devrun-all.tgz.part-* | tar xz`)
-  tar czf /tmp/devrun-all.tgz -C "$OUT" . && find "$OUT" -mindepth 1 -delete
-  if [ "$(stat -c %s /tmp/devrun-all.tgz)" -gt $((15 * 1024 * 1024)) ]; then
-    split -b 15m /tmp/devrun-all.tgz "$OUT/devrun-all.tgz.part-" && rm -f /tmp/devrun-all.tgz
+  if tar czf /tmp/devrun-all.tgz -C "$OUT" .; then
+    find "$OUT" -mindepth 1 -delete
+    if [ "$(stat -c %s /tmp/devrun-all.tgz)" -gt $((15 * 1024 * 1024)) ]; then
+      split -b 15m /tmp/devrun-all.tgz "$OUT/devrun-all.tgz.part-" && rm -f /tmp/devrun-all.tgz
+    else
+      mv /tmp/devrun-all.tgz "$OUT/devrun-all.tgz"
+    fi
+    echo "devrun: more than 8 files: all of them in devrun-all.tgz ($(nfiles) file(s))"
   else
-    mv /tmp/devrun-all.tgz "$OUT/devrun-all.tgz"
+    echo "devrun: more than 8 files, and their archive failed: $OUT left as it is"
   fi
-  echo "devrun: more than 8 files: all of them in devrun-all.tgz ($(nfiles) file(s))"
 fi
 if [ "${DEVRUN_NO_CACHE:-0}" != 1 ]; then
   rm -rf /tmp/devrun-tcache && mkdir -p /tmp/devrun-tcache

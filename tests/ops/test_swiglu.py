@@ -30,7 +30,7 @@ def _check(name, ref, got, dtype):
 
 def _check_dgate(name, ref, got, gate, up, dy, dtype):
     """dgate judged by its terms (swiglu_dgate_scale), where silu' cancels near g = -1.2785."""
-    scale = swiglu_dgate_scale(gate.double(), up.double(), dy.double())
+    scale = swiglu_dgate_scale(gate.double(), up.double(), dy.double(), dtype)
     res = compare(name, ref, got, dtype=dtype, scale=scale)
     assert res.ok, res.line()
 
@@ -177,7 +177,26 @@ def test_registry_judges_dgate_by_its_terms(gen):
     dy = torch.randn(inputs["gate"].shape, generator=gen, dtype=torch.float64)
     assert spec.magnitudes(inputs, None, torch.float32) == {}
     assert torch.equal(spec.magnitudes(inputs, [dy], torch.float32)["dgate"],
-                       swiglu_dgate_scale(inputs["gate"], inputs["up"], dy))
+                       swiglu_dgate_scale(inputs["gate"], inputs["up"], dy, torch.float32))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_gate_gradient_where_fp32_sigmoid_underflows(dtype):
+    """Gates from -85 to -104: float64's s = sigmoid(g) is ~1e-37..1e-45, fp32's is subnormal or 0 (exp(-g)
+    overflows past g ~ -88.7), so the kernel's dgate is 0 or a few subnormals where the true value is up to ~1e-35.
+    The terms scale holds s no better than fp32 can (its smallest normal); without that floor these failed (found by
+    review: 2 of 600 seeds of test_large_magnitudes); one element moved by 1e-30 still fails."""
+    gate = torch.tensor([-85.0, -87.5, -88.9, -89.0, -90.0, -95.0, -100.0, -103.0, -104.0], dtype=dtype).to(DEV)
+    up = torch.full_like(gate, 1.5)
+    dy = torch.full_like(gate, -2.0)
+    with poisoned():
+        dg, _ = _grads(swiglu, gate, up, dy)
+    rg, _ = _grads(lambda g, u: swiglu_ref(g, u)["y"], gate.double(), up.double(), dy.double())
+    _check_dgate("dgate", rg, dg, gate, up, dy, dtype)
+    bad = dg.detach().double().clone()
+    bad[3] += 1e-30
+    scale = swiglu_dgate_scale(gate.double(), up.double(), dy.double(), dtype)
+    assert not compare("moved", rg, bad, dtype=dtype, scale=scale, verbose=False).ok
 
 
 def test_torch_compile_fullgraph(gen):

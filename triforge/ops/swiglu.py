@@ -30,17 +30,25 @@ def swiglu_ref(gate, up):
     return OrderedDict(y=y)
 
 
-def swiglu_dgate_scale(gate, up, dy):
-    """Each gate gradient's error scale (float64 tensors): dgate = dy up s (1 + g (1 - s)), s = sigmoid(g), rounds
-    with its terms, |dy up| s (1 + |g| (1 - s)), not with its value: silu' has a zero at g ~ -1.2785, where
-    1 + g (1 - s) cancels (a one-element check there failed fp32 by its own size, rel. 8.8e-4, session 48)."""
+def swiglu_dgate_scale(gate, up, dy, dtype=torch.float32):
+    """Each gate gradient's error scale (float64 tensors) for a check at ``dtype``'s tolerance: dgate = dy up s
+    (1 + g (1 - s)), s = sigmoid(g), rounds with its terms, |dy up| s (1 + |g| (1 - s)), not with its value: silu' has
+    a zero at g ~ -1.2785, where 1 + g (1 - s) cancels (a one-element check there failed fp32 by its own size, rel.
+    8.8e-4, session 48). The kernel holds s in fp32, which has nothing below its smallest normal to hold: below
+    g ~ -87 s is 0 there (exp(-g) overflows, or the quotient is flushed), an absolute error of up to that normal in s,
+    so |dy up| (1 + |g|) tiny / atol is added: the scale's atol multiple covers it."""
+    from triforge.testing import tolerance_for
+
     s = torch.sigmoid(gate)
-    return (dy * up).abs() * s * (1 + gate.abs() * (1 - s))
+    held = (1 + gate.abs()) * torch.finfo(torch.float32).tiny / tolerance_for(dtype).atol
+    return (dy * up).abs() * (s * (1 + gate.abs() * (1 - s)) + held)
 
 
 def _magnitudes(inputs, grads, dtype=None):
     """The registry's error scales: y and dup by their rms (products, no cancellation), dgate by its terms."""
-    return {} if grads is None else {"dgate": swiglu_dgate_scale(inputs["gate"], inputs["up"], grads[0])}
+    if grads is None:
+        return {}
+    return {"dgate": swiglu_dgate_scale(inputs["gate"], inputs["up"], grads[0], dtype or torch.float32)}
 
 
 # ----------------------------------------------------------------------------- kernels

@@ -156,15 +156,20 @@ def test_project_scales_and_eps(scale, eps, dtype, gen, device):
     _check_project(_x((T, 4 * C), dtype, gen, scale, device=device), _W(C, gen, device=device), gen, eps=eps)
 
 
-def test_project_w_is_used_in_full_precision(gen, device):
+@pytest.mark.parametrize("stack", [0, 1], ids=["two-dots", "stack"])
+def test_project_w_is_used_in_full_precision(stack, gen, device):
     """With 16-bit streams W is split into hi + lo 16-bit parts: proj keeps ~16 mantissa bits of W,
-    far more than a plain cast of W to bf16 (2^-8) would give."""
+    far more than a plain cast of W to bf16 (2^-8) would give; with STACK (one dot of x against the parts
+    interleaved) too: a lost lo, or another row's, would leave ~2^-9 (a bf16-tolerance check passes that)."""
+    from triforge.ops import mhc as M
+
     T, C = 17, 40
     x = _x((T, 4 * C), torch.bfloat16, gen, device=device)
     W = _W(C, gen, device=device)
     p64, _ = rmsnorm_project_ref(_to64(x), _to64(W))
+    cfg = dict(M._cfg("mhc_project_fwd", C, torch.bfloat16), STACK=stack)
     with poisoned():
-        proj, _ = fused_rmsnorm_project(x, W)
+        proj, _ = M.project_fwd(x, W, 1e-6, cfg)
     rel = float((proj.double() - p64).norm() / p64.norm())
     assert rel < 1e-4, rel
 
@@ -209,7 +214,7 @@ def triton_cdiv(a, b):
 @pytest.mark.parametrize("cfg", [
     {"BLOCK_T": 16, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3},
     {"BLOCK_T": 16, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3, "TMA": 1},  # descriptors (GPU)
-    {"BLOCK_T": 16, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3, "STACK": 1},  # one transposed dot of [hi; lo]
+    {"BLOCK_T": 16, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3, "STACK": 1},  # one dot against [hi | lo]
     {"BLOCK_T": 16, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3, "TMA": 1, "STACK": 1},
 ], ids=["pointers", "tma", "stack", "stack-tma"])
 def test_project_forward_configs(cfg, dtype, gen, device):

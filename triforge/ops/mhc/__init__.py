@@ -616,8 +616,9 @@ _ROW_SPACE = {"BLOCK_T": [1, 2, 4], "BLOCK_C": [256, 512, 1024], "num_warps": [4
 # x is read in runs of BLOCK_K * 2 bytes per token, rows 8-20 KB apart; longer runs are the first guess); TMA: x and W
 # through tensor descriptors. A persistent grid (equal token shares per program, nested tile/K loops) measured
 # 0.2055 vs 0.2036 ms at C=1024 and 0.4741 vs 0.4781 at C=2560 (session 25): not kept. STACK (session 48, not yet
-# timed on a GPU): one transposed dot of [W_hi; W_lo] x x^T per tile instead of two dots of x (the x tile read once by
-# the tensor cores); BLOCK_K 64 left the space then (128 won every sweep on both GPUs), keeping it at 144 points
+# timed on a GPU): one N = 64 dot of x against W_hi and W_lo interleaved per tile instead of two N = 32 dots (the x
+# tile read once by the tensor cores; 16-bit x only: fp32 x runs its tf32x3 dot either way, so the fp32 grid holds
+# each config twice); BLOCK_K 64 left the space then (128 won every sweep on both GPUs), keeping it at 144 points
 _tunable("mhc_project_fwd", {"BLOCK_T": [64, 128, 256], "BLOCK_K": [128, 256], "num_warps": [4, 8],
                              "num_stages": [2, 3, 4], "TMA": [0, 1], "STACK": [0, 1]},
          _run_project_fwd)
