@@ -438,6 +438,11 @@ def test_bench_table_shows_spread_and_bytes():
     rate = 65536 / (row["median_ms"] * 1e-3)  # T tokens per call
     assert f"{rate / 1e6:.3g}M" in text
     assert any(r.get("op", "").endswith("total") for r in result["rows"])  # the layer total is a row of its own
+    assert " *" not in text.split("\n", 2)[2]  # (a file from before host_ms: no row marked)
+    row["host_ms"] = 0.9 * row["median_ms"]  # host-bound: its median is marked
+    console = Console(record=True, width=400)
+    console.print(_bench_table(result))
+    assert f"{row['median_ms']:.4f} *" in console.export_text()
 
 
 def test_margins_ranks_checks_and_exits_nonzero_only_when_asked(tmp_path, capsys):

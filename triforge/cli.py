@@ -67,8 +67,9 @@ def cmd_check(args) -> int:
 
 
 def _bench_table(result):
-    table = Table(title=f"triforge bench — {result['device']} ({result['commit']})")
-    from triforge.report import floor_and_rate_cells
+    table = Table(title=f"triforge bench — {result['device']} ({result['commit']}); * host-bound: the host's enqueue "
+                        f"time per call is at least 80% of the median")
+    from triforge.report import floor_and_rate_cells, host_bound
 
     cols = ("op", "mode", "shape", "impl", "median ms", "mean / min / max ms", "floor ms", "tokens/s", "MB moved", "GB/s",
             "% copy", "triforge speedup")
@@ -86,7 +87,8 @@ def _bench_table(result):
         sp = r.get("triforge_speedup")
         spread = " / ".join(ms(r, k) for k in ("mean_ms", "min_ms", "max_ms"))
         moved = f"{r['bytes'] / 1e6:.1f}" if isinstance(r.get("bytes"), (int, float)) else "-"
-        table.add_row(r["op"], r["mode"], r["shape"], r["impl"], f"{r['median_ms']:.4f}", spread,
+        median = f"{r['median_ms']:.4f}" + (" *" if host_bound(r) else "")
+        table.add_row(r["op"], r["mode"], r["shape"], r["impl"], median, spread,
                       *floor_and_rate_cells(r, result.get("peaks")), moved,
                       f"{r['gbps']:.0f}", f"{r['pct_copy']:.1f}", "-" if sp is None else f"{sp:.2f}x")
     return table
