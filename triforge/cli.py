@@ -67,9 +67,11 @@ def cmd_check(args) -> int:
 
 
 def _bench_table(result):
-    table = Table(title=f"triforge bench — {result['device']} ({result['commit']}); * host-bound: the host's enqueue "
-                        f"time per call is at least 80% of the median")
+    from triforge.bench import HOST_BOUND
     from triforge.report import floor_and_rate_cells, host_bound
+
+    table = Table(title=f"triforge bench — {result['device']} ({result['commit']}); * host-bound: the host's enqueue "
+                        f"time per call is at least {HOST_BOUND:.0%} of the median")
 
     cols = ("op", "mode", "shape", "impl", "median ms", "mean / min / max ms", "floor ms", "tokens/s", "MB moved", "GB/s",
             "% copy", "triforge speedup")

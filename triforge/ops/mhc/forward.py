@@ -66,16 +66,15 @@ def mhc_project_fwd_kernel(
             b_w = tl.load(w_ptr + o_r[None, :] * K + o_k[:, None], mask=m_k[:, None], other=0.0)  # [BLOCK_K, R]: W^T
         b_xf = b_x.to(tl.float32)
         b_ss += tl.sum(b_xf * b_xf, axis=1)
-        if STACK and SPLIT_W:
+        if SPLIT_W:
             b_hi = _cast(b_w, x_ptr.dtype.element_ty, RNE)
             b_lo = _cast(b_w - b_hi.to(tl.float32), x_ptr.dtype.element_ty, RNE)
-            b_ws = tl.reshape(tl.join(b_hi, b_lo), (BLOCK_K, 2 * R))  # [BLOCK_K, R, 2] -> columns (r, hi / lo)
-            b_acc2 = dot16(b_x, b_ws, b_acc2, UPCAST)
-        elif SPLIT_W:
-            b_hi = _cast(b_w, x_ptr.dtype.element_ty, RNE)
-            b_lo = _cast(b_w - b_hi.to(tl.float32), x_ptr.dtype.element_ty, RNE)
-            b_acc = dot16(b_x, b_hi, b_acc, UPCAST)
-            b_acc = dot16(b_x, b_lo, b_acc, UPCAST)
+            if STACK:
+                b_ws = tl.reshape(tl.join(b_hi, b_lo), (BLOCK_K, 2 * R))  # [BLOCK_K, R, 2] -> columns (r, hi / lo)
+                b_acc2 = dot16(b_x, b_ws, b_acc2, UPCAST)
+            else:
+                b_acc = dot16(b_x, b_hi, b_acc, UPCAST)
+                b_acc = dot16(b_x, b_lo, b_acc, UPCAST)
         else:
             b_acc = tl.dot(b_xf, b_w, b_acc, input_precision="tf32x3")
     if STACK and SPLIT_W:  # [BLOCK_T, 2R] -> [BLOCK_T, R, 2] -> hi + lo
