@@ -2,7 +2,8 @@
 
     ncu --clock-control none -k regex:KERNEL -s 2 -c 1 --section ... python benchmarks/ncu_targets.py TARGET
 
-Targets: mhc_k1_bwd (T=65536, C=2560), mhc_k1_fwd / mhc_k1_fwd_1024 (K1's forward at C=2560 / 1024), gate_up (Qwen2.5-0.5B gate/up GEMV + RMSNorm, M=1),
+Targets: mhc_k1_bwd (T=65536, C=2560), mhc_k1_fwd / mhc_k1_fwd_1024 (K1's forward at C=2560 / 1024), mhc_k4_bwd
+(post-res backward, C=2560), gate_up (Qwen2.5-0.5B gate/up GEMV + RMSNorm, M=1),
 down (down_proj GEMV + residual, M=1), ternary_m1 (ternary.matmul, M=1, 8192 x 8192: the tc kernel),
 ternary_m1_ffn (the same at 28672 x 8192), gdn_intra / gdn_h / gdn_o (the Gated DeltaNet forward's intra kernel,
 unfused recurrence and output kernel at (B, T, H, HV) = (1, 32768, 16, 32), K = V = 128), gdn_bwd (the backward's
@@ -34,6 +35,15 @@ def main():
         proj, inv = M.project_fwd(x, W, M.EPS)
         dproj = torch.randn_like(proj)
         fn = lambda: M.project_bwd(x, W, proj, inv, dproj, None)  # noqa: E731
+    elif target == "mhc_k4_bwd":
+        from triforge.ops import mhc as M
+        T, C = 65536, 2560
+        x = torch.randn(T, 4, C, device="cuda", dtype=dt)
+        f = torch.randn(T, C, device="cuda", dtype=dt)
+        H = torch.rand(T, 4, 4, device="cuda") * 0.5
+        hp = torch.rand(T, 4, device="cuda") * 2
+        g = torch.randn_like(x)
+        fn = lambda: M.post_res_bwd(g, x, f, H, hp)  # noqa: E731
     elif target in ("gate_up", "down"):
         from triforge.ops import gemv as G
         if target == "gate_up":

@@ -232,6 +232,22 @@ def test_project_forward_configs(cfg, dtype, gen, device):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_project_forward_h200_tile(dtype, gen, device):
+    """K1 forward at the H200's tile (512 tokens x 64 columns, descriptors, 4 stages): T = 1000 (the second tile
+    partial) and K = 200 (the last column block partial: 8 of 64 columns); proj and inv_rms against float64."""
+    from triforge.ops import mhc as M
+
+    x = _x((1000, 200), dtype, gen, device=device)
+    W = _W(50, gen, device=device)
+    p64, i64 = rmsnorm_project_ref(_to64(x), _to64(W), 1e-6)
+    with poisoned():
+        proj, inv = M.project_fwd(x, W, 1e-6, {"BLOCK_T": 512, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4,
+                                               "TMA": 1})
+    _assert_ok(compare("proj", p64, proj, dtype=dtype, verbose=False),
+               compare("inv_rms", i64, inv, dtype=dtype, verbose=False))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("cfg", [
     {"BLOCK_T": 16, "BLOCK_K": 16, "num_warps": 4, "num_stages": 1, "programs_per_sm": 1},   # runs span 3-4 blocks
     {"BLOCK_T": 16, "BLOCK_K": 16, "num_warps": 4, "num_stages": 1, "programs_per_sm": 5},   # 1.5 units per run

@@ -612,14 +612,16 @@ def _run_post_res(kind):
 
 _ROW_SPACE = {"BLOCK_T": [1, 2, 4], "BLOCK_C": [256, 512, 1024], "num_warps": [4, 8]}
 # K1 forward: BLOCK_K 256 never placed in the top 3 of the 54-point sweep at C=1024 on the H100 (8f802a2), but is
-# back in the space for the H200 (session 47: its K1 forward reached 68-80% of copy with the H100's entries, where
-# x is read in runs of BLOCK_K * 2 bytes per token, rows 8-20 KB apart; longer runs are the first guess); TMA: x and W
-# through tensor descriptors. A persistent grid (equal token shares per program, nested tile/K loops) measured
-# 0.2055 vs 0.2036 ms at C=1024 and 0.4741 vs 0.4781 at C=2560 (session 25): not kept. STACK (session 48, not yet
-# timed on a GPU): one N = 64 dot of x against W_hi and W_lo interleaved per tile instead of two N = 32 dots (the x
-# tile read once by the tensor cores; 16-bit x only: fp32 x runs its tf32x3 dot either way, so the fp32 grid holds
-# each config twice); BLOCK_K 64 left the space then (128 won every sweep on both GPUs), keeping it at 144 points
-_tunable("mhc_project_fwd", {"BLOCK_T": [64, 128, 256], "BLOCK_K": [128, 256], "num_warps": [4, 8],
+# in the space for the H200 (session 47: x is read in runs of BLOCK_K * 2 bytes per token, rows 8-20 KB apart); TMA:
+# x and W through tensor descriptors. A persistent grid (equal token shares per program, nested tile/K loops)
+# measured 0.2055 vs 0.2036 ms at C=1024 and 0.4741 vs 0.4781 at C=2560 (session 25): not kept. STACK: one N = 64 dot
+# of x against W_hi and W_lo interleaved per tile instead of two N = 32 dots (16-bit x only: fp32 x runs its tf32x3
+# dot either way); on the H200 (session 49) it measured 0.2020 vs 0.1611 ms at C=1024 and 0.5004 vs 0.3922 at
+# C=2560 (BLOCK_T 256, 8 warps, TMA): never the winner. BLOCK_T 512 (with BLOCK_K 64, so a stage stays 64 KB):
+# every program reloads all of W (32 x K fp32) from L2, 1/4 of x's bytes at BLOCK_T 256, 1/8 at 512; ncu of the
+# BLOCK_T 256 tile on the H200 showed L2 at 87% of its throughput with DRAM at 76%, and BLOCK_T 512 took the kernel
+# from 0.3637 to 0.3396 ms at C=2560 and 0.1600 to 0.1490 at C=1024 (session 49, the H200's entries)
+_tunable("mhc_project_fwd", {"BLOCK_T": [128, 256, 512], "BLOCK_K": [64, 128, 256], "num_warps": [4, 8, 16],
                              "num_stages": [2, 3, 4], "TMA": [0, 1], "STACK": [0, 1]},
          _run_project_fwd)
 # K1 backward: programs_per_sm sets the persistent grid (one wave); TMA: x and dx through tensor descriptors
