@@ -358,6 +358,31 @@ def test_post_res_forward_and_gradients(dtype, T, C, gen, device):
         _assert_ok(compare(name, r, gt, dtype=dtype, verbose=False))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("T,C", [(37, 72), (5, 24), (9, 20)], ids=["T37-C72", "T5-C24", "T9-C20"])
+@pytest.mark.parametrize("cfg", [
+    {"BLOCK_T": 4, "BLOCK_C": 32, "num_warps": 4},  # registers: the next block loaded before this one's math
+    {"BLOCK_T": 4, "BLOCK_C": 32, "num_warps": 4, "TMA": 1, "num_stages": 3},  # descriptors, a 3-stage loop
+    {"BLOCK_T": 2, "BLOCK_C": 16, "num_warps": 4, "TMA": 1, "num_stages": 2},
+    {"BLOCK_T": 8, "BLOCK_C": 64, "num_warps": 4, "TMA": 1, "num_stages": 4},  # one C block, T < BLOCK_T possible
+], ids=["regs", "tma-s3", "tma-s2", "tma-s4"])
+def test_post_res_backward_configs(cfg, T, C, dtype, gen, device):
+    """K4 backward at explicit launch configs against the float64 gradients: T not a multiple of BLOCK_T, C ending
+    mid-block (72 = 2.25 blocks of 32) or inside the first; with TMA, C = 20 bf16 (40-byte rows, not 16-byte
+    multiples) takes the pointer path instead, and every other case reads g, f and x through descriptors whose
+    boxes pass T and C (zero-filled)."""
+    from triforge.ops import mhc as M
+
+    x, f, H, hp = _post_res_inputs(T, C, dtype, gen, device)
+    g = _x((T, 4, C), dtype, gen, device=device)
+    leaves64 = [_leaf(_to64(t)) for t in (x, f, H, hp)]
+    ref = torch.autograd.grad(post_res_ref(*leaves64), leaves64, _to64(g))
+    with poisoned():
+        got = M.post_res_bwd(g, x, f, H, hp, cfg)
+    for name, r, gt in zip(("dx", "dlayer_output", "dH", "dh_post"), ref, got):
+        _assert_ok(compare(name, r, gt, dtype=dtype, verbose=False))
+
+
 def test_post_res_noncontiguous_coefficients_and_layer_output(gen, device):
     """Only x_streams must be contiguous: a transposed layer_output / H_merged / h_post is accepted
     and read correctly (the op makes them contiguous)."""
