@@ -363,14 +363,15 @@ def test_post_res_forward_and_gradients(dtype, T, C, gen, device):
 @pytest.mark.parametrize("cfg", [
     {"BLOCK_T": 4, "BLOCK_C": 32, "num_warps": 4},  # registers: the next block loaded before this one's math
     {"BLOCK_T": 4, "BLOCK_C": 32, "num_warps": 4, "TMA": 1, "num_stages": 3},  # descriptors, a 3-stage loop
-    {"BLOCK_T": 2, "BLOCK_C": 16, "num_warps": 4, "TMA": 1, "num_stages": 2},
+    {"BLOCK_T": 2, "BLOCK_C": 16, "num_warps": 4, "TMA": 1, "num_stages": 2, "programs_per_sm": 1},
     {"BLOCK_T": 8, "BLOCK_C": 64, "num_warps": 4, "TMA": 1, "num_stages": 4},  # one C block, T < BLOCK_T possible
 ], ids=["regs", "tma-s3", "tma-s2", "tma-s4"])
 def test_post_res_backward_configs(cfg, T, C, dtype, gen, device):
     """K4 backward at explicit launch configs against the float64 gradients: T not a multiple of BLOCK_T, C ending
     mid-block (72 = 2.25 blocks of 32) or inside the first; with TMA, C = 20 bf16 (40-byte rows, not 16-byte
     multiples) takes the pointer path instead, and every other case reads g, f and x through descriptors whose
-    boxes pass T and C (zero-filled)."""
+    boxes pass T and C (zero-filled), its persistent programs taking several token tiles each where the machine has
+    fewer than T / BLOCK_T program slots (the interpreter counts 4 SMs: programs_per_sm 1 gives 4 programs)."""
     from triforge.ops import mhc as M
 
     x, f, H, hp = _post_res_inputs(T, C, dtype, gen, device)

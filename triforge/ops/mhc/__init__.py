@@ -16,6 +16,7 @@ from triforge.launch import new_output
 from triforge.ops._checks import check_same_device, check_tensor
 from triforge.ops.mhc.backward import (
     mhc_post_res_bwd_kernel,
+    mhc_post_res_bwd_tma_kernel,
     mhc_pre_map_bwd_kernel,
     mhc_project_bwd_kernel,
     mhc_project_bwd_prologue_kernel,
@@ -213,16 +214,22 @@ def post_res_bwd(g, x, f, H, h_post, cfg=None):
     df = new_output((T, C), f.dtype, x.device)
     dH = new_output((T, N_STREAMS, N_STREAMS), torch.float32, x.device)
     dhp = new_output((T, N_STREAMS), torch.float32, x.device)
-    # TMA: g, f and x through tensor descriptors (rows 16-byte multiples, 16-byte aligned bases; box sides <= 256;
-    # the interpreter runs them too)
+    # TMA: g, f and x through per-stream tensor descriptors, a persistent grid (rows 16-byte multiples, 16-byte
+    # aligned bases, box sides <= 256; the interpreter runs them too)
     tma = bool(cfg.get("TMA", 0)) and cfg["BLOCK_C"] <= 256 and (C * x.element_size()) % 16 == 0 \
         and (C * f.element_size()) % 16 == 0 and all(t.data_ptr() % 16 == 0 for t in (g, x, f))
+    nbytes = 14 * T * C * x.element_size() + 160 * T
     if tma:
         launch.use_tensor_descriptors()
-    launch.launch("mhc_post_res_bwd", mhc_post_res_bwd_kernel, (launch.cdiv(T, cfg["BLOCK_T"]),),
-                  g, x, f, H, h_post, dx, df, dH, dhp, T, C, nbytes=14 * T * C * x.element_size() + 160 * T,
-                  BLOCK_T=cfg["BLOCK_T"], BLOCK_C=cfg["BLOCK_C"], TMA=int(tma),
-                  STAGES=int(cfg.get("num_stages", 3)) if tma else 1, num_warps=cfg["num_warps"])
+        n_t = launch.cdiv(T, cfg["BLOCK_T"])
+        grid = (max(1, min(n_t, _runtime.num_sms() * int(cfg.get("programs_per_sm", 2)))),)
+        launch.launch("mhc_post_res_bwd", mhc_post_res_bwd_tma_kernel, grid, g, x, f, H, h_post, dx, df, dH, dhp,
+                      T, C, nbytes=nbytes, BLOCK_T=cfg["BLOCK_T"], BLOCK_C=cfg["BLOCK_C"],
+                      STAGES=int(cfg.get("num_stages", 3)), num_warps=cfg["num_warps"])
+    else:
+        launch.launch("mhc_post_res_bwd", mhc_post_res_bwd_kernel, (launch.cdiv(T, cfg["BLOCK_T"]),),
+                      g, x, f, H, h_post, dx, df, dH, dhp, T, C, nbytes=nbytes,
+                      BLOCK_T=cfg["BLOCK_T"], BLOCK_C=cfg["BLOCK_C"], num_warps=cfg["num_warps"])
     return dx, df, dH, dhp
 
 
@@ -641,9 +648,10 @@ _tunable("mhc_project_bwd", {"BLOCK_T": [32, 64], "BLOCK_K": [128], "num_warps":
 _tunable("mhc_pre_map_fwd", {"BLOCK": [1024, 2048, 4096, 8192], "num_warps": [4, 8]}, _run_pre_map("fwd"))
 _tunable("mhc_pre_map_bwd", _ROW_SPACE, _run_pre_map("bwd"))
 _tunable("mhc_post_res_fwd", _ROW_SPACE, _run_post_res("fwd"))
-# K4 backward, TMA 1: g, f and x through descriptors into a num_stages-deep shared-memory pipeline (BLOCK_C <= 256,
-# a descriptor box's limit; num_stages is read only there)
-_tunable("mhc_post_res_bwd", {**_ROW_SPACE, "BLOCK_C": [128, 256, 512, 1024], "TMA": [0, 1], "num_stages": [2, 3, 4]},
+# K4 backward, TMA 1: g, f and x through descriptors into a num_stages-deep shared-memory pipeline, persistent
+# (programs_per_sm; BLOCK_C <= 256, a descriptor box's limit; num_stages and programs_per_sm are read only there)
+_tunable("mhc_post_res_bwd", {**_ROW_SPACE, "BLOCK_C": [128, 256, 512, 1024], "TMA": [0, 1], "num_stages": [2, 3, 4],
+                              "programs_per_sm": [2, 3]},
          _run_post_res("bwd"))
 
 

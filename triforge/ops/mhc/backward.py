@@ -274,16 +274,9 @@ def mhc_post_res_bwd_kernel(
     C,
     BLOCK_T: tl.constexpr,
     BLOCK_C: tl.constexpr,
-    TMA: tl.constexpr = 0,
-    STAGES: tl.constexpr = 1,  # the C loop's pipeline depth (TMA; 1: not pipelined)
 ):
     """Walks C in BLOCK_C blocks; the next block's g, f and x are loaded before this block's math
-    and stores (two blocks in flight per program, as in the RMSNorm backward).
-    TMA: g, f and x arrive through tensor descriptors instead ([BLOCK_T, 4, BLOCK_C] boxes of g, one
-    [BLOCK_T, 1, BLOCK_C] box per x stream, zero-filled past T and C), so the blocks in flight sit in the
-    shared-memory stages of the C loop's pipeline (STAGES; Triton pipelines these loads only where the loop asks
-    for it, not from the kernel's num_stages: they feed no dot) rather than in registers: on the H200 the
-    register-staged form reached 85-89% of copy, its 214 registers allowing two programs per SM."""
+    and stores (two blocks in flight per program, as in the RMSNorm backward)."""
     i_t = tl.program_id(0)
     o_t = i_t * BLOCK_T + tl.arange(0, BLOCK_T)
     o_i = tl.arange(0, 4)
@@ -301,24 +294,9 @@ def mhc_post_res_bwd_kernel(
     b_dH2 = tl.zeros([BLOCK_T, 4], dtype=tl.float32)
     b_dH3 = tl.zeros([BLOCK_T, 4], dtype=tl.float32)
     b_dhp = tl.zeros([BLOCK_T, 4], dtype=tl.float32)
-    if TMA:
-        g_desc = tl.make_tensor_descriptor(g_ptr, [T, 4, C], [4 * C, C, 1], [BLOCK_T, 4, BLOCK_C])
-        x_desc = tl.make_tensor_descriptor(x_ptr, [T, 4, C], [4 * C, C, 1], [BLOCK_T, 1, BLOCK_C])
-        f_desc = tl.make_tensor_descriptor(f_ptr, [T, C], [C, 1], [BLOCK_T, BLOCK_C])
-        t0 = i_t * BLOCK_T
-    else:
-        b_g, b_f, b_x0, b_x1, b_x2, b_x3 = _post_res_bwd_loads(g_ptr, x_ptr, f_ptr, o_t64, m_t, 0, C, BLOCK_C)
-    for c0 in tl.range(0, C, BLOCK_C, num_stages=STAGES):
-        if TMA:
-            b_g = g_desc.load([t0, 0, c0])
-            b_f = f_desc.load([t0, c0])
-            b_x0 = tl.reshape(x_desc.load([t0, 0, c0]), (BLOCK_T, BLOCK_C))
-            b_x1 = tl.reshape(x_desc.load([t0, 1, c0]), (BLOCK_T, BLOCK_C))
-            b_x2 = tl.reshape(x_desc.load([t0, 2, c0]), (BLOCK_T, BLOCK_C))
-            b_x3 = tl.reshape(x_desc.load([t0, 3, c0]), (BLOCK_T, BLOCK_C))
-        else:
-            n_g, n_f, n_x0, n_x1, n_x2, n_x3 = _post_res_bwd_loads(g_ptr, x_ptr, f_ptr, o_t64, m_t, c0 + BLOCK_C, C,
-                                                                   BLOCK_C)
+    b_g, b_f, b_x0, b_x1, b_x2, b_x3 = _post_res_bwd_loads(g_ptr, x_ptr, f_ptr, o_t64, m_t, 0, C, BLOCK_C)
+    for c0 in range(0, C, BLOCK_C):
+        n_g, n_f, n_x0, n_x1, n_x2, n_x3 = _post_res_bwd_loads(g_ptr, x_ptr, f_ptr, o_t64, m_t, c0 + BLOCK_C, C, BLOCK_C)
         o_c = c0 + tl.arange(0, BLOCK_C)
         m_tc = m_t[:, None] & (o_c < C)[None, :]
         b_gf = b_g.to(tl.float32)
@@ -330,11 +308,102 @@ def mhc_post_res_bwd_kernel(
         b_dH1 += _post_res_bwd_column(b_gf, b_H1, b_x1, dx_ptr, o_x + C, m_tc)
         b_dH2 += _post_res_bwd_column(b_gf, b_H2, b_x2, dx_ptr, o_x + 2 * C, m_tc)
         b_dH3 += _post_res_bwd_column(b_gf, b_H3, b_x3, dx_ptr, o_x + 3 * C, m_tc)
-        if not TMA:
-            b_g, b_f, b_x0, b_x1, b_x2, b_x3 = n_g, n_f, n_x0, n_x1, n_x2, n_x3
+        b_g, b_f, b_x0, b_x1, b_x2, b_x3 = n_g, n_f, n_x0, n_x1, n_x2, n_x3
     tl.store(dhp_ptr + o_t64[:, None] * 4 + o_i[None, :], b_dhp, mask=m_t[:, None])
     o_dH = o_t64[:, None] * 16 + o_i[None, :] * 4
     tl.store(dH_ptr + o_dH + 0, b_dH0, mask=m_t[:, None])
     tl.store(dH_ptr + o_dH + 1, b_dH1, mask=m_t[:, None])
     tl.store(dH_ptr + o_dH + 2, b_dH2, mask=m_t[:, None])
     tl.store(dH_ptr + o_dH + 3, b_dH3, mask=m_t[:, None])
+
+
+@triton.jit
+def _streams(d0, d1, d2, d3, t0, c0):
+    """Four [BLOCK_T, BLOCK_C] boxes (streams 0-3) joined as [BLOCK_T, BLOCK_C, 4]: the stream index is the last,
+    in-thread dimension (join(join(s0, s2), join(s1, s3)) flattens to s0, s1, s2, s3)."""
+    a = tl.join(d0.load([t0, c0]), d2.load([t0, c0]))
+    b = tl.join(d1.load([t0, c0]), d3.load([t0, c0]))
+    return tl.reshape(tl.join(a, b), (a.shape[0], a.shape[1], 4))
+
+
+@triton.jit
+def mhc_post_res_bwd_tma_kernel(
+    g_ptr,  # [T, 4, C] grad of the new streams
+    x_ptr,  # [T, 4, C]
+    f_ptr,  # [T, C] layer output
+    H_ptr,  # [T, 4, 4] fp32
+    hp_ptr,  # [T, 4] fp32
+    dx_ptr,  # [T, 4, C] x's dtype
+    df_ptr,  # [T, C] layer output's dtype
+    dH_ptr,  # [T, 4, 4] fp32
+    dhp_ptr,  # [T, 4] fp32
+    T,
+    C,
+    BLOCK_T: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    STAGES: tl.constexpr,  # the C loop's pipeline depth
+):
+    """mhc_post_res_bwd_kernel's math with g, x and f read through tensor descriptors: each stream of g and x is a
+    [T, C] matrix of row stride 4C (one descriptor per stream, boxes [BLOCK_T, BLOCK_C] zero-filled past T and C),
+    so the blocks in flight sit in the shared-memory stages of the C loop's pipeline (tl.range's num_stages: Triton
+    pipelines loads that feed no dot only where the loop asks) instead of registers. The four streams are joined
+    into a [BLOCK_T, BLOCK_C, 4] tile whose stream index is in-thread: the sums over i (dx, df) need no shuffles.
+    Persistent (grid <= SMs x programs per SM, token tiles strided over programs): the nine descriptors are built
+    once per program. (A first form, one [BLOCK_T, 4, BLOCK_C] box of g and reshaped [BLOCK_T, 1, BLOCK_C] boxes of
+    x in the register kernel, converted layouts through shared memory every block: 45 barriers per block, 7x
+    slower on the H200.)"""
+    g0 = tl.make_tensor_descriptor(g_ptr, [T, C], [4 * C, 1], [BLOCK_T, BLOCK_C])
+    g1 = tl.make_tensor_descriptor(g_ptr + C, [T, C], [4 * C, 1], [BLOCK_T, BLOCK_C])
+    g2 = tl.make_tensor_descriptor(g_ptr + 2 * C, [T, C], [4 * C, 1], [BLOCK_T, BLOCK_C])
+    g3 = tl.make_tensor_descriptor(g_ptr + 3 * C, [T, C], [4 * C, 1], [BLOCK_T, BLOCK_C])
+    x0 = tl.make_tensor_descriptor(x_ptr, [T, C], [4 * C, 1], [BLOCK_T, BLOCK_C])
+    x1 = tl.make_tensor_descriptor(x_ptr + C, [T, C], [4 * C, 1], [BLOCK_T, BLOCK_C])
+    x2 = tl.make_tensor_descriptor(x_ptr + 2 * C, [T, C], [4 * C, 1], [BLOCK_T, BLOCK_C])
+    x3 = tl.make_tensor_descriptor(x_ptr + 3 * C, [T, C], [4 * C, 1], [BLOCK_T, BLOCK_C])
+    f_d = tl.make_tensor_descriptor(f_ptr, [T, C], [C, 1], [BLOCK_T, BLOCK_C])
+    o_i = tl.arange(0, 4)
+    n_t = tl.cdiv(T, BLOCK_T)
+    for i_t in range(tl.program_id(0), n_t, tl.num_programs(0)):
+        t0 = i_t * BLOCK_T
+        o_t = t0 + tl.arange(0, BLOCK_T)
+        m_t = o_t < T
+        o_t64 = o_t.to(tl.int64)
+        m_ti = m_t[:, None]
+        b_hp = tl.load(hp_ptr + o_t64[:, None] * 4 + o_i[None, :], mask=m_ti, other=0.0)  # [BLOCK_T, 4]
+        o_H = o_t64[:, None] * 16 + o_i[None, :] * 4  # H[:, i, j] at o_H + j
+        b_H0 = tl.load(H_ptr + o_H + 0, mask=m_ti, other=0.0)
+        b_H1 = tl.load(H_ptr + o_H + 1, mask=m_ti, other=0.0)
+        b_H2 = tl.load(H_ptr + o_H + 2, mask=m_ti, other=0.0)
+        b_H3 = tl.load(H_ptr + o_H + 3, mask=m_ti, other=0.0)
+        b_dH0 = tl.zeros([BLOCK_T, 4], dtype=tl.float32)  # dH[:, :, j]
+        b_dH1 = tl.zeros([BLOCK_T, 4], dtype=tl.float32)
+        b_dH2 = tl.zeros([BLOCK_T, 4], dtype=tl.float32)
+        b_dH3 = tl.zeros([BLOCK_T, 4], dtype=tl.float32)
+        b_dhp = tl.zeros([BLOCK_T, 4], dtype=tl.float32)
+        for c0 in tl.range(0, C, BLOCK_C, num_stages=STAGES):
+            b_g = _streams(g0, g1, g2, g3, t0, c0).to(tl.float32)  # [BLOCK_T, BLOCK_C, 4]
+            b_f = f_d.load([t0, c0]).to(tl.float32)
+            o_c = c0 + tl.arange(0, BLOCK_C)
+            m_tc = m_ti & (o_c < C)[None, :]
+            o_f = o_t64[:, None] * C + o_c[None, :]
+            tl.store(df_ptr + o_f, tl.sum(b_g * b_hp[:, None, :], axis=2).to(df_ptr.dtype.element_ty), mask=m_tc)
+            b_dhp += tl.sum(b_g * b_f[:, :, None], axis=1)
+            o_x = o_t64[:, None] * 4 * C + o_c[None, :]
+            b_dH0 += _post_res_bwd_stream(b_g, b_H0, x0, t0, c0, dx_ptr, o_x, m_tc)
+            b_dH1 += _post_res_bwd_stream(b_g, b_H1, x1, t0, c0, dx_ptr, o_x + C, m_tc)
+            b_dH2 += _post_res_bwd_stream(b_g, b_H2, x2, t0, c0, dx_ptr, o_x + 2 * C, m_tc)
+            b_dH3 += _post_res_bwd_stream(b_g, b_H3, x3, t0, c0, dx_ptr, o_x + 3 * C, m_tc)
+        tl.store(dhp_ptr + o_t64[:, None] * 4 + o_i[None, :], b_dhp, mask=m_ti)
+        tl.store(dH_ptr + o_H + 0, b_dH0, mask=m_ti)
+        tl.store(dH_ptr + o_H + 1, b_dH1, mask=m_ti)
+        tl.store(dH_ptr + o_H + 2, b_dH2, mask=m_ti)
+        tl.store(dH_ptr + o_H + 3, b_dH3, mask=m_ti)
+
+
+@triton.jit
+def _post_res_bwd_stream(g, b_Hj, xj_desc, t0, c0, dx_ptr, o_x, m_tc):
+    """For stream j (g [BLOCK_T, BLOCK_C, 4], streams last): store dx[:, j] = sum_i H[:, i, j] g[:, :, i]; return
+    sum_c g[:, c, i] x[:, j, c] ([BLOCK_T, 4] over i)."""
+    tl.store(dx_ptr + o_x, tl.sum(g * b_Hj[:, None, :], axis=2).to(dx_ptr.dtype.element_ty), mask=m_tc)
+    b_xj = xj_desc.load([t0, c0]).to(tl.float32)
+    return tl.sum(g * b_xj[:, :, None], axis=1)
