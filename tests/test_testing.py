@@ -728,6 +728,46 @@ def test_tune_records_each_configs_spills_and_a_written_entry_keeps_them(config_
     assert prov["spills"] == 21
 
 
+def test_tune_runs_the_grid_with_the_entrys_keys_outside_the_space_and_times_the_entry_twice(config_dir, monkeypatch):
+    """A stored entry's key that the space does not vary (X) holds for every grid config the tune runs (like for
+    like), and lands in the best config; the entry in use is timed before the grid and after it, keeping the faster
+    (a first timing in a cold process read slow)."""
+    arch = "sm_test_arch_fixed"
+    _use_arch(monkeypatch, arch)
+    (config_dir / f"{arch}.json").write_text(json.dumps(
+        {"arch": arch, "kernels": {"fake_fixed": {"k": {"p": 2, "X": 7}}}}))
+    launch.reload()
+    ran = []
+
+    def setup(shape, dtype, device):
+        def run(cfg):
+            cfg = cfg or launch.stored_config("fake_fixed", "k")
+            ran.append(dict(cfg))
+            return torch.full((2,), 1.0)
+        return run, "k"
+
+    entry_times = iter([9.0, 2.5])
+
+    def timer(fn):
+        fn()
+        cfg = ran[-1]
+        return next(entry_times) if cfg == {"p": 2, "X": 7} and len(ran) in (2, 9) else float(cfg["p"])
+
+    t = tune.Tunable(kernel="fake_fixed", space={"p": [1, 2, 3]}, setup=setup, shape_names=("M",))
+    res = tune.tune(t, {"M": 1}, torch.float32, timer=timer)
+    assert all(c.get("X") == 7 for c in ran), ran  # every run: the entry's X
+    assert res["best"]["config"] == {"p": 1, "X": 7} and res["best"]["ms"] == 1.0
+    assert res["in_use"]["ms_runs"] == [9.0, 2.5] and res["in_use"]["ms"] == 2.5
+    ran.clear()
+    entry_times = iter([9.0, 2.5])
+    t_off = dataclasses.replace(t, not_inherited=("X",))  # (the attention forward's GLUON: another kernel)
+    res = tune.tune(t_off, {"M": 1}, torch.float32, timer=timer)
+    grid_runs = [c for c in ran if "X" not in c]  # (each config runs for its outputs, then is timed)
+    assert sorted(c["p"] for c in grid_runs) == [1, 1, 2, 2, 3, 3] and all(len(c) == 1 for c in grid_runs)
+    assert len(ran) - len(grid_runs) == 3  # the entry, with X: its reference outputs, timed before and after
+    assert res["best"]["config"] == {"p": 1}
+
+
 def test_tune_refuses_configs_whose_outputs_disagree_with_the_launchers():
     """A miscompiled config (its outputs off by 1 % of their RMS, or NaN in one element, or another
     shape) is refused like a failing one, even where it is the fastest; configs that differ only by
@@ -834,7 +874,9 @@ def test_device_configs_are_read_over_the_arch(config_dir, monkeypatch):
     assert path == str(config_dir / f"{arch}.h200.json")
     assert (config_dir / f"{arch}.json").read_text() == arch_text
     data = json.loads(Path(path).read_text())
-    assert data["kernels"] == {"fake_kernel": {"fake-key-5": {"p": 2, "q": 10}}} and data["device"] == res["device"]
+    # (the grid ran with the arch entry's GLUON, a key outside the space: the device entry records it)
+    assert data["kernels"] == {"fake_kernel": {"fake-key-5": {"p": 2, "q": 10, "GLUON": {"BLOCK_N": 128}}}}
+    assert data["device"] == res["device"]
     # on the H200: its tiles over the arch's entry, the arch's other fields kept; keys it lacks from the arch
     assert launch.stored_config("fake_kernel", "fake-key-5") == {"p": 2, "q": 10, "GLUON": {"BLOCK_N": 128}}
     assert launch.stored_config("fake_kernel", "fake-key-7") == {"p": 4, "q": 20}
@@ -899,7 +941,8 @@ def test_tune_times_the_config_in_use_and_write_keeps_a_faster_entry(config_dir,
 
     t = tune.Tunable(kernel="fake_kernel", space={"p": [1, 2, 3, 4], "q": [10, 20]}, setup=setup, shape_names=("M",))
     res = tune.tune(t, {"M": 1}, torch.float32, timer=timer)
-    assert res["in_use"] == {"config": None, "ms": cost({"p": 4, "q": 20})}  # nothing stored: the fallback
+    fb = cost({"p": 4, "q": 20})
+    assert res["in_use"] == {"config": None, "ms": fb, "ms_runs": [fb, fb]}  # nothing stored: the fallback
     assert not tune.keeps_entry_in_use(res)
     assert tune.write_config(res) is not None and launch.stored_config("fake_kernel", "k1") == {"p": 2, "q": 10}
 
@@ -909,7 +952,8 @@ def test_tune_times_the_config_in_use_and_write_keeps_a_faster_entry(config_dir,
     (config_dir / "sm_test_arch_1.json").write_text(json.dumps(data))
     launch.reload()
     res = tune.tune(t, {"M": 1}, torch.float32, timer=timer)
-    assert res["in_use"] == {"config": faster, "ms": 0.0} and res["best"]["config"] == {"p": 2, "q": 10}
+    assert res["in_use"] == {"config": faster, "ms": 0.0, "ms_runs": [0.0, 0.0]}
+    assert res["best"]["config"] == {"p": 2, "q": 10}
     assert tune.keeps_entry_in_use(res) and tune.write_config(res) is None
     assert launch.stored_config("fake_kernel", "k1") == faster
     assert tune.write_config(res, force=True) is not None

@@ -80,7 +80,8 @@ def _c(bm, bn, w, s, **variant):
 #   loader warp, two consumer warpgroups of 64 query rows, FA3's overlap of softmax and PV product), which then takes
 #   compiled launches of contiguous 16-bit [B, S, H, D] inputs at D = 64 / 128; TRIFORGE_ATTN_GLUON=0 / 1 turns it
 #   off / on everywhere it can run (=1 also for packed sequences, which otherwise keep the Triton kernel). `triforge
-#   tune` keeps it across re-tunes (tune.write_config keeps an entry's keys that are outside the tuning space).
+#   tune` keeps it across re-tunes (tune.write_config keeps an entry's keys that are outside the tuning space) and
+#   times its grid without it (the Triton kernel's tiles: Tunable.not_inherited).
 # - EMU (forward, compiled 16-bit launches): of every 8 exponentials of an unmasked key tile, how many the FMA pipes
 #   compute (a degree-4 polynomial in inline PTX, _tl.exp2_emu) instead of the MUFU unit, whose 16 results per clock
 #   per SM equal the tensor cores' time at D = 64 (FlashAttention-4's offload). Measured slower on the H100 (session
@@ -957,7 +958,7 @@ TUNE_SPACES = {
 for _kernel, _space in TUNE_SPACES.items():
     register_tunable(Tunable(
         kernel=_kernel, space=_space, setup=_tune_setup(_kernel), shape_names=_SHAPE_NAMES,
-        default_shape=dict(_TUNE_SHAPE),
+        default_shape=dict(_TUNE_SHAPE), not_inherited=("GLUON",),  # (the grid tunes the Triton kernel's tiles)
     ))
 
 
