@@ -749,3 +749,31 @@ def test_project_forward_stack_compiles_to_half_the_wgmmas():
     assert sum(one["loops"][0].values()) < sum(two["loops"][0].values())
     assert not one["serialized"] and not two["serialized"]
     assert one["spill_bytes"] == 0 and two["spill_bytes"] == 0
+
+
+def test_post_res_backward_tma_kernel_compiles_without_layout_conversions():
+    """K4 backward's descriptor kernel compiled for sm90a (no GPU) at the H200's entries (4 tokens x 256 columns, 4
+    warps, 3 and 4 stages): no spills, registers for three programs per SM (the entries' programs_per_sm), and no
+    loop of it stores to shared memory beyond the five cross-warp reductions of a block (dh_post and dH's four
+    columns): its loads feed the math in the layout they arrive in. (The first form, 3-D boxes reshaped inside the
+    register kernel, stored 120 values per block for layout conversions and ran 7x slower on the H200; 8 warps or
+    2-token tiles bring conversions back: 30 stores.)"""
+    from ...sm90 import compile_for_sm90
+
+    def case(stages):
+        return {"kernel": "triforge.ops.mhc.backward:mhc_post_res_bwd_tma_kernel",
+                "signature": {"g_ptr": "*bf16", "x_ptr": "*bf16", "f_ptr": "*bf16", "H_ptr": "*fp32", "hp_ptr": "*fp32",
+                              "dx_ptr": "*bf16", "df_ptr": "*bf16", "dH_ptr": "*fp32", "dhp_ptr": "*fp32",
+                              "T": "i32", "C": "i32"},
+                "constexprs": {"BLOCK_T": 4, "BLOCK_C": 256, "STAGES": stages},
+                "divisible": ["g_ptr", "x_ptr", "f_ptr", "H_ptr", "hp_ptr", "dx_ptr", "df_ptr", "dH_ptr", "dhp_ptr",
+                              "T", "C"],
+                "options": {"num_warps": 4}}
+
+    for stages, r in zip((3, 4), compile_for_sm90([case(3), case(4)])):
+        tma_loops = [lp for lp in r["loops"] if lp.get("UTMALDG.2D")]
+        stores = max(sum(n for op, n in lp.items() if op.startswith("STS")) for lp in tma_loops)
+        print(f"stages {stages}: {r['regs']} registers, {r['shared']} B shared, {len(tma_loops)} loops with "
+              f"descriptor loads, at most {stores} shared stores in one")
+        assert r["spill_bytes"] == 0 and r["regs"] <= 65536 // (3 * 128)
+        assert tma_loops and stores <= 5
