@@ -768,6 +768,35 @@ def test_tune_runs_the_grid_with_the_entrys_keys_outside_the_space_and_times_the
     assert res["best"]["config"] == {"p": 1}
 
 
+def test_tune_runs_each_canonical_launch_once():
+    """A tunable's canonical form (the config as the launcher runs it) folds grid points that launch alike: each
+    distinct launch runs once, and the best is reported in that form."""
+    t, timer = _fake_tunable(fail_p=None)
+    ran = []
+
+    def canon(cfg):  # q is read only at p == 2
+        return cfg if cfg["p"] == 2 else {"p": cfg["p"]}
+
+    base = t.setup
+
+    def setup(shape, dtype, device):
+        run, key = base(shape, dtype, device)
+
+        def run_q(cfg):
+            if cfg is not None:
+                ran.append(dict(cfg))
+                cfg = {"q": 10, **cfg}
+            return run(cfg)
+        return run_q, key
+
+    t2 = dataclasses.replace(t, setup=setup, canonical=canon)
+    res = tune.tune(t2, {"M": 1}, torch.float32, timer=timer)
+    tried = sorted(json.dumps(c, sort_keys=True) for c in ran)
+    assert sorted(set(tried)) == sorted(json.dumps(c, sort_keys=True) for c in
+                                        ({"p": 1}, {"p": 2, "q": 10}, {"p": 2, "q": 20}, {"p": 3}, {"p": 4}))
+    assert res["n_tried"] == 5 and res["best"]["config"] == {"p": 2, "q": 10}
+
+
 def test_tune_refuses_configs_whose_outputs_disagree_with_the_launchers():
     """A miscompiled config (its outputs off by 1 % of their RMS, or NaN in one element, or another
     shape) is refused like a failing one, even where it is the fastest; configs that differ only by
@@ -874,9 +903,9 @@ def test_device_configs_are_read_over_the_arch(config_dir, monkeypatch):
     assert path == str(config_dir / f"{arch}.h200.json")
     assert (config_dir / f"{arch}.json").read_text() == arch_text
     data = json.loads(Path(path).read_text())
-    # (the grid ran with the arch entry's GLUON, a key outside the space: the device entry records it)
-    assert data["kernels"] == {"fake_kernel": {"fake-key-5": {"p": 2, "q": 10, "GLUON": {"BLOCK_N": 128}}}}
-    assert data["device"] == res["device"]
+    # (the grid ran with the arch entry's GLUON, a key outside the space: it stays the arch file's)
+    assert res["best"]["config"] == {"p": 2, "q": 10, "GLUON": {"BLOCK_N": 128}}
+    assert data["kernels"] == {"fake_kernel": {"fake-key-5": {"p": 2, "q": 10}}} and data["device"] == res["device"]
     # on the H200: its tiles over the arch's entry, the arch's other fields kept; keys it lacks from the arch
     assert launch.stored_config("fake_kernel", "fake-key-5") == {"p": 2, "q": 10, "GLUON": {"BLOCK_N": 128}}
     assert launch.stored_config("fake_kernel", "fake-key-7") == {"p": 4, "q": 20}
@@ -891,6 +920,25 @@ def test_device_configs_are_read_over_the_arch(config_dir, monkeypatch):
     assert launch.stored_config("fake_kernel", "fake-key-5") == {"p": 9, "q": 9, "GLUON": {"BLOCK_N": 128}}
     with pytest.raises(ValueError, match="device_tag"):
         tune.write_config({k: v for k, v in res.items() if k != "device_tag"}, force=True, for_device=True)
+
+
+def test_an_arch_write_on_a_device_with_its_own_file_keeps_the_device_keys_there(config_dir, monkeypatch):
+    """The grid runs with the merged entry (device file over the arch's), but a key only the device file holds (DEV)
+    is not written into the arch file, which other models of the arch read alone."""
+    arch = "sm_test_arch_x"
+    _use_arch(monkeypatch, arch)
+    monkeypatch.setattr(_runtime, "device_tag", lambda: "h200")
+    (config_dir / f"{arch}.json").write_text(json.dumps({"arch": arch, "kernels": {"fake_kernel": {
+        "fake-key-5": {"p": 9, "q": 9}}}}))
+    (config_dir / f"{arch}.h200.json").write_text(json.dumps({"arch": arch, "kernels": {"fake_kernel": {
+        "fake-key-5": {"p": 1, "DEV": 5}}}}))
+    launch.reload()
+    t, timer = _fake_tunable()
+    res = tune.tune(t, {"M": 5}, torch.float32, timer=timer)
+    assert res["best"]["config"] == {"p": 2, "q": 10, "DEV": 5} and res["space_keys"] == ["p", "q"]
+    tune.write_config(res, force=True)
+    assert json.loads((config_dir / f"{arch}.json").read_text())["kernels"]["fake_kernel"]["fake-key-5"] == \
+        {"p": 2, "q": 10}
 
 
 def test_write_config_then_launch_config_returns_it(config_dir, monkeypatch):

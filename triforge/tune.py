@@ -42,6 +42,9 @@ class Tunable:
     # outside the space, except these: the attention forward's GLUON switches to another kernel, whose tiles the
     # grid does not describe)
     not_inherited: tuple = ()
+    # cfg -> the config as the launcher runs it (keys it ignores there dropped): the grid runs each distinct launch
+    # once, and the best is reported (and written) in this form
+    canonical: Callable | None = None
 
 
 _TUNABLES: dict[str, Tunable] = {}
@@ -159,7 +162,14 @@ def tune(tunable: Tunable, shape: dict, dtype: torch.dtype, *, top: int = 5, tim
     # run without the entry's XPRE 1, timed its best at 0.4x the entry and won writes that the bench then found no
     # faster)
     fixed = {k: v for k, v in (stored or {}).items() if k not in tunable.space and k not in tunable.not_inherited}
-    configs = [{**fixed, **c} for c in grid(tunable.space)]
+    configs, seen = [], set()
+    for c in grid(tunable.space):
+        c = {**fixed, **c}
+        c = tunable.canonical(c) if tunable.canonical else c
+        k = json.dumps(c, sort_keys=True, default=str)
+        if k not in seen:
+            seen.add(k)
+            configs.append(c)
     n_skipped = 0
     for i, cfg in enumerate(configs):
         if deadline is not None and i > 0 and time.monotonic() >= deadline:  # (one config at least)
@@ -186,7 +196,8 @@ def tune(tunable: Tunable, shape: dict, dtype: torch.dtype, *, top: int = 5, tim
             progress()
     timed.sort(key=lambda r: r["ms"])
     if in_use["ms"] is not None and timed:  # timed first in the process, the entry may have met a cold GPU (clocks,
-        # caches, lazy set-up): its time is the faster of a run before the grid and one after
+        # caches, lazy set-up): its time is the faster of a run before the grid and one after (one timing more, also
+        # after a budget ran out)
         try:
             again = timer(lambda: run(None))
         except Exception:  # (it ran before the grid: a failure now leaves the first time)
@@ -202,6 +213,7 @@ def tune(tunable: Tunable, shape: dict, dtype: torch.dtype, *, top: int = 5, tim
         "shape": shape,
         "dtype": str(dtype).replace("torch.", ""),
         "key": key,
+        "space_keys": sorted(tunable.space),  # (the grid's parameters: write_config stores only these and the file's own)
         "best": timed[0] if timed else None,
         "in_use": in_use,  # the launcher's config: the stored entry (config None: the fallback), timed
         "top": timed[:top],
@@ -240,9 +252,14 @@ def write_config(result: dict, arch: str | None = None, force: bool = False, for
     data = json.loads(path.read_text()) if path.exists() else {"arch": arch, "kernels": {}}
     if for_device:
         data.setdefault("device", result["device"])
-    entry = dict(result["best"]["config"])
-    prov_key = f"{result['kernel']}[{result['key']}]"
+    # keys outside the space go to this file only where its entry had them: the grid ran with the merged entry's
+    # (device file over the arch's), so a key of the other file stays there (a device entry holds what its tune
+    # varied, and an arch write on a device with its own file does not take the device's keys)
+    space = set(result.get("space_keys") or ()) or (
+        set(_TUNABLES[result["kernel"]].space if result["kernel"] in _TUNABLES else ()) | set(result.get("space_override") or ()))
     old = data.get("kernels", {}).get(result["kernel"], {}).get(result["key"], {})
+    entry = {k: v for k, v in result["best"]["config"].items() if k in space or k in old or not space}
+    prov_key = f"{result['kernel']}[{result['key']}]"
     provenance = {"device": result["device"], "shape": result["shape"], "ms": result["best"]["ms"]}
     if result["best"].get("spills"):
         provenance["spills"] = result["best"]["spills"]
@@ -253,7 +270,6 @@ def write_config(result: dict, arch: str | None = None, force: bool = False, for
     # keys of the entry that the tuning space does not hold (the attention forward's GLUON and EMU) stay, with their
     # provenance notes (under the key's lower-case name); tune() ran the grid with them, so the best config usually
     # holds them already
-    space = _TUNABLES[result["kernel"]].space if result["kernel"] in _TUNABLES else {}
     for key in sorted(set(old) - set(space)):
         entry.setdefault(key, old[key])
         note = data.get("provenance", {}).get(prov_key, {}).get(key.lower())

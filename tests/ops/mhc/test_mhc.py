@@ -233,8 +233,9 @@ def test_project_forward_configs(cfg, dtype, gen, device):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_project_forward_h200_tile(dtype, gen, device):
-    """K1 forward at the H200's tile (512 tokens x 64 columns, descriptors, 4 stages): T = 1000 (the second tile
-    partial) and K = 200 (the last column block partial: 8 of 64 columns); proj and inv_rms against float64."""
+    """K1 forward at the H200's tile (512 tokens x 64 columns, 4 stages; its descriptors on a GPU only: the
+    interpreter takes the pointer path): T = 1000 (the second tile partial) and K = 200 (the last column block
+    partial: 8 of 64 columns); proj and inv_rms against float64."""
     from triforge.ops import mhc as M
 
     x = _x((1000, 200), dtype, gen, device=device)
@@ -371,15 +372,26 @@ def test_post_res_backward_configs(cfg, T, C, dtype, gen, device):
     mid-block (72 = 2.25 blocks of 32) or inside the first; with TMA, C = 20 bf16 (40-byte rows, not 16-byte
     multiples) takes the pointer path instead, and every other case reads g, f and x through descriptors whose
     boxes pass T and C (zero-filled), its persistent programs taking several token tiles each where the machine has
-    fewer than T / BLOCK_T program slots (the interpreter counts 4 SMs: programs_per_sm 1 gives 4 programs)."""
+    fewer than T / BLOCK_T program slots (the interpreter counts 4 SMs: programs_per_sm 1 gives 4 programs). The
+    kernel each case launched is checked too."""
+    from triforge import launch as L
     from triforge.ops import mhc as M
 
     x, f, H, hp = _post_res_inputs(T, C, dtype, gen, device)
     g = _x((T, 4, C), dtype, gen, device=device)
     leaves64 = [_leaf(_to64(t)) for t in (x, f, H, hp)]
     ref = torch.autograd.grad(post_res_ref(*leaves64), leaves64, _to64(g))
-    with poisoned():
+    kernels, real_launch = [], L.launch
+
+    def recording_launch(name, jit_fn, *a, **kw):
+        kernels.append(jit_fn.__name__)
+        return real_launch(name, jit_fn, *a, **kw)
+
+    with poisoned(), pytest.MonkeyPatch.context() as mp:
+        mp.setattr(L, "launch", recording_launch)
         got = M.post_res_bwd(g, x, f, H, hp, cfg)
+    want_tma = bool(cfg.get("TMA")) and (C * x.element_size()) % 16 == 0  # (bf16 at C = 20: 40-byte rows)
+    assert kernels == ["mhc_post_res_bwd_tma_kernel" if want_tma else "mhc_post_res_bwd_kernel"]
     for name, r, gt in zip(("dx", "dlayer_output", "dH", "dh_post"), ref, got):
         _assert_ok(compare(name, r, gt, dtype=dtype, verbose=False))
 

@@ -207,6 +207,15 @@ def post_res_fwd(x, f, H, h_post, cfg=None):
     return y
 
 
+def post_res_bwd_uses_tma(cfg, g, x, f) -> bool:
+    """Whether the K4 backward at ``cfg`` runs the descriptor kernel: cfg's TMA, BLOCK_C <= 256 (the sizes compiled
+    and timed on a GPU; larger ones run the register kernel), and g, x, f contiguous with 16-byte aligned bases and
+    rows of a 16-byte multiple (each stream's [T, C] view starts C elements after the previous one). The
+    interpreter runs it too."""
+    return bool(cfg.get("TMA", 0)) and cfg["BLOCK_C"] <= 256 and all(
+        t.is_contiguous() and t.data_ptr() % 16 == 0 and (t.shape[-1] * t.element_size()) % 16 == 0 for t in (g, x, f))
+
+
 def post_res_bwd(g, x, f, H, h_post, cfg=None):
     T, _, C = x.shape
     cfg = cfg or _cfg("mhc_post_res_bwd", C, x.dtype)
@@ -214,10 +223,7 @@ def post_res_bwd(g, x, f, H, h_post, cfg=None):
     df = new_output((T, C), f.dtype, x.device)
     dH = new_output((T, N_STREAMS, N_STREAMS), torch.float32, x.device)
     dhp = new_output((T, N_STREAMS), torch.float32, x.device)
-    # TMA: g, f and x through per-stream tensor descriptors, a persistent grid (rows 16-byte multiples, 16-byte
-    # aligned bases, box sides <= 256; the interpreter runs them too)
-    tma = bool(cfg.get("TMA", 0)) and cfg["BLOCK_C"] <= 256 and (C * x.element_size()) % 16 == 0 \
-        and (C * f.element_size()) % 16 == 0 and all(t.data_ptr() % 16 == 0 for t in (g, x, f))
+    tma = post_res_bwd_uses_tma(cfg, g, x, f)
     nbytes = 14 * T * C * x.element_size() + 160 * T
     if tma:
         launch.use_tensor_descriptors()
@@ -577,7 +583,7 @@ def _describe(inputs):
     return f"T={T} C={C} n=4"
 
 
-def _tunable(kernel, space, build):
+def _tunable(kernel, space, build, canonical=None):
     def setup(shape, dtype, device):
         gen = torch.Generator().manual_seed(0)
         tier = {"T": shape["T"], "C": shape["C"]}
@@ -586,7 +592,15 @@ def _tunable(kernel, space, build):
         return run, launch.config_key(c=bucket, dtype=launch.dtype_tag(dtype))
 
     register_tunable(Tunable(kernel=kernel, space=space, setup=setup, shape_names=("T", "C"),
-                             default_shape={"T": 65536, "C": 2560}))
+                             default_shape={"T": 65536, "C": 2560}, canonical=canonical))
+
+
+def _post_res_bwd_canonical(cfg):
+    """The K4 backward config as it launches: the register kernel (TMA 0, or BLOCK_C > 256) reads neither num_stages
+    nor programs_per_sm."""
+    if cfg.get("TMA") and cfg["BLOCK_C"] <= 256:
+        return cfg
+    return {k: v for k, v in cfg.items() if k not in ("TMA", "num_stages", "programs_per_sm")}
 
 
 def _run_project_fwd(tier, dtype, device, gen):
@@ -649,10 +663,11 @@ _tunable("mhc_pre_map_fwd", {"BLOCK": [1024, 2048, 4096, 8192], "num_warps": [4,
 _tunable("mhc_pre_map_bwd", _ROW_SPACE, _run_pre_map("bwd"))
 _tunable("mhc_post_res_fwd", _ROW_SPACE, _run_post_res("fwd"))
 # K4 backward, TMA 1: g, f and x through descriptors into a num_stages-deep shared-memory pipeline, persistent
-# (programs_per_sm; BLOCK_C <= 256, a descriptor box's limit; num_stages and programs_per_sm are read only there)
+# (programs_per_sm); at BLOCK_C <= 256 only (the sizes timed on a GPU: larger ones run the register kernel, which
+# reads neither num_stages nor programs_per_sm; the tune runs each distinct launch once: 96 of the 288 points)
 _tunable("mhc_post_res_bwd", {**_ROW_SPACE, "BLOCK_C": [128, 256, 512, 1024], "TMA": [0, 1], "num_stages": [2, 3, 4],
                               "programs_per_sm": [2, 3]},
-         _run_post_res("bwd"))
+         _run_post_res("bwd"), canonical=_post_res_bwd_canonical)
 
 
 def _project_ref(x_flat, W):
