@@ -213,7 +213,7 @@ def tune(tunable: Tunable, shape: dict, dtype: torch.dtype, *, top: int = 5, tim
         "shape": shape,
         "dtype": str(dtype).replace("torch.", ""),
         "key": key,
-        "space_keys": sorted(tunable.space),  # (the grid's parameters: write_config stores only these and the file's own)
+        "space_keys": sorted(tunable.space),  # (the grid's parameters: write_config stores these and the file's own)
         "best": timed[0] if timed else None,
         "in_use": in_use,  # the launcher's config: the stored entry (config None: the fallback), timed
         "top": timed[:top],
@@ -255,8 +255,8 @@ def write_config(result: dict, arch: str | None = None, force: bool = False, for
     # keys outside the space go to this file only where its entry had them: the grid ran with the merged entry's
     # (device file over the arch's), so a key of the other file stays there (a device entry holds what its tune
     # varied, and an arch write on a device with its own file does not take the device's keys)
-    space = set(result.get("space_keys") or ()) or (
-        set(_TUNABLES[result["kernel"]].space if result["kernel"] in _TUNABLES else ()) | set(result.get("space_override") or ()))
+    registered = _TUNABLES[result["kernel"]].space if result["kernel"] in _TUNABLES else {}
+    space = set(result.get("space_keys") or ()) or set(registered) | set(result.get("space_override") or ())
     old = data.get("kernels", {}).get(result["kernel"], {}).get(result["key"], {})
     entry = {k: v for k, v in result["best"]["config"].items() if k in space or k in old or not space}
     prov_key = f"{result['kernel']}[{result['key']}]"

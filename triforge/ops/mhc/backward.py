@@ -327,22 +327,9 @@ def _streams(d0, d1, d2, d3, t0, c0):
 
 
 @triton.jit
-def mhc_post_res_bwd_tma_kernel(
-    g_ptr,  # [T, 4, C] grad of the new streams
-    x_ptr,  # [T, 4, C]
-    f_ptr,  # [T, C] layer output
-    H_ptr,  # [T, 4, 4] fp32
-    hp_ptr,  # [T, 4] fp32
-    dx_ptr,  # [T, 4, C] x's dtype
-    df_ptr,  # [T, C] layer output's dtype
-    dH_ptr,  # [T, 4, 4] fp32
-    dhp_ptr,  # [T, 4] fp32
-    T,
-    C,
-    BLOCK_T: tl.constexpr,
-    BLOCK_C: tl.constexpr,
-    STAGES: tl.constexpr,  # the C loop's pipeline depth
-):
+def mhc_post_res_bwd_tma_kernel(g_ptr, x_ptr, f_ptr, H_ptr, hp_ptr, dx_ptr, df_ptr, dH_ptr, dhp_ptr, T, C,
+                                BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+                                STAGES: tl.constexpr):  # (arguments: mhc_post_res_bwd_kernel's; STAGES: C loop depth)
     """mhc_post_res_bwd_kernel's math with g, x and f read through tensor descriptors: each stream of g and x is a
     [T, C] matrix of row stride 4C (one descriptor per stream, boxes [BLOCK_T, BLOCK_C] zero-filled past T and C),
     so the blocks in flight sit in the shared-memory stages of the C loop's pipeline (tl.range's num_stages: Triton
