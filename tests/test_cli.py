@@ -169,6 +169,27 @@ def test_tune_write_flags_need_write(flag, capsys):
     assert "add --write" in capsys.readouterr().out
 
 
+def test_tune_prints_the_entrys_two_timings_and_counts_distinct_launches(capsys, monkeypatch):
+    """The tune command's report (the GPU work stubbed): the entry in use's time with its runs before and after the
+    grid, and a progress total of the distinct launches (mhc_post_res_bwd's canonical form folds its grid)."""
+    from triforge import _runtime, tune
+
+    seen = {}
+
+    def fake_tune(t, shape, dtype, top, progress, budget_s):
+        seen["n"] = len(tune.distinct_grid(t))
+        return {"kernel": t.kernel, "dtype": "bfloat16", "n_tried": 1, "n_failed": 0, "n_mismatch": 0, "n_skipped": 0,
+                "top": [{"config": {"BLOCK_T": 4}, "ms": 1.0}], "best": {"config": {"BLOCK_T": 4}, "ms": 1.0},
+                "in_use": {"config": None, "ms": 1.25, "ms_runs": [1.5, 1.25]}}
+
+    monkeypatch.setattr(_runtime, "require_gpu", lambda what: None)
+    monkeypatch.setattr(tune, "tune", fake_tune)
+    assert main(["tune", "mhc_post_res_bwd"]) == 0
+    out = capsys.readouterr().out
+    assert "1.2500 ms (before / after the grid: 1.5000 / 1.2500)" in out
+    assert seen["n"] == 96 < len(tune.grid(tune.get("mhc_post_res_bwd").space)) == 288
+
+
 def test_tune_list(capsys):
     assert main(["tune", "--list"]) == 0
     assert "rms_norm_fwd" in capsys.readouterr().out

@@ -237,7 +237,7 @@ def _tune_one(args, t) -> int:
         shape = _parse_shape(args.shape, t.shape_names)
     _check_shape_dims(args.shape_dims, [(t.kernel, tuple(dict.fromkeys((*t.shape_names, *t.default_shape))))])
     shape.update(args.shape_dims)
-    n = len(tune.grid(t.space))
+    n = len(tune.distinct_grid(t))  # (as tune() runs it: each distinct launch once)
     with _progress() as prog:
         task = prog.add_task(f"tuning {t.kernel}", total=n)
         result = tune.tune(t, shape, args.dtype, top=args.top, progress=lambda: prog.advance(task), budget_s=args.budget)
@@ -257,7 +257,9 @@ def _tune_one(args, t) -> int:
     console.print(table)
     in_use = result["in_use"]
     where = json.dumps(in_use["config"]) if in_use["config"] is not None else "the fallback"
-    console.print(f"in use ({where}): " + (f"{in_use['ms']:.4f} ms" if in_use["ms"] is not None else in_use.get("error", "")))
+    runs = in_use.get("ms_runs")
+    console.print(f"in use ({where}): " + (f"{in_use['ms']:.4f} ms" if in_use["ms"] is not None else in_use.get("error", ""))
+                  + (f" (before / after the grid: {runs[0]:.4f} / {runs[1]:.4f})" if runs else ""))
     if args.json:
         path = Path(args.json)
         if path.suffix != ".json" or path.is_dir():

@@ -133,6 +133,20 @@ def _spills() -> int | None:
     return sum(n) if n else None
 
 
+def distinct_grid(tunable: Tunable, fixed: dict | None = None) -> list[dict]:
+    """The configs tune() runs: the grid of ``tunable.space``, each with ``fixed``'s keys (the entry in use's keys
+    outside the space) and in its canonical form, duplicates dropped (first occurrence kept, grid order)."""
+    configs, seen = [], set()
+    for c in grid(tunable.space):
+        c = {**(fixed or {}), **c}
+        c = tunable.canonical(c) if tunable.canonical else c
+        k = json.dumps(c, sort_keys=True, default=str)
+        if k not in seen:
+            seen.add(k)
+            configs.append(c)
+    return configs
+
+
 def tune(tunable: Tunable, shape: dict, dtype: torch.dtype, *, top: int = 5, timer=None, progress=None,
          budget_s: float | None = None) -> dict:
     """Time every config of ``tunable`` at ``shape``; return best, top-N and the failures (configs
@@ -162,14 +176,7 @@ def tune(tunable: Tunable, shape: dict, dtype: torch.dtype, *, top: int = 5, tim
     # run without the entry's XPRE 1, timed its best at 0.4x the entry and won writes that the bench then found no
     # faster)
     fixed = {k: v for k, v in (stored or {}).items() if k not in tunable.space and k not in tunable.not_inherited}
-    configs, seen = [], set()
-    for c in grid(tunable.space):
-        c = {**fixed, **c}
-        c = tunable.canonical(c) if tunable.canonical else c
-        k = json.dumps(c, sort_keys=True, default=str)
-        if k not in seen:
-            seen.add(k)
-            configs.append(c)
+    configs = distinct_grid(tunable, fixed)
     n_skipped = 0
     for i, cfg in enumerate(configs):
         if deadline is not None and i > 0 and time.monotonic() >= deadline:  # (one config at least)
