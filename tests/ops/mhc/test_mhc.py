@@ -789,3 +789,26 @@ def test_post_res_backward_tma_kernel_compiles_without_layout_conversions():
               f"descriptor loads, at most {stores} shared stores in one")
         assert r["spill_bytes"] == 0 and r["regs"] <= 65536 // (3 * 128)
         assert tma_loops and stores <= 5
+
+
+def test_project_forward_h200_entries_compile_without_spills():
+    """K1's forward at the H200's stored entries (512 tokens x 64 columns, 8 warps, 3 and 4 stages, descriptors)
+    compiled for sm90a: no spills, wgmmas not serialized, and the shared memory within the SM's 227 KB."""
+    import json
+    from pathlib import Path
+
+    from ...sm90 import compile_for_sm90
+
+    entries = json.loads((Path(__file__).parents[3] / "triforge/configs/sm90.h200.json").read_text())
+    cfgs = list(entries["kernels"]["mhc_project_fwd"].values())
+    assert cfgs and all(c["BLOCK_T"] == 512 for c in cfgs)
+    cases = [{"kernel": "triforge.ops.mhc.forward:mhc_project_fwd_kernel",
+              "signature": {"x_ptr": "*bf16", "w_ptr": "*fp32", "proj_ptr": "*fp32", "inv_rms_ptr": "*fp32",
+                            "T": "i32", "K": "i32", "eps": "fp32"},
+              "constexprs": {"R": 32, "BLOCK_T": c["BLOCK_T"], "BLOCK_K": c["BLOCK_K"], "SPLIT_W": True,
+                             "UPCAST": False, "RNE": False, "TMA": c["TMA"], "STACK": c.get("STACK", 0)},
+              "divisible": ["x_ptr", "w_ptr", "proj_ptr", "inv_rms_ptr", "T", "K"],
+              "options": {"num_warps": c["num_warps"], "num_stages": c["num_stages"]}} for c in cfgs]
+    for c, r in zip(cfgs, compile_for_sm90(cases)):
+        print(c, r["regs"], r["spill_bytes"], r["shared"])
+        assert r["spill_bytes"] == 0 and not r["serialized"] and r["shared"] <= 232448
