@@ -359,7 +359,7 @@ def test_post_res_forward_and_gradients(dtype, T, C, gen, device):
         _assert_ok(compare(name, r, gt, dtype=dtype, verbose=False))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("T,C", [(37, 72), (5, 24), (9, 20)], ids=["T37-C72", "T5-C24", "T9-C20"])
 @pytest.mark.parametrize("cfg", [
     {"BLOCK_T": 4, "BLOCK_C": 32, "num_warps": 4},  # registers: the next block loaded before this one's math
@@ -369,7 +369,7 @@ def test_post_res_forward_and_gradients(dtype, T, C, gen, device):
 ], ids=["regs", "tma-s3", "tma-s2", "tma-s4"])
 def test_post_res_backward_configs(cfg, T, C, dtype, gen, device):
     """K4 backward at explicit launch configs against the float64 gradients: T not a multiple of BLOCK_T, C ending
-    mid-block (72 = 2.25 blocks of 32) or inside the first; with TMA, C = 20 bf16 (40-byte rows, not 16-byte
+    mid-block (72 = 2.25 blocks of 32) or inside the first; with TMA, C = 20 in 16 bits (40-byte rows, not 16-byte
     multiples) takes the pointer path instead, and every other case reads g, f and x through descriptors whose
     boxes pass T and C (zero-filled), its persistent programs taking several token tiles each where the machine has
     fewer than T / BLOCK_T program slots (the interpreter counts 4 SMs: programs_per_sm 1 gives 4 programs). The
