@@ -207,12 +207,17 @@ def post_res_fwd(x, f, H, h_post, cfg=None):
     return y
 
 
+def _post_res_bwd_tma_tile(cfg) -> bool:
+    """Whether ``cfg`` asks for the K4 backward's descriptor kernel at a tile it runs: TMA, BLOCK_C <= 256 (the sizes
+    compiled and timed on a GPU; larger ones run the register kernel)."""
+    return bool(cfg.get("TMA", 0)) and cfg["BLOCK_C"] <= 256
+
+
 def post_res_bwd_uses_tma(cfg, g, x, f) -> bool:
-    """Whether the K4 backward at ``cfg`` runs the descriptor kernel: cfg's TMA, BLOCK_C <= 256 (the sizes compiled
-    and timed on a GPU; larger ones run the register kernel), and g, x, f contiguous with 16-byte aligned bases and
-    rows of a 16-byte multiple (each stream's [T, C] view starts C elements after the previous one). The
-    interpreter runs it too."""
-    return bool(cfg.get("TMA", 0)) and cfg["BLOCK_C"] <= 256 and all(
+    """Whether the K4 backward at ``cfg`` runs the descriptor kernel: a tile it runs (_post_res_bwd_tma_tile), and
+    g, x, f contiguous with 16-byte aligned bases and rows of a 16-byte multiple (each stream's [T, C] view starts C
+    elements after the previous one). The interpreter runs it too."""
+    return _post_res_bwd_tma_tile(cfg) and all(
         t.is_contiguous() and t.data_ptr() % 16 == 0 and (t.shape[-1] * t.element_size()) % 16 == 0 for t in (g, x, f))
 
 
@@ -598,7 +603,7 @@ def _tunable(kernel, space, build, canonical=None):
 def _post_res_bwd_canonical(cfg):
     """The K4 backward config as it launches: the register kernel (TMA 0, or BLOCK_C > 256) reads neither num_stages
     nor programs_per_sm."""
-    if cfg.get("TMA") and cfg["BLOCK_C"] <= 256:
+    if _post_res_bwd_tma_tile(cfg):
         return cfg
     return {k: v for k, v in cfg.items() if k not in ("TMA", "num_stages", "programs_per_sm")}
 
