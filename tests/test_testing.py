@@ -797,6 +797,65 @@ def test_tune_runs_each_canonical_launch_once():
     assert res["n_tried"] == 5 and res["best"]["config"] == {"p": 2, "q": 10}
 
 
+def test_a_rotating_run_checks_outputs_on_the_first_set_and_times_every_set():
+    """tune.rotating: run(cfg) computes on set 0 (the outputs compared between configs), the timed calls step
+    through all the sets in turn (so a timed call finds its inputs out of L2), for the grid and the entry alike."""
+    ran = []
+
+    def run_on(s, cfg):
+        ran.append(s)
+        return torch.full((3,), float(cfg["p"] if cfg else 2))
+
+    def setup(shape, dtype, device):
+        return tune.rotating(run_on, [0, 1, 2]), "key"
+
+    timed_sets = []
+
+    def timer(fn):
+        ran.clear()
+        for _ in range(4):
+            fn()
+        timed_sets.append(list(ran))
+        return 1.0
+
+    t = tune.Tunable(kernel="fake_rotating", space={"p": [2, 5]}, setup=setup, shape_names=("M",))
+    res = tune.tune(t, {"M": 1}, torch.float32, timer=timer)
+    assert setup(None, None, None)[0].n_sets == 3
+    # the entry before the grid, p = 2 (p = 5's outputs disagree: refused untimed), the entry after the grid: each
+    # timing walks the sets on from where the last one stopped
+    assert timed_sets == [[0, 1, 2, 0], [1, 2, 0, 1], [2, 0, 1, 2]]
+    assert res["n_mismatch"] == 1 and res["best"]["config"] == {"p": 2}
+
+
+def test_a_graph_tunable_is_timed_by_graph_replays_of_twice_its_sets(monkeypatch):
+    """Tunable(graph=True) on a GPU: the default timer is the bench's graph_time_ms over max(16, 2 x sets) calls
+    (as the bench times a bench_graph op); other tunables, and any tunable without CUDA, keep per-call events."""
+    from triforge import bench
+
+    seen = []
+    monkeypatch.setattr(bench, "graph_time_ms", lambda fn, calls: seen.append(("graph", calls)) or {"median_ms": 1.5})
+    monkeypatch.setattr(bench, "time_ms", lambda fn, warmup, rep: seen.append(("events", rep)) or {"median_ms": 2.5})
+    g = tune.Tunable(kernel="g", space={}, setup=None, shape_names=(), graph=True)
+    plain = tune.Tunable(kernel="p", space={}, setup=None, shape_names=())
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert tune.default_timer(g, 20)(lambda: None) == 1.5 and tune.default_timer(g, 3)(lambda: None) == 1.5
+    assert tune.default_timer(plain, 20)(lambda: None) == 2.5
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert tune.default_timer(g, 20)(lambda: None) == 2.5
+    assert seen == [("graph", 40), ("graph", 16), ("events", 60), ("events", 60)]
+
+
+def test_rotation_sets_exceed_the_l2_four_times_on_a_gpu_and_are_one_without(monkeypatch):
+    from triforge import bench
+
+    assert tune.rotation_sets(10) == 1 or torch.cuda.is_available()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(bench, "l2_bytes", lambda: 50 * 2**20)
+    assert tune.rotation_sets(16 * 2**20) == 13  # ceil(200 / 16)
+    assert tune.rotation_sets(300 * 2**20) == 1
+    assert tune.rotation_sets(1) == bench.MAX_SETS
+
+
 def test_tune_refuses_configs_whose_outputs_disagree_with_the_launchers():
     """A miscompiled config (its outputs off by 1 % of their RMS, or NaN in one element, or another
     shape) is refused like a failing one, even where it is the fastest; configs that differ only by

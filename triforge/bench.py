@@ -178,11 +178,15 @@ def rotation_count(nbytes: int, l2_bytes: int) -> int:
     return min(MAX_SETS, max(1, math.ceil(4 * l2_bytes / max(nbytes, 1))))
 
 
+def l2_bytes() -> int:
+    """The GPU's L2 size in bytes (50 MB where torch does not report it)."""
+    return getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 * 2**20)
+
+
 def _rotation(spec, dtype, seed, tier="real") -> list:
     """Enough input sets that consecutive calls never find their data in L2 (``rotation_count``)."""
     first = _input_sets(spec, dtype, 1, seed, tier)
-    l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 * 2**20)
-    n_sets = rotation_count(set_bytes(first[0]), l2)
+    n_sets = rotation_count(set_bytes(first[0]), l2_bytes())
     return first + _input_sets(spec, dtype, n_sets - 1, seed + 1, tier)
 
 

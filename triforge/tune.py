@@ -45,6 +45,11 @@ class Tunable:
     # cfg -> the config as the launcher runs it (keys it ignores there dropped): the grid runs each distinct launch
     # once, and the best is reported (and written) in this form
     canonical: Callable | None = None
+    # time each config as the bench times a ``bench_graph`` op: CUDA-graph replays (``bench.graph_time_ms``), the
+    # calls stepping through the setup's input sets where its run is ``rotating``. A decode-size kernel (~10 us) timed
+    # per call measures its host launch path: session 50's ternary_tc tune at M = 1 read 32 us for the 10.5 us that
+    # the bench measures, and ranked configs by host time
+    graph: bool = False
 
 
 _TUNABLES: dict[str, Tunable] = {}
@@ -67,6 +72,46 @@ def all_tunables() -> list[str]:
     import triforge.ops  # noqa: F401
 
     return sorted(_TUNABLES)
+
+
+def rotating(run_on: Callable, sets: list) -> Callable:
+    """A setup's run over several input sets: ``run(cfg)`` computes on ``sets[0]`` (the outputs the tune checks),
+    ``run.timed(cfg)`` on the next set at each call (the timed calls, so that each finds its inputs out of L2, as the
+    bench's rotation does), ``run.n_sets`` their count. ``run_on(set, cfg)`` launches on one set."""
+    state = {"i": 0}
+
+    def run(cfg):
+        return run_on(sets[0], cfg)
+
+    def timed(cfg):
+        s = sets[state["i"] % len(sets)]
+        state["i"] += 1
+        return run_on(s, cfg)
+
+    run.timed = timed
+    run.n_sets = len(sets)
+    return run
+
+
+def rotation_sets(set_bytes: int) -> int:
+    """Input sets a tune setup should rotate through: enough to exceed the L2 four times on a GPU (the bench's
+    ``rotation_count``), one without CUDA (no L2 to defeat; the interpreter's tunes only check outputs)."""
+    if not torch.cuda.is_available():
+        return 1
+    from triforge.bench import l2_bytes, rotation_count
+
+    return rotation_count(set_bytes, l2_bytes())
+
+
+def default_timer(tunable: "Tunable", n_sets: int = 1) -> Callable:
+    """fn -> median ms: CUDA-graph replays of at least 2 x ``n_sets`` calls for a ``graph`` tunable on a GPU (the
+    bench's timing of ``bench_graph`` ops), else per-call CUDA events (``bench.time_ms``)."""
+    from triforge.bench import GRAPH_CALLS, graph_time_ms, time_ms
+
+    if tunable.graph and torch.cuda.is_available():
+        calls = max(GRAPH_CALLS, 2 * n_sets)
+        return lambda fn: graph_time_ms(fn, calls=calls)["median_ms"]
+    return lambda fn: time_ms(fn, warmup=10, rep=60)["median_ms"]
 
 
 def grid(space: dict) -> list[dict]:
@@ -156,17 +201,16 @@ def tune(tunable: Tunable, shape: dict, dtype: torch.dtype, *, top: int = 5, tim
     ends with a result (the last config started may still take its compile and timing past the budget).
     The grid's configs carry the entry in use's keys that the space does not hold; the entry in use is timed before
     the grid and after it, and keeps the faster time (``in_use["ms_runs"]`` has both)."""
-    if timer is None:
-        from triforge.bench import time_ms
-
-        timer = lambda fn: time_ms(fn, warmup=10, rep=60)["median_ms"]  # noqa: E731
     deadline = None if budget_s is None else time.monotonic() + budget_s
     device = _runtime.default_device()
     run, key = tunable.setup(shape, dtype, device)
+    timed_run = getattr(run, "timed", run)  # (a rotating run: timed calls step through its input sets)
+    if timer is None:
+        timer = default_timer(tunable, getattr(run, "n_sets", 1))
     want = [t.clone() for t in _tensors(run(None))]
     stored = launch.stored_config(tunable.kernel, key)
     try:  # the config in use, timed beside the grid (same process, same inputs), again after it (below)
-        in_use = {"config": stored, "ms": timer(lambda: run(None))}
+        in_use = {"config": stored, "ms": timer(lambda: timed_run(None))}
     except Exception as e:
         in_use = {"config": stored, "ms": None, "error": _error_line(e)}
     timed, failed = [], []
@@ -190,7 +234,7 @@ def tune(tunable: Tunable, shape: dict, dtype: torch.dtype, *, top: int = 5, tim
             spills = _spills()
             why = output_mismatch(want, got) if want else None
             del got
-            ms = None if why else timer(lambda: run(cfg))
+            ms = None if why else timer(lambda: timed_run(cfg))
         except Exception as e:  # compile errors, OutOfResources: skipped and counted
             failed.append({"config": cfg, "error": _error_line(e)})
         else:
@@ -206,7 +250,7 @@ def tune(tunable: Tunable, shape: dict, dtype: torch.dtype, *, top: int = 5, tim
         # caches, lazy set-up): its time is the faster of a run before the grid and one after (one timing more, also
         # after a budget ran out)
         try:
-            again = timer(lambda: run(None))
+            again = timer(lambda: timed_run(None))
         except Exception:  # (it ran before the grid: a failure now leaves the first time)
             again = None
         if again is not None:
