@@ -258,15 +258,20 @@ def test_project_forward_h200_tile(dtype, gen, device):
     {"BLOCK_T": 16, "BLOCK_K": 32, "num_warps": 4, "num_stages": 3, "programs_per_sm": 2, "TMA": 1, "PREFETCH": 1},
     {"BLOCK_T": 16, "BLOCK_K": 32, "num_warps": 4, "num_stages": 3, "programs_per_sm": 2, "TMA": 2, "PREFETCH": 1},
     {"BLOCK_T": 16, "BLOCK_K": 32, "num_warps": 4, "num_stages": 3, "programs_per_sm": 2, "TMA": 3},  # all descriptors
-], ids=["span", "split", "capped", "tma", "prefetch", "tma-prefetch", "tma-load-prefetch", "tma-all"])
+    # the H200's C = 2560 entry: 256-column blocks, 8 warps, 4 stages, one program per SM
+    {"BLOCK_T": 64, "BLOCK_K": 256, "num_warps": 8, "num_stages": 4, "programs_per_sm": 1, "TMA": 2, "PREFETCH": 1},
+], ids=["span", "split", "capped", "tma", "prefetch", "tma-prefetch", "tma-load-prefetch", "tma-all", "h200"])
 def test_project_backward_persistent_runs(cfg, dtype, gen, device):
     """K1 backward at launch configs whose runs start and end inside column blocks (and T, K that are
     not multiples of the tiles): dx and dW against float64 autograd through the reference."""
     from triforge.ops import mhc as M
 
     # 3 token tiles of 16 (the last partial), K = 148: 10 or 5 column blocks (the last partial); with TMA K = 160
-    # (descriptor rows must be 16-byte multiples: the launcher takes the pointer path otherwise)
+    # (descriptor rows must be 16-byte multiples: the launcher takes the pointer path otherwise); at 64 x 256 tiles
+    # T = 150 and K = 280: 3 token tiles and 2 column blocks, the last of each partial
     T, C = (40, 40) if cfg.get("TMA") else (40, 37)
+    if cfg["BLOCK_T"] == 64:
+        T, C = 150, 70
     x = _x((T, 4 * C), dtype, gen, device=device)
     W = _W(C, gen, device=device)
     dproj = _x((T, N_PROJ), torch.float32, gen, device=device)
