@@ -47,12 +47,9 @@ def run(x, s, frac, programs, block=8192):
 
 
 def sm_mhz():
-    """The SM clock now (MHz), where pynvml can read it, else None: an L2-bound kernel's time follows the clock that
-    the L2 runs at (ncu saw 1.73 GHz under load, the H200's boost is 1.98)."""
-    try:
-        return torch.cuda.clock_rate()
-    except Exception:  # (no pynvml on the machine)
-        return None
+    """The SM clock now (MHz) or None (bench.sm_clock_mhz): an L2-bound kernel's time follows the clock that the L2
+    runs at (ncu saw 1.73 GHz under load, the H200's boost is 1.98)."""
+    return bench.sm_clock_mhz()
 
 
 def main():

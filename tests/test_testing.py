@@ -1128,3 +1128,18 @@ def test_real_tunable_config_reaches_the_launcher(config_dir, monkeypatch):
     assert seen[0][1] == (3,)  # cdiv(M=5, ROWS=2) programs
     ref = x.double() * torch.rsqrt(x.double().square().mean(-1, keepdim=True) + 1e-6) * w.double()
     assert compare("y", ref, y, verbose=False).ok
+
+
+def test_sm_clock_reads_torch_or_gives_none(monkeypatch):
+    """bench.sm_clock_mhz (each bench row's sm_mhz): torch's reading as whole MHz, None where it cannot read one
+    (no pynvml, no GPU) instead of failing the row."""
+    from triforge import bench
+
+    monkeypatch.setattr(torch.cuda, "clock_rate", lambda: 1980.6)
+    assert bench.sm_clock_mhz() == 1980
+
+    def unreadable():
+        raise ModuleNotFoundError("pynvml")
+
+    monkeypatch.setattr(torch.cuda, "clock_rate", unreadable)
+    assert bench.sm_clock_mhz() is None

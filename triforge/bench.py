@@ -67,6 +67,16 @@ def host_time_ms(fn, *, calls: int = 10, batches: int = 3) -> dict:
     return {"host_ms": best * 1e3}
 
 
+def sm_clock_mhz() -> int | None:
+    """The SM clock now (MHz), where torch can read it (through pynvml), else None. Sampled right after a row's timing:
+    a streaming kernel's time follows the clock its L2 runs at, and a GPU warmed by the rows before may have lowered it
+    (session 50: an entry 2.4% faster alone ran 2-3% slower after the family's heavier rows)."""
+    try:
+        return int(torch.cuda.clock_rate())
+    except Exception:  # (no pynvml, or no GPU)
+        return None
+
+
 def _stats(times) -> dict:
     """min / median / p95 / max / mean (ms) and n of a list of per-call times."""
     times = sorted(float(t) for t in times)
@@ -284,14 +294,14 @@ def bench_op(spec, *, dtype=torch.bfloat16, modes=("fwd", "bwd"), peers=True, se
                         # each set at least twice, and 16 calls at least: the replay's own start (and the first
                         # kernel's, which no predecessor overlaps) is spread over as many calls whatever the set count
                         row.update(graph_time_ms(fn, calls=max(GRAPH_CALLS, 2 * len(sets))))
-                        row["timing"] = "cuda_graph"
+                        row["timing"], row["sm_mhz"] = "cuda_graph", sm_clock_mhz()
                     except Exception as e:  # not capturable: timed per call, and said so
                         torch.cuda.synchronize()
                         row.update(time_ms(fn))
                         row["timing"] = f"per_call (graph capture failed: {type(e).__name__})"
                 else:
                     row.update(time_ms(fn))
-                    row["timing"] = "per_call"
+                    row["timing"], row["sm_mhz"] = "per_call", sm_clock_mhz()
                     try:  # (a diagnostic: a failure here leaves the timed row as it is)
                         row.update(host_time_ms(fn))
                     except Exception as e:
