@@ -188,6 +188,21 @@ def test_tune_prints_the_entrys_two_timings_and_counts_distinct_launches(capsys,
     out = capsys.readouterr().out
     assert "1.2500 ms (before / after the grid: 1.5000 / 1.2500)" in out
     assert seen["n"] == 96 < len(tune.grid(tune.get("mhc_post_res_bwd").space)) == 288
+    assert "CUDA-graph" not in out  # (per-call timing: no note)
+
+
+def test_tune_says_when_it_timed_by_graph_replays(capsys, monkeypatch):
+    from triforge import _runtime, tune
+
+    def fake_tune(t, shape, dtype, top, progress, budget_s):
+        return {"kernel": t.kernel, "dtype": "bfloat16", "n_tried": 1, "n_failed": 0, "n_mismatch": 0, "n_skipped": 0,
+                "top": [{"config": {"ROW_REPS": 2}, "ms": 0.0105}], "best": {"config": {"ROW_REPS": 2}, "ms": 0.0105},
+                "in_use": {"config": None, "ms": 0.0105}, "timing": "cuda_graph", "n_sets": 13}
+
+    monkeypatch.setattr(_runtime, "require_gpu", lambda what: None)
+    monkeypatch.setattr(tune, "tune", fake_tune)
+    assert main(["tune", "ternary_tc", "--shape", "M=1,N=8192,K=8192"]) == 0
+    assert "timed by CUDA-graph replays over 13 input set(s)" in capsys.readouterr().out
 
 
 def test_tune_list(capsys):

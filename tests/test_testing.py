@@ -725,7 +725,10 @@ def test_tune_records_each_configs_spills_and_a_written_entry_keeps_them(config_
     res["best"] = next(r for r in res["top"] if r["spills"] == 21)
     path = tune.write_config(res, arch="smx")
     prov = json.loads(Path(path).read_text())["provenance"]["fake_spills[fake-key]"]
-    assert prov["spills"] == 21
+    assert prov["spills"] == 21 and "timing" not in prov  # (a given timer: nothing said of graph timing)
+    res["timing"] = "cuda_graph"  # a graph-timed tune's entry says so
+    prov = json.loads(Path(tune.write_config(res, arch="smx", force=True)).read_text())["provenance"]
+    assert prov["fake_spills[fake-key]"]["timing"] == "cuda_graph"
 
 
 def test_tune_runs_the_grid_with_the_entrys_keys_outside_the_space_and_times_the_entry_twice(config_dir, monkeypatch):
@@ -825,6 +828,7 @@ def test_a_rotating_run_checks_outputs_on_the_first_set_and_times_every_set():
     # timing walks the sets on from where the last one stopped
     assert timed_sets == [[0, 1, 2, 0], [1, 2, 0, 1], [2, 0, 1, 2]]
     assert res["n_mismatch"] == 1 and res["best"]["config"] == {"p": 2}
+    assert res["timing"] == "given" and res["n_sets"] == 3  # (this test's timer, not a default one)
 
 
 def test_a_graph_tunable_is_timed_by_graph_replays_of_twice_its_sets(monkeypatch):

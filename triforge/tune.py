@@ -103,12 +103,17 @@ def rotation_sets(set_bytes: int) -> int:
     return rotation_count(set_bytes, l2_bytes())
 
 
+def graph_timed(tunable: "Tunable") -> bool:
+    """Whether ``default_timer`` times this tunable by CUDA-graph replays (a ``graph`` tunable on a GPU)."""
+    return tunable.graph and torch.cuda.is_available()
+
+
 def default_timer(tunable: "Tunable", n_sets: int = 1) -> Callable:
     """fn -> median ms: CUDA-graph replays of at least 2 x ``n_sets`` calls for a ``graph`` tunable on a GPU (the
     bench's timing of ``bench_graph`` ops), else per-call CUDA events (``bench.time_ms``)."""
     from triforge.bench import GRAPH_CALLS, graph_time_ms, time_ms
 
-    if tunable.graph and torch.cuda.is_available():
+    if graph_timed(tunable):
         calls = max(GRAPH_CALLS, 2 * n_sets)
         return lambda fn: graph_time_ms(fn, calls=calls)["median_ms"]
     return lambda fn: time_ms(fn, warmup=10, rep=60)["median_ms"]
@@ -205,8 +210,11 @@ def tune(tunable: Tunable, shape: dict, dtype: torch.dtype, *, top: int = 5, tim
     device = _runtime.default_device()
     run, key = tunable.setup(shape, dtype, device)
     timed_run = getattr(run, "timed", run)  # (a rotating run: timed calls step through its input sets)
+    n_sets = getattr(run, "n_sets", 1)
+    timing = "given"  # (a caller's timer)
     if timer is None:
-        timer = default_timer(tunable, getattr(run, "n_sets", 1))
+        timer = default_timer(tunable, n_sets)
+        timing = "cuda_graph" if graph_timed(tunable) else "per_call"
     want = [t.clone() for t in _tensors(run(None))]
     stored = launch.stored_config(tunable.kernel, key)
     try:  # the config in use, timed beside the grid (same process, same inputs), again after it (below)
@@ -274,6 +282,8 @@ def tune(tunable: Tunable, shape: dict, dtype: torch.dtype, *, top: int = 5, tim
         "n_skipped": n_skipped,  # configs not tried: the budget ran out
         "checked": bool(want),
         "failed": failed,
+        "timing": timing,  # cuda_graph / per_call (the default timers), given (a caller's timer)
+        "n_sets": n_sets,  # input sets the timed calls rotate through
     }
 
 
@@ -318,6 +328,8 @@ def write_config(result: dict, arch: str | None = None, force: bool = False, for
         provenance["n_tried"], provenance["n_skipped"] = result["n_tried"], result["n_skipped"]
     if result.get("space_override"):  # (tune --space: the grid this entry won in)
         provenance["space_override"] = result["space_override"]
+    if result.get("timing") == "cuda_graph":  # (how its ms was measured, where it is not per-call events)
+        provenance["timing"] = "cuda_graph"
     # keys of the entry that the tuning space does not hold (the attention forward's GLUON and EMU) stay, with their
     # provenance notes (under the key's lower-case name); tune() ran the grid with them, so the best config usually
     # holds them already
