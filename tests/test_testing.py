@@ -841,23 +841,33 @@ def test_a_graph_tunable_is_timed_by_graph_replays_of_twice_its_sets(monkeypatch
     monkeypatch.setattr(bench, "time_ms", lambda fn, warmup, rep: seen.append(("events", rep)) or {"median_ms": 2.5})
     g = tune.Tunable(kernel="g", space={}, setup=None, shape_names=(), graph=True)
     plain = tune.Tunable(kernel="p", space={}, setup=None, shape_names=())
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(_runtime, "default_device", lambda: torch.device("cuda"))
     assert tune.default_timer(g, 20)(lambda: None) == 1.5 and tune.default_timer(g, 3)(lambda: None) == 1.5
     assert tune.default_timer(plain, 20)(lambda: None) == 2.5
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(_runtime, "default_device", lambda: torch.device("cpu"))  # (the interpreter, even on a GPU host)
     assert tune.default_timer(g, 20)(lambda: None) == 2.5
-    assert seen == [("graph", 40), ("graph", 16), ("events", 60), ("events", 60)]
+    assert seen == [("graph", 40), ("graph", 18), ("events", 60), ("events", 60)]
+
+
+def test_graph_calls_are_whole_rotations_of_the_input_sets():
+    """Each replay of a captured graph runs whole rotations (so no set runs twice in a row across two replays), at
+    least 16 calls and each set twice."""
+    from triforge import bench
+
+    for n in range(1, 70):
+        calls = bench.graph_calls(n)
+        assert calls % n == 0 and calls >= max(16, 2 * n) and calls - n < max(16, 2 * n)
+    assert [bench.graph_calls(n) for n in (1, 3, 5, 7, 13, 64)] == [16, 18, 20, 21, 26, 128]
 
 
 def test_rotation_sets_exceed_the_l2_four_times_on_a_gpu_and_are_one_without(monkeypatch):
     from triforge import bench
 
-    assert tune.rotation_sets(10) == 1 or torch.cuda.is_available()
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(bench, "l2_bytes", lambda: 50 * 2**20)
-    assert tune.rotation_sets(16 * 2**20) == 13  # ceil(200 / 16)
-    assert tune.rotation_sets(300 * 2**20) == 1
-    assert tune.rotation_sets(1) == bench.MAX_SETS
+    assert tune.rotation_sets(16 * 2**20, "cpu") == 1  # (the interpreter: no L2 to defeat)
+    assert tune.rotation_sets(16 * 2**20, "cuda") == 13  # ceil(200 / 16)
+    assert tune.rotation_sets(300 * 2**20, torch.device("cuda", 0)) == 1
+    assert tune.rotation_sets(1, "cuda") == bench.MAX_SETS
 
 
 def test_tune_refuses_configs_whose_outputs_disagree_with_the_launchers():

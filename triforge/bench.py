@@ -167,6 +167,14 @@ def _input_sets(spec, dtype, n_sets, seed, tier="real"):
 
 
 GRAPH_CALLS = 16  # calls per captured graph at least (bench_graph ops)
+
+
+def graph_calls(n_sets: int) -> int:
+    """Calls per captured graph over ``n_sets`` rotated input sets: at least GRAPH_CALLS and each set twice, rounded up
+    to a whole number of rotations, so that the rotation also holds across the boundary between two replays (16 calls
+    over 3 sets ran set 0 twice in a row there, its data still in L2)."""
+    n = max(1, n_sets)
+    return n * -(-max(GRAPH_CALLS, 2 * n) // n)
 MAX_SETS = 64  # input sets rotated at most: 64 sets of 3.2 MB already exceed a 50 MB L2 four times
 
 
@@ -293,12 +301,13 @@ def bench_op(spec, *, dtype=torch.bfloat16, modes=("fwd", "bwd"), peers=True, se
                     try:
                         # each set at least twice, and 16 calls at least: the replay's own start (and the first
                         # kernel's, which no predecessor overlaps) is spread over as many calls whatever the set count
-                        row.update(graph_time_ms(fn, calls=max(GRAPH_CALLS, 2 * len(sets))))
+                        row.update(graph_time_ms(fn, calls=graph_calls(len(sets))))
                         row["timing"], row["sm_mhz"] = "cuda_graph", sm_clock_mhz()
                     except Exception as e:  # not capturable: timed per call, and said so
                         torch.cuda.synchronize()
                         row.update(time_ms(fn))
                         row["timing"] = f"per_call (graph capture failed: {type(e).__name__})"
+                        row["sm_mhz"] = sm_clock_mhz()
                 else:
                     row.update(time_ms(fn))
                     row["timing"], row["sm_mhz"] = "per_call", sm_clock_mhz()

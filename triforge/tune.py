@@ -93,10 +93,10 @@ def rotating(run_on: Callable, sets: list) -> Callable:
     return run
 
 
-def rotation_sets(set_bytes: int) -> int:
-    """Input sets a tune setup should rotate through: enough to exceed the L2 four times on a GPU (the bench's
-    ``rotation_count``), one without CUDA (no L2 to defeat; the interpreter's tunes only check outputs)."""
-    if not torch.cuda.is_available():
+def rotation_sets(set_bytes: int, device) -> int:
+    """Input sets a tune setup on ``device`` should rotate through: enough to exceed the L2 four times on a GPU (the
+    bench's ``rotation_count``), one elsewhere (no L2 to defeat: the interpreter's tunes only check outputs)."""
+    if torch.device(device).type != "cuda":
         return 1
     from triforge.bench import l2_bytes, rotation_count
 
@@ -104,17 +104,19 @@ def rotation_sets(set_bytes: int) -> int:
 
 
 def graph_timed(tunable: "Tunable") -> bool:
-    """Whether ``default_timer`` times this tunable by CUDA-graph replays (a ``graph`` tunable on a GPU)."""
-    return tunable.graph and torch.cuda.is_available()
+    """Whether ``default_timer`` times this tunable by CUDA-graph replays: a ``graph`` tunable whose tune runs on a GPU
+    (not through the interpreter, which a GPU host may also run with TRITON_INTERPRET=1)."""
+    return tunable.graph and _runtime.default_device().type == "cuda"
 
 
 def default_timer(tunable: "Tunable", n_sets: int = 1) -> Callable:
-    """fn -> median ms: CUDA-graph replays of at least 2 x ``n_sets`` calls for a ``graph`` tunable on a GPU (the
-    bench's timing of ``bench_graph`` ops), else per-call CUDA events (``bench.time_ms``)."""
-    from triforge.bench import GRAPH_CALLS, graph_time_ms, time_ms
+    """fn -> median ms: CUDA-graph replays of whole rotations over ``n_sets`` (``bench.graph_calls``) for a ``graph``
+    tunable on a GPU (the bench's timing of ``bench_graph`` ops), else per-call CUDA events (``bench.time_ms``). A
+    config whose calls cannot be captured fails like one that does not compile (the grid is not timed two ways)."""
+    from triforge.bench import graph_calls, graph_time_ms, time_ms
 
     if graph_timed(tunable):
-        calls = max(GRAPH_CALLS, 2 * n_sets)
+        calls = graph_calls(n_sets)
         return lambda fn: graph_time_ms(fn, calls=calls)["median_ms"]
     return lambda fn: time_ms(fn, warmup=10, rep=60)["median_ms"]
 

@@ -97,7 +97,7 @@ def _fp32_may_exceed_shared(dtype, device):
     except OutOfResources as e:
         if dtype != torch.float32 or torch.device(device).type != "cuda":
             raise
-        pytest.skip(f"fp32 stages of this 16-bit tile exceed an sm90 SM's shared memory: {e}")
+        pytest.skip(f"fp32 stages of this 16-bit tile exceed the GPU's shared memory: {e}")
 
 
 def _leaf(t):
@@ -294,9 +294,10 @@ def test_project_backward_persistent_runs(cfg, dtype, gen, device):
     x64, W64 = _leaf(_to64(x)), _leaf(_to64(W))
     p64, i64 = rmsnorm_project_ref(x64, W64, 1e-6)
     ref_dx, ref_dW = torch.autograd.grad([p64, i64], [x64, W64], [_to64(dproj), _to64(dinv)])
-    with poisoned(), _fp32_may_exceed_shared(dtype, device):
+    with poisoned():
         proj, inv = M.project_fwd(x, W, 1e-6)
-        dx, dW = M.project_bwd(x, W, proj, inv, dproj, dinv, cfg)
+        with _fp32_may_exceed_shared(dtype, device):  # (only the config under test may be refused)
+            dx, dW = M.project_bwd(x, W, proj, inv, dproj, dinv, cfg)
     _assert_ok(compare("dx", ref_dx, dx, dtype=dtype, verbose=False), compare("dW", ref_dW, dW, dtype=dtype, verbose=False))
 
 

@@ -384,20 +384,29 @@ def test_tc_kernel_compiles_for_sm90():
 @pytest.mark.parametrize("kernel", ["ternary_tc", "ternary_gemv"])
 def test_the_tunes_time_over_copies_of_the_weights_that_compute_the_same(kernel, monkeypatch, device):
     """The ternary tunes rotate their timed calls over copies of x and the weights (tune.rotating; on a GPU as many
-    as exceed the L2 four times): every copy is its own storage and gives set 0's output bit for bit."""
-    from triforge.ops import ternary
+    as exceed the L2 four times): every copy is its own storage and gives set 0's output bit for bit, and the timed
+    launch reads its x from the set it is given (x doubled there doubles y exactly)."""
     from triforge import tune
 
-    monkeypatch.setattr(tune, "rotation_sets", lambda nbytes: 3)
+    built = {}
+    rotating = tune.rotating
+
+    def record(run_on, sets):
+        built["run_on"], built["sets"] = run_on, sets
+        return rotating(run_on, sets)
+
+    monkeypatch.setattr(tune, "rotation_sets", lambda nbytes, dev: 3)
+    monkeypatch.setattr(tune, "rotating", record)
     t = tune.get(kernel)
     assert t.graph
     run, _ = t.setup({"M": 2, "N": 40, "K": 200}, torch.float16, torch.device(device))
-    assert run.n_sets == 3
+    sets = built["sets"]
+    assert run.n_sets == len(sets) == 3
+    assert all(len({s[i].data_ptr() for s in sets}) == 3 for i in range(len(sets[0])))  # every tensor copied
+    assert all(torch.equal(a, b) for s in sets[1:] for a, b in zip(s, sets[0]))
     want = run(None)
     assert torch.isfinite(want).all() and want.abs().sum() > 0
     for _ in range(3):
         torch.testing.assert_close(run.timed(None), want, rtol=0, atol=0)
-    a, b = torch.randn(5, device=device), torch.randn(7, device=device)
-    sets = ternary._tune_sets((a, b))
-    assert len(sets) == 3 and sets[0][0] is a
-    assert len({s[0].data_ptr() for s in sets}) == 3 and all(torch.equal(s[1], b) for s in sets)
+    doubled = (2 * sets[1][0],) + tuple(sets[1][1:])
+    torch.testing.assert_close(built["run_on"](doubled, None), 2 * want, rtol=0, atol=0)

@@ -380,10 +380,10 @@ def _gemv_tune_setup(shape, dtype, device):
 
 
 def _tune_sets(tensors: tuple) -> list:
-    """The tensors and as many copies of them as ``tune.rotation_sets`` asks for their bytes."""
+    """The tensors and as many copies of them as ``tune.rotation_sets`` asks for their bytes on their device."""
     from triforge import tune
 
-    n = tune.rotation_sets(sum(t.numel() * t.element_size() for t in tensors))
+    n = tune.rotation_sets(sum(t.numel() * t.element_size() for t in tensors), tensors[0].device)
     return [tensors] + [tuple(t.clone() for t in tensors) for _ in range(n - 1)]
 
 
