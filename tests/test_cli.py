@@ -384,6 +384,25 @@ def test_report_renders_a_decode_engine_result_beside_bench_results(tmp_path):
     assert (tmp_path / "rep" / "roofline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_trace_timeline_per_gpu_with_streams_overlapping_and_its_longest_gaps(tmp_path):
+    """trace.timeline: per GPU (the events' device argument), kernels on two streams that overlap count once; the
+    gaps are where no kernel ran, longest first, with their neighbours; a kernel nested inside a longer one ends
+    no gap."""
+    from triforge import trace
+
+    def k(name, ts, dur, dev):
+        return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur, "pid": 9, "args": {"device": dev}}
+
+    events = [k("a", 0, 100, 0), k("b", 10, 20, 0), k("c", 50, 100, 0), k("d", 400, 10, 0), k("e", 170, 30, 0),
+              k("x", 1000, 5, 1), k("y", 1006, 5, 1), {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 9999}]
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(events))
+    g0, g1 = trace.timeline(path, top=1)
+    assert (g0["gpu"], g0["kernels"], g0["span_us"], g0["busy_us"]) == (0, 5, 410.0, 190.0)  # [0, 150] + [170, 200] + [400, 410]
+    assert g0["gaps"] == [{"us": 200.0, "after": "e", "before": "d"}]
+    assert (g1["gpu"], g1["span_us"], g1["busy_us"], g1["gaps"][0]["us"]) == (1, 11.0, 10.0, 1.0)
+
+
 def test_trace_summarises_kernels_against_their_byte_model(tmp_path, capsys):
     from triforge import trace
 
@@ -404,7 +423,13 @@ def test_trace_summarises_kernels_against_their_byte_model(tmp_path, capsys):
     assert abs(ours["gbps"] - 3000.0) < 1e-6 and abs(ours["pct_copy"] - 100.0) < 1e-6
     assert not rows[0]["triforge"] and "gbps" not in rows[0]
     assert main(["trace", str(path), "--copy-tbps", "3.0"]) == 0
-    assert "mhc_post_res_fwd_kernel" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "mhc_post_res_fwd_kernel" in out
+    # the timeline: kernels at [1, 1001], [2001, 3001], [3000, 7000] (the last two overlap: counted once)
+    (g,) = trace.timeline(path)
+    assert g["kernels"] == 3 and g["span_us"] == 6999.0 and g["busy_us"] == 5999.0 and g["idle_us"] == 1000.0
+    assert g["gaps"] == [{"us": 1000.0, "after": "mhc_post_res_fwd_kernel", "before": "mhc_post_res_fwd_kernel"}]
+    assert "kernels ran 5.999 of the 6.999 ms" in " ".join(out.split()) and "85.7%" in out
     empty = tmp_path / "empty.json"
     empty.write_text(json.dumps({"traceEvents": events[-1:]}))
     assert main(["trace", str(empty)]) == 1

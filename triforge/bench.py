@@ -91,11 +91,9 @@ def _stats(times) -> dict:
     }
 
 
-def graph_time_ms(fn, *, calls: int = 16, replays: int = 30) -> dict:
-    """Per-call time of ``fn`` as CUDA-graph replay: ``calls`` calls (fn rotates its own input sets)
-    captured once, the graph replayed ``replays`` times between CUDA events; statistics over the
-    replays of (replay time / calls), in time_ms's keys. Host launch overhead is out of the timing, and
-    back-to-back kernels overlap their tails as they do in a captured decode step."""
+def capture_graph(fn, calls: int):
+    """A CUDA graph of ``calls`` calls of ``fn`` (fn rotates its own input sets), replayed once: warmed up first outside
+    capture and then on the capture stream."""
     for _ in range(calls):  # every input set once at least: lazy per-set state (caches) made outside capture
         fn()
     torch.cuda.synchronize()
@@ -112,6 +110,15 @@ def graph_time_ms(fn, *, calls: int = 16, replays: int = 30) -> dict:
     torch.cuda.current_stream().wait_stream(side)
     g.replay()
     torch.cuda.synchronize()
+    return g
+
+
+def graph_time_ms(fn, *, calls: int = 16, replays: int = 30) -> dict:
+    """Per-call time of ``fn`` as CUDA-graph replay: ``calls`` calls (fn rotates its own input sets)
+    captured once (``capture_graph``), the graph replayed ``replays`` times between CUDA events; statistics over the
+    replays of (replay time / calls), in time_ms's keys. Host launch overhead is out of the timing, and
+    back-to-back kernels overlap their tails as they do in a captured decode step."""
+    g = capture_graph(fn, calls)
     times = []
     for _ in range(replays):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

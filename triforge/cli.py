@@ -346,6 +346,12 @@ def cmd_trace(args) -> int:
         table.add_row(name, str(r["calls"]), f"{r['total_us'] / 1e3:.3f}", f"{r['mean_us']:.1f}",
                       f"{r['gbps']:.0f}" if "gbps" in r else "", f"{r['pct_copy']:.1f}" if "pct_copy" in r else "")
     console.print(table)
+    for g in trace.timeline(args.trace):
+        busy = 100 * g["busy_us"] / g["span_us"] if g["span_us"] > 0 else 100.0
+        gaps = "; ".join(f"{x['us']:.1f} us after {x['after'][:40]} before {x['before'][:40]}" for x in g["gaps"])
+        console.print(f"GPU {g['gpu']}: kernels ran {g['busy_us'] / 1e3:.3f} of the {g['span_us'] / 1e3:.3f} ms from the "
+                      f"first kernel's start to the last one's end ({busy:.1f}%, {g['kernels']} kernels)"
+                      + (f"; longest gaps: {gaps}" if gaps else ""))
     return 0
 
 
