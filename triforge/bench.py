@@ -174,6 +174,7 @@ def _input_sets(spec, dtype, n_sets, seed, tier="real"):
 
 
 GRAPH_CALLS = 16  # calls per captured graph at least (bench_graph ops)
+MAX_SETS = 64  # input sets rotated at most: 64 sets of 3.2 MB already exceed a 50 MB L2 four times
 
 
 def graph_calls(n_sets: int) -> int:
@@ -182,7 +183,6 @@ def graph_calls(n_sets: int) -> int:
     over 3 sets ran set 0 twice in a row there, its data still in L2)."""
     n = max(1, n_sets)
     return n * -(-max(GRAPH_CALLS, 2 * n) // n)
-MAX_SETS = 64  # input sets rotated at most: 64 sets of 3.2 MB already exceed a 50 MB L2 four times
 
 
 def set_bytes(inputs: dict) -> int:
@@ -309,15 +309,16 @@ def bench_op(spec, *, dtype=torch.bfloat16, modes=("fwd", "bwd"), peers=True, se
                         # each set at least twice, and 16 calls at least: the replay's own start (and the first
                         # kernel's, which no predecessor overlaps) is spread over as many calls whatever the set count
                         row.update(graph_time_ms(fn, calls=graph_calls(len(sets))))
-                        row["timing"], row["sm_mhz"] = "cuda_graph", sm_clock_mhz()
+                        row["timing"] = "cuda_graph"
                     except Exception as e:  # not capturable: timed per call, and said so
                         torch.cuda.synchronize()
                         row.update(time_ms(fn))
                         row["timing"] = f"per_call (graph capture failed: {type(e).__name__})"
-                        row["sm_mhz"] = sm_clock_mhz()
                 else:
                     row.update(time_ms(fn))
-                    row["timing"], row["sm_mhz"] = "per_call", sm_clock_mhz()
+                    row["timing"] = "per_call"
+                row["sm_mhz"] = sm_clock_mhz()  # (right after the timing)
+                if row["timing"] == "per_call":
                     try:  # (a diagnostic: a failure here leaves the timed row as it is)
                         row.update(host_time_ms(fn))
                     except Exception as e:

@@ -371,11 +371,7 @@ def _gemv_tune_setup(shape, dtype, device):
     tt = TernaryTensor.from_float(torch.randn(N, K, generator=g, device=device), method="absmean", per_row=True)
     x = torch.randn(M, K, generator=g, device=device).to(dtype)
     scales = tt.row_scales()
-    # timed over copies of the weights and x that together exceed the L2 (a 16 MB weight set would stay resident)
-    from triforge import tune
-
-    sets = _tune_sets((x, tt.plus, tt.minus))
-    return (tune.rotating(lambda s, cfg: _k.ternary_gemv(s[0], s[1], s[2], scales, cfg=cfg), sets),
+    return (_rotating_run(lambda s, cfg: _k.ternary_gemv(s[0], s[1], s[2], scales, cfg=cfg), (x, tt.plus, tt.minus)),
             _k._gemv_config_key(M, N, K))
 
 
@@ -387,6 +383,14 @@ def _tune_sets(tensors: tuple) -> list:
     return [tensors] + [tuple(t.clone() for t in tensors) for _ in range(n - 1)]
 
 
+def _rotating_run(run_on, tensors: tuple):
+    """A tune setup's run (``tune.rotating``) over ``tensors`` and their copies (``_tune_sets``): the timed calls
+    rotate through copies that together exceed the L2, as the bench's do (a 16 MB weight set would stay resident)."""
+    from triforge import tune
+
+    return tune.rotating(run_on, _tune_sets(tensors))
+
+
 def _tc_tune_setup(shape, dtype, device):
     """Tunable setup of the tensor-core kernel: absmean weights (N, K) as tc codes, x [M, K] of ``dtype``
     (fp32 is not a dtype of this kernel: it tunes at fp16)."""
@@ -396,10 +400,8 @@ def _tc_tune_setup(shape, dtype, device):
     g = torch.Generator(device=device).manual_seed(0)
     tt = TernaryTensor.from_float(torch.randn(N, K, generator=g, device=device), method="absmean", per_row=True)
     x = torch.randn(M, K, generator=g, device=device).to(dtype if dtype != torch.float32 else torch.float16)
-    from triforge import tune
-
-    sets = _tune_sets((x, tt.tc_codes()))  # (the row scales, N floats, are shared: they stay in L2 in the bench too)
-    return (tune.rotating(lambda s, cfg: tc.ternary_matmul_tc(s[0], tt, codes=s[1], cfg=cfg), sets),
+    # (the row scales, N floats, are shared: they stay in L2 in the bench too)
+    return (_rotating_run(lambda s, cfg: tc.ternary_matmul_tc(s[0], tt, codes=s[1], cfg=cfg), (x, tt.tc_codes())),
             tc.tc_config_key(M, N, K))
 
 
