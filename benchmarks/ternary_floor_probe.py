@@ -173,7 +173,7 @@ def main():
             x.copy_(torch.randn(1, K, generator=g, device="cuda"))
         cfg0 = tc.tc_config(1, N, K)
         plan = tc._tc_plan(1, N, K, codes0.shape[1], None)
-        grid, per_split = plan[11], plan[12]
+        grid, per_split = plan[12], plan[13]
         reps, nbk, warps = cfg0["ROW_REPS"], cfg0["BLOCKS_K"], cfg0["num_warps"]
         row = {"N": N, "K": K, "bytes": nbytes, "sets": n_sets, "cfg": cfg0, "grid": list(grid), "us": {}}
         ref = T.matmul(sets[0][0], tt)

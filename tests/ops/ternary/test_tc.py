@@ -118,7 +118,7 @@ def test_graph_capture_sums_splits_in_a_second_launch(gen):
         tt = TernaryTensor.from_trits(random_trits(n, k, gen), random_scales(n, gen)).to("cuda").compact()
         codes = tt.tc_codes()
         x = torch.randn(m, k, generator=gen).to(device="cuda", dtype=torch.bfloat16)
-        assert tc._tc_plan(m, n, k, codes.shape[1])[11][2] > 1  # K is split at this shape
+        assert tc._tc_plan(m, n, k, codes.shape[1])[12][2] > 1  # K is split at this shape
         tc.ternary_matmul_tc(x, tt, codes=codes, cfg={"FIXUP": 0})  # compiled before capture
         tc.ternary_matmul_tc(x, tt, codes=codes)
         launch._compiled.pop("ternary_gemv_reduce", None)
@@ -155,6 +155,28 @@ def test_tc_matmul_configs(cfg, device, gen):
     with poisoned():
         y = tc.ternary_matmul_tc(x, tt, cfg=cfg)
     assert compare(f"tc matmul {cfg}", matmul_dense_ref(x, tt), y, dtype=torch.float16).ok
+
+
+@pytest.mark.parametrize("m,k,cfg", [
+    (1, 830, {"WTMA": 1, "ROW_REPS": 2, "XPRE": 1, "num_stages": 3, "programs_per_sm": 4}),
+    (9, 830, {"WTMA": 1, "BLOCKS_K": 2, "num_stages": 4}),
+    (9, 700, {"WTMA": 1, "num_stages": 2, "programs_per_sm": 8}),
+    (1, 100, {"WTMA": 1, "XPRE": 1})],
+    ids=["m1_xpre_split", "k2_odd_blocks", "split", "one_block"])
+def test_tc_matmul_words_by_tma(m, k, cfg, device, gen):
+    """The code words through a tensor descriptor (WTMA: [row tiles, KC 16 words] boxes, pipelined over num_stages):
+    rows past N (150: the last 16-row tile half full, the last 128-row box past the tensor) and 128-column blocks
+    past K (7 blocks at 256-column steps) read as zero words there, and K splits end mid-way; the same bits as the
+    register loads of the same config, and right against float64."""
+    n = 150
+    tt = TernaryTensor.from_trits(random_trits(n, k, gen), random_scales(n, gen)).to(device)
+    codes = tc.pack_tc(tt.plus, tt.minus, k)
+    x = torch.randn(m, k, generator=gen).to(device=device, dtype=torch.bfloat16)
+    with poisoned():
+        y = tc.ternary_matmul_tc(x, tt, codes=codes, cfg=cfg)
+        y_regs = tc.ternary_matmul_tc(x, tt, codes=codes, cfg=dict(cfg, WTMA=0))
+    assert compare(f"tc matmul {cfg}", matmul_dense_ref(x, tt), y, dtype=torch.bfloat16).ok
+    assert torch.equal(y, y_regs), (y - y_regs).abs().max()
 
 
 def test_pdl_rule(monkeypatch, device, gen):

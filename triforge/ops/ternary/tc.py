@@ -220,6 +220,8 @@ def ternary_tc_kernel(
     RNE: tl.constexpr,
     TR: tl.constexpr,  # rows per storage tile of the codes (pack_tc's tile_rows)
     PDL: tl.constexpr,  # programmatic dependent launch: the first words in flight before griddepcontrol.wait
+    WTMA: tl.constexpr = False,  # code words by TMA into shared memory, pipelined over num_stages steps (TR = 16; no
+    #                              registers held per word in flight: PREFETCH is not used)
 ):
     BLOCK_N: tl.constexpr = 16 * WARPS * ROW_REPS
     BK: tl.constexpr = 128 * BLOCKS_K
@@ -259,10 +261,11 @@ def ternary_tc_kernel(
     # per row): the loop is latency-bound at small M, where each program decodes little per step
     # XPRE (pointer loads of x, not TMA): x tiles travel with the words, PREFETCH steps ahead in registers
     # (a TMA load per step is issued and waited on in the same step: its latency is exposed)
-    words = _load_step(p_c, o_c, m_r, s_start, s_end, KC, BLOCKS_K, TR)
-    if PREFETCH >= 2:
+    if not WTMA:
+        words = _load_step(p_c, o_c, m_r, s_start, s_end, KC, BLOCKS_K, TR)
+    if PREFETCH >= 2 and not WTMA:
         words2 = _load_step(p_c, o_c, m_r, s_start + 1, s_end, KC, BLOCKS_K, TR)
-    if PREFETCH >= 3:
+    if PREFETCH >= 3 and not WTMA:
         words3 = _load_step(p_c, o_c, m_r, s_start + 2, s_end, KC, BLOCKS_K, TR)
     if PDL:
         # only the codes (constant since an earlier launch read them: the launcher's rule) are read above; x,
@@ -272,6 +275,13 @@ def ternary_tc_kernel(
         tl.extra.cuda.gdc_launch_dependents()  # the next kernel may start: it waits the same way
     if TMA:
         x_desc = tl.make_tensor_descriptor(x_ptr, [M, K], [K, 1], [BLOCK_M, BK])
+    if WTMA:
+        # the codes as [row tiles, KC TR words] (pack_tc's storage): a step's box is the program's BLOCK_N / 16 row
+        # tiles x BLOCKS_K blocks of 128 words (16 rows x 8 words); rows and blocks past the tensor read as zeros
+        # (trit -1 there: rows past N are not stored, and x is zero past K). Built after griddepcontrol.wait, as
+        # x's: the descriptor lives in the launch's scratch memory
+        w_desc = tl.make_tensor_descriptor(codes_ptr, [tl.cdiv(N, TR), KC * TR], [KC * TR, 1],
+                                           [BLOCK_N // TR, 8 * TR * BLOCKS_K])
     if XPRE:
         xw = _load_x(p_x, m_m, o_k, s_start * BK, K)
         if PREFETCH >= 2:
@@ -279,8 +289,14 @@ def ternary_tc_kernel(
         if PREFETCH >= 3:
             xw3 = _load_x(p_x, m_m, o_k, (s_start + 2) * BK, K)
     for s in range(s_start, s_end):
-        # the step PREFETCH ahead is requested before this step's decode
-        words_next = _load_step(p_c, o_c, m_r, s + PREFETCH, s_end, KC, BLOCKS_K, TR)
+        if WTMA:
+            # [r, w, blk, b3, rlo, t, u] (row tile 16 WARPS r + 16 w, word 8 TR blk + 8 (8 b3 + rlo) + 2 t + u) to
+            # the register loads' [t, rlo, w, b3, r, blk, u]
+            wt = w_desc.load([i_n * (BLOCK_N // TR), s * (8 * TR * BLOCKS_K)])
+            words = tl.permute(tl.reshape(wt, [ROW_REPS, WARPS, BLOCKS_K, 2, 8, 4, 2]), (5, 4, 1, 3, 0, 2, 6))
+        else:
+            # the step PREFETCH ahead is requested before this step's decode
+            words_next = _load_step(p_c, o_c, m_r, s + PREFETCH, s_end, KC, BLOCKS_K, TR)
         if XPRE:
             x_next = _load_x(p_x, m_m, o_k, (s + PREFETCH) * BK, K)
         w9 = words[:, :, :, :, :, :, :, None, None]
@@ -305,7 +321,10 @@ def ternary_tc_kernel(
             acc = tl.dot(w_t, tl.trans(b_x), acc)
         else:  # the interpreter: exact in fp32 (its bf16 dots are not supported)
             acc = tl.dot(w_t, tl.trans(b_x.to(tl.float32)), acc, input_precision="ieee")
-        if PREFETCH == 1:
+        if WTMA:
+            if XPRE:
+                xw = x_next
+        elif PREFETCH == 1:
             words = words_next
             if XPRE:
                 xw = x_next
@@ -489,8 +508,12 @@ def _tc_plan(M: int, N: int, K: int, kc: int, cfg_items=None):
     grid = (launch.cdiv(N, bn), launch.cdiv(M, bm), splits)
     opts = launch.maxnreg_option(cfg)  # more programs per SM, hence more code words in flight
     fixup = cfg.get("FIXUP")  # None: by context (``_fixup_in_kernel``)
-    return (bm, nbk, reps, warps, cfg["num_stages"], cfg.get("PREFETCH", 1), xpre, None if fixup is None else bool(fixup),
-            bool(cfg.get("FIX4", reps * bm <= 32)), bool(cfg.get("PDL", bm <= 64)), use_tma, grid, per_split, opts)
+    # WTMA: the code words through a tensor descriptor, pipelined over num_stages (their x prefetch one step ahead)
+    wtma = bool(cfg.get("WTMA", 0))
+    prefetch = 1 if wtma else cfg.get("PREFETCH", 1)
+    return (bm, nbk, reps, warps, cfg["num_stages"], prefetch, xpre, None if fixup is None else bool(fixup),
+            bool(cfg.get("FIX4", reps * bm <= 32)), bool(cfg.get("PDL", bm <= 64)), use_tma, wtma, grid, per_split,
+            opts)
 
 
 PDL_ENV = "TRIFORGE_TERNARY_PDL"
@@ -550,12 +573,13 @@ def ternary_matmul_tc(x2d: torch.Tensor, tt, bias: torch.Tensor | None = None, c
     if tuple(codes.shape) != (code_rows(N, tr), code_words(K)):
         raise ValueError(f"codes must have shape {(code_rows(N, tr), code_words(K))} (pack_tc) for {N} x {K} weights, "
                          f"got {tuple(codes.shape)}")
-    bm, nbk, reps, warps, stages, prefetch, xpre, fixup_on, fix4, pdl, use_tma, grid, per_split, opts = _tc_plan(
+    bm, nbk, reps, warps, stages, prefetch, xpre, fixup_on, fix4, pdl, use_tma, wtma, grid, per_split, opts = _tc_plan(
         M, N, K, kc, None if cfg is None else tuple(sorted(cfg.items())))
     splits = grid[2]
-    # TMA needs 16-byte row strides and base (else pointer loads)
+    # TMA needs 16-byte row strides and base (else pointer loads); the codes' rows (KC TR words) always are
     tma = use_tma and x2d.data_ptr() % 16 == 0
-    if tma:
+    wtma = wtma and tr == TILE_ROWS and codes.data_ptr() % 16 == 0
+    if tma or wtma:
         launch.use_tensor_descriptors()
     final = splits == 1
     fixup = not final and (_fixup_in_kernel(x2d) if fixup_on is None else fixup_on)
@@ -575,7 +599,7 @@ def ternary_matmul_tc(x2d: torch.Tensor, tt, bias: torch.Tensor | None = None, c
         nbytes=codes.numel() * 4 + M * K * xsize + M * N * (xsize if final else 8 * splits + xsize),
         BLOCK_M=bm, ROW_REPS=reps, BLOCKS_K=nbk, WARPS=warps, IS_BF16=is_bf16, USE_ASM=not _runtime.INTERPRET,
         TMA=tma, FINAL=final, PREFETCH=prefetch, XPRE=xpre, FIXUP=fixup, FIX4=fix4, HAS_BIAS=bias is not None,
-        RNE=rne, TR=tr, num_warps=warps, num_stages=stages, **opts, **launch.pdl_options(pdl),
+        RNE=rne, TR=tr, WTMA=wtma, num_warps=warps, num_stages=stages, **opts, **launch.pdl_options(pdl),
     )
     if not final and not fixup:
         # RED: (elements per program, every partial loaded at once, PDL) of the reduce launch; the default measured
