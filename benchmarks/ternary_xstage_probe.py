@@ -1,0 +1,100 @@
+"""What the per-step staging of x costs the M = 1 ternary tensor-core kernel (issue 6): a bound, not a kernel.
+
+At M = 1 each K step of ``ternary_tc_kernel`` stores x's [16, 128] tile to shared memory for the wgmma (XPRE: x by
+pointer loads one step ahead), behind CTA barriers (session 21's ncu: the barrier is the largest stall). This probe
+times, as CUDA-graph replay over input copies that exceed the L2 four times, the library's kernel against a copy of
+it whose x tile is a constant (``tl.full``: hoisted out of the loop, so the loop stores nothing and has no x barrier;
+its outputs are wrong, and only its time is used), each with the code words by register loads and by TMA (WTMA).
+If the constant-x kernel is far faster, a kernel that stages x once per split (or per several steps) is worth building.
+
+    PYTHONPATH=. python benchmarks/ternary_xstage_probe.py [--shapes 8192x8192 8192x28672] [--json PATH]
+"""
+
+import argparse
+import importlib.util
+import inspect
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import triforge  # noqa: F401,I001  (first: sets the interpreter up before triton is imported)
+import torch
+
+from triforge import _runtime, bench
+from triforge.ops.ternary import tc
+from triforge.ops.ternary.tensor import TernaryTensor
+
+_X_STEP = "        if XPRE:\n            b_x = xw\n"
+_X_CONST = "        if XPRE:\n            b_x = tl.full([BLOCK_M, BK], 1.0, x_ptr.dtype.element_ty)\n"
+
+
+def const_x_module(folder: Path):
+    """tc.py with the XPRE step's x tile replaced by a constant, imported as its own module (its own kernel)."""
+    src = inspect.getsource(tc)
+    if _X_STEP not in src:
+        raise RuntimeError("tc.py's XPRE x step changed: update this probe")
+    path = folder / "tc_const_x.py"
+    path.write_text(src.replace(_X_STEP, _X_CONST))
+    spec = importlib.util.spec_from_file_location("tc_const_x", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["tc_const_x"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shapes", nargs="*", default=["8192x8192", "8192x28672"])
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    _runtime.require_gpu("ternary_xstage_probe")
+    copy = bench.peaks()["copy_tbps"]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    rows = []
+    with tempfile.TemporaryDirectory() as d:
+        cx = const_x_module(Path(d))
+        for shape in args.shapes:
+            N, K = (int(v) for v in shape.split("x"))
+            tt = TernaryTensor.from_float(torch.randn(N, K, generator=g, device="cuda"), method="absmean")
+            codes0 = tt.tc_codes()
+            nbytes = codes0.numel() * 4
+            n_sets = bench.rotation_count(nbytes, bench.l2_bytes())
+            sets = [(torch.randn(1, K, generator=g, device="cuda").to(torch.bfloat16), codes0.clone())
+                    for _ in range(n_sets)]
+            entry = tc.tc_config(1, N, K)
+            variants = {}
+            for name, mod in (("library", tc), ("const_x", cx)):
+                variants[f"{name}"] = (mod, {})
+                for st in (2, 3, 4):
+                    variants[f"{name} WTMA st={st}"] = (mod, {"WTMA": 1, "num_stages": st})
+                for pps in (2, 3, 8):
+                    variants[f"{name} pps={pps}"] = (mod, {"programs_per_sm": pps})
+                    variants[f"{name} WTMA st=3 pps={pps}"] = (mod, {"WTMA": 1, "num_stages": 3, "programs_per_sm": pps})
+            row = {"N": N, "K": K, "entry": entry, "sets": n_sets, "us": {}}
+            for key, (mod, cfg) in variants.items():
+                state = {"i": 0}
+
+                def run(mod=mod, cfg=cfg):
+                    s = sets[state["i"] % len(sets)]
+                    state["i"] += 1
+                    return mod.ternary_matmul_tc(s[0], tt, codes=s[1], cfg=dict(entry, **cfg))
+
+                try:
+                    row["us"][key] = bench.graph_time_ms(run, calls=bench.graph_calls(len(sets)))["median_ms"] * 1e3
+                except Exception as e:  # out of resources and the like: reported
+                    row["us"][key] = None
+                    print(f"  {key}: {type(e).__name__}: {str(e)[:160]}", flush=True)
+            print(f"N={N} K={K}: {nbytes / 1e6:.1f} MB of codes, entry {entry}", flush=True)
+            for key, us in sorted(row["us"].items(), key=lambda kv: kv[1] or 1e9):
+                if us:
+                    print(f"  {us:7.2f} us  {nbytes / (us * 1e-6) / (copy * 1e12):6.1%}  {key}", flush=True)
+            rows.append(row)
+            del sets
+            torch.cuda.empty_cache()
+    if args.json:
+        Path(args.json).write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
