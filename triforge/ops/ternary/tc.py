@@ -492,7 +492,7 @@ TC_TUNE_SPACE = {"ROW_REPS": [1, 2], "BLOCKS_K": [1, 2, 4], "num_warps": [4, 8],
 @launch.config_cache
 def _tc_plan(M: int, N: int, K: int, kc: int, cfg_items=None):
     """(BLOCK_M, BLOCKS_K, ROW_REPS, warps, stages, PREFETCH, XPRE, FIXUP, FIX4, PDL (allowed; the launcher also asks
-    ``_settled``), TMA, grid (weight tiles, x tiles, splits), steps per split, compile options (maxnreg)) of a launch:
+    ``_settled``), TMA, WTMA, grid (weight tiles, x tiles, splits), steps per split, compile options (maxnreg)) of a launch:
     the tuned (or given) config and the split-K arithmetic, worked out once per shape (host time: the decode path is
     a few microseconds of GPU time per call)."""
     cfg = dict(tc_config(M, N, K), **dict(cfg_items or ()))
@@ -508,7 +508,9 @@ def _tc_plan(M: int, N: int, K: int, kc: int, cfg_items=None):
     grid = (launch.cdiv(N, bn), launch.cdiv(M, bm), splits)
     opts = launch.maxnreg_option(cfg)  # more programs per SM, hence more code words in flight
     fixup = cfg.get("FIXUP")  # None: by context (``_fixup_in_kernel``)
-    # WTMA: the code words through a tensor descriptor, pipelined over num_stages (their x prefetch one step ahead)
+    # WTMA: the code words through a tensor descriptor, pipelined over num_stages (their x prefetch one step ahead);
+    # opt-in: on the H200 it measured slower than the register loads at every M = 1 shape (benchmarks/NOTES.md,
+    # session 51), so no entry and no tune grid holds it
     wtma = bool(cfg.get("WTMA", 0))
     prefetch = 1 if wtma else cfg.get("PREFETCH", 1)
     return (bm, nbk, reps, warps, cfg["num_stages"], prefetch, xpre, None if fixup is None else bool(fixup),
