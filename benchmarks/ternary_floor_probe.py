@@ -14,7 +14,11 @@ probe measures, per (N, K), as CUDA-graph replay over code copies that exceed th
 - ``flat[pps=S,blk=B,p=P]``: a plain stream of the same bytes, S programs per SM, B words per step per program,
   P steps in flight (16-byte vector loads);
 - ``tma[pps=S,rows=R,st=T]``: the same bytes through tensor-descriptor loads of [R, 256] words, pipelined by Triton
-  over T stages.
+  over T stages;
+- ``ws[st=T,pps=S,x=X]``: a Gluon kernel on the library kernel's row tiles (128 rows) and a split to S programs per SM:
+  a TMA loader warp filling a T-slot ring with each step's [8 row tiles, 128 words] box (and x's [16, 128] tile where
+  X), a consumer warpgroup that only waits, reads the words from shared memory and releases the slot: the floor of a
+  warp-specialized M = 1 kernel.
 
 Each time is also given as % of the copy rate on the code bytes. The floors bound what any M = 1 kernel reading
 these bytes can reach: if the best stream is far above 8.3 us, 5x needs fewer bytes, not a better kernel.
@@ -29,6 +33,10 @@ import triforge  # noqa: F401,I001  (first: sets the interpreter up before trito
 import torch
 import triton
 import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from triforge import _runtime, bench, launch
 from triforge.ops import ternary as T
@@ -126,6 +134,65 @@ def _tma_kernel(src_ptr, out_ptr, n_rows, rows_per_prog, ROWS: tl.constexpr, STA
     tl.store(out_ptr + pid, tl.reduce(tl.reshape(acc, [ROWS * 256]), 0, _xor))
 
 
+@gluon.jit
+def _gxor(a, b):
+    return a ^ b
+
+
+@gluon.jit
+def _ws_loader(w_desc, x_desc, w_s, x_s, ready, empty, row0, s0, s1, STAGES: gl.constexpr, X: gl.constexpr):
+    """One warp: each K step's [8 row tiles, 128 words] box of codes (and x's [16, 128] tile) into the ring."""
+    if X:
+        nbytes: gl.constexpr = w_desc.block_type.nbytes + x_desc.block_type.nbytes
+    else:
+        nbytes: gl.constexpr = w_desc.block_type.nbytes
+    for i in range(s1 - s0):
+        slot = i % STAGES
+        mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)
+        mbarrier.expect(ready.index(slot), nbytes)
+        tma.async_copy_global_to_shared(w_desc, [row0, (s0 + i) * 128], ready.index(slot), w_s.index(slot))
+        if X:
+            tma.async_copy_global_to_shared(x_desc, [0, (s0 + i) * 128], ready.index(slot), x_s.index(slot))
+
+
+@gluon.jit
+def _ws_consumer(w_s, ready, empty, out_ptr, pid, s0, s1, STAGES: gl.constexpr):
+    """One warpgroup: waits for each step's words, xors them into registers (LDS), releases the slot."""
+    lay: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [4, 1], [1, 0])
+    acc = gl.zeros([8, 128], gl.int32, lay)
+    for i in range(s1 - s0):
+        slot = i % STAGES
+        mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
+        acc ^= w_s.index(slot).load(lay)
+        mbarrier.arrive(empty.index(slot), count=1)
+    tot = gl.reduce(gl.reduce(acc, 1, _gxor), 0, _gxor)
+    gl.store(out_ptr + pid, tot)
+
+
+@gluon.jit
+def _ws_floor_kernel(w_desc, x_desc, out_ptr, n_steps, per_split, STAGES: gl.constexpr, X: gl.constexpr):
+    """The stream a warp-specialized M = 1 kernel would feed on: a TMA loader warp and a consumer warpgroup that only
+    waits for each step's words and releases them (no decode, no MMA), on the library kernel's grid."""
+    i_n = gl.program_id(0)
+    i_s = gl.program_id(1)
+    s0 = i_s * per_split
+    s1 = gl.minimum(s0 + per_split, n_steps)
+    w_s = gl.allocate_shared_memory(gl.int32, [STAGES, 8, 128], w_desc.layout)
+    x_s = gl.allocate_shared_memory(x_desc.dtype, [STAGES, 16, 128], x_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=1)
+    gl.warp_specialize([
+        (_ws_consumer, (w_s, ready, empty, out_ptr, i_s * gl.num_programs(0) + i_n, s0, s1, STAGES)),
+        (_ws_loader, (w_desc, x_desc, w_s, x_s, ready, empty, i_n * 8, s0, s1, STAGES, X)),
+    ], [1], [24])
+    for s in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(s))
+        mbarrier.invalidate(empty.index(s))
+
+
 @triton.jit
 def _empty_kernel(x_ptr, PDL: tl.constexpr):
     if PDL:
@@ -215,6 +282,25 @@ def main():
                 timed[f"tma[pps={pps},rows={rws},st={st}]"] = (lambda s, g_tma=g_tma, per=per, rws=rws, st=st:
                                                             _tma_kernel[g_tma](s[1], out, n_rows, per, ROWS=rws,
                                                                                STAGES=st, num_warps=4))
+        w_lay = gl.NVMMASharedLayout.get_default_for([8, 128], gl.int32)
+        x_lay = gl.NVMMASharedLayout.get_default_for([16, 128], gl.bfloat16)
+        x_desc = TensorDescriptor.from_tensor(sets[0][0], [16, 128], x_lay)  # x [1, K]: rows past 1 zero-filled
+        n_steps = kc // 8
+        w_descs = {}
+        for st in (2, 4, 6):
+            for pps in (2, 4, 8):
+                for xx in (False, True):
+                    sp = max(1, min(n_steps, pps * n_sm // (N // 128)))
+                    per = triton.cdiv(n_steps, sp)
+                    g_ws = (N // 128, triton.cdiv(n_steps, per))
+
+                    def ws(s, st=st, per=per, g_ws=g_ws, xx=xx):
+                        key = s[1].data_ptr()
+                        if key not in w_descs:
+                            w_descs[key] = TensorDescriptor.from_tensor(s[1].view(-1, kc * tc.TILE_ROWS), [8, 128],
+                                                                        w_lay)
+                        _ws_floor_kernel[g_ws](w_descs[key], x_desc, out, n_steps, per, STAGES=st, X=xx, num_warps=4)
+                    timed[f"ws[st={st},pps={pps},x={int(xx)}]"] = ws
         for key, call in timed.items():
             try:
                 if key.startswith("op"):
