@@ -18,7 +18,10 @@ probe measures, per (N, K), as CUDA-graph replay over code copies that exceed th
 - ``ws[st=T,pps=S,x=X]``: a Gluon kernel on the library kernel's row tiles (128 rows) and a split to S programs per SM:
   a TMA loader warp filling a T-slot ring with each step's [8 row tiles, 128 words] box (and x's [16, 128] tile where
   X), a consumer warpgroup that only waits, reads the words from shared memory and releases the slot: the floor of a
-  warp-specialized M = 1 kernel.
+  warp-specialized M = 1 kernel;
+- ``wsk[st=T,pps=S]``: benchmarks/ternary_ws_kernel.py, that kernel with the decode and the tensor-core products in two
+  consumer warpgroups (128 rows per program, a T-slot ring), plus the library's reduce launch; checked against the
+  float64 product before it is timed.
 
 Each time is also given as % of the copy rate on the code bytes. The floors bound what any M = 1 kernel reading
 these bytes can reach: if the best stream is far above 8.3 us, 5x needs fewer bytes, not a better kernel.
@@ -42,7 +45,11 @@ from triforge import _runtime, bench, launch
 from triforge.ops import ternary as T
 from triforge.ops.ternary import tc
 from triforge.ops.ternary.kernels import reduce_splits
+from triforge.ops.ternary.reference import matmul_dense_ref
 from triforge.ops.ternary.tensor import TernaryTensor
+from triforge.testing import compare
+
+import ternary_ws_kernel as wsk  # noqa: E402,I001  (benchmarks/, this script's folder, is on the path)
 
 
 @triton.jit
@@ -301,6 +308,21 @@ def main():
                                                                         w_lay)
                         _ws_floor_kernel[g_ws](w_descs[key], x_desc, out, n_steps, per, STAGES=st, X=xx, num_warps=4)
                     timed[f"ws[st={st},pps={pps},x={int(xx)}]"] = ws
+        ref64 = matmul_dense_ref(sets[0][0], tt)
+        ws_descs = {}
+        for st in (4, 8, 12):
+            for pps in (1, 2):
+                cfg_ws = {"STAGES": st, "programs_per_sm": pps}
+                key = f"wsk[st={st},pps={pps}]"
+                try:
+                    ok = compare(key, ref64, wsk.ternary_ws_matmul(sets[0][0], tt, sets[0][1], cfg_ws, ws_descs),
+                                 dtype=torch.bfloat16).ok
+                    print(f"  {key}: {'matches' if ok else 'DIFFERS FROM'} the float64 product", flush=True)
+                    row.setdefault("wsk_ok", {})[key] = bool(ok)
+                except Exception as e:  # a compile or launch failure: reported, not timed
+                    print(f"  {key}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+                    continue
+                timed[key] = (lambda s, cfg_ws=cfg_ws: wsk.ternary_ws_matmul(s[0], tt, s[1], cfg_ws, ws_descs))
         for key, call in timed.items():
             try:
                 if key.startswith("op"):
