@@ -74,14 +74,7 @@ def _empty_kernel(x_ptr, PDL: tl.constexpr):
 
 
 def graph_us(call, sets):
-    state = {"i": 0}
-
-    def run():
-        inp = sets[state["i"] % len(sets)]
-        state["i"] += 1
-        return call(inp)
-
-    return bench.graph_time_ms(run, calls=max(16, 2 * len(sets)))["median_ms"] * 1e3
+    return bench.graph_us_over(call, sets)
 
 
 def main():

@@ -208,14 +208,15 @@ def _empty_kernel(x_ptr, PDL: tl.constexpr):
 
 
 def graph_us(call, sets):
-    state = {"i": 0}
+    return bench.graph_us_over(call, sets)
 
-    def run():
-        inp = sets[state["i"] % len(sets)]
-        state["i"] += 1
-        return call(inp)
 
-    return bench.graph_time_ms(run, calls=bench.graph_calls(len(sets)))["median_ms"] * 1e3
+def report(title: str, us_by_key: dict, nbytes: int, copy_tbps: float) -> None:
+    """One shape's timed variants, fastest first, with the share of the copy rate on ``nbytes``."""
+    print(title, flush=True)
+    for key, us in sorted(us_by_key.items(), key=lambda kv: kv[1] or 1e9):
+        if us:
+            print(f"  {us:7.2f} us  {nbytes / (us * 1e-6) / (copy_tbps * 1e12):6.1%}  {key}", flush=True)
 
 
 def main():
@@ -334,10 +335,8 @@ def main():
             except Exception as e:  # out of resources and the like: reported
                 row["us"][key] = None
                 print(f"  {key}: {type(e).__name__}: {str(e)[:160]}", flush=True)
-        print(f"N={N} K={K}: {nbytes / 1e6:.1f} MB of codes, {n_sets} sets, grid {grid}, entry {cfg0}", flush=True)
-        for key, us in sorted(row["us"].items(), key=lambda kv: kv[1] or 1e9):
-            if us:
-                print(f"  {us:7.2f} us  {nbytes / (us * 1e-6) / (copy * 1e12):6.1%}  {key}", flush=True)
+        report(f"N={N} K={K}: {nbytes / 1e6:.1f} MB of codes, {n_sets} sets, grid {grid}, entry {cfg0}", row["us"],
+               nbytes, copy)
         rows.append(row)
         del sets
         torch.cuda.empty_cache()

@@ -26,6 +26,7 @@ import torch
 from triforge import _runtime, bench
 from triforge.ops.ternary import tc
 from triforge.ops.ternary.tensor import TernaryTensor
+from ternary_floor_probe import report  # noqa: I001  (benchmarks/, this script's folder, is on the path)
 
 _X_STEP = "        if XPRE:\n            b_x = xw\n"
 _X_CONST = "        if XPRE:\n            b_x = tl.full([BLOCK_M, BK], 1.0, x_ptr.dtype.element_ty)\n"
@@ -97,22 +98,14 @@ def main():
                     variants[f"{name} WTMA st=3 pps={pps}"] = (mod, {"WTMA": 1, "num_stages": 3, "programs_per_sm": pps})
             row = {"N": N, "K": K, "entry": entry, "sets": n_sets, "us": {}}
             for key, (mod, cfg) in variants.items():
-                state = {"i": 0}
-
-                def run(mod=mod, cfg=cfg):
-                    s = sets[state["i"] % len(sets)]
-                    state["i"] += 1
-                    return mod.ternary_matmul_tc(s[0], tt, codes=s[1], cfg=dict(entry, **cfg))
-
                 try:
-                    row["us"][key] = bench.graph_time_ms(run, calls=bench.graph_calls(len(sets)))["median_ms"] * 1e3
+                    row["us"][key] = bench.graph_us_over(
+                        lambda s, mod=mod, cfg=cfg: mod.ternary_matmul_tc(s[0], tt, codes=s[1], cfg=dict(entry, **cfg)),
+                        sets)
                 except Exception as e:  # out of resources and the like: reported
                     row["us"][key] = None
                     print(f"  {key}: {type(e).__name__}: {str(e)[:160]}", flush=True)
-            print(f"N={N} K={K}: {nbytes / 1e6:.1f} MB of codes, entry {entry}", flush=True)
-            for key, us in sorted(row["us"].items(), key=lambda kv: kv[1] or 1e9):
-                if us:
-                    print(f"  {us:7.2f} us  {nbytes / (us * 1e-6) / (copy * 1e12):6.1%}  {key}", flush=True)
+            report(f"N={N} K={K}: {nbytes / 1e6:.1f} MB of codes, entry {entry}", row["us"], nbytes, copy)
             rows.append(row)
             del sets
             torch.cuda.empty_cache()

@@ -860,6 +860,30 @@ def test_graph_calls_are_whole_rotations_of_the_input_sets():
     assert [bench.graph_calls(n) for n in (1, 3, 5, 7, 13, 64)] == [16, 18, 20, 21, 26, 128]
 
 
+def test_graph_us_over_times_whole_rotations_of_call_over_the_sets(monkeypatch):
+    """The probes' timer: ``call(set)`` on the sets in turn (rotating_fn, as the bench's forward rows), captured as
+    whole rotations (graph_calls) and reported in microseconds per call."""
+    from triforge import bench
+
+    seen = []
+    run = bench.rotating_fn(seen.append, ["a", "b", "c"])
+    for _ in range(7):
+        run()
+    assert seen == ["a", "b", "c", "a", "b", "c", "a"]
+    captured = {}
+
+    def fake_graph_time_ms(fn, *, calls, replays):
+        captured.update(calls=calls, replays=replays)
+        seen.clear()
+        for _ in range(calls):
+            fn()
+        return {"median_ms": 0.0125}
+
+    monkeypatch.setattr(bench, "graph_time_ms", fake_graph_time_ms)
+    assert bench.graph_us_over(seen.append, [1, 2, 3]) == 12.5
+    assert captured == {"calls": 18, "replays": 30} and seen == [1, 2, 3] * 6
+
+
 def test_rotation_sets_exceed_the_l2_four_times_on_a_gpu_and_are_one_without(monkeypatch):
     from triforge import bench
 

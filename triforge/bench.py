@@ -215,15 +215,26 @@ def _rotation(spec, dtype, seed, tier="real") -> list:
     return first + _input_sets(spec, dtype, n_sets - 1, seed + 1, tier)
 
 
-def _fwd_fn(impl, sets):
+def rotating_fn(call, sets):
+    """A no-argument function that runs ``call(set)`` on the input sets in turn, one set per call."""
     state = {"i": 0}
 
     def run():
         inputs = sets[state["i"] % len(sets)]
         state["i"] += 1
-        return impl(**inputs)
+        return call(inputs)
 
     return run
+
+
+def graph_us_over(call, sets, *, replays: int = 30) -> float:
+    """Median microseconds per call of ``call(set)`` over the rotated input sets, as CUDA-graph replays of whole
+    rotations (``graph_calls``, ``graph_time_ms``): the benchmarks' probes time their variants so."""
+    return graph_time_ms(rotating_fn(call, sets), calls=graph_calls(len(sets)), replays=replays)["median_ms"] * 1e3
+
+
+def _fwd_fn(impl, sets):
+    return rotating_fn(lambda inputs: impl(**inputs), sets)
 
 
 def _bwd_fn(impl, spec, sets):
