@@ -50,6 +50,7 @@ from triforge.ops.ternary.tensor import TernaryTensor
 from triforge.testing import compare
 
 import ternary_ws_kernel as wsk  # noqa: E402,I001  (benchmarks/, this script's folder, is on the path)
+from decode_floor_probe import _empty_kernel  # noqa: E402,I001
 
 
 @triton.jit
@@ -200,15 +201,14 @@ def _ws_floor_kernel(w_desc, x_desc, out_ptr, n_steps, per_split, STAGES: gl.con
         mbarrier.invalidate(empty.index(s))
 
 
-@triton.jit
-def _empty_kernel(x_ptr, PDL: tl.constexpr):
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-
-
-def graph_us(call, sets):
-    return bench.graph_us_over(call, sets)
+def m1_sets(N: int, K: int, gen: torch.Generator):
+    """(absmean weights [N, K] as a TernaryTensor, their code bytes, input sets): (x [1, K] bf16, a copy of the tc
+    codes) per set, fresh x each, as many sets as exceed the L2 four times."""
+    tt = TernaryTensor.from_float(torch.randn(N, K, generator=gen, device="cuda"), method="absmean")
+    codes0 = tt.tc_codes()
+    n_sets = bench.rotation_count(codes0.numel() * 4, bench.l2_bytes())
+    sets = [(torch.randn(1, K, generator=gen, device="cuda").to(torch.bfloat16), codes0.clone()) for _ in range(n_sets)]
+    return tt, codes0.numel() * 4, sets
 
 
 def report(title: str, us_by_key: dict, nbytes: int, copy_tbps: float) -> None:
@@ -231,21 +231,16 @@ def main():
     n_sm = _runtime.num_sms()
     pdl = launch.pdl_options(True)
     dummy = torch.empty(1, device="cuda")
-    empty_us = graph_us(lambda _: _empty_kernel[(1,)](dummy, PDL=False), [None])
+    empty_us = bench.graph_us_over(lambda _: _empty_kernel[(1,)](dummy, PDL=False), [None])
     empty2_us = graph_us(lambda _: (_empty_kernel[(1,)](dummy, **pdl), _empty_kernel[(1,)](dummy, **pdl)), [None])
     print(f"{name}: empty kernel {empty_us:.2f} us, two PDL-chained {empty2_us:.2f} us per call", flush=True)
     rows = []
     g = torch.Generator(device="cuda").manual_seed(0)
     for shape in args.shapes:
         N, K = (int(v) for v in shape.split("x"))
-        tt = TernaryTensor.from_float(torch.randn(N, K, generator=g, device="cuda"), method="absmean")
-        codes0 = tt.tc_codes()
-        nbytes = codes0.numel() * 4
-        n_sets = bench.rotation_count(nbytes, bench.l2_bytes())
-        x0 = torch.randn(1, K, generator=g, device="cuda").to(torch.bfloat16)
-        sets = [(x0.clone(), codes0.clone()) for _ in range(n_sets)]
-        for i, (x, c) in enumerate(sets):  # fresh values per set (bit flips keep them valid codes: 0..2 fields)
-            x.copy_(torch.randn(1, K, generator=g, device="cuda"))
+        tt, nbytes, sets = m1_sets(N, K, g)
+        codes0 = sets[0][1]
+        n_sets = len(sets)
         cfg0 = tc.tc_config(1, N, K)
         plan = tc._tc_plan(1, N, K, codes0.shape[1], None)
         grid, per_split = plan[12], plan[13]
@@ -331,7 +326,7 @@ def main():
                     torch.cuda.synchronize()
                     if not torch.equal(got, ref):  # the configs sum the same partials in the same order
                         print(f"  {key}: output differs from ternary.matmul's", flush=True)
-                row["us"][key] = graph_us(call, sets)
+                row["us"][key] = bench.graph_us_over(call, sets)
             except Exception as e:  # out of resources and the like: reported
                 row["us"][key] = None
                 print(f"  {key}: {type(e).__name__}: {str(e)[:160]}", flush=True)

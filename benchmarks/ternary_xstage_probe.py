@@ -25,8 +25,7 @@ import torch
 
 from triforge import _runtime, bench
 from triforge.ops.ternary import tc
-from triforge.ops.ternary.tensor import TernaryTensor
-from ternary_floor_probe import report  # noqa: I001  (benchmarks/, this script's folder, is on the path)
+from ternary_floor_probe import m1_sets, report  # noqa: I001  (benchmarks/, this script's folder, is on the path)
 
 _X_STEP = "        if XPRE:\n            b_x = xw\n"
 _X_CONST = "        if XPRE:\n            b_x = tl.full([BLOCK_M, BK], 1.0, x_ptr.dtype.element_ty)\n"
@@ -81,12 +80,8 @@ def main():
         nd = no_decode_module(Path(d))
         for shape in args.shapes:
             N, K = (int(v) for v in shape.split("x"))
-            tt = TernaryTensor.from_float(torch.randn(N, K, generator=g, device="cuda"), method="absmean")
-            codes0 = tt.tc_codes()
-            nbytes = codes0.numel() * 4
-            n_sets = bench.rotation_count(nbytes, bench.l2_bytes())
-            sets = [(torch.randn(1, K, generator=g, device="cuda").to(torch.bfloat16), codes0.clone())
-                    for _ in range(n_sets)]
+            tt, nbytes, sets = m1_sets(N, K, g)
+            n_sets = len(sets)
             entry = tc.tc_config(1, N, K)
             variants = {}
             for name, mod in (("library", tc), ("const_x", cx), ("no_decode", nd)):
