@@ -65,14 +65,7 @@ def _decode(words, sh, mask, c, d, W5: gl.constexpr, a_l: gl.constexpr, IS_BF16:
     w5 = gl.convert_layout(gl.permute(gl.reshape(words, [4, 2, 8, 4, 2]), (3, 2, 0, 1, 4)), W5)  # [t, rlo, w, b3, u]
     w7 = w5[:, :, :, :, :, None, None]
     src = gl.where(sh == 12, w7 >> 12, gl.where(sh == 6, w7 >> 6, w7))  # [t, rlo, w, b3, u, kb2, h]
-    if IS_BF16:
-        lo, hi = gl.inline_asm_elementwise(
-            "{ .reg .b32 t; lop3.b32 t, $2, $3, $4, 0xEA; sub.rn.bf16x2 t, t, $5; mov.b32 {$0, $1}, t; }",
-            "=h,=h,r,r,r,r", [src, mask, c, d], dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=1)
-    else:
-        lo, hi = gl.inline_asm_elementwise(
-            "{ .reg .b32 t; lop3.b32 t, $2, $3, $4, 0xEA; sub.f16x2 t, t, $5; mov.b32 {$0, $1}, t; }",
-            "=h,=h,r,r,r,r", [src, mask, c, d], dtype=(gl.float16, gl.float16), is_pure=True, pack=1)
+    lo, hi = tc._decode_asm(src, mask, c, d, IS_BF16)
     w8 = gl.permute(gl.join(lo, hi), (2, 3, 1, 4, 5, 6, 0, 7))  # [w, b3, rlo, u, kb2, h, t, e]
     return gl.convert_layout(gl.reshape(w8, [64, 128]), a_l)
 
