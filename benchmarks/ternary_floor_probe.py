@@ -57,19 +57,8 @@ from decode_floor_probe import _empty_kernel  # noqa: E402,I001
 def _pattern_kernel(codes_ptr, out_ptr, N, KC, steps_per_split, ROW_REPS: tl.constexpr, BLOCKS_K: tl.constexpr,
                     WARPS: tl.constexpr, PREFETCH: tl.constexpr, TR: tl.constexpr):
     """ternary_tc_kernel's word loads (grid, 7-d pattern, split) with the decode and MMA replaced by an xor."""
-    BLOCK_N: tl.constexpr = 16 * WARPS * ROW_REPS
     i_n, i_s = tl.program_id(0), tl.program_id(2)
-    a_t = tl.arange(0, 4)[:, None, None, None, None, None, None]
-    a_rlo = tl.arange(0, 8)[None, :, None, None, None, None, None]
-    a_w = tl.arange(0, WARPS)[None, None, :, None, None, None, None]
-    a_b3 = tl.arange(0, 2)[None, None, None, :, None, None, None]
-    a_r = tl.arange(0, ROW_REPS)[None, None, None, None, :, None, None]
-    a_blk = tl.arange(0, BLOCKS_K)[None, None, None, None, None, :, None]
-    a_u = tl.arange(0, 2)[None, None, None, None, None, None, :]
-    r_n = i_n * BLOCK_N + 16 * WARPS * a_r + 16 * a_w + 8 * a_b3 + a_rlo
-    o_c = 8 * a_blk + 2 * a_t + a_u
-    p_c = codes_ptr + (r_n // TR).to(tl.int64) * KC * TR + (r_n % TR) * 8 + (8 * TR) * a_blk + 2 * a_t + a_u
-    m_r = r_n < N
+    p_c, o_c, m_r = tc._word_pointers(codes_ptr, i_n, N, KC, WARPS, ROW_REPS, BLOCKS_K, TR)
     n_steps = tl.cdiv(KC, 8 * BLOCKS_K)
     s_start = i_s * steps_per_split
     s_end = tl.minimum(s_start + steps_per_split, n_steps)
@@ -232,7 +221,7 @@ def main():
     pdl = launch.pdl_options(True)
     dummy = torch.empty(1, device="cuda")
     empty_us = bench.graph_us_over(lambda _: _empty_kernel[(1,)](dummy, PDL=False), [None])
-    empty2_us = graph_us(lambda _: (_empty_kernel[(1,)](dummy, **pdl), _empty_kernel[(1,)](dummy, **pdl)), [None])
+    empty2_us = bench.graph_us_over(lambda _: (_empty_kernel[(1,)](dummy, **pdl), _empty_kernel[(1,)](dummy, **pdl)), [None])
     print(f"{name}: empty kernel {empty_us:.2f} us, two PDL-chained {empty2_us:.2f} us per call", flush=True)
     rows = []
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -293,9 +282,9 @@ def main():
         for st in (2, 4, 6):
             for pps in (2, 4, 8):
                 for xx in (False, True):
-                    sp = max(1, min(n_steps, pps * n_sm // (N // 128)))
+                    sp = max(1, min(n_steps, pps * n_sm // triton.cdiv(N, 128)))
                     per = triton.cdiv(n_steps, sp)
-                    g_ws = (N // 128, triton.cdiv(n_steps, per))
+                    g_ws = (triton.cdiv(N, 128), triton.cdiv(n_steps, per))
 
                     def ws(s, st=st, per=per, g_ws=g_ws, xx=xx):
                         key = s[1].data_ptr()

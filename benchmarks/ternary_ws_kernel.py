@@ -141,6 +141,7 @@ def ternary_ws_kernel(w_desc, x_desc, part_ptr, magic, M, N, n_steps, per_split,
                                                   warp_bases=[[1, 0], [2, 0]], block_bases=[], shape=[4, 128])
     acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=2)
+    gl.static_assert(STAGES >= 2, "two steps per trip: a ring of two slots at least")
     i_n = gl.program_id(0)
     i_m = gl.program_id(1)
     i_s = gl.program_id(2)
@@ -179,7 +180,7 @@ DEFAULT_CFG = {"STAGES": 8, "programs_per_sm": 1, "CONS_REGS": 152, "LOAD_REGS":
 def ternary_ws_matmul(x2d: torch.Tensor, tt, codes: torch.Tensor, cfg: dict | None = None, descs: dict | None = None):
     """x2d [M <= 16, K] fp16/bf16 (K % 8 == 0) @ (scales * trits)^T -> [M, N] in x's dtype, through the kernel above
     and the library's reduce launch (the same fp32 partials' sum in split order). ``codes``: ``tt.tc_codes()``
-    (16-row tiles). ``descs``: a dict to cache the codes' descriptor in (keyed by its data pointer)."""
+    (16-row tiles). ``descs``: a dict to cache the codes' descriptor in (keyed by its data pointer and shape)."""
     _runtime.require_gpu("ternary_ws_matmul")
     cfg = dict(DEFAULT_CFG, **(cfg or {}))
     M, K = x2d.shape
@@ -191,7 +192,10 @@ def ternary_ws_matmul(x2d: torch.Tensor, tt, codes: torch.Tensor, cfg: dict | No
     per = triton.cdiv(n_steps, splits)
     splits = triton.cdiv(n_steps, per)
     gdt = gl.bfloat16 if x2d.dtype == torch.bfloat16 else gl.float16
-    key = codes.data_ptr()
+    if K % 8 or codes.shape != (tc.code_rows(N), tc.code_words(K)) or not codes.is_contiguous():
+        raise ValueError("ternary_ws_matmul needs K % 8 == 0 (x's rows 16-byte aligned for TMA) and contiguous tc codes "
+                         f"in 16-row tiles of shape {(tc.code_rows(N), tc.code_words(K))}, got K={K}, {tuple(codes.shape)}")
+    key = (codes.data_ptr(), tuple(codes.shape))
     w_desc = None if descs is None else descs.get(key)
     if w_desc is None:
         w_desc = TensorDescriptor.from_tensor(codes.view(-1, kc * tc.TILE_ROWS), [8, 128], WORDS_SMEM)

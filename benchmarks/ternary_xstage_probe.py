@@ -82,7 +82,7 @@ def main():
             N, K = (int(v) for v in shape.split("x"))
             tt, nbytes, sets = m1_sets(N, K, g)
             n_sets = len(sets)
-            entry = tc.tc_config(1, N, K)
+            entry = dict(tc.tc_config(1, N, K), XPRE=1)  # (the constant-x copy replaces the XPRE branch only)
             variants = {}
             for name, mod in (("library", tc), ("const_x", cx), ("no_decode", nd)):
                 variants[f"{name}"] = (mod, {})

@@ -157,24 +157,43 @@ def test_tc_matmul_configs(cfg, device, gen):
     assert compare(f"tc matmul {cfg}", matmul_dense_ref(x, tt), y, dtype=torch.float16).ok
 
 
-@pytest.mark.parametrize("m,k,cfg", [
-    (1, 830, {"WTMA": 1, "ROW_REPS": 2, "XPRE": 1, "num_stages": 3, "programs_per_sm": 4}),
-    (9, 830, {"WTMA": 1, "BLOCKS_K": 2, "num_stages": 4}),
-    (9, 700, {"WTMA": 1, "num_stages": 2, "programs_per_sm": 8}),
-    (1, 100, {"WTMA": 1, "XPRE": 1})],
-    ids=["m1_xpre_split", "k2_odd_blocks", "split", "one_block"])
-def test_tc_matmul_words_by_tma(m, k, cfg, device, gen):
+@pytest.mark.parametrize("m,k,cfg,taken", [
+    (1, 1400, {"WTMA": 1, "ROW_REPS": 2, "XPRE": 1, "num_stages": 3, "programs_per_sm": 2}, True),
+    (9, 830, {"WTMA": 1, "BLOCKS_K": 2, "num_stages": 4}, True),
+    (9, 1400, {"WTMA": 1, "num_stages": 2, "programs_per_sm": 2}, True),
+    (9, 1400, {"WTMA": 1, "TMA": 1, "num_stages": 3, "programs_per_sm": 2}, True),
+    (1, 100, {"WTMA": 1, "XPRE": 1}, True),
+    (9, 830, {"WTMA": 1, "BLOCKS_K": 4}, False),
+    (9, 830, {"WTMA": 1, "TR": 32}, False)],
+    ids=["m1_xpre_splits_3332", "k2_odd_blocks", "splits_65", "x_by_tma", "one_block", "blocks_k4_falls_back",
+         "tile32_falls_back"])
+def test_tc_matmul_words_by_tma(m, k, cfg, taken, monkeypatch, device, gen):
     """The code words through a tensor descriptor (WTMA: [row tiles, KC 16 words] boxes, pipelined over num_stages):
     rows past N (150: the last 16-row tile half full, the last 128-row box past the tensor) and 128-column blocks
-    past K (7 blocks at 256-column steps) read as zero words there, and K splits end mid-way; the same bits as the
-    register loads of the same config, and right against float64."""
+    past K (7 blocks at 256-column steps) read as zero words there; splits of several steps, the last one shorter;
+    x by pointers one step ahead or through its own descriptor. The kernel must take the path (the launch says
+    WTMA), except where a box row would pass 256 words (BLOCKS_K 4) or the tiles are not 16 rows: there the register
+    loads run. The same bits as the register loads of the same config, and right against float64."""
+    from triforge import launch
+
     n = 150
     tt = TernaryTensor.from_trits(random_trits(n, k, gen), random_scales(n, gen)).to(device)
-    codes = tc.pack_tc(tt.plus, tt.minus, k)
+    tr = cfg.get("TR", tc.TILE_ROWS)
+    codes = tc.pack_tc(tt.plus, tt.minus, k, tr)
     x = torch.randn(m, k, generator=gen).to(device=device, dtype=torch.bfloat16)
+    seen = []
+    real = launch.launch
+
+    def spy(name, *args, **kwargs):
+        if name == "ternary_tc":
+            seen.append(kwargs["WTMA"])
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(launch, "launch", spy)
     with poisoned():
         y = tc.ternary_matmul_tc(x, tt, codes=codes, cfg=cfg)
         y_regs = tc.ternary_matmul_tc(x, tt, codes=codes, cfg=dict(cfg, WTMA=0))
+    assert seen == [taken, False]
     assert compare(f"tc matmul {cfg}", matmul_dense_ref(x, tt), y, dtype=torch.bfloat16).ok
     assert torch.equal(y, y_regs), (y - y_regs).abs().max()
 

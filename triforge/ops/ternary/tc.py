@@ -185,6 +185,29 @@ def _decode_constants(magic, IS_BF16: tl.constexpr):
 
 
 @triton.jit
+def _word_pointers(codes_ptr, i_n, N, KC, WARPS: tl.constexpr, ROW_REPS: tl.constexpr, BLOCKS_K: tl.constexpr,
+                   TR: tl.constexpr):
+    """(pointers at step 0, word offsets in the row, rows' mask) of weight tile i_n's code words, as [t 4, rlo 8,
+    w WARPS, b3 2, r ROW_REPS, blk BLOCKS_K, u 2]: block row 16 WARPS r + 16 w + 8 b3 + rlo, word 8 blk + 2 t + u. The
+    dims stand in this order so that the load's coalesced layout (u in-thread, then t and rlo across lanes, w across
+    warps, the rest in registers) is, after the decode's broadcast and join, the MMA operand's fragment: no data
+    moves."""
+    a_t = tl.arange(0, 4)[:, None, None, None, None, None, None]
+    a_rlo = tl.arange(0, 8)[None, :, None, None, None, None, None]
+    a_w = tl.arange(0, WARPS)[None, None, :, None, None, None, None]
+    a_b3 = tl.arange(0, 2)[None, None, None, :, None, None, None]
+    a_r = tl.arange(0, ROW_REPS)[None, None, None, None, :, None, None]
+    a_blk = tl.arange(0, BLOCKS_K)[None, None, None, None, None, :, None]
+    a_u = tl.arange(0, 2)[None, None, None, None, None, None, :]
+    r_n = i_n * (16 * WARPS * ROW_REPS) + 16 * WARPS * a_r + 16 * a_w + 8 * a_b3 + a_rlo
+    o_c = 8 * a_blk + 2 * a_t + a_u
+    # tiled storage (pack_tc): tile (row block r_n // TR, word block b) of TR rows x 8 words at
+    # ((r_n // TR) KC / 8 + b) 8 TR words; row r_n % TR at 8 words each: a K step's words are contiguous
+    p_c = codes_ptr + (r_n // TR).to(tl.int64) * KC * TR + (r_n % TR) * 8 + (8 * TR) * a_blk + 2 * a_t + a_u
+    return p_c, o_c, r_n < N
+
+
+@triton.jit
 def ternary_tc_kernel(
     x_ptr,  # [M, K] fp16/bf16
     codes_ptr,  # [code_rows(N), KC] int32 tc codes in tiles of TR rows x 8 words (pack_tc)
@@ -225,24 +248,10 @@ def ternary_tc_kernel(
 ):
     BLOCK_N: tl.constexpr = 16 * WARPS * ROW_REPS
     BK: tl.constexpr = 128 * BLOCKS_K
+    tl.static_assert(not WTMA or (TR == 16 and PREFETCH == 1 and BLOCKS_K <= 2), "WTMA: 16-row tiles, PREFETCH 1, "
+                     "boxes of at most 256 words")
     i_n, i_m, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    # the words of a step as [t 4, rlo 8, w WARPS, b3 2, r ROW_REPS, blk BLOCKS_K, u 2]: block row
-    # 16 WARPS r + 16 w + 8 b3 + rlo, word 8 blk + 2 t + u. The dims stand in this order so that the
-    # load's coalesced layout (u in-thread, then t and rlo across lanes, w across warps, the rest in
-    # registers) is, after the decode's broadcast and join, the MMA operand's fragment: no data moves.
-    a_t = tl.arange(0, 4)[:, None, None, None, None, None, None]
-    a_rlo = tl.arange(0, 8)[None, :, None, None, None, None, None]
-    a_w = tl.arange(0, WARPS)[None, None, :, None, None, None, None]
-    a_b3 = tl.arange(0, 2)[None, None, None, :, None, None, None]
-    a_r = tl.arange(0, ROW_REPS)[None, None, None, None, :, None, None]
-    a_blk = tl.arange(0, BLOCKS_K)[None, None, None, None, None, :, None]
-    a_u = tl.arange(0, 2)[None, None, None, None, None, None, :]
-    r_n = i_n * BLOCK_N + 16 * WARPS * a_r + 16 * a_w + 8 * a_b3 + a_rlo
-    o_c = 8 * a_blk + 2 * a_t + a_u
-    # tiled storage (pack_tc): tile (row block r_n // TR, word block b) of TR rows x 8 words at
-    # ((r_n // TR) KC / 8 + b) 8 TR words; row r_n % TR at 8 words each: a K step's words are contiguous
-    p_c = codes_ptr + (r_n // TR).to(tl.int64) * KC * TR + (r_n % TR) * 8 + (8 * TR) * a_blk + 2 * a_t + a_u
-    m_r = r_n < N
+    p_c, o_c, m_r = _word_pointers(codes_ptr, i_n, N, KC, WARPS, ROW_REPS, BLOCKS_K, TR)
     sh, j, mask, c, d = _decode_constants(magic, IS_BF16)  # [4, 2] each, over (kb2, h)
     sh = sh[None, None, None, None, None, None, None, :, :]
     j = j[None, None, None, None, None, None, None, :, :]
@@ -510,12 +519,12 @@ def _tc_plan(M: int, N: int, K: int, kc: int, cfg_items=None):
     fixup = cfg.get("FIXUP")  # None: by context (``_fixup_in_kernel``)
     # WTMA: the code words through a tensor descriptor, pipelined over num_stages (their x prefetch one step ahead);
     # opt-in: on the H200 it measured slower than the register loads at every M = 1 shape (benchmarks/NOTES.md,
-    # session 51), so no entry and no tune grid holds it
-    wtma = bool(cfg.get("WTMA", 0))
-    prefetch = 1 if wtma else cfg.get("PREFETCH", 1)
-    return (bm, nbk, reps, warps, cfg["num_stages"], prefetch, xpre, None if fixup is None else bool(fixup),
-            bool(cfg.get("FIX4", reps * bm <= 32)), bool(cfg.get("PDL", bm <= 64)), use_tma, wtma, grid, per_split,
-            opts)
+    # session 51), so no entry and no tune grid holds it. A box row holds at most 256 words (BLOCKS_K <= 2); the
+    # launcher also asks for 16-row tiles and 16-byte aligned codes, and then loads x one step ahead (PREFETCH 1)
+    wtma = bool(cfg.get("WTMA", 0)) and nbk <= 2 and cfg.get("TR", TILE_ROWS) == TILE_ROWS
+    return (bm, nbk, reps, warps, cfg["num_stages"], cfg.get("PREFETCH", 1), xpre,
+            None if fixup is None else bool(fixup), bool(cfg.get("FIX4", reps * bm <= 32)), bool(cfg.get("PDL", bm <= 64)),
+            use_tma, wtma, grid, per_split, opts)
 
 
 PDL_ENV = "TRIFORGE_TERNARY_PDL"
@@ -580,7 +589,9 @@ def ternary_matmul_tc(x2d: torch.Tensor, tt, bias: torch.Tensor | None = None, c
     splits = grid[2]
     # TMA needs 16-byte row strides and base (else pointer loads); the codes' rows (KC TR words) always are
     tma = use_tma and x2d.data_ptr() % 16 == 0
-    wtma = wtma and tr == TILE_ROWS and codes.data_ptr() % 16 == 0
+    wtma = wtma and codes.data_ptr() % 16 == 0
+    if wtma:
+        prefetch = 1
     if tma or wtma:
         launch.use_tensor_descriptors()
     final = splits == 1
