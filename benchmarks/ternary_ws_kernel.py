@@ -75,18 +75,10 @@ def _consumer(w_s, x_s, ready, empty, part_ptr, magic, row0, m0, M, N, i_s, n, J
               STAGES: gl.constexpr, IS_BF16: gl.constexpr, WL: gl.constexpr, W5: gl.constexpr, KH: gl.constexpr,
               acc_l: gl.constexpr, a_l: gl.constexpr):
     # the decode's constants per field (kb2, h) (tc._decode_constants), broadcast over the words' dims
-    f = 4 * gl.arange(0, 4, layout=gl.SliceLayout(1, KH))[:, None] + 2 * gl.arange(0, 2, layout=gl.SliceLayout(0, KH))[None, :]
-    if IS_BF16:
-        sh2 = gl.where(f >= 12, 12, gl.where(f >= 6, 6, 0))
-        ONE: gl.constexpr = 7
-    else:
-        sh2 = gl.where(f >= 10, 6, 0)
-        ONE: gl.constexpr = 10
-    j2 = f - sh2
-    sh = _lead5(sh2)
-    mask = _lead5(0x00030003 << j2)
-    c = _lead5(magic - (j2 << ONE) * 0x00010001)
-    d = _lead5(((magic & 0xFFFF) - (j2 << ONE) + (1 << j2)) * 0x00010001)
+    f = (4 * gl.arange(0, 4, layout=gl.SliceLayout(1, KH))[:, None]
+         + 2 * gl.arange(0, 2, layout=gl.SliceLayout(0, KH))[None, :])
+    sh2, j2, mask2, c2, d2 = tc._field_constants(f, magic, IS_BF16)
+    sh, mask, c, d = _lead5(sh2), _lead5(mask2), _lead5(c2), _lead5(d2)
     # two steps per trip, their decoded tiles in two register sets: the second step's decode runs while the first
     # step's product is on the tensor cores; the trip ends waiting for both products, so no register set is carried
     # across the back edge while a product still reads it (carrying one, for an overlap at every step, made ptxas

@@ -170,7 +170,12 @@ def _decode_constants(magic, IS_BF16: tl.constexpr):
     """Per field i = 2 kb2 + h ([4, 2]): the word shift, the field's bit offset j after it, the mask of
     the field in both halves, c = 2^(10 - j) (bf16 2^(7 - j)) in both halves (from the run-time
     ``magic``, so the value sits in a register), and d = c + 1 (the trit offset), as int32."""
-    f = 4 * tl.arange(0, 4)[:, None] + 2 * tl.arange(0, 2)[None, :]
+    return _field_constants(4 * tl.arange(0, 4)[:, None] + 2 * tl.arange(0, 2)[None, :], magic, IS_BF16)
+
+
+@triton.jit
+def _field_constants(f, magic, IS_BF16: tl.constexpr):
+    """``_decode_constants`` of fields at bit offsets ``f`` (any shape: a Gluon caller gives them its layout)."""
     if IS_BF16:
         sh = tl.where(f >= 12, 12, tl.where(f >= 6, 6, 0))
         one_shift: tl.constexpr = 7
