@@ -19,9 +19,10 @@ probe measures, per (N, K), as CUDA-graph replay over code copies that exceed th
   a TMA loader warp filling a T-slot ring with each step's [8 row tiles, 128 words] box (and x's [16, 128] tile where
   X), a consumer warpgroup that only waits, reads the words from shared memory and releases the slot: the floor of a
   warp-specialized M = 1 kernel;
-- ``wsk[st=T,pps=S]``: benchmarks/ternary_ws_kernel.py, that kernel with the decode and the tensor-core products in two
-  consumer warpgroups (128 rows per program, a T-slot ring), plus the library's reduce launch; checked against the
-  float64 product before it is timed.
+- ``wsk[st=T,...]``: benchmarks/ternary_ws_kernel.py, that kernel with the decode and the tensor-core products in two
+  consumer warpgroups (128 rows per program, a T-slot ring), one program per SM at 168 registers or two at 80 (the
+  consumers raised to 104), plus the library's reduce launch; checked against the float64 product before it is
+  timed.
 
 Each time is also given as % of the copy rate on the code bytes. The floors bound what any M = 1 kernel reading
 these bytes can reach: if the best stream is far above 8.3 us, 5x needs fewer bytes, not a better kernel.
@@ -296,9 +297,9 @@ def main():
         ref64 = matmul_dense_ref(sets[0][0], tt)
         ws_descs = {}
         for st in (4, 8, 12):
-            for pps in (1, 2):
-                cfg_ws = {"STAGES": st, "programs_per_sm": pps}
-                key = f"wsk[st={st},pps={pps}]"
+            for two in (False, True):
+                cfg_ws = dict(wsk.TWO_PER_SM, STAGES=st) if two else {"STAGES": st, "programs_per_sm": 1}
+                key = f"wsk[st={st},{'2 per SM, maxnreg 80' if two else '1 per SM'}]"
                 try:
                     ok = compare(key, ref64, wsk.ternary_ws_matmul(sets[0][0], tt, sets[0][1], cfg_ws, ws_descs),
                                  dtype=torch.bfloat16).ok

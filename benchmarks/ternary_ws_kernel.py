@@ -165,8 +165,11 @@ def ternary_ws_kernel(w_desc, x_desc, part_ptr, magic, M, N, n_steps, per_split,
 WORDS_SMEM = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
 
 # 168 registers a thread (three warpgroups' worth of launch registers): one program per SM, so K is split to about one
-# program per SM and the ring is deep
+# program per SM and the ring is deep. The consumers need ~104 registers (local sm90 builds: 96 made ptxas serialize
+# the wgmma, C7512): {"maxnreg": 80, "CONS_REGS": 104} launches at 80 a thread (30 KB of registers a program) and
+# moves the loader's share to the consumers, so two programs fit on an SM (programs_per_sm 2)
 DEFAULT_CFG = {"STAGES": 8, "programs_per_sm": 1, "CONS_REGS": 152, "LOAD_REGS": 24}
+TWO_PER_SM = {"maxnreg": 80, "CONS_REGS": 104, "programs_per_sm": 2}
 
 
 def ternary_ws_matmul(x2d: torch.Tensor, tt, codes: torch.Tensor, cfg: dict | None = None, descs: dict | None = None):
@@ -198,7 +201,8 @@ def ternary_ws_matmul(x2d: torch.Tensor, tt, codes: torch.Tensor, cfg: dict | No
     grid = (tiles, triton.cdiv(M, BM.value), splits)
     ternary_ws_kernel[grid](w_desc, x_desc, part, tc.MAGIC_BF16 if x2d.dtype == torch.bfloat16 else tc.MAGIC_F16, M,
                             N, n_steps, per, STAGES=cfg["STAGES"], IS_BF16=x2d.dtype == torch.bfloat16,
-                            CONS_REGS=cfg["CONS_REGS"], LOAD_REGS=cfg["LOAD_REGS"], num_warps=4)
+                            CONS_REGS=cfg["CONS_REGS"], LOAD_REGS=cfg["LOAD_REGS"], num_warps=4,
+                            **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}))
     y = torch.empty((M, N), dtype=x2d.dtype, device=x2d.device)
     reduce_splits(part, tt.kernel_operands()[0], None, y, False, 256, True, False)
     return y
