@@ -11,6 +11,7 @@
 """
 
 import datetime as _dt
+import itertools
 import json
 import math
 import os
@@ -217,14 +218,8 @@ def _rotation(spec, dtype, seed, tier="real") -> list:
 
 def rotating_fn(call, sets):
     """A no-argument function that runs ``call(set)`` on the input sets in turn, one set per call."""
-    state = {"i": 0}
-
-    def run():
-        inputs = sets[state["i"] % len(sets)]
-        state["i"] += 1
-        return call(inputs)
-
-    return run
+    step = itertools.cycle(sets)
+    return lambda: call(next(step))
 
 
 def graph_us_over(call, sets, *, replays: int = 30) -> float:

@@ -78,17 +78,12 @@ def rotating(run_on: Callable, sets: list) -> Callable:
     """A setup's run over several input sets: ``run(cfg)`` computes on ``sets[0]`` (the outputs the tune checks),
     ``run.timed(cfg)`` on the next set at each call (the timed calls, so that each finds its inputs out of L2, as the
     bench's rotation does), ``run.n_sets`` their count. ``run_on(set, cfg)`` launches on one set."""
-    state = {"i": 0}
+    step = itertools.cycle(sets)
 
     def run(cfg):
         return run_on(sets[0], cfg)
 
-    def timed(cfg):
-        s = sets[state["i"] % len(sets)]
-        state["i"] += 1
-        return run_on(s, cfg)
-
-    run.timed = timed
+    run.timed = lambda cfg: run_on(next(step), cfg)
     run.n_sets = len(sets)
     return run
 

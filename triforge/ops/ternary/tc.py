@@ -248,8 +248,8 @@ def ternary_tc_kernel(
     RNE: tl.constexpr,
     TR: tl.constexpr,  # rows per storage tile of the codes (pack_tc's tile_rows)
     PDL: tl.constexpr,  # programmatic dependent launch: the first words in flight before griddepcontrol.wait
-    WTMA: tl.constexpr = False,  # code words by TMA into shared memory, pipelined over num_stages steps (TR = 16; no
-    #                              registers held per word in flight: PREFETCH is not used)
+    WTMA: tl.constexpr = False,  # code words by TMA into shared memory, pipelined over num_stages steps (TR = 16,
+    #                              PREFETCH 1: no registers held per word in flight)
 ):
     BLOCK_N: tl.constexpr = 16 * WARPS * ROW_REPS
     BK: tl.constexpr = 128 * BLOCKS_K
@@ -277,9 +277,9 @@ def ternary_tc_kernel(
     # (a TMA load per step is issued and waited on in the same step: its latency is exposed)
     if not WTMA:
         words = _load_step(p_c, o_c, m_r, s_start, s_end, KC, BLOCKS_K, TR)
-    if PREFETCH >= 2 and not WTMA:
+    if PREFETCH >= 2:
         words2 = _load_step(p_c, o_c, m_r, s_start + 1, s_end, KC, BLOCKS_K, TR)
-    if PREFETCH >= 3 and not WTMA:
+    if PREFETCH >= 3:
         words3 = _load_step(p_c, o_c, m_r, s_start + 2, s_end, KC, BLOCKS_K, TR)
     if PDL:
         # only the codes (constant since an earlier launch read them: the launcher's rule) are read above; x,
@@ -335,11 +335,9 @@ def ternary_tc_kernel(
             acc = tl.dot(w_t, tl.trans(b_x), acc)
         else:  # the interpreter: exact in fp32 (its bf16 dots are not supported)
             acc = tl.dot(w_t, tl.trans(b_x.to(tl.float32)), acc, input_precision="ieee")
-        if WTMA:
-            if XPRE:
-                xw = x_next
-        elif PREFETCH == 1:
-            words = words_next
+        if PREFETCH == 1:
+            if not WTMA:
+                words = words_next
             if XPRE:
                 xw = x_next
         elif PREFETCH == 2:
@@ -506,9 +504,9 @@ TC_TUNE_SPACE = {"ROW_REPS": [1, 2], "BLOCKS_K": [1, 2, 4], "num_warps": [4, 8],
 @launch.config_cache
 def _tc_plan(M: int, N: int, K: int, kc: int, cfg_items=None):
     """(BLOCK_M, BLOCKS_K, ROW_REPS, warps, stages, PREFETCH, XPRE, FIXUP, FIX4, PDL (allowed; the launcher also asks
-    ``_settled``), TMA, WTMA, grid (weight tiles, x tiles, splits), steps per split, compile options (maxnreg)) of a launch:
-    the tuned (or given) config and the split-K arithmetic, worked out once per shape (host time: the decode path is
-    a few microseconds of GPU time per call)."""
+    ``_settled``), TMA, WTMA, grid (weight tiles, x tiles, splits), steps per split, compile options (maxnreg)) of a
+    launch: the tuned (or given) config and the split-K arithmetic, worked out once per shape (host time: the decode
+    path is a few microseconds of GPU time per call)."""
     cfg = dict(tc_config(M, N, K), **dict(cfg_items or ()))
     bm, reps, nbk, warps = cfg["BLOCK_M"], cfg["ROW_REPS"], cfg["BLOCKS_K"], cfg["num_warps"]
     bn = 16 * warps * reps
