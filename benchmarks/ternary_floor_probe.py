@@ -213,6 +213,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json")
     ap.add_argument("--shapes", nargs="*", default=["8192x8192", "28672x8192", "8192x28672"])
+    ap.add_argument("--only", nargs="*", help="time only the rows whose key starts with one of these (e.g. ws wsk op)")
     args = ap.parse_args()
     _runtime.require_gpu("ternary_floor_probe")
     name = torch.cuda.get_device_name()
@@ -310,6 +311,8 @@ def main():
                     continue
                 timed[key] = (lambda s, cfg_ws=cfg_ws: wsk.ternary_ws_matmul(s[0], tt, s[1], cfg_ws, ws_descs))
         for key, call in timed.items():
+            if args.only and not any(key.startswith(p) for p in args.only):
+                continue
             try:
                 if key.startswith("op"):
                     got = call(sets[0])
