@@ -47,7 +47,11 @@ def grid(D):
     """Gluon configs: EMU of every 8 exponentials of unmasked tiles on the FMA pipes (triforge.ops._tl.exp2_emu)."""
     if D == 128:
         return [{"BLOCK_N": 128, "num_stages": 3, "EMU": e} for e in (0, 1, 2)]
-    return [{"BLOCK_N": 128, "num_stages": 4, "EMU": e} for e in (0, 2, 3)]
+    # D = 64: two warpgroups (128-row tiles), and FlashAttention-3's three (192-row tiles, 128-key tiles, P carried
+    # in 16 bits: session 52)
+    return ([{"BLOCK_N": 128, "num_stages": 4, "EMU": 0}, {"BLOCK_N": 128, "num_stages": 4, "EMU": 0, "P16": 1}]
+            + [{"BLOCK_N": 128, "num_stages": st, "EMU": e, "NUM_WG": 3} for st in (2, 3) for e in (0, 1, 2)]
+            + [{"BLOCK_N": 64, "num_stages": 4, "EMU": 0, "NUM_WG": 3, "P16": 0}])
 
 
 def triton_grid(D, causal):
@@ -64,7 +68,7 @@ def triton_grid(D, causal):
     return out + [dict(t, EMU=e) for t in tiles for e in (0, 1)]
 
 
-def run(B, H, S, D, causal, gluon=True):
+def run(B, H, S, D, causal, gluon=True, triton_tiles=True):
     torch.manual_seed(1)
     q, k, v = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     flops = 4 * B * H * S * S * D // (2 if causal else 1)
@@ -79,9 +83,10 @@ def run(B, H, S, D, causal, gluon=True):
             return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
 
     fns = {"cudnn": cudnn, "triton": lambda: triforge.flash_attn_func(q, k, v, causal=causal)}
-    cands = [(f"gluon n{c['BLOCK_N']} s{c['num_stages']} e{c['EMU']}", c, attn_fwd_ws) for c in grid(D) if gluon]
+    cands = [(f"gluon w{c.get('NUM_WG', 2)} n{c['BLOCK_N']} s{c['num_stages']} e{c['EMU']} p{c.get('P16', '-')}", c,
+              attn_fwd_ws) for c in grid(D) if gluon]
     cands += [(f"triton {c['BLOCK_M']}x{c['BLOCK_N']}w{c['num_warps']}s{c['num_stages']}t{c.get('TMA', 0)}"
-               f"g{c.get('GUARD', 1)} e{c['EMU']}", c, attention.attn_fwd) for c in triton_grid(D, causal)]
+               f"g{c.get('GUARD', 1)} e{c['EMU']}", c, attention.attn_fwd) for c in (triton_grid(D, causal) if triton_tiles else [])]
     for name, cfg, fn in cands:
         try:
             o, _, _ = fn(q, k, v, causal, scale, cfg)
@@ -113,12 +118,13 @@ def main():
     ap.add_argument("--json")
     ap.add_argument("--shapes", nargs="*", default=SHAPES)
     ap.add_argument("--no-gluon", action="store_true", help="time the Triton kernel's configs and cuDNN only")
+    ap.add_argument("--no-triton-grid", action="store_true", help="time the Triton kernel's entry only (no other tiles)")
     args = ap.parse_args()
     out = {"meta": {"device": torch.cuda.get_device_name(), "torch": torch.__version__}, "rows": []}
     for s in args.shapes:
         B, H, S, D = (int(x) for x in s.split("x"))
         for causal in (False, True):
-            out["rows"].append(run(B, H, S, D, causal, gluon=not args.no_gluon))
+            out["rows"].append(run(B, H, S, D, causal, gluon=not args.no_gluon, triton_tiles=not args.no_triton_grid))
             if args.json:
                 with open(args.json, "w") as f:
                     json.dump(out, f, indent=1)

@@ -42,13 +42,13 @@ def _exp2(x, EMU: gl.constexpr):
 
 @gluon.jit
 def _loader(q_desc, k_desc, v_desc, q_s, k_s, v_s, q_bar, k_ready, v_ready, kv_empty, q_row, kv_row, q_col, kv_col,
-            n_kv, BMW: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr):
-    mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_desc, [q_row, q_col], q_bar, q_s.index(0))
-    tma.async_copy_global_to_shared(q_desc, [q_row + BMW, q_col], q_bar, q_s.index(1))
+            n_kv, BMW: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, NUM_WG: gl.constexpr):
+    mbarrier.expect(q_bar, NUM_WG * q_desc.block_type.nbytes)
+    for w in gl.static_range(NUM_WG):
+        tma.async_copy_global_to_shared(q_desc, [q_row + w * BMW, q_col], q_bar, q_s.index(w))
     for j in range(n_kv):
         s = j % STAGES
-        mbarrier.wait(kv_empty.index(s), ((j // STAGES) & 1) ^ 1)  # both consumers freed slot s (first pass: free)
+        mbarrier.wait(kv_empty.index(s), ((j // STAGES) & 1) ^ 1)  # every consumer freed slot s (first pass: free)
         row = kv_row + j * BN
         mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(k_desc, [row, kv_col], k_ready.index(s), k_s.index(s))
@@ -84,14 +84,18 @@ def _softmax(s, m_i, l_i, j, rows, S_k, diag, qk_scale, BN: gl.constexpr, CAUSAL
 @gluon.jit
 def _step(q, k_s, v_s, k_ready, v_ready, kv_empty, acc, p, m_i, l_i, j, rows, S_k, diag, qk_scale, BMW: gl.constexpr,
           BN: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASK: gl.constexpr, s_l: gl.constexpr,
-          o_l: gl.constexpr, p_l: gl.constexpr, EMU: gl.constexpr):
+          o_l: gl.constexpr, p_l: gl.constexpr, EMU: gl.constexpr, P16: gl.constexpr):
     """Key tile j >= 1: S_j = Q K_j^T and O += P_{j-1} V_{j-1} issued together; the softmax of S_j runs while the PV
     product is on the tensor cores; then O is rescaled. P crosses iterations in fp32 and becomes the 16-bit A operand
     inside the iteration that reads it (a 16-bit P carried between the two key loops cost ptxas 32-64 PRMTs per tile
-    to re-pack its halves)."""
+    to re-pack its halves); with P16 it crosses as that 16-bit operand, converted once the PV product that read the
+    previous one is done (half the registers: three warpgroups' 160 registers hold a 128-key tile only so)."""
     st = j % STAGES
     sp = (j - 1) % STAGES
-    pa = gl.convert_layout(p.to(q.dtype), p_l)
+    if P16:
+        pa = p
+    else:
+        pa = gl.convert_layout(p.to(q.dtype), p_l)
     mbarrier.wait(k_ready.index(st), (j // STAGES) & 1)
     s_j = warpgroup_mma(q, k_s.index(st).permute((1, 0)), gl.zeros([BMW, BN], gl.float32, s_l), use_acc=False,
                         is_async=True)
@@ -102,13 +106,15 @@ def _step(q, k_s, v_s, k_ready, v_ready, kv_empty, acc, p, m_i, l_i, j, rows, S_
     acc, pa = warpgroup_mma_wait(0, deps=[acc, pa])
     mbarrier.arrive(kv_empty.index(sp))  # K_{j-1} and V_{j-1} read
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
+    if P16:
+        p = gl.convert_layout(p.to(q.dtype), p_l)
     return acc, p, m_i, l_i
 
 
 @gluon.jit
 def _pipeline(q, k_s, v_s, k_ready, v_ready, kv_empty, acc, m_i, l_i, n_kv, n_full, rows, S_k, diag, qk_scale,
               BMW: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, s_l: gl.constexpr,
-              o_l: gl.constexpr, p_l: gl.constexpr, EMU: gl.constexpr):
+              o_l: gl.constexpr, p_l: gl.constexpr, EMU: gl.constexpr, P16: gl.constexpr):
     """One warpgroup's key loop over n_kv >= 1 tiles: (acc, m, l)."""
     mbarrier.wait(k_ready.index(0), 0)
     s0 = warpgroup_mma(q, k_s.index(0).permute((1, 0)), gl.zeros([BMW, BN], gl.float32, s_l), use_acc=False,
@@ -116,15 +122,20 @@ def _pipeline(q, k_s, v_s, k_ready, v_ready, kv_empty, acc, m_i, l_i, n_kv, n_fu
     s0 = warpgroup_mma_wait(0, deps=[s0])
     # the first tile takes the masked path whether or not it needs it (once per program: no branch)
     p, alpha, m_i, l_i = _softmax(s0, m_i, l_i, 0, rows, S_k, diag, qk_scale, BN, CAUSAL, True, s_l, 0)
+    if P16:
+        p = gl.convert_layout(p.to(q.dtype), p_l)
     # tiles every row sees whole, then the masked ones (the causal diagonal, keys past S_k)
     for j in range(1, n_full):
         acc, p, m_i, l_i = _step(q, k_s, v_s, k_ready, v_ready, kv_empty, acc, p, m_i, l_i, j, rows, S_k, diag,
-                                 qk_scale, BMW, BN, STAGES, CAUSAL, False, s_l, o_l, p_l, EMU)
+                                 qk_scale, BMW, BN, STAGES, CAUSAL, False, s_l, o_l, p_l, EMU, P16)
     for j in range(gl.maximum(n_full, 1), n_kv):
         acc, p, m_i, l_i = _step(q, k_s, v_s, k_ready, v_ready, kv_empty, acc, p, m_i, l_i, j, rows, S_k, diag,
-                                 qk_scale, BMW, BN, STAGES, CAUSAL, True, s_l, o_l, p_l, 0)
+                                 qk_scale, BMW, BN, STAGES, CAUSAL, True, s_l, o_l, p_l, 0, P16)
     sl = (n_kv - 1) % STAGES
-    pa = gl.convert_layout(p.to(q.dtype), p_l)
+    if P16:
+        pa = p
+    else:
+        pa = gl.convert_layout(p.to(q.dtype), p_l)
     mbarrier.wait(v_ready.index(sl), ((n_kv - 1) // STAGES) & 1)
     acc = warpgroup_mma(pa, v_s.index(sl), acc, is_async=True)
     acc, pa = warpgroup_mma_wait(0, deps=[acc, pa])
@@ -136,7 +147,7 @@ def _pipeline(q, k_s, v_s, k_ready, v_ready, kv_empty, acc, m_i, l_i, n_kv, n_fu
 def _consumer(q_s, k_s, v_s, q_bar, k_ready, v_ready, kv_empty, o_ptr, res_ptr, lse_ptr, WG: gl.constexpr, q_tok0, m0,
               o_col, lse_base, n_kv, n_full, S_q, S_k, qk_scale, stride_o, BMW: gl.constexpr, BN: gl.constexpr,
               D: gl.constexpr, STAGES: gl.constexpr, GUARD: gl.constexpr, CAUSAL: gl.constexpr,
-              STORE_RES: gl.constexpr, EMU: gl.constexpr):
+              STORE_RES: gl.constexpr, EMU: gl.constexpr, P16: gl.constexpr):
     s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
     o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
     p_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
@@ -151,10 +162,10 @@ def _consumer(q_s, k_s, v_s, q_bar, k_ready, v_ready, kv_empty, o_ptr, res_ptr, 
     if GUARD:  # causal or packed: a tile may see no key at all
         if n_kv > 0:
             acc, m_i, l_i = _pipeline(q, k_s, v_s, k_ready, v_ready, kv_empty, acc, m_i, l_i, n_kv, n_full, rows, S_k,
-                                      diag, qk_scale, BMW, BN, STAGES, CAUSAL, s_l, o_l, p_l, EMU)
+                                      diag, qk_scale, BMW, BN, STAGES, CAUSAL, s_l, o_l, p_l, EMU, P16)
     else:  # dense, S_k >= 1: every tile has keys
         acc, m_i, l_i = _pipeline(q, k_s, v_s, k_ready, v_ready, kv_empty, acc, m_i, l_i, n_kv, n_full, rows, S_k,
-                                  diag, qk_scale, BMW, BN, STAGES, CAUSAL, s_l, o_l, p_l, EMU)
+                                  diag, qk_scale, BMW, BN, STAGES, CAUSAL, s_l, o_l, p_l, EMU, P16)
     seen = l_i > 0.0
     l_safe = gl.where(seen, l_i, 1.0)
     l_o = gl.convert_layout(l_safe, gl.SliceLayout(1, o_l))
@@ -175,8 +186,10 @@ def _consumer(q_s, k_s, v_s, q_bar, k_ready, v_ready, kv_empty, o_ptr, res_ptr, 
 def flash_attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_ptr, res_ptr, lse_ptr, cu_q_ptr, cu_k_ptr, S_q, S_k, H, GROUP,
                              qk_scale, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
                              CAUSAL: gl.constexpr, STORE_RES: gl.constexpr, VARLEN: gl.constexpr,
-                             CONS_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, EMU: gl.constexpr = 0):
-    BMW: gl.constexpr = BM // 2
+                             CONS_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, EMU: gl.constexpr = 0,
+                             NUM_WG: gl.constexpr = 2, P16: gl.constexpr = False):
+    gl.static_assert(NUM_WG == 2 or NUM_WG == 3, "two or three consumer warpgroups")
+    BMW: gl.constexpr = BM // NUM_WG
     if CAUSAL:  # the longest rows first
         pid_m = gl.num_programs(0) - 1 - gl.program_id(0)
     else:
@@ -208,7 +221,7 @@ def flash_attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_ptr, res_ptr, lse_ptr, cu
         n_full = len_k // BN
     if VARLEN:  # the grid spans the longest sequence: a tile past this one's end loads nothing and stores nothing
         n_kv = gl.where(m0 < len_q, n_kv, 0)
-    q_s = gl.allocate_shared_memory(q_desc.dtype, [2, BMW, D], q_desc.layout)
+    q_s = gl.allocate_shared_memory(q_desc.dtype, [NUM_WG, BMW, D], q_desc.layout)
     k_s = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BN, D], k_desc.layout)
     v_s = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BN, D], v_desc.layout)
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -219,18 +232,34 @@ def flash_attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_ptr, res_ptr, lse_ptr, cu
     for s in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(s), count=1)
         mbarrier.init(v_ready.index(s), count=1)
-        mbarrier.init(kv_empty.index(s), count=2)
+        mbarrier.init(kv_empty.index(s), count=NUM_WG)
     stride_o = H * D
-    gl.warp_specialize([
-        (_consumer, (q_s, k_s, v_s, q_bar, k_ready, v_ready, kv_empty, o_ptr, res_ptr, lse_ptr, 0, q_tok0, m0, h * D,
-                     lse_base, n_kv, n_full, len_q, len_k, qk_scale, stride_o, BMW, BN, D, STAGES, CAUSAL or VARLEN,
-                     CAUSAL, STORE_RES, EMU)),
-        (_consumer, (q_s, k_s, v_s, q_bar, k_ready, v_ready, kv_empty, o_ptr, res_ptr, lse_ptr, 1, q_tok0, m0, h * D,
-                     lse_base, n_kv, n_full, len_q, len_k, qk_scale, stride_o, BMW, BN, D, STAGES, CAUSAL or VARLEN,
-                     CAUSAL, STORE_RES, EMU)),
-        (_loader, (q_desc, k_desc, v_desc, q_s, k_s, v_s, q_bar, k_ready, v_ready, kv_empty, q_tok0 + m0, k_tok0,
-                   h * D, (h // GROUP) * D, n_kv, BMW, BN, STAGES)),
-    ], [4, 1], [CONS_REGS, LOADER_REGS])
+    GUARD: gl.constexpr = CAUSAL or VARLEN
+    if NUM_WG == 2:
+        gl.warp_specialize([
+            (_consumer, (q_s, k_s, v_s, q_bar, k_ready, v_ready, kv_empty, o_ptr, res_ptr, lse_ptr, 0, q_tok0, m0,
+                         h * D, lse_base, n_kv, n_full, len_q, len_k, qk_scale, stride_o, BMW, BN, D, STAGES, GUARD,
+                         CAUSAL, STORE_RES, EMU, P16)),
+            (_consumer, (q_s, k_s, v_s, q_bar, k_ready, v_ready, kv_empty, o_ptr, res_ptr, lse_ptr, 1, q_tok0, m0,
+                         h * D, lse_base, n_kv, n_full, len_q, len_k, qk_scale, stride_o, BMW, BN, D, STAGES, GUARD,
+                         CAUSAL, STORE_RES, EMU, P16)),
+            (_loader, (q_desc, k_desc, v_desc, q_s, k_s, v_s, q_bar, k_ready, v_ready, kv_empty, q_tok0 + m0, k_tok0,
+                       h * D, (h // GROUP) * D, n_kv, BMW, BN, STAGES, NUM_WG)),
+        ], [4, 1], [CONS_REGS, LOADER_REGS])
+    else:  # three consumer warpgroups (FlashAttention-3's 192-row tiles at head_dim 64)
+        gl.warp_specialize([
+            (_consumer, (q_s, k_s, v_s, q_bar, k_ready, v_ready, kv_empty, o_ptr, res_ptr, lse_ptr, 0, q_tok0, m0,
+                         h * D, lse_base, n_kv, n_full, len_q, len_k, qk_scale, stride_o, BMW, BN, D, STAGES, GUARD,
+                         CAUSAL, STORE_RES, EMU, P16)),
+            (_consumer, (q_s, k_s, v_s, q_bar, k_ready, v_ready, kv_empty, o_ptr, res_ptr, lse_ptr, 1, q_tok0, m0,
+                         h * D, lse_base, n_kv, n_full, len_q, len_k, qk_scale, stride_o, BMW, BN, D, STAGES, GUARD,
+                         CAUSAL, STORE_RES, EMU, P16)),
+            (_consumer, (q_s, k_s, v_s, q_bar, k_ready, v_ready, kv_empty, o_ptr, res_ptr, lse_ptr, 2, q_tok0, m0,
+                         h * D, lse_base, n_kv, n_full, len_q, len_k, qk_scale, stride_o, BMW, BN, D, STAGES, GUARD,
+                         CAUSAL, STORE_RES, EMU, P16)),
+            (_loader, (q_desc, k_desc, v_desc, q_s, k_s, v_s, q_bar, k_ready, v_ready, kv_empty, q_tok0 + m0, k_tok0,
+                       h * D, (h // GROUP) * D, n_kv, BMW, BN, STAGES, NUM_WG)),
+        ], [4, 4, 1], [CONS_REGS, CONS_REGS, LOADER_REGS])
     mbarrier.invalidate(q_bar)
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(k_ready.index(s))
@@ -248,7 +277,8 @@ def attn_fwd_ws(q, k, v, causal, softmax_scale, cfg, residual=False, varlen=None
     (192-row tiles) measured no faster at D = 64 (benchmarks/NOTES.md, session 37; code at 6d0f533)."""
     B, S_q, H, D = q.shape
     S_k, H_kv = k.shape[1], k.shape[2]
-    bm, bn, stages = 128, cfg["BLOCK_N"], cfg["num_stages"]
+    n_wg = cfg.get("NUM_WG", 2)
+    bm, bn, stages = 64 * n_wg, cfg["BLOCK_N"], cfg["num_stages"]
     q_l = launch.nvmma_layout([64, D], q.dtype)
     k_l = launch.nvmma_layout([bn, D], q.dtype)
     q_desc = TensorDescriptor.from_tensor(q.view(B * S_q, H * D), [64, D], q_l)
@@ -269,6 +299,7 @@ def attn_fwd_ws(q, k, v, causal, softmax_scale, cfg, residual=False, varlen=None
         softmax_scale * LOG2E,
         nbytes=e * ((3 if residual else 2) * q.numel() + k.numel() + v.numel()) + 4 * lse.numel(),
         BM=bm, BN=bn, D=D, STAGES=stages, CAUSAL=bool(causal), STORE_RES=bool(residual), VARLEN=varlen is not None,
-        CONS_REGS=cfg.get("CONS_REGS", 240), LOADER_REGS=cfg.get("LOADER_REGS", 24), EMU=cfg.get("EMU", 0), num_warps=4,
+        CONS_REGS=cfg.get("CONS_REGS", 240 if n_wg == 2 else 160), LOADER_REGS=cfg.get("LOADER_REGS", 24),
+        EMU=cfg.get("EMU", 0), NUM_WG=n_wg, P16=bool(cfg.get("P16", n_wg == 3)), num_warps=4,
     )
     return o, lse, o_res
