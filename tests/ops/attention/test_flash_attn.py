@@ -1206,8 +1206,10 @@ for case in json.loads(sys.argv[1]):
     g = gl.bfloat16 if dt == "bf16" else gl.float16
     ql, kl = gl.NVMMASharedLayout.get_default_for([64, D], g), gl.NVMMASharedLayout.get_default_for([bn, D], g)
     fn = W.flash_attn_fwd_ws_kernel
-    consts = dict(BM=128, BN=bn, D=D, STAGES=st, CAUSAL=case["causal"], STORE_RES=case["res"],
-                  VARLEN=case.get("varlen", False), CONS_REGS=240, LOADER_REGS=24, EMU=case.get("EMU", 0))
+    n_wg = case.get("NUM_WG", 2)
+    consts = dict(BM=64 * n_wg, BN=bn, D=D, STAGES=st, CAUSAL=case["causal"], STORE_RES=case["res"],
+                  VARLEN=case.get("varlen", False), CONS_REGS=240 if n_wg == 2 else 160, LOADER_REGS=24,
+                  EMU=case.get("EMU", 0), NUM_WG=n_wg, P16=n_wg == 3)
     types = {"q_desc": f"tensordesc<{dt}[64, {D}],{ql!r}>", "k_desc": f"tensordesc<{dt}[{bn}, {D}],{kl!r}>",
              "v_desc": f"tensordesc<{dt}[{bn}, {D}],{kl!r}>", "o_ptr": f"*{dt}", "res_ptr": f"*{dt}",
              "lse_ptr": "*fp32", "cu_q_ptr": "*i32", "cu_k_ptr": "*i32", "qk_scale": "fp32"}
@@ -1229,9 +1231,12 @@ for case in json.loads(sys.argv[1]):
             t = [j for j, l2 in enumerate(sass) if l2.startswith(m.group(1) + ":")]
             if t and t[0] < i - 2:
                 c = collections.Counter(mm.group(2) for mm in map(INSTR.match, sass[t[0]:i + 1]) if mm)
-                if c.get("HGMMA.64", 0) == 16:  # S = Q K^T and P V: 8 + 8 wgmma of k = 16 at BN = D = 128
+                # S = Q K^T and P V: 8 + 8 wgmma of k = 16 at BN = D = 128, 4 + 8 at D = 64
+                if c.get("HGMMA.64", 0) == (16 if D == 128 else 12):
                     loops.append(dict(c))
-    rows.append(dict(case, loops=loops, shared=k.metadata.shared, serialized="C7515" in v))
+    spill = re.search(r"(\d+) bytes spill stores", v)
+    rows.append(dict(case, loops=loops, shared=k.metadata.shared, serialized="C7515" in v or "C7512" in v,
+                     spill_stores=int(spill.group(1)) if spill else -1))
 print("RESULT" + json.dumps(rows))
 """
 
@@ -1253,3 +1258,20 @@ def test_gluon_forward_compiles_for_sm90():
             assert not any(op.startswith(("LDL", "STL", "PRMT")) for op in lp), lp
             # the 64 x 128 tile's exponentials (64 per thread) and alpha's, less EMU of every 8 on the FMA pipes
             assert lp["MUFU.EX2"] == 64 - 8 * r["EMU"] + 2, lp
+
+
+def test_gluon_forward_three_warpgroups_compiles_for_sm90():
+    """The D = 64 form with three consumer warpgroups (192-row tiles, 128-key tiles, NUM_WG 3, P carried as the 16-bit
+    operand, 160 registers per consumer thread: the most three warpgroups and the loader can take) as the H100 builds
+    it: no spill, the wgmma pipeline asynchronous, one unmasked key loop per warpgroup with its 12 wgmma and the tile's
+    64 exponentials (+ alpha's); the 16-bit carry costs at most one PRMT per P register pair (32); with P in fp32 the
+    tile does not fit (session 37 ran 64-key tiles there; session 52 measured both)."""
+    cases = [dict(D=64, BLOCK_N=128, num_stages=3, dtype=dt, causal=c, res=r, NUM_WG=3)
+             for dt, c, r in (("bf16", False, False), ("fp16", True, True))]
+    for r in _sm90_compile(cases, _SM90_GLUON):
+        assert r["shared"] <= 227 * 1024 and not r["serialized"] and r["spill_stores"] == 0, r
+        hot = [lp for lp in r["loops"] if "FSEL" not in lp]
+        assert len(hot) == 3, r
+        for lp in hot:
+            assert not any(op.startswith(("LDL", "STL")) for op in lp), lp
+            assert lp.get("PRMT", 0) <= 32 and lp["MUFU.EX2"] == 66, lp

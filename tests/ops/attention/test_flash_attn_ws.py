@@ -35,8 +35,14 @@ SHAPES = [
     (2, 257, 255, 6, 3, 64),
 ]
 # EMU: of every 8 exponentials of an unmasked tile, how many the FMA pipes compute (_tl.exp2_emu)
+# NUM_WG 3: three consumer warpgroups (192-row tiles), P carried in 16 bits by default there (P16)
 CFGS = [{"BLOCK_N": 128, "num_stages": 2}, {"BLOCK_N": 128, "num_stages": 3}, {"BLOCK_N": 64, "num_stages": 4},
-        {"BLOCK_N": 128, "num_stages": 3, "EMU": 3}]
+        {"BLOCK_N": 128, "num_stages": 3, "EMU": 3}, {"BLOCK_N": 128, "num_stages": 3, "NUM_WG": 3},
+        {"BLOCK_N": 64, "num_stages": 4, "NUM_WG": 3, "P16": 0}, {"BLOCK_N": 128, "num_stages": 2, "P16": 1}]
+
+
+def _cfg_id(c):
+    return f"w{c.get('NUM_WG', 2)}n{c['BLOCK_N']}s{c['num_stages']}e{c.get('EMU', 0)}p{c.get('P16', '-')}"
 
 
 def _qkv(B, Sq, Sk, H, Hkv, D, dtype, seed, q_scale=1.0):
@@ -49,7 +55,7 @@ def _check(q, k, v, causal, dtype, cfg, residual=False):
     from triforge.ops.attention.forward_ws import attn_fwd_ws
 
     D = q.shape[-1]
-    if cfg["BLOCK_N"] * D * 2 * 2 * cfg["num_stages"] + 128 * D * 2 > 227 * 1024:
+    if cfg["BLOCK_N"] * D * 2 * 2 * cfg["num_stages"] + 64 * cfg.get("NUM_WG", 2) * D * 2 > 227 * 1024:
         pytest.skip("does not fit in shared memory")
     with poisoned():
         o, lse, o_res = attn_fwd_ws(q, k, v, causal, D ** -0.5, cfg, residual)
@@ -60,7 +66,7 @@ def _check(q, k, v, causal, dtype, cfg, residual=False):
     return o, lse, o_res, ref
 
 
-@pytest.mark.parametrize("cfg", CFGS, ids=lambda c: f"n{c['BLOCK_N']}s{c['num_stages']}e{c.get('EMU', 0)}")
+@pytest.mark.parametrize("cfg", CFGS, ids=_cfg_id)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", F16, ids=F16_IDS)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "B{}-Sq{}-Sk{}-H{}-Hkv{}-D{}".format(*s))
@@ -79,17 +85,18 @@ def test_forward_matches_reference(shape, dtype, causal, cfg):
 @pytest.mark.parametrize("dtype", F16, ids=F16_IDS)
 def test_large_scores(dtype, causal):
     q, k, v = _qkv(2, 200, 300, 4, 2, 128, dtype, seed=7, q_scale=100.0)  # |q k^T| * scale ~ 1e3-1e4
-    for cfg in (CFGS[1], CFGS[3]):
+    for cfg in (CFGS[1], CFGS[3], CFGS[4]):
         o, lse, _, _ = _check(q, k, v, causal, dtype, cfg)
         assert torch.isfinite(o).all()
 
 
+@pytest.mark.parametrize("n_wg", [2, 3])
 @pytest.mark.parametrize("dtype", F16, ids=F16_IDS)
-def test_rounding_residual(dtype):
+def test_rounding_residual(dtype, n_wg):
     """o_res is the rounding error of o from the kernel's fp32 result: within half a spacing of o (so o + o_res rounds
     back to o but at ties), mostly nonzero, and o + o_res no farther from the reference than o on average."""
     q, k, v = _qkv(2, 333, 333, 4, 4, 128, dtype, seed=3)
-    o, _, o_res, ref = _check(q, k, v, True, dtype, CFGS[1], residual=True)
+    o, _, o_res, ref = _check(q, k, v, True, dtype, dict(CFGS[1], NUM_WG=n_wg), residual=True)
     assert o_res.shape == o.shape and o_res.dtype == o.dtype
     eps = torch.finfo(dtype).eps
     assert (o_res.float().abs() <= eps * o.float().abs() + 1e-30).all()
@@ -171,10 +178,11 @@ def test_public_function_and_gradients(causal, monkeypatch):
 VARLEN_CASES = [([37, 0, 129, 1, 200], [37, 0, 129, 1, 200]), ([300, 17, 64], [129, 250, 64]), ([0, 5], [3, 0])]
 
 
+@pytest.mark.parametrize("n_wg", [2, 3])
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("case", range(len(VARLEN_CASES)))
-def test_varlen_matches_reference(case, causal, D):
+def test_varlen_matches_reference(case, causal, D, n_wg):
     """Packed sequences (empty ones, Sq != Sk per sequence, tiles crossing sequence ends) against the reference run
     per sequence; o and lse (rows that see no key: 0 and -inf)."""
     from triforge.ops.attention import Varlen, varlen_attention_ref
@@ -190,8 +198,8 @@ def test_varlen_matches_reference(case, causal, D):
     v = torch.randn(sum(lk), 2, D, generator=g).to("cuda", dtype)
     vl = Varlen(cq, ck, max(lq), max(lk))
     with poisoned():
-        o, lse, _ = attn_fwd_ws(q[None], k[None], v[None], causal, D ** -0.5, {"BLOCK_N": 128, "num_stages": 3}, False,
-                                vl)
+        o, lse, _ = attn_fwd_ws(q[None], k[None], v[None], causal, D ** -0.5,
+                                {"BLOCK_N": 128, "num_stages": 3, "NUM_WG": n_wg}, False, vl)
     ref = varlen_attention_ref(q.double(), k.double(), v.double(), cq.cpu(), ck.cpu(), causal)
     for name, r, got in (("o", ref["o"], o[0]), ("lse", ref["lse"], lse[0])):
         res = compare(name, r, got, dtype=dtype, verbose=False)
