@@ -12,6 +12,7 @@ import torch
 import triforge  # noqa: F401
 from triforge import _runtime
 from triforge.launch import poisoned
+from triforge.ops import attention
 from triforge.ops.attention import attention_ref, flash_attn_func
 from triforge.testing import compare
 
@@ -112,8 +113,9 @@ def test_rounding_residual(dtype, n_wg):
 
 
 def test_dispatch(monkeypatch):
-    """flash_attn_func takes the Gluon forward where the sm90 config has GLUON (D = 128) and the inputs allow it; D = 64,
-    non-contiguous inputs and TRIFORGE_ATTN_GLUON=0 take the Triton kernel (same results within the comparison)."""
+    """flash_attn_func takes the Gluon forward where the sm90 config has GLUON (D = 128; D = 64 non-causal on the H200)
+    and the inputs allow it; non-contiguous inputs and TRIFORGE_ATTN_GLUON=0 take the Triton kernel (same results
+    within the comparison)."""
     import triforge.ops.attention.forward_ws as fws
 
     calls = []
@@ -139,8 +141,16 @@ def test_dispatch(monkeypatch):
     monkeypatch.delenv("TRIFORGE_ATTN_GLUON", raising=False)
     calls.clear()
     q64, k64, v64 = _qkv(1, 130, 130, 2, 2, 64, dtype, seed=6)
-    flash_attn_func(q64, k64, v64)
-    assert not calls  # D = 64: no GLUON entry (the Triton kernel measured faster there)
+    for causal in (False, True):
+        # D = 64: the three-warpgroup Gluon kernel where this device's entry has GLUON (the H200's, non-causal:
+        # measured faster there, session 52), else the Triton kernel
+        calls.clear()
+        o = flash_attn_func(q64, k64, v64, causal=causal)
+        assert len(calls) == int("GLUON" in attention._cfg("flash_attn_fwd", 64, causal, dtype)), causal
+        res = compare("o", attention_ref(q64.double(), k64.double(), v64.double(), causal)["o"], o, dtype=dtype,
+                      verbose=False)
+        assert res.ok, res.line()
+    calls.clear()
     # packed sequences: the Triton kernel unless forced (the Gluon kernel measured slower on the varlen bench)
     from triforge.ops.attention import flash_attn_varlen_func
 
