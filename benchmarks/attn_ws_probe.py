@@ -46,11 +46,12 @@ def time_all(fns, rounds=12, calls=5):
 def grid(D):
     """Gluon configs: EMU of every 8 exponentials of unmasked tiles on the FMA pipes (triforge.ops._tl.exp2_emu)."""
     if D == 128:
-        return [{"BLOCK_N": 128, "num_stages": 3, "EMU": e} for e in (0, 1, 2)]
+        return [{"BLOCK_N": 128, "num_stages": 3, "EMU": 0, "SCHED": sc} for sc in (0, 1)]
     # D = 64: two warpgroups (128-row tiles), and FlashAttention-3's three (192-row tiles, 128-key tiles, P carried
     # in 16 bits: session 52; its call 2 also timed EMU 1-2, 2 stages and 64-key tiles there: all slower)
-    return [{"BLOCK_N": 128, "num_stages": 4, "EMU": 0}] + [{"BLOCK_N": 128, "num_stages": st, "EMU": 0, "NUM_WG": 3}
-                                                          for st in (3, 4)]
+    # SCHED: the warpgroups take turns issuing their products (FlashAttention-3's scheduler barrier)
+    return [{"BLOCK_N": 128, "num_stages": 4, "EMU": 0, "SCHED": sc} for sc in (0, 1)] + [
+        {"BLOCK_N": 128, "num_stages": st, "EMU": 0, "NUM_WG": 3, "SCHED": sc} for st in (3, 4) for sc in (0, 1)]
 
 
 def triton_grid(D, causal):
@@ -82,7 +83,8 @@ def run(B, H, S, D, causal, gluon=True, triton_tiles=True):
             return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
 
     fns = {"cudnn": cudnn, "triton": lambda: triforge.flash_attn_func(q, k, v, causal=causal)}
-    cands = [(f"gluon w{c.get('NUM_WG', 2)} n{c['BLOCK_N']} s{c['num_stages']} e{c['EMU']} p{c.get('P16', '-')}", c,
+    cands = [(f"gluon w{c.get('NUM_WG', 2)} n{c['BLOCK_N']} s{c['num_stages']} e{c['EMU']} p{c.get('P16', '-')}"
+              f" sc{c.get('SCHED', 0)}", c,
               attn_fwd_ws) for c in grid(D) if gluon]
     cands += [(f"triton {c['BLOCK_M']}x{c['BLOCK_N']}w{c['num_warps']}s{c['num_stages']}t{c.get('TMA', 0)}"
                f"g{c.get('GUARD', 1)} e{c['EMU']}", c, attention.attn_fwd) for c in (triton_grid(D, causal) if triton_tiles else [])]

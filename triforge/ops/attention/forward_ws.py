@@ -82,14 +82,18 @@ def _softmax(s, m_i, l_i, j, rows, S_k, diag, qk_scale, BN: gl.constexpr, CAUSAL
 
 
 @gluon.jit
-def _step(q, k_s, v_s, k_ready, v_ready, kv_empty, acc, p, m_i, l_i, j, rows, S_k, diag, qk_scale, BMW: gl.constexpr,
-          BN: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASK: gl.constexpr, s_l: gl.constexpr,
-          o_l: gl.constexpr, p_l: gl.constexpr, EMU: gl.constexpr, P16: gl.constexpr):
+def _step(q, k_s, v_s, k_ready, v_ready, kv_empty, sched, acc, p, m_i, l_i, j, rows, S_k, diag, qk_scale,
+          BMW: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASK: gl.constexpr,
+          s_l: gl.constexpr, o_l: gl.constexpr, p_l: gl.constexpr, EMU: gl.constexpr, P16: gl.constexpr,
+          WG: gl.constexpr, NUM_WG: gl.constexpr, SCHED: gl.constexpr):
     """Key tile j >= 1: S_j = Q K_j^T and O += P_{j-1} V_{j-1} issued together; the softmax of S_j runs while the PV
     product is on the tensor cores; then O is rescaled. P crosses iterations in fp32 and becomes the 16-bit A operand
     inside the iteration that reads it (a 16-bit P carried between the two key loops cost ptxas 32-64 PRMTs per tile
     to re-pack its halves); with P16 it crosses as that 16-bit operand, converted once the PV product that read the
-    previous one is done (half the registers: three warpgroups' 160 registers hold a 128-key tile only so)."""
+    previous one is done (half the registers: three warpgroups' 160 registers hold a 128-key tile only so).
+    SCHED: the warpgroups issue their two products in turn (FlashAttention-3's scheduler barrier: warpgroup WG waits
+    for its turn on sched[WG] and passes it on to the next), so one warpgroup's softmax runs while another's products
+    hold the tensor cores; warpgroup 0's first wait passes at once (the parity of the phase before the first)."""
     st = j % STAGES
     sp = (j - 1) % STAGES
     if P16:
@@ -97,10 +101,17 @@ def _step(q, k_s, v_s, k_ready, v_ready, kv_empty, acc, p, m_i, l_i, j, rows, S_
     else:
         pa = gl.convert_layout(p.to(q.dtype), p_l)
     mbarrier.wait(k_ready.index(st), (j // STAGES) & 1)
+    if SCHED:
+        if WG == 0:
+            mbarrier.wait(sched.index(WG), ((j - 1) & 1) ^ 1)
+        else:
+            mbarrier.wait(sched.index(WG), (j - 1) & 1)
     s_j = warpgroup_mma(q, k_s.index(st).permute((1, 0)), gl.zeros([BMW, BN], gl.float32, s_l), use_acc=False,
                         is_async=True)
     mbarrier.wait(v_ready.index(sp), ((j - 1) // STAGES) & 1)
     acc = warpgroup_mma(pa, v_s.index(sp), acc, is_async=True)
+    if SCHED:
+        mbarrier.arrive(sched.index((WG + 1) % NUM_WG))
     s_j = warpgroup_mma_wait(1, deps=[s_j])  # S_j done; the PV product may still run
     p, alpha, m_i, l_i = _softmax(s_j, m_i, l_i, j, rows, S_k, diag, qk_scale, BN, CAUSAL, MASK, s_l, EMU)
     acc, pa = warpgroup_mma_wait(0, deps=[acc, pa])
@@ -112,9 +123,10 @@ def _step(q, k_s, v_s, k_ready, v_ready, kv_empty, acc, p, m_i, l_i, j, rows, S_
 
 
 @gluon.jit
-def _pipeline(q, k_s, v_s, k_ready, v_ready, kv_empty, acc, m_i, l_i, n_kv, n_full, rows, S_k, diag, qk_scale,
+def _pipeline(q, k_s, v_s, k_ready, v_ready, kv_empty, sched, acc, m_i, l_i, n_kv, n_full, rows, S_k, diag, qk_scale,
               BMW: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, s_l: gl.constexpr,
-              o_l: gl.constexpr, p_l: gl.constexpr, EMU: gl.constexpr, P16: gl.constexpr):
+              o_l: gl.constexpr, p_l: gl.constexpr, EMU: gl.constexpr, P16: gl.constexpr, WG: gl.constexpr,
+              NUM_WG: gl.constexpr, SCHED: gl.constexpr):
     """One warpgroup's key loop over n_kv >= 1 tiles: (acc, m, l)."""
     mbarrier.wait(k_ready.index(0), 0)
     s0 = warpgroup_mma(q, k_s.index(0).permute((1, 0)), gl.zeros([BMW, BN], gl.float32, s_l), use_acc=False,
@@ -126,11 +138,13 @@ def _pipeline(q, k_s, v_s, k_ready, v_ready, kv_empty, acc, m_i, l_i, n_kv, n_fu
         p = gl.convert_layout(p.to(q.dtype), p_l)
     # tiles every row sees whole, then the masked ones (the causal diagonal, keys past S_k)
     for j in range(1, n_full):
-        acc, p, m_i, l_i = _step(q, k_s, v_s, k_ready, v_ready, kv_empty, acc, p, m_i, l_i, j, rows, S_k, diag,
-                                 qk_scale, BMW, BN, STAGES, CAUSAL, False, s_l, o_l, p_l, EMU, P16)
+        acc, p, m_i, l_i = _step(q, k_s, v_s, k_ready, v_ready, kv_empty, sched, acc, p, m_i, l_i, j, rows, S_k,
+                                 diag, qk_scale, BMW, BN, STAGES, CAUSAL, False, s_l, o_l, p_l, EMU, P16, WG, NUM_WG,
+                                 SCHED)
     for j in range(gl.maximum(n_full, 1), n_kv):
-        acc, p, m_i, l_i = _step(q, k_s, v_s, k_ready, v_ready, kv_empty, acc, p, m_i, l_i, j, rows, S_k, diag,
-                                 qk_scale, BMW, BN, STAGES, CAUSAL, True, s_l, o_l, p_l, 0, P16)
+        acc, p, m_i, l_i = _step(q, k_s, v_s, k_ready, v_ready, kv_empty, sched, acc, p, m_i, l_i, j, rows, S_k,
+                                 diag, qk_scale, BMW, BN, STAGES, CAUSAL, True, s_l, o_l, p_l, 0, P16, WG, NUM_WG,
+                                 SCHED)
     sl = (n_kv - 1) % STAGES
     if P16:
         pa = p
@@ -144,10 +158,12 @@ def _pipeline(q, k_s, v_s, k_ready, v_ready, kv_empty, acc, m_i, l_i, n_kv, n_fu
 
 
 @gluon.jit
-def _consumer(q_s, k_s, v_s, q_bar, k_ready, v_ready, kv_empty, o_ptr, res_ptr, lse_ptr, WG: gl.constexpr, q_tok0, m0,
+def _consumer(q_s, k_s, v_s, q_bar, k_ready, v_ready, kv_empty, sched, o_ptr, res_ptr, lse_ptr, WG: gl.constexpr,
+              q_tok0, m0,
               o_col, lse_base, n_kv, n_full, S_q, S_k, qk_scale, stride_o, BMW: gl.constexpr, BN: gl.constexpr,
               D: gl.constexpr, STAGES: gl.constexpr, GUARD: gl.constexpr, CAUSAL: gl.constexpr,
-              STORE_RES: gl.constexpr, EMU: gl.constexpr, P16: gl.constexpr):
+              STORE_RES: gl.constexpr, EMU: gl.constexpr, P16: gl.constexpr, NUM_WG: gl.constexpr,
+              SCHED: gl.constexpr):
     s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
     o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
     p_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
@@ -161,11 +177,13 @@ def _consumer(q_s, k_s, v_s, q_bar, k_ready, v_ready, kv_empty, o_ptr, res_ptr, 
     mbarrier.wait(q_bar, 0)
     if GUARD:  # causal or packed: a tile may see no key at all
         if n_kv > 0:
-            acc, m_i, l_i = _pipeline(q, k_s, v_s, k_ready, v_ready, kv_empty, acc, m_i, l_i, n_kv, n_full, rows, S_k,
-                                      diag, qk_scale, BMW, BN, STAGES, CAUSAL, s_l, o_l, p_l, EMU, P16)
+            acc, m_i, l_i = _pipeline(q, k_s, v_s, k_ready, v_ready, kv_empty, sched, acc, m_i, l_i, n_kv, n_full,
+                                      rows, S_k, diag, qk_scale, BMW, BN, STAGES, CAUSAL, s_l, o_l, p_l, EMU, P16, WG,
+                                      NUM_WG, SCHED)
     else:  # dense, S_k >= 1: every tile has keys
-        acc, m_i, l_i = _pipeline(q, k_s, v_s, k_ready, v_ready, kv_empty, acc, m_i, l_i, n_kv, n_full, rows, S_k,
-                                  diag, qk_scale, BMW, BN, STAGES, CAUSAL, s_l, o_l, p_l, EMU, P16)
+        acc, m_i, l_i = _pipeline(q, k_s, v_s, k_ready, v_ready, kv_empty, sched, acc, m_i, l_i, n_kv, n_full, rows,
+                                  S_k, diag, qk_scale, BMW, BN, STAGES, CAUSAL, s_l, o_l, p_l, EMU, P16, WG, NUM_WG,
+                                  SCHED)
     seen = l_i > 0.0
     l_safe = gl.where(seen, l_i, 1.0)
     l_o = gl.convert_layout(l_safe, gl.SliceLayout(1, o_l))
@@ -187,7 +205,7 @@ def flash_attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_ptr, res_ptr, lse_ptr, cu
                              qk_scale, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
                              CAUSAL: gl.constexpr, STORE_RES: gl.constexpr, VARLEN: gl.constexpr,
                              CONS_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, EMU: gl.constexpr = 0,
-                             NUM_WG: gl.constexpr = 2, P16: gl.constexpr = False):
+                             NUM_WG: gl.constexpr = 2, P16: gl.constexpr = False, SCHED: gl.constexpr = False):
     gl.static_assert(NUM_WG == 2 or NUM_WG == 3, "two or three consumer warpgroups")
     BMW: gl.constexpr = BM // NUM_WG
     if CAUSAL:  # the longest rows first
@@ -228,7 +246,10 @@ def flash_attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_ptr, res_ptr, lse_ptr, cu
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    sched = gl.allocate_shared_memory(gl.int64, [NUM_WG, 1], mbarrier.MBarrierLayout())
     mbarrier.init(q_bar, count=1)
+    for w in gl.static_range(NUM_WG):
+        mbarrier.init(sched.index(w), count=1)
     for s in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(s), count=1)
         mbarrier.init(v_ready.index(s), count=1)
@@ -237,30 +258,32 @@ def flash_attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_ptr, res_ptr, lse_ptr, cu
     GUARD: gl.constexpr = CAUSAL or VARLEN
     if NUM_WG == 2:
         gl.warp_specialize([
-            (_consumer, (q_s, k_s, v_s, q_bar, k_ready, v_ready, kv_empty, o_ptr, res_ptr, lse_ptr, 0, q_tok0, m0,
-                         h * D, lse_base, n_kv, n_full, len_q, len_k, qk_scale, stride_o, BMW, BN, D, STAGES, GUARD,
-                         CAUSAL, STORE_RES, EMU, P16)),
-            (_consumer, (q_s, k_s, v_s, q_bar, k_ready, v_ready, kv_empty, o_ptr, res_ptr, lse_ptr, 1, q_tok0, m0,
-                         h * D, lse_base, n_kv, n_full, len_q, len_k, qk_scale, stride_o, BMW, BN, D, STAGES, GUARD,
-                         CAUSAL, STORE_RES, EMU, P16)),
+            (_consumer, (q_s, k_s, v_s, q_bar, k_ready, v_ready, kv_empty, sched, o_ptr, res_ptr, lse_ptr, 0, q_tok0,
+                         m0, h * D, lse_base, n_kv, n_full, len_q, len_k, qk_scale, stride_o, BMW, BN, D, STAGES, GUARD,
+                         CAUSAL, STORE_RES, EMU, P16, NUM_WG, SCHED)),
+            (_consumer, (q_s, k_s, v_s, q_bar, k_ready, v_ready, kv_empty, sched, o_ptr, res_ptr, lse_ptr, 1, q_tok0,
+                         m0, h * D, lse_base, n_kv, n_full, len_q, len_k, qk_scale, stride_o, BMW, BN, D, STAGES, GUARD,
+                         CAUSAL, STORE_RES, EMU, P16, NUM_WG, SCHED)),
             (_loader, (q_desc, k_desc, v_desc, q_s, k_s, v_s, q_bar, k_ready, v_ready, kv_empty, q_tok0 + m0, k_tok0,
                        h * D, (h // GROUP) * D, n_kv, BMW, BN, STAGES, NUM_WG)),
         ], [4, 1], [CONS_REGS, LOADER_REGS])
     else:  # three consumer warpgroups (FlashAttention-3's 192-row tiles at head_dim 64)
         gl.warp_specialize([
-            (_consumer, (q_s, k_s, v_s, q_bar, k_ready, v_ready, kv_empty, o_ptr, res_ptr, lse_ptr, 0, q_tok0, m0,
-                         h * D, lse_base, n_kv, n_full, len_q, len_k, qk_scale, stride_o, BMW, BN, D, STAGES, GUARD,
-                         CAUSAL, STORE_RES, EMU, P16)),
-            (_consumer, (q_s, k_s, v_s, q_bar, k_ready, v_ready, kv_empty, o_ptr, res_ptr, lse_ptr, 1, q_tok0, m0,
-                         h * D, lse_base, n_kv, n_full, len_q, len_k, qk_scale, stride_o, BMW, BN, D, STAGES, GUARD,
-                         CAUSAL, STORE_RES, EMU, P16)),
-            (_consumer, (q_s, k_s, v_s, q_bar, k_ready, v_ready, kv_empty, o_ptr, res_ptr, lse_ptr, 2, q_tok0, m0,
-                         h * D, lse_base, n_kv, n_full, len_q, len_k, qk_scale, stride_o, BMW, BN, D, STAGES, GUARD,
-                         CAUSAL, STORE_RES, EMU, P16)),
+            (_consumer, (q_s, k_s, v_s, q_bar, k_ready, v_ready, kv_empty, sched, o_ptr, res_ptr, lse_ptr, 0, q_tok0,
+                         m0, h * D, lse_base, n_kv, n_full, len_q, len_k, qk_scale, stride_o, BMW, BN, D, STAGES, GUARD,
+                         CAUSAL, STORE_RES, EMU, P16, NUM_WG, SCHED)),
+            (_consumer, (q_s, k_s, v_s, q_bar, k_ready, v_ready, kv_empty, sched, o_ptr, res_ptr, lse_ptr, 1, q_tok0,
+                         m0, h * D, lse_base, n_kv, n_full, len_q, len_k, qk_scale, stride_o, BMW, BN, D, STAGES, GUARD,
+                         CAUSAL, STORE_RES, EMU, P16, NUM_WG, SCHED)),
+            (_consumer, (q_s, k_s, v_s, q_bar, k_ready, v_ready, kv_empty, sched, o_ptr, res_ptr, lse_ptr, 2, q_tok0,
+                         m0, h * D, lse_base, n_kv, n_full, len_q, len_k, qk_scale, stride_o, BMW, BN, D, STAGES, GUARD,
+                         CAUSAL, STORE_RES, EMU, P16, NUM_WG, SCHED)),
             (_loader, (q_desc, k_desc, v_desc, q_s, k_s, v_s, q_bar, k_ready, v_ready, kv_empty, q_tok0 + m0, k_tok0,
                        h * D, (h // GROUP) * D, n_kv, BMW, BN, STAGES, NUM_WG)),
         ], [4, 4, 1], [CONS_REGS, CONS_REGS, LOADER_REGS])
     mbarrier.invalidate(q_bar)
+    for w in gl.static_range(NUM_WG):
+        mbarrier.invalidate(sched.index(w))
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(k_ready.index(s))
         mbarrier.invalidate(v_ready.index(s))
@@ -300,6 +323,7 @@ def attn_fwd_ws(q, k, v, causal, softmax_scale, cfg, residual=False, varlen=None
         nbytes=e * ((3 if residual else 2) * q.numel() + k.numel() + v.numel()) + 4 * lse.numel(),
         BM=bm, BN=bn, D=D, STAGES=stages, CAUSAL=bool(causal), STORE_RES=bool(residual), VARLEN=varlen is not None,
         CONS_REGS=cfg.get("CONS_REGS", 240 if n_wg == 2 else 160), LOADER_REGS=cfg.get("LOADER_REGS", 24),
-        EMU=cfg.get("EMU", 0), NUM_WG=n_wg, P16=bool(cfg.get("P16", n_wg == 3)), num_warps=4,
+        EMU=cfg.get("EMU", 0), NUM_WG=n_wg, P16=bool(cfg.get("P16", n_wg == 3)),
+        SCHED=bool(cfg.get("SCHED", 0)), num_warps=4,
     )
     return o, lse, o_res
