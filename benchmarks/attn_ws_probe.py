@@ -46,14 +46,13 @@ def time_all(fns, rounds=12, calls=5):
 def grid(D):
     """Gluon configs: EMU of every 8 exponentials of unmasked tiles on the FMA pipes (triforge.ops._tl.exp2_emu)."""
     if D == 128:
-        return [{"BLOCK_N": 128, "num_stages": 3, "EMU": 0}, {"BLOCK_N": 128, "num_stages": 2, "EMU": 0, "PERSIST": 1}]
+        return [{"BLOCK_N": 128, "num_stages": 3, "EMU": 0, "SCHED": sc} for sc in (0, 1)]
     # D = 64: two warpgroups (128-row tiles), and FlashAttention-3's three (192-row tiles, 128-key tiles, P carried
     # in 16 bits: session 52; its call 2 also timed EMU 1-2, 2 stages and 64-key tiles there: all slower)
     # SCHED: the warpgroups take turns issuing their products (FlashAttention-3's scheduler barrier)
     # (session 52 call 4: SCHED 1.03-1.04x at three warpgroups, no gain at two; 4 slots ahead of 3); EMU with it
-    # (call 5: EMU 1-2 slower with it); PERSIST: one program per SM taking query tiles in turn
-    return [{"BLOCK_N": 128, "num_stages": 4, "EMU": 0, "NUM_WG": 3, "SCHED": 1, "PERSIST": pe} for pe in (0, 1)] + [
-        {"BLOCK_N": 128, "num_stages": 3, "EMU": 0, "NUM_WG": 3, "SCHED": 1, "PERSIST": 1}]
+    return [{"BLOCK_N": 128, "num_stages": 4, "EMU": e, "NUM_WG": 3, "SCHED": 1} for e in (0, 1, 2)] + [
+        {"BLOCK_N": 128, "num_stages": 4, "EMU": 0, "NUM_WG": 3, "SCHED": 0}]
 
 
 def triton_grid(D, causal):
@@ -86,7 +85,7 @@ def run(B, H, S, D, causal, gluon=True, triton_tiles=True):
 
     fns = {"cudnn": cudnn, "triton": lambda: triforge.flash_attn_func(q, k, v, causal=causal)}
     cands = [(f"gluon w{c.get('NUM_WG', 2)} n{c['BLOCK_N']} s{c['num_stages']} e{c['EMU']} p{c.get('P16', '-')}"
-              f" sc{c.get('SCHED', 0)} pe{c.get('PERSIST', 0)}", c,
+              f" sc{c.get('SCHED', 0)}", c,
               attn_fwd_ws) for c in grid(D) if gluon]
     cands += [(f"triton {c['BLOCK_M']}x{c['BLOCK_N']}w{c['num_warps']}s{c['num_stages']}t{c.get('TMA', 0)}"
                f"g{c.get('GUARD', 1)} e{c['EMU']}", c, attention.attn_fwd) for c in (triton_grid(D, causal) if triton_tiles else [])]
