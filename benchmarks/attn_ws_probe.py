@@ -20,6 +20,8 @@ import triforge
 from triforge.ops import attention
 from triforge.ops.attention.forward_ws import attn_fwd_ws
 
+import attn_ws_persist  # noqa: E402,I001  (benchmarks/, this script's folder, is on the path)
+
 SHAPES = ["16x16x2048x64", "8x16x4096x64", "4x16x8192x128", "2x16x16384x128"]
 
 
@@ -44,15 +46,14 @@ def time_all(fns, rounds=12, calls=5):
 
 
 def grid(D):
-    """Gluon configs: EMU of every 8 exponentials of unmasked tiles on the FMA pipes (triforge.ops._tl.exp2_emu)."""
+    """Gluon configs (the entries in use). Session 52: at D = 64 FlashAttention-3's three consumer warpgroups (192-row
+    tiles, 128-key tiles, P carried in 16 bits) with SCHED, the warpgroups taking turns at the tensor cores (call 2:
+    EMU 1-2, 2 stages and 64-key tiles slower; call 4: SCHED 1.03-1.04x at three warpgroups, none at two; call 5: EMU
+    1-2 slower with SCHED); two warpgroups for comparison."""
     if D == 128:
-        return [{"BLOCK_N": 128, "num_stages": 3, "EMU": 0, "SCHED": sc} for sc in (0, 1)]
-    # D = 64: two warpgroups (128-row tiles), and FlashAttention-3's three (192-row tiles, 128-key tiles, P carried
-    # in 16 bits: session 52; its call 2 also timed EMU 1-2, 2 stages and 64-key tiles there: all slower)
-    # SCHED: the warpgroups take turns issuing their products (FlashAttention-3's scheduler barrier)
-    # (session 52 call 4: SCHED 1.03-1.04x at three warpgroups, no gain at two; 4 slots ahead of 3); EMU with it
-    return [{"BLOCK_N": 128, "num_stages": 4, "EMU": e, "NUM_WG": 3, "SCHED": 1} for e in (0, 1, 2)] + [
-        {"BLOCK_N": 128, "num_stages": 4, "EMU": 0, "NUM_WG": 3, "SCHED": 0}]
+        return [{"BLOCK_N": 128, "num_stages": 3, "EMU": 0}]
+    return [{"BLOCK_N": 128, "num_stages": 4, "EMU": 0, "NUM_WG": 3, "SCHED": 1},
+            {"BLOCK_N": 128, "num_stages": 4, "EMU": 0}]
 
 
 def triton_grid(D, causal):
@@ -87,6 +88,12 @@ def run(B, H, S, D, causal, gluon=True, triton_tiles=True):
     cands = [(f"gluon w{c.get('NUM_WG', 2)} n{c['BLOCK_N']} s{c['num_stages']} e{c['EMU']} p{c.get('P16', '-')}"
               f" sc{c.get('SCHED', 0)}", c,
               attn_fwd_ws) for c in grid(D) if gluon]
+    if gluon:  # benchmarks/attn_ws_persist.py: the same kernel walking work items, one (pe0) or persistent (pe1)
+        for c in grid(D):
+            for pe in (0, 1):
+                cp = dict(c, PERSIST=pe, num_stages=c["num_stages"] - (pe and D == 128))
+                cands.append((f"walk w{c.get('NUM_WG', 2)} s{cp['num_stages']} sc{c.get('SCHED', 0)} pe{pe}", cp,
+                              attn_ws_persist.attn_fwd_ws))
     cands += [(f"triton {c['BLOCK_M']}x{c['BLOCK_N']}w{c['num_warps']}s{c['num_stages']}t{c.get('TMA', 0)}"
                f"g{c.get('GUARD', 1)} e{c['EMU']}", c, attention.attn_fwd) for c in (triton_grid(D, causal) if triton_tiles else [])]
     for name, cfg, fn in cands:
