@@ -153,21 +153,21 @@ def _step(q, k_s, v_s, k_ready, v_ready, kv_empty, sched, acc, p, m_i, l_i, j, i
     SCHED: the warpgroups issue their two products in turn (FlashAttention-3's scheduler barrier: warpgroup WG waits
     for its turn on sched[WG] and passes it on to the next), so one warpgroup's softmax runs while another's products
     hold the tensor cores; warpgroup 0's first wait passes at once (the parity of the phase before the first)."""
-    st = it % STAGES  # it: the ring position of key tile j (sc: this warpgroup's turns taken so far)
-    sp = (it - 1) % STAGES
+    st = (it % STAGES).to(gl.int32)  # it: the ring position of key tile j (sc: this warpgroup's turns so far)
+    sp = ((it - 1) % STAGES).to(gl.int32)
     if P16:
         pa = p
     else:
         pa = gl.convert_layout(p.to(q.dtype), p_l)
-    mbarrier.wait(k_ready.index(st), (it // STAGES) & 1)
+    mbarrier.wait(k_ready.index(st), ((it // STAGES) & 1).to(gl.int32))
     if SCHED:
         if WG == 0:
-            mbarrier.wait(sched.index(WG), (sc & 1) ^ 1)
+            mbarrier.wait(sched.index(WG), ((sc & 1) ^ 1).to(gl.int32))
         else:
-            mbarrier.wait(sched.index(WG), sc & 1)
+            mbarrier.wait(sched.index(WG), (sc & 1).to(gl.int32))
     s_j = warpgroup_mma(q, k_s.index(st).permute((1, 0)), gl.zeros([BMW, BN], gl.float32, s_l), use_acc=False,
                         is_async=True)
-    mbarrier.wait(v_ready.index(sp), ((it - 1) // STAGES) & 1)
+    mbarrier.wait(v_ready.index(sp), (((it - 1) // STAGES) & 1).to(gl.int32))
     acc = warpgroup_mma(pa, v_s.index(sp), acc, is_async=True)
     if SCHED:
         mbarrier.arrive(sched.index((WG + 1) % NUM_WG))
@@ -189,8 +189,9 @@ def _pipeline(q, k_s, v_s, k_ready, v_ready, kv_empty, sched, acc, m_i, l_i, n_k
               NUM_WG: gl.constexpr, SCHED: gl.constexpr):
     """One warpgroup's key loop over n_kv >= 1 tiles, the first at ring position it0 (sc0: scheduler turns taken
     before): (acc, m, l)."""
-    mbarrier.wait(k_ready.index(it0 % STAGES), (it0 // STAGES) & 1)
-    s0 = warpgroup_mma(q, k_s.index(it0 % STAGES).permute((1, 0)), gl.zeros([BMW, BN], gl.float32, s_l), use_acc=False,
+    s_first = (it0 % STAGES).to(gl.int32)
+    mbarrier.wait(k_ready.index(s_first), ((it0 // STAGES) & 1).to(gl.int32))
+    s0 = warpgroup_mma(q, k_s.index(s_first).permute((1, 0)), gl.zeros([BMW, BN], gl.float32, s_l), use_acc=False,
                        is_async=True)
     s0 = warpgroup_mma_wait(0, deps=[s0])
     # the first tile takes the masked path whether or not it needs it (once per program: no branch)
@@ -208,12 +209,12 @@ def _pipeline(q, k_s, v_s, k_ready, v_ready, kv_empty, sched, acc, m_i, l_i, n_k
                                  sc0 + j - 1, rows, S_k,
                                  diag, qk_scale, BMW, BN, STAGES, CAUSAL, True, s_l, o_l, p_l, 0, P16, WG, NUM_WG,
                                  SCHED)
-    sl = (it0 + n_kv - 1) % STAGES
+    sl = ((it0 + n_kv - 1) % STAGES).to(gl.int32)
     if P16:
         pa = p
     else:
         pa = gl.convert_layout(p.to(q.dtype), p_l)
-    mbarrier.wait(v_ready.index(sl), ((it0 + n_kv - 1) // STAGES) & 1)
+    mbarrier.wait(v_ready.index(sl), (((it0 + n_kv - 1) // STAGES) & 1).to(gl.int32))
     acc = warpgroup_mma(pa, v_s.index(sl), acc, is_async=True)
     acc, pa = warpgroup_mma_wait(0, deps=[acc, pa])
     mbarrier.arrive(kv_empty.index(sl))
@@ -226,13 +227,15 @@ def _consumer(q_s, k_s, v_s, q_bar, q_empty, k_ready, v_ready, kv_empty, sched, 
               BMW: gl.constexpr, BN: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, QBUF: gl.constexpr,
               GUARD: gl.constexpr, CAUSAL: gl.constexpr, VARLEN: gl.constexpr, PERSIST: gl.constexpr,
               STORE_RES: gl.constexpr, EMU: gl.constexpr, P16: gl.constexpr, NUM_WG: gl.constexpr,
-              SCHED: gl.constexpr):
+              SCHED: gl.constexpr, RECOMP: gl.constexpr):
     s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
     o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
     p_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
     stride_o = H * D
-    it0 = 0  # the ring position of this work item's first key tile
-    sc0 = 0  # scheduler turns taken (SCHED)
+    # the ring position of this work item's first key tile, and the scheduler turns taken (SCHED): unsigned, so that
+    # the ring's slot and phase are a mask and a shift (int32: signed-division fix-ups in the key loop)
+    it0 = gl.to_tensor(0).to(gl.uint32)
+    sc0 = gl.to_tensor(0).to(gl.uint32)
     i = 0
     for t in range(t0, n_m * n_bh, t_step):
         m0, h, q_tok0, k_tok0, len_q, len_k, lse_base, n_kv, n_full = _tile(t, n_m, n_bh, H, S_q, S_k, cu_q_ptr,
@@ -255,6 +258,10 @@ def _consumer(q_s, k_s, v_s, q_bar, q_empty, k_ready, v_ready, kv_empty, sched, 
                                       it0, sc0, rows, len_k, diag, qk_scale, BMW, BN, STAGES, CAUSAL, s_l, o_l, p_l,
                                       EMU, P16, WG, NUM_WG, SCHED)
         mbarrier.arrive(q_empty.index(qb))  # this Q read: the loader may refill its buffer
+        if RECOMP:  # the epilogue's values recomputed, not held in registers across the key loop
+            m0, h, q_tok0, k_tok0, len_q, len_k, lse_base, n_kv, n_full = _tile(
+                t, n_m, n_bh, H, S_q, S_k, cu_q_ptr, cu_k_ptr, BM, BN, CAUSAL, VARLEN, PERSIST)
+            rows = m0 + WG * BMW + gl.arange(0, BMW, layout=gl.SliceLayout(1, s_l))
         seen = l_i > 0.0
         l_safe = gl.where(seen, l_i, 1.0)
         l_o = gl.convert_layout(l_safe, gl.SliceLayout(1, o_l))
@@ -269,8 +276,8 @@ def _consumer(q_s, k_s, v_s, q_bar, q_empty, k_ready, v_ready, kv_empty, sched, 
             gl.store(res_ptr + off, (o - o16.to(gl.float32)).to(o_ptr.dtype.element_ty), mask=m_o)
         lse = gl.where(seen, (m_i + gl.log2(l_safe)) * LN2, float("-inf"))
         gl.store(lse_ptr + lse_base + rows, lse, mask=rows < len_q)
-        it0 += n_kv
-        sc0 += gl.maximum(n_kv - 1, 0)
+        it0 += n_kv.to(gl.uint32)
+        sc0 += gl.maximum(n_kv - 1, 0).to(gl.uint32)
         i += 1
 
 
@@ -280,7 +287,7 @@ def flash_attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_ptr, res_ptr, lse_ptr, cu
                              STAGES: gl.constexpr, CAUSAL: gl.constexpr, STORE_RES: gl.constexpr, VARLEN: gl.constexpr,
                              CONS_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, EMU: gl.constexpr = 0,
                              NUM_WG: gl.constexpr = 2, P16: gl.constexpr = False, SCHED: gl.constexpr = False,
-                             PERSIST: gl.constexpr = False, QBUF: gl.constexpr = 1):
+                             PERSIST: gl.constexpr = False, QBUF: gl.constexpr = 1, RECOMP: gl.constexpr = False):
     """n_m x n_bh work items (query tiles x batch-heads). The grid (n_m, n_bh) runs one each; PERSIST: a grid of
     resident programs takes items t = pid, pid + programs, ... with QBUF (2) Q buffers, so the loader fetches the next
     item's Q and first K/V tiles while the consumers finish the current one."""
@@ -316,10 +323,10 @@ def flash_attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_ptr, res_ptr, lse_ptr, cu
         gl.warp_specialize([
             (_consumer, (q_s, k_s, v_s, q_bar, q_empty, k_ready, v_ready, kv_empty, sched, o_ptr, res_ptr, lse_ptr, 0,
                          t0, t_step, n_m, n_bh, H, S_q, S_k, cu_q_ptr, cu_k_ptr, qk_scale, BM, BMW, BN, D, STAGES,
-                         QBUF, GUARD, CAUSAL, VARLEN, PERSIST, STORE_RES, EMU, P16, NUM_WG, SCHED)),
+                         QBUF, GUARD, CAUSAL, VARLEN, PERSIST, STORE_RES, EMU, P16, NUM_WG, SCHED, RECOMP)),
             (_consumer, (q_s, k_s, v_s, q_bar, q_empty, k_ready, v_ready, kv_empty, sched, o_ptr, res_ptr, lse_ptr, 1,
                          t0, t_step, n_m, n_bh, H, S_q, S_k, cu_q_ptr, cu_k_ptr, qk_scale, BM, BMW, BN, D, STAGES,
-                         QBUF, GUARD, CAUSAL, VARLEN, PERSIST, STORE_RES, EMU, P16, NUM_WG, SCHED)),
+                         QBUF, GUARD, CAUSAL, VARLEN, PERSIST, STORE_RES, EMU, P16, NUM_WG, SCHED, RECOMP)),
             (_loader, (q_desc, k_desc, v_desc, q_s, k_s, v_s, q_bar, q_empty, k_ready, v_ready, kv_empty, t0, t_step,
                        n_m, n_bh, H, GROUP, S_q, S_k, cu_q_ptr, cu_k_ptr, D, BM, BMW, BN, STAGES, NUM_WG, QBUF, CAUSAL,
                        VARLEN, PERSIST)),
@@ -328,13 +335,13 @@ def flash_attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_ptr, res_ptr, lse_ptr, cu
         gl.warp_specialize([
             (_consumer, (q_s, k_s, v_s, q_bar, q_empty, k_ready, v_ready, kv_empty, sched, o_ptr, res_ptr, lse_ptr, 0,
                          t0, t_step, n_m, n_bh, H, S_q, S_k, cu_q_ptr, cu_k_ptr, qk_scale, BM, BMW, BN, D, STAGES,
-                         QBUF, GUARD, CAUSAL, VARLEN, PERSIST, STORE_RES, EMU, P16, NUM_WG, SCHED)),
+                         QBUF, GUARD, CAUSAL, VARLEN, PERSIST, STORE_RES, EMU, P16, NUM_WG, SCHED, RECOMP)),
             (_consumer, (q_s, k_s, v_s, q_bar, q_empty, k_ready, v_ready, kv_empty, sched, o_ptr, res_ptr, lse_ptr, 1,
                          t0, t_step, n_m, n_bh, H, S_q, S_k, cu_q_ptr, cu_k_ptr, qk_scale, BM, BMW, BN, D, STAGES,
-                         QBUF, GUARD, CAUSAL, VARLEN, PERSIST, STORE_RES, EMU, P16, NUM_WG, SCHED)),
+                         QBUF, GUARD, CAUSAL, VARLEN, PERSIST, STORE_RES, EMU, P16, NUM_WG, SCHED, RECOMP)),
             (_consumer, (q_s, k_s, v_s, q_bar, q_empty, k_ready, v_ready, kv_empty, sched, o_ptr, res_ptr, lse_ptr, 2,
                          t0, t_step, n_m, n_bh, H, S_q, S_k, cu_q_ptr, cu_k_ptr, qk_scale, BM, BMW, BN, D, STAGES,
-                         QBUF, GUARD, CAUSAL, VARLEN, PERSIST, STORE_RES, EMU, P16, NUM_WG, SCHED)),
+                         QBUF, GUARD, CAUSAL, VARLEN, PERSIST, STORE_RES, EMU, P16, NUM_WG, SCHED, RECOMP)),
             (_loader, (q_desc, k_desc, v_desc, q_s, k_s, v_s, q_bar, q_empty, k_ready, v_ready, kv_empty, t0, t_step,
                        n_m, n_bh, H, GROUP, S_q, S_k, cu_q_ptr, cu_k_ptr, D, BM, BMW, BN, STAGES, NUM_WG, QBUF, CAUSAL,
                        VARLEN, PERSIST)),
@@ -387,6 +394,7 @@ def attn_fwd_ws(q, k, v, causal, softmax_scale, cfg, residual=False, varlen=None
         BM=bm, BN=bn, D=D, STAGES=stages, CAUSAL=bool(causal), STORE_RES=bool(residual), VARLEN=varlen is not None,
         CONS_REGS=cfg.get("CONS_REGS", 240 if n_wg == 2 else 160), LOADER_REGS=cfg.get("LOADER_REGS", 24),
         EMU=cfg.get("EMU", 0), NUM_WG=n_wg, P16=bool(cfg.get("P16", n_wg == 3)),
-        SCHED=bool(cfg.get("SCHED", 0)), PERSIST=persist, QBUF=2 if persist else 1, num_warps=4,
+        SCHED=bool(cfg.get("SCHED", 0)), PERSIST=persist, QBUF=2 if persist else 1,
+        RECOMP=bool(cfg.get("RECOMP", 0)), num_warps=4,
     )
     return o, lse, o_res

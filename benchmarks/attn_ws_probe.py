@@ -91,7 +91,7 @@ def run(B, H, S, D, causal, gluon=True, triton_tiles=True):
     if gluon:  # benchmarks/attn_ws_persist.py: the same kernel walking work items, one (pe0) or persistent (pe1)
         for c in grid(D):
             for pe in (0, 1):
-                cp = dict(c, PERSIST=pe, num_stages=c["num_stages"] - (pe and D == 128))
+                cp = dict(c, PERSIST=pe, RECOMP=1, num_stages=c["num_stages"] - (pe and D == 128))
                 cands.append((f"walk w{c.get('NUM_WG', 2)} s{cp['num_stages']} sc{c.get('SCHED', 0)} pe{pe}", cp,
                               attn_ws_persist.attn_fwd_ws))
     cands += [(f"triton {c['BLOCK_M']}x{c['BLOCK_N']}w{c['num_warps']}s{c['num_stages']}t{c.get('TMA', 0)}"
