@@ -1,28 +1,18 @@
-"""PROBE (session 52): forward_ws.py restructured so that every partition walks work items (PERSIST: one program per
-SM takes query tiles in turn, two Q buffers). Timed against the library's forward_ws.py by benchmarks/attn_ws_probe.py.
+"""A probe (session 52): triforge/ops/attention/forward_ws.py restructured so that every partition walks work items
+(query tiles x batch-heads), one per program or, with PERSIST, a grid of one program per SM taking items in turn with
+two Q buffers (the loader fetches the next item's Q and K/V while the consumers finish the current one).
+benchmarks/attn_ws_probe.py times it beside the library kernel in one process (``walk ... pe0 / pe1`` rows).
 
-Attention forward for Hopper (sm90), warp-specialized in Gluon: FlashAttention-3's structure.
-
-Used by ``attn_fwd`` where the sm90 config says ``GLUON`` (16-bit q/k/v contiguous as [B, S, H, D] or packed
-[T, H, D] sequences, head_dim 64 or 128, compiled on sm90); the Triton kernel (forward.py) serves every other case and
-the interpreter.
-Gluon (triton.experimental.gluon) states layouts, shared memory, mbarriers and the warp partition explicitly; it has
-no interpreter, so this file is imported only on that path.
-
-One program = one (batch, head, 128 query rows) tile, heaviest tiles first under causal masking; three partitions:
-- a loader warp: the two 64-row halves of Q once, then K and V tiles of BN keys by TMA into a ring of STAGES slots
-  (``k_ready`` / ``v_ready`` mbarriers with the byte count; a slot is refilled once both consumers released it on
-  ``kv_empty``);
-- two consumer warpgroups, 64 query rows each: S = Q K^T by wgmma from shared memory, the online softmax in registers
-  (log2 domain), P converted in registers into the A operand of O += P V (V from shared memory). S_j and P_{j-1} V_{j-1}
-  are issued together and the softmax of S_j runs while the PV product is on the tensor cores (FA3's intra-warpgroup
-  overlap); the two warpgroups interleave on their own.
-
-Masks: the descriptors view q/k/v as [B S, H D] (packed: [T, H D]) matrices, one row per token, so a tile that crosses
-the end of a sequence reads the next sequence's rows (or TMA's zero fill past the tensor): their scores are set to
--inf (keys >= S_k; causal: key j > query i + S_k - S_q, bottom-right aligned, per sequence) and query rows >= S_q are
-not stored.
-A row that sees no key gets o = 0 and lse = -inf (the max is taken as 0 there: no -inf - -inf).
+Measured on the H200 (session 52, calls 6-9; logs in benchmarks/results/logs-2026-11-29-session52/):
+- D = 64, three warpgroups + SCHED, non-causal: persistent 0.634 ms at (16, 16, 2048) = 1.003x cuDNN against the
+  library's 0.660 (0.963x); at (8, 16, 4096) 1.186 against 1.182 (equal). Causal: still under the Triton kernel
+  (two warpgroups persistent 0.936-0.988x of it).
+- The one-item path (pe0) is slower than the library kernel: 1.3% at D = 64 (after unsigned ring counters and RECOMP
+  took the hot loop back to the library's 450 instructions), 5.5% / 2.3% at D = 128 non-causal / causal with the
+  same hot loop (457 instructions) as the library: the difference is outside the key loop and not found.
+- D = 128 persistent (2 stages to fit two Q buffers): 0.67-0.70x cuDNN.
+Not in the library: at D = 128 it would cost the margin the entry has over cuDNN; a D = 64 non-causal entry would
+need this form beside the library's (a second kernel) and its GPU tests. _softmax is the library's.
 """
 
 import torch
@@ -32,15 +22,8 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from triforge import _runtime, launch
-from triforge.ops._tl import EXP2_ASM, EXP2_CONSTRAINTS, EXP2_PACK
 from triforge.ops.attention.forward import LN2, LOG2E
-
-
-@gluon.jit
-def _exp2(x, EMU: gl.constexpr):
-    """2^x with EMU (1-8) of every 8 exponentials on the FMA pipes (triforge.ops._tl.exp2_emu: the same PTX)."""
-    gl.static_assert(0 < EMU and EMU <= 8, "EMU is 0-8 of every 8")
-    return gl.inline_asm_elementwise(EXP2_ASM[EMU], EXP2_CONSTRAINTS, [x], gl.float32, True, EXP2_PACK)
+from triforge.ops.attention.forward_ws import _softmax  # the library's (unchanged here)
 
 
 @gluon.jit
@@ -113,31 +96,6 @@ def _loader(q_desc, k_desc, v_desc, q_s, k_s, v_s, q_bar, q_empty, k_ready, v_re
             tma.async_copy_global_to_shared(v_desc, [row, kv_col], v_ready.index(s), v_s.index(s))
             it += 1
         i += 1
-
-
-@gluon.jit
-def _softmax(s, m_i, l_i, j, rows, S_k, diag, qk_scale, BN: gl.constexpr, CAUSAL: gl.constexpr, MASK: gl.constexpr,
-             s_l: gl.constexpr, EMU: gl.constexpr):
-    """One key tile of the online softmax: (p, alpha, m, l). MASK: keys >= S_k (causal: key > row + diag) score -inf,
-    and a row that has seen no key yet takes 0 as its max (no -inf - -inf). Without MASK every key of the tile is
-    visible to every row, so the new max is finite (and EMU of every 8 exponentials may go to the FMA pipes)."""
-    if MASK:
-        cols = j * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, s_l))
-        valid = (cols < S_k)[None, :]
-        if CAUSAL:
-            valid = valid & (cols[None, :] <= (rows + diag)[:, None])
-        s = gl.where(valid, s, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
-    if MASK:
-        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-    else:
-        m_use = m_new
-    if MASK or EMU == 0:
-        p = gl.exp2(s * qk_scale - m_use[:, None])
-    else:
-        p = _exp2(s * qk_scale - m_use[:, None], EMU)
-    alpha = gl.exp2(m_i - m_use)
-    return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
 
 
 @gluon.jit

@@ -1,4 +1,11 @@
-"""A warp-specialized M <= 16 ternary matmul in Gluon for Hopper (issue 6): a probe, not yet the library's.
+"""A warp-specialized M <= 16 ternary matmul in Gluon for Hopper (issue 6): a probe, not the library's.
+
+Measured (session 52, H200, benchmarks/ternary_floor_probe.py ``wsk`` rows, CUDA-graph replay over code copies past
+the L2): it matches the float64 product, and it is slower than the library kernel: 8192^2 M = 1 12.3 us at two
+programs per SM (14.0-14.8 at one) against ``ternary.matmul``'s 10.3; 28672 x 8192 33.5 against 30.4. Its own TMA ring
+with a consumer that only waits and releases (``ws`` rows, 4 KB boxes) already takes 9.5 us at 8192^2 (the plain
+register stream of the same bytes 5.8, Triton's pipelined descriptor loads of 16 KB boxes 6.9): the approach was
+stopped there (NOTES, session 52).
 
 Session 51 found the library's M = 1 kernel (triforge/ops/ternary/tc.py) bound by a per-step chain that nothing
 overlaps: the code words' load, their decode, the x tile staged in shared memory behind CTA barriers, one wgmma and a
