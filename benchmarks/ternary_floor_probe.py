@@ -213,9 +213,13 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json")
     ap.add_argument("--shapes", nargs="*", default=["8192x8192", "28672x8192", "8192x28672"])
-    ap.add_argument("--only", nargs="*", help="time only the rows whose key starts with one of these (e.g. ws wsk op)")
+    ap.add_argument("--only", nargs="*", help="time only these row families (the key before its '[': e.g. ws wsk op "
+                    "op_fixup reduce flat pattern tma)")
     args = ap.parse_args()
     _runtime.require_gpu("ternary_floor_probe")
+
+    def wanted(key):
+        return not args.only or key.split("[")[0] in args.only
     name = torch.cuda.get_device_name()
     copy = bench.peaks()["copy_tbps"]  # bytes read + written per second of a large copy (the bench's % of copy)
     launch.use_tensor_descriptors()
@@ -297,7 +301,7 @@ def main():
                     timed[f"ws[st={st},pps={pps},x={int(xx)}]"] = ws
         ref64 = matmul_dense_ref(sets[0][0], tt)
         ws_descs = {}
-        for st in (4, 8, 12):
+        for st in (4, 8, 12) if wanted("wsk") else ():
             for two in (False, True):
                 cfg_ws = dict(wsk.TWO_PER_SM, STAGES=st) if two else {"STAGES": st, "programs_per_sm": 1}
                 key = f"wsk[st={st},{'2 per SM, maxnreg 80' if two else '1 per SM'}]"
@@ -311,7 +315,7 @@ def main():
                     continue
                 timed[key] = (lambda s, cfg_ws=cfg_ws: wsk.ternary_ws_matmul(s[0], tt, s[1], cfg_ws, ws_descs))
         for key, call in timed.items():
-            if args.only and not any(key.startswith(p) for p in args.only):
+            if not wanted(key):
                 continue
             try:
                 if key.startswith("op"):

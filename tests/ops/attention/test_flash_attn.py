@@ -1209,7 +1209,7 @@ for case in json.loads(sys.argv[1]):
     n_wg = case.get("NUM_WG", 2)
     consts = dict(BM=64 * n_wg, BN=bn, D=D, STAGES=st, CAUSAL=case["causal"], STORE_RES=case["res"],
                   VARLEN=case.get("varlen", False), CONS_REGS=240 if n_wg == 2 else 160, LOADER_REGS=24,
-                  EMU=case.get("EMU", 0), NUM_WG=n_wg, P16=n_wg == 3)
+                  EMU=case.get("EMU", 0), NUM_WG=n_wg, P16=n_wg == 3, SCHED=bool(case.get("SCHED", 0)))
     types = {"q_desc": f"tensordesc<{dt}[64, {D}],{ql!r}>", "k_desc": f"tensordesc<{dt}[{bn}, {D}],{kl!r}>",
              "v_desc": f"tensordesc<{dt}[{bn}, {D}],{kl!r}>", "o_ptr": f"*{dt}", "res_ptr": f"*{dt}",
              "lse_ptr": "*fp32", "cu_q_ptr": "*i32", "cu_k_ptr": "*i32", "qk_scale": "fp32"}
@@ -1262,12 +1262,14 @@ def test_gluon_forward_compiles_for_sm90():
 
 def test_gluon_forward_three_warpgroups_compiles_for_sm90():
     """The D = 64 form with three consumer warpgroups (192-row tiles, 128-key tiles, NUM_WG 3, P carried as the 16-bit
-    operand, 160 registers per consumer thread: the most three warpgroups and the loader can take) as the H100 builds
-    it: no spill, the wgmma pipeline asynchronous, one unmasked key loop per warpgroup with its 12 wgmma and the tile's
-    64 exponentials (+ alpha's); the 16-bit carry costs at most one PRMT per P register pair (32); with P in fp32 the
-    tile does not fit (session 37 ran 64-key tiles there; session 52 measured both)."""
-    cases = [dict(D=64, BLOCK_N=128, num_stages=3, dtype=dt, causal=c, res=r, NUM_WG=3)
-             for dt, c, r in (("bf16", False, False), ("fp16", True, True))]
+    operand; the worker consumer warpgroups at 160 registers, the default partition's at the launch's rest, 168) as the
+    H100 builds it, with and without the scheduler barrier (the H200's entry: 4 slots, SCHED): no spill, the wgmma
+    pipeline asynchronous, one unmasked key loop per warpgroup with its 12 wgmma and the tile's 64 exponentials
+    (+ alpha's); the 16-bit carry costs at most one PRMT per P register pair (32); with P in fp32 the tile does not fit
+    (session 37 ran 64-key tiles there; session 52 measured both)."""
+    cases = [dict(D=64, BLOCK_N=128, num_stages=st, dtype=dt, causal=c, res=r, NUM_WG=3, SCHED=sc)
+             for dt, c, r, st, sc in (("bf16", False, False, 4, 1), ("fp16", True, True, 4, 1),
+                                      ("bf16", False, True, 3, 0))]
     for r in _sm90_compile(cases, _SM90_GLUON):
         assert r["shared"] <= 227 * 1024 and not r["serialized"] and r["spill_stores"] == 0, r
         hot = [lp for lp in r["loops"] if "FSEL" not in lp]

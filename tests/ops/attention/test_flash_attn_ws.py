@@ -41,11 +41,13 @@ SHAPES = [
 CFGS = [{"BLOCK_N": 128, "num_stages": 2}, {"BLOCK_N": 128, "num_stages": 3}, {"BLOCK_N": 64, "num_stages": 4},
         {"BLOCK_N": 128, "num_stages": 3, "EMU": 3}, {"BLOCK_N": 128, "num_stages": 3, "NUM_WG": 3},
         {"BLOCK_N": 64, "num_stages": 4, "NUM_WG": 3, "P16": 0}, {"BLOCK_N": 128, "num_stages": 2, "P16": 1},
-        {"BLOCK_N": 128, "num_stages": 3, "SCHED": 1}, {"BLOCK_N": 128, "num_stages": 2, "NUM_WG": 3, "SCHED": 1}]
+        {"BLOCK_N": 128, "num_stages": 3, "SCHED": 1}, {"BLOCK_N": 128, "num_stages": 2, "NUM_WG": 3, "SCHED": 1},
+        {"BLOCK_N": 128, "num_stages": 4, "NUM_WG": 3, "SCHED": 1}]  # the last: the H200's D = 64 entry
 
 
 def _cfg_id(c):
-    return (f"w{c.get('NUM_WG', 2)}n{c['BLOCK_N']}s{c['num_stages']}e{c.get('EMU', 0)}p{c.get('P16', '-')}"
+    p16 = c.get("P16", int(c.get("NUM_WG", 2) == 3))
+    return (f"w{c.get('NUM_WG', 2)}n{c['BLOCK_N']}s{c['num_stages']}e{c.get('EMU', 0)}p{p16}"
             f"sc{c.get('SCHED', 0)}")
 
 
@@ -94,13 +96,20 @@ def test_large_scores(dtype, causal):
         assert torch.isfinite(o).all()
 
 
-@pytest.mark.parametrize("n_wg", [2, 3])
+# (D, causal, cfg): the last is the H200's D = 64 non-causal entry (a training forward stores the residual there)
+RES_FORMS = [(128, True, {"BLOCK_N": 128, "num_stages": 3}),
+             (128, True, {"BLOCK_N": 128, "num_stages": 2, "NUM_WG": 3}),
+             (64, False, {"BLOCK_N": 128, "num_stages": 4, "NUM_WG": 3, "SCHED": 1})]
+
+
+@pytest.mark.parametrize("form", RES_FORMS, ids=lambda f: f"D{f[0]}-{'causal' if f[1] else 'full'}-{_cfg_id(f[2])}")
 @pytest.mark.parametrize("dtype", F16, ids=F16_IDS)
-def test_rounding_residual(dtype, n_wg):
+def test_rounding_residual(dtype, form):
     """o_res is the rounding error of o from the kernel's fp32 result: within half a spacing of o (so o + o_res rounds
     back to o but at ties), mostly nonzero, and o + o_res no farther from the reference than o on average."""
-    q, k, v = _qkv(2, 333, 333, 4, 4, 128, dtype, seed=3)
-    o, _, o_res, ref = _check(q, k, v, True, dtype, dict(CFGS[1], NUM_WG=n_wg, num_stages=5 - n_wg), residual=True)
+    D, causal, cfg = form
+    q, k, v = _qkv(2, 333, 333, 4, 4, D, dtype, seed=3)
+    o, _, o_res, ref = _check(q, k, v, causal, dtype, cfg, residual=True)
     assert o_res.shape == o.shape and o_res.dtype == o.dtype
     eps = torch.finfo(dtype).eps
     assert (o_res.float().abs() <= eps * o.float().abs() + 1e-30).all()

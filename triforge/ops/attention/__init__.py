@@ -76,8 +76,9 @@ def _c(bm, bn, w, s, **variant):
 # - WARP_SPEC (forward, needs TMA): Triton's Hopper warp specialization: a producer warpgroup issues
 #   the TMA loads, num_warps compute warps form two consumer warpgroups of BLOCK_M / 2 rows each
 #   (3 warpgroups in all); one key loop with every tile masked when causal or Sk % BLOCK_N != 0.
-# - GLUON (forward, sm90 configs only): {BLOCK_N, num_stages} of forward_ws.py's warp-specialized Gluon kernel (a TMA
-#   loader warp, two consumer warpgroups of 64 query rows, FA3's overlap of softmax and PV product), which then takes
+# - GLUON (forward, sm90 configs only): {BLOCK_N, num_stages[, NUM_WG, SCHED, ...]} of forward_ws.py's warp-specialized
+#   Gluon kernel (a TMA loader warp, two or three consumer warpgroups of 64 query rows, FA3's overlap of softmax and PV
+#   product; attn_fwd_ws lists the keys), which then takes
 #   compiled launches of contiguous 16-bit [B, S, H, D] inputs at D = 64 / 128; TRIFORGE_ATTN_GLUON=0 / 1 turns it
 #   off / on everywhere it can run (=1 also for packed sequences, which otherwise keep the Triton kernel). `triforge
 #   tune` keeps it across re-tunes (tune.write_config keeps an entry's keys that are outside the tuning space) and
@@ -240,9 +241,10 @@ GLUON_ENV = "TRIFORGE_ATTN_GLUON"
 
 def _gluon_cfg(cfg, q, k, v, varlen):
     """The Gluon forward's launch config (forward_ws.py) where it takes this call, else None: the sm90 config's
-    ``GLUON`` entry (BLOCK_N, num_stages) for compiled sm90 launches of contiguous 16-bit [B, S, H, D] q/k/v at head
-    dim 64 or 128. ``TRIFORGE_ATTN_GLUON=0`` never takes it; ``=1`` takes it wherever it can run, packed sequences
-    included, with the entry or a default (128 keys per tile, 3 slots at D = 128, 4 at D = 64). Packed (varlen) calls
+    ``GLUON`` entry (BLOCK_N, num_stages; NUM_WG, SCHED and the other keys attn_fwd_ws lists) for compiled sm90
+    launches of contiguous 16-bit [B, S, H, D] q/k/v at head dim 64 or 128. ``TRIFORGE_ATTN_GLUON=0`` never takes
+    it; ``=1`` takes it wherever it can run, packed sequences included, with the entry or a default (128 keys per
+    tile, 3 slots at D = 128, 4 at D = 64). Packed (varlen) calls
     take it only then: on the varlen bench (8 sequences, 16k tokens, D = 128, causal) it ran 0.88x the Triton kernel
     (its grid spans the longest sequence; benchmarks/NOTES.md, session 37)."""
     mode = os.environ.get(GLUON_ENV, "")

@@ -6,14 +6,16 @@ the interpreter.
 Gluon (triton.experimental.gluon) states layouts, shared memory, mbarriers and the warp partition explicitly; it has
 no interpreter, so this file is imported only on that path.
 
-One program = one (batch, head, 128 query rows) tile, heaviest tiles first under causal masking; three partitions:
-- a loader warp: the two 64-row halves of Q once, then K and V tiles of BN keys by TMA into a ring of STAGES slots
-  (``k_ready`` / ``v_ready`` mbarriers with the byte count; a slot is refilled once both consumers released it on
+One program = one (batch, head, 64 NUM_WG query rows) tile, heaviest tiles first under causal masking; partitions:
+- a loader warp: Q's NUM_WG 64-row blocks once, then K and V tiles of BN keys by TMA into a ring of STAGES slots
+  (``k_ready`` / ``v_ready`` mbarriers with the byte count; a slot is refilled once every consumer released it on
   ``kv_empty``);
-- two consumer warpgroups, 64 query rows each: S = Q K^T by wgmma from shared memory, the online softmax in registers
-  (log2 domain), P converted in registers into the A operand of O += P V (V from shared memory). S_j and P_{j-1} V_{j-1}
-  are issued together and the softmax of S_j runs while the PV product is on the tensor cores (FA3's intra-warpgroup
-  overlap); the two warpgroups interleave on their own.
+- NUM_WG (2, or 3: FlashAttention-3's 192-row tiles at head dim 64) consumer warpgroups, 64 query rows each: S = Q K^T
+  by wgmma from shared memory, the online softmax in registers (log2 domain), P converted in registers into the A
+  operand of O += P V (V from shared memory). S_j and P_{j-1} V_{j-1} are issued together and the softmax of S_j runs
+  while the PV product is on the tensor cores (FA3's intra-warpgroup overlap). The warpgroups interleave on their own,
+  or with SCHED take turns issuing their products (FA3's scheduler barrier), so one's softmax runs while another's
+  products hold the tensor cores.
 
 Masks: the descriptors view q/k/v as [B S, H D] (packed: [T, H D]) matrices, one row per token, so a tile that crosses
 the end of a sequence reads the next sequence's rows (or TMA's zero fill past the tensor): their scores are set to
@@ -292,12 +294,19 @@ def flash_attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_ptr, res_ptr, lse_ptr, cu
 
 def attn_fwd_ws(q, k, v, causal, softmax_scale, cfg, residual=False, varlen=None):
     """(o, lse, o_res) as ``attn_fwd`` returns them, by ``flash_attn_fwd_ws_kernel`` (the inputs ``attention._gluon_cfg``
-    admits: contiguous 16-bit [B, S, H, D], head_dim 64 or 128, sm90); with
-    ``varlen`` (attention.Varlen) the packed sequences as a batch of one.
-    cfg: BLOCK_N (keys per tile), num_stages (ring slots), CONS_REGS / LOADER_REGS (registers per thread of the
-    consumer / loader partitions), EMU (of every 8 exponentials of unmasked tiles, how many the FMA pipes compute:
-    _tl.exp2_emu); the query tile is 128 rows (two warpgroups of 64). Three consumer warpgroups
-    (192-row tiles) measured no faster at D = 64 (benchmarks/NOTES.md, session 37; code at 6d0f533)."""
+    admits: contiguous 16-bit [B, S, H, D], head_dim 64 or 128, sm90); with ``varlen`` (attention.Varlen) the packed
+    sequences as a batch of one. cfg:
+    - BLOCK_N (keys per tile), num_stages (ring slots);
+    - NUM_WG: consumer warpgroups of 64 query rows, 2 (the default) or 3;
+    - P16: P carried across key tiles as the 16-bit wgmma operand (the default at NUM_WG 3, where an fp32 P does not
+      fit in the registers);
+    - SCHED: the warpgroups take turns issuing their products (a scheduler barrier);
+    - CONS_REGS / LOADER_REGS: setmaxnreg of the worker consumer warpgroups / the loader, 240 / 24 at two warpgroups,
+      160 / 24 at three (the loader warp's group is padded to four warps; the default partition's warpgroup takes the
+      rest of the launch's 128 x 512 registers, 168);
+    - EMU: of every 8 exponentials of unmasked tiles, how many the FMA pipes compute (_tl.exp2_emu).
+    Session 52 (H200): three warpgroups with SCHED ran 1.05-1.10x the Triton kernel at D = 64 non-causal (session 37's
+    three warpgroups, with 64-key tiles, had not; benchmarks/NOTES.md)."""
     B, S_q, H, D = q.shape
     S_k, H_kv = k.shape[1], k.shape[2]
     n_wg = cfg.get("NUM_WG", 2)
