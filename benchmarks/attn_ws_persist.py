@@ -12,18 +12,19 @@ Measured on the H200 (session 52, calls 6-9; logs in benchmarks/results/logs-202
   same hot loop (457 instructions) as the library: the difference is outside the key loop and not found.
 - D = 128 persistent (2 stages to fit two Q buffers): 0.67-0.70x cuDNN.
 Not in the library: at D = 128 it would cost the margin the entry has over cuDNN; a D = 64 non-causal entry would
-need this form beside the library's (a second kernel) and its GPU tests. _softmax is the library's.
+need this form beside the library's (a second kernel) and its GPU tests. The key loop (_pipeline) and the tile
+bounds are the library's.
 """
 
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from triforge import _runtime, launch
 from triforge.ops.attention.forward import LN2, LOG2E
-from triforge.ops.attention.forward_ws import _softmax  # the library's (unchanged here)
+from triforge.ops.attention.forward_ws import _pipeline, _tile_bounds  # the library's
 
 
 @gluon.jit
@@ -40,33 +41,7 @@ def _tile(t, n_m, n_bh, H, S_q, S_k, cu_q_ptr, cu_k_ptr, BM: gl.constexpr, BN: g
         bh = t // n_m
         if CAUSAL:
             pid_m = n_m - 1 - pid_m
-    b = bh // H
-    h = bh % H
-    m0 = pid_m * BM
-    if VARLEN:  # sequence b: rows cu_q[b] .. cu_q[b + 1] - 1 of the packed q (S_q: all of them), cu_k for k / v
-        q_tok0 = gl.load(cu_q_ptr + b)
-        k_tok0 = gl.load(cu_k_ptr + b)
-        len_q = gl.load(cu_q_ptr + b + 1) - q_tok0
-        len_k = gl.load(cu_k_ptr + b + 1) - k_tok0
-        lse_base = h.to(gl.int64) * S_q + q_tok0  # lse [1, H, S_q]
-    else:
-        q_tok0 = b * S_q  # token rows of the [B S, H D] views
-        k_tok0 = b * S_k
-        len_q = S_q
-        len_k = S_k
-        lse_base = bh.to(gl.int64) * S_q
-    n_all = gl.cdiv(len_k, BN)
-    if CAUSAL:
-        # keys 0 .. last row + len_k - len_q are visible to some row of the tile; tiles past the first row's last key
-        # (or holding keys >= len_k) need the mask
-        n_kv = gl.minimum(n_all, gl.maximum(gl.cdiv(gl.minimum(m0 + BM, len_q) + len_k - len_q, BN), 0))
-        n_full = gl.minimum(len_k // BN, gl.maximum((m0 + len_k - len_q + 1) // BN, 0))
-    else:
-        n_kv = n_all
-        n_full = len_k // BN
-    if VARLEN:  # the grid spans the longest sequence: a tile past this one's end loads nothing and stores nothing
-        n_kv = gl.where(m0 < len_q, n_kv, 0)
-    return m0, h, q_tok0, k_tok0, len_q, len_k, lse_base, n_kv, n_full
+    return _tile_bounds(pid_m, bh, H, S_q, S_k, cu_q_ptr, cu_k_ptr, BM, BN, CAUSAL, VARLEN)
 
 
 @gluon.jit
@@ -96,87 +71,6 @@ def _loader(q_desc, k_desc, v_desc, q_s, k_s, v_s, q_bar, q_empty, k_ready, v_re
             tma.async_copy_global_to_shared(v_desc, [row, kv_col], v_ready.index(s), v_s.index(s))
             it += 1
         i += 1
-
-
-@gluon.jit
-def _step(q, k_s, v_s, k_ready, v_ready, kv_empty, sched, acc, p, m_i, l_i, j, it, sc, rows, S_k, diag, qk_scale,
-          BMW: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASK: gl.constexpr,
-          s_l: gl.constexpr, o_l: gl.constexpr, p_l: gl.constexpr, EMU: gl.constexpr, P16: gl.constexpr,
-          WG: gl.constexpr, NUM_WG: gl.constexpr, SCHED: gl.constexpr):
-    """Key tile j >= 1: S_j = Q K_j^T and O += P_{j-1} V_{j-1} issued together; the softmax of S_j runs while the PV
-    product is on the tensor cores; then O is rescaled. P crosses iterations in fp32 and becomes the 16-bit A operand
-    inside the iteration that reads it (a 16-bit P carried between the two key loops cost ptxas 32-64 PRMTs per tile
-    to re-pack its halves); with P16 it crosses as that 16-bit operand, converted once the PV product that read the
-    previous one is done (half the registers: three warpgroups' 160 registers hold a 128-key tile only so).
-    SCHED: the warpgroups issue their two products in turn (FlashAttention-3's scheduler barrier: warpgroup WG waits
-    for its turn on sched[WG] and passes it on to the next), so one warpgroup's softmax runs while another's products
-    hold the tensor cores; warpgroup 0's first wait passes at once (the parity of the phase before the first)."""
-    st = (it % STAGES).to(gl.int32)  # it: the ring position of key tile j (sc: this warpgroup's turns so far)
-    sp = ((it - 1) % STAGES).to(gl.int32)
-    if P16:
-        pa = p
-    else:
-        pa = gl.convert_layout(p.to(q.dtype), p_l)
-    mbarrier.wait(k_ready.index(st), ((it // STAGES) & 1).to(gl.int32))
-    if SCHED:
-        if WG == 0:
-            mbarrier.wait(sched.index(WG), ((sc & 1) ^ 1).to(gl.int32))
-        else:
-            mbarrier.wait(sched.index(WG), (sc & 1).to(gl.int32))
-    s_j = warpgroup_mma(q, k_s.index(st).permute((1, 0)), gl.zeros([BMW, BN], gl.float32, s_l), use_acc=False,
-                        is_async=True)
-    mbarrier.wait(v_ready.index(sp), (((it - 1) // STAGES) & 1).to(gl.int32))
-    acc = warpgroup_mma(pa, v_s.index(sp), acc, is_async=True)
-    if SCHED:
-        mbarrier.arrive(sched.index((WG + 1) % NUM_WG))
-    s_j = warpgroup_mma_wait(1, deps=[s_j])  # S_j done; the PV product may still run
-    p, alpha, m_i, l_i = _softmax(s_j, m_i, l_i, j, rows, S_k, diag, qk_scale, BN, CAUSAL, MASK, s_l, EMU)
-    acc, pa = warpgroup_mma_wait(0, deps=[acc, pa])
-    mbarrier.arrive(kv_empty.index(sp))  # K_{j-1} and V_{j-1} read
-    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
-    if P16:
-        p = gl.convert_layout(p.to(q.dtype), p_l)
-    return acc, p, m_i, l_i
-
-
-@gluon.jit
-def _pipeline(q, k_s, v_s, k_ready, v_ready, kv_empty, sched, acc, m_i, l_i, n_kv, n_full, it0, sc0, rows, S_k, diag,
-              qk_scale,
-              BMW: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, s_l: gl.constexpr,
-              o_l: gl.constexpr, p_l: gl.constexpr, EMU: gl.constexpr, P16: gl.constexpr, WG: gl.constexpr,
-              NUM_WG: gl.constexpr, SCHED: gl.constexpr):
-    """One warpgroup's key loop over n_kv >= 1 tiles, the first at ring position it0 (sc0: scheduler turns taken
-    before): (acc, m, l)."""
-    s_first = (it0 % STAGES).to(gl.int32)
-    mbarrier.wait(k_ready.index(s_first), ((it0 // STAGES) & 1).to(gl.int32))
-    s0 = warpgroup_mma(q, k_s.index(s_first).permute((1, 0)), gl.zeros([BMW, BN], gl.float32, s_l), use_acc=False,
-                       is_async=True)
-    s0 = warpgroup_mma_wait(0, deps=[s0])
-    # the first tile takes the masked path whether or not it needs it (once per program: no branch)
-    p, alpha, m_i, l_i = _softmax(s0, m_i, l_i, 0, rows, S_k, diag, qk_scale, BN, CAUSAL, True, s_l, 0)
-    if P16:
-        p = gl.convert_layout(p.to(q.dtype), p_l)
-    # tiles every row sees whole, then the masked ones (the causal diagonal, keys past S_k)
-    for j in range(1, n_full):
-        acc, p, m_i, l_i = _step(q, k_s, v_s, k_ready, v_ready, kv_empty, sched, acc, p, m_i, l_i, j, it0 + j,
-                                 sc0 + j - 1, rows, S_k,
-                                 diag, qk_scale, BMW, BN, STAGES, CAUSAL, False, s_l, o_l, p_l, EMU, P16, WG, NUM_WG,
-                                 SCHED)
-    for j in range(gl.maximum(n_full, 1), n_kv):
-        acc, p, m_i, l_i = _step(q, k_s, v_s, k_ready, v_ready, kv_empty, sched, acc, p, m_i, l_i, j, it0 + j,
-                                 sc0 + j - 1, rows, S_k,
-                                 diag, qk_scale, BMW, BN, STAGES, CAUSAL, True, s_l, o_l, p_l, 0, P16, WG, NUM_WG,
-                                 SCHED)
-    sl = ((it0 + n_kv - 1) % STAGES).to(gl.int32)
-    if P16:
-        pa = p
-    else:
-        pa = gl.convert_layout(p.to(q.dtype), p_l)
-    mbarrier.wait(v_ready.index(sl), (((it0 + n_kv - 1) // STAGES) & 1).to(gl.int32))
-    acc = warpgroup_mma(pa, v_s.index(sl), acc, is_async=True)
-    acc, pa = warpgroup_mma_wait(0, deps=[acc, pa])
-    mbarrier.arrive(kv_empty.index(sl))
-    return acc, m_i, l_i
 
 
 @gluon.jit

@@ -84,7 +84,7 @@ def _softmax(s, m_i, l_i, j, rows, S_k, diag, qk_scale, BN: gl.constexpr, CAUSAL
 
 
 @gluon.jit
-def _step(q, k_s, v_s, k_ready, v_ready, kv_empty, sched, acc, p, m_i, l_i, j, rows, S_k, diag, qk_scale,
+def _step(q, k_s, v_s, k_ready, v_ready, kv_empty, sched, acc, p, m_i, l_i, j, it, sc, rows, S_k, diag, qk_scale,
           BMW: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASK: gl.constexpr,
           s_l: gl.constexpr, o_l: gl.constexpr, p_l: gl.constexpr, EMU: gl.constexpr, P16: gl.constexpr,
           WG: gl.constexpr, NUM_WG: gl.constexpr, SCHED: gl.constexpr):
@@ -96,21 +96,21 @@ def _step(q, k_s, v_s, k_ready, v_ready, kv_empty, sched, acc, p, m_i, l_i, j, r
     SCHED: the warpgroups issue their two products in turn (FlashAttention-3's scheduler barrier: warpgroup WG waits
     for its turn on sched[WG] and passes it on to the next), so one warpgroup's softmax runs while another's products
     hold the tensor cores; warpgroup 0's first wait passes at once (the parity of the phase before the first)."""
-    st = j % STAGES
-    sp = (j - 1) % STAGES
+    st = (it % STAGES).to(gl.int32)  # it: the ring position of key tile j (sc: this warpgroup's turns so far)
+    sp = ((it - 1) % STAGES).to(gl.int32)
     if P16:
         pa = p
     else:
         pa = gl.convert_layout(p.to(q.dtype), p_l)
-    mbarrier.wait(k_ready.index(st), (j // STAGES) & 1)
+    mbarrier.wait(k_ready.index(st), ((it // STAGES) & 1).to(gl.int32))
     if SCHED:
         if WG == 0:
-            mbarrier.wait(sched.index(WG), ((j - 1) & 1) ^ 1)
+            mbarrier.wait(sched.index(WG), ((sc & 1) ^ 1).to(gl.int32))
         else:
-            mbarrier.wait(sched.index(WG), (j - 1) & 1)
+            mbarrier.wait(sched.index(WG), (sc & 1).to(gl.int32))
     s_j = warpgroup_mma(q, k_s.index(st).permute((1, 0)), gl.zeros([BMW, BN], gl.float32, s_l), use_acc=False,
                         is_async=True)
-    mbarrier.wait(v_ready.index(sp), ((j - 1) // STAGES) & 1)
+    mbarrier.wait(v_ready.index(sp), (((it - 1) // STAGES) & 1).to(gl.int32))
     acc = warpgroup_mma(pa, v_s.index(sp), acc, is_async=True)
     if SCHED:
         mbarrier.arrive(sched.index((WG + 1) % NUM_WG))
@@ -125,13 +125,16 @@ def _step(q, k_s, v_s, k_ready, v_ready, kv_empty, sched, acc, p, m_i, l_i, j, r
 
 
 @gluon.jit
-def _pipeline(q, k_s, v_s, k_ready, v_ready, kv_empty, sched, acc, m_i, l_i, n_kv, n_full, rows, S_k, diag, qk_scale,
+def _pipeline(q, k_s, v_s, k_ready, v_ready, kv_empty, sched, acc, m_i, l_i, n_kv, n_full, it0, sc0, rows, S_k, diag,
+              qk_scale,
               BMW: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, s_l: gl.constexpr,
               o_l: gl.constexpr, p_l: gl.constexpr, EMU: gl.constexpr, P16: gl.constexpr, WG: gl.constexpr,
               NUM_WG: gl.constexpr, SCHED: gl.constexpr):
-    """One warpgroup's key loop over n_kv >= 1 tiles: (acc, m, l)."""
-    mbarrier.wait(k_ready.index(0), 0)
-    s0 = warpgroup_mma(q, k_s.index(0).permute((1, 0)), gl.zeros([BMW, BN], gl.float32, s_l), use_acc=False,
+    """One warpgroup's key loop over n_kv >= 1 tiles, the first at ring position it0 (sc0: scheduler turns taken
+    before): (acc, m, l)."""
+    s_first = (it0 % STAGES).to(gl.int32)
+    mbarrier.wait(k_ready.index(s_first), ((it0 // STAGES) & 1).to(gl.int32))
+    s0 = warpgroup_mma(q, k_s.index(s_first).permute((1, 0)), gl.zeros([BMW, BN], gl.float32, s_l), use_acc=False,
                        is_async=True)
     s0 = warpgroup_mma_wait(0, deps=[s0])
     # the first tile takes the masked path whether or not it needs it (once per program: no branch)
@@ -140,19 +143,21 @@ def _pipeline(q, k_s, v_s, k_ready, v_ready, kv_empty, sched, acc, m_i, l_i, n_k
         p = gl.convert_layout(p.to(q.dtype), p_l)
     # tiles every row sees whole, then the masked ones (the causal diagonal, keys past S_k)
     for j in range(1, n_full):
-        acc, p, m_i, l_i = _step(q, k_s, v_s, k_ready, v_ready, kv_empty, sched, acc, p, m_i, l_i, j, rows, S_k,
+        acc, p, m_i, l_i = _step(q, k_s, v_s, k_ready, v_ready, kv_empty, sched, acc, p, m_i, l_i, j, it0 + j,
+                                 sc0 + j - 1, rows, S_k,
                                  diag, qk_scale, BMW, BN, STAGES, CAUSAL, False, s_l, o_l, p_l, EMU, P16, WG, NUM_WG,
                                  SCHED)
     for j in range(gl.maximum(n_full, 1), n_kv):
-        acc, p, m_i, l_i = _step(q, k_s, v_s, k_ready, v_ready, kv_empty, sched, acc, p, m_i, l_i, j, rows, S_k,
+        acc, p, m_i, l_i = _step(q, k_s, v_s, k_ready, v_ready, kv_empty, sched, acc, p, m_i, l_i, j, it0 + j,
+                                 sc0 + j - 1, rows, S_k,
                                  diag, qk_scale, BMW, BN, STAGES, CAUSAL, True, s_l, o_l, p_l, 0, P16, WG, NUM_WG,
                                  SCHED)
-    sl = (n_kv - 1) % STAGES
+    sl = ((it0 + n_kv - 1) % STAGES).to(gl.int32)
     if P16:
         pa = p
     else:
         pa = gl.convert_layout(p.to(q.dtype), p_l)
-    mbarrier.wait(v_ready.index(sl), ((n_kv - 1) // STAGES) & 1)
+    mbarrier.wait(v_ready.index(sl), (((it0 + n_kv - 1) // STAGES) & 1).to(gl.int32))
     acc = warpgroup_mma(pa, v_s.index(sl), acc, is_async=True)
     acc, pa = warpgroup_mma_wait(0, deps=[acc, pa])
     mbarrier.arrive(kv_empty.index(sl))
@@ -177,15 +182,16 @@ def _consumer(q_s, k_s, v_s, q_bar, k_ready, v_ready, kv_empty, sched, o_ptr, re
     l_i = gl.zeros([BMW], gl.float32, gl.SliceLayout(1, s_l))
     acc = gl.zeros([BMW, D], gl.float32, o_l)
     mbarrier.wait(q_bar, 0)
+    zero = gl.to_tensor(0)  # one work item per program: its first key tile at ring position 0, no scheduler turns yet
     if GUARD:  # causal or packed: a tile may see no key at all
         if n_kv > 0:
             acc, m_i, l_i = _pipeline(q, k_s, v_s, k_ready, v_ready, kv_empty, sched, acc, m_i, l_i, n_kv, n_full,
-                                      rows, S_k, diag, qk_scale, BMW, BN, STAGES, CAUSAL, s_l, o_l, p_l, EMU, P16, WG,
-                                      NUM_WG, SCHED)
+                                      zero, zero, rows, S_k, diag, qk_scale, BMW, BN, STAGES, CAUSAL, s_l, o_l, p_l,
+                                      EMU, P16, WG, NUM_WG, SCHED)
     else:  # dense, S_k >= 1: every tile has keys
-        acc, m_i, l_i = _pipeline(q, k_s, v_s, k_ready, v_ready, kv_empty, sched, acc, m_i, l_i, n_kv, n_full, rows,
-                                  S_k, diag, qk_scale, BMW, BN, STAGES, CAUSAL, s_l, o_l, p_l, EMU, P16, WG, NUM_WG,
-                                  SCHED)
+        acc, m_i, l_i = _pipeline(q, k_s, v_s, k_ready, v_ready, kv_empty, sched, acc, m_i, l_i, n_kv, n_full,
+                                  zero, zero, rows, S_k, diag, qk_scale, BMW, BN, STAGES, CAUSAL, s_l, o_l, p_l, EMU,
+                                  P16, WG, NUM_WG, SCHED)
     seen = l_i > 0.0
     l_safe = gl.where(seen, l_i, 1.0)
     l_o = gl.convert_layout(l_safe, gl.SliceLayout(1, o_l))
@@ -203,18 +209,10 @@ def _consumer(q_s, k_s, v_s, q_bar, k_ready, v_ready, kv_empty, sched, o_ptr, re
 
 
 @gluon.jit
-def flash_attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_ptr, res_ptr, lse_ptr, cu_q_ptr, cu_k_ptr, S_q, S_k, H, GROUP,
-                             qk_scale, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
-                             CAUSAL: gl.constexpr, STORE_RES: gl.constexpr, VARLEN: gl.constexpr,
-                             CONS_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, EMU: gl.constexpr = 0,
-                             NUM_WG: gl.constexpr = 2, P16: gl.constexpr = False, SCHED: gl.constexpr = False):
-    gl.static_assert(NUM_WG == 2 or NUM_WG == 3, "two or three consumer warpgroups")
-    BMW: gl.constexpr = BM // NUM_WG
-    if CAUSAL:  # the longest rows first
-        pid_m = gl.num_programs(0) - 1 - gl.program_id(0)
-    else:
-        pid_m = gl.program_id(0)
-    bh = gl.program_id(1)
+def _tile_bounds(pid_m, bh, H, S_q, S_k, cu_q_ptr, cu_k_ptr, BM: gl.constexpr, BN: gl.constexpr, CAUSAL: gl.constexpr,
+                 VARLEN: gl.constexpr):
+    """Query tile pid_m of batch-head bh: (m0, h, q_tok0, k_tok0, len_q, len_k, lse_base, n_kv, n_full): its first row,
+    head, token offsets, lengths, lse offset, key tiles, and key tiles every row sees whole."""
     b = bh // H
     h = bh % H
     m0 = pid_m * BM
@@ -241,6 +239,24 @@ def flash_attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_ptr, res_ptr, lse_ptr, cu
         n_full = len_k // BN
     if VARLEN:  # the grid spans the longest sequence: a tile past this one's end loads nothing and stores nothing
         n_kv = gl.where(m0 < len_q, n_kv, 0)
+    return m0, h, q_tok0, k_tok0, len_q, len_k, lse_base, n_kv, n_full
+
+
+@gluon.jit
+def flash_attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_ptr, res_ptr, lse_ptr, cu_q_ptr, cu_k_ptr, S_q, S_k, H, GROUP,
+                             qk_scale, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
+                             CAUSAL: gl.constexpr, STORE_RES: gl.constexpr, VARLEN: gl.constexpr,
+                             CONS_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, EMU: gl.constexpr = 0,
+                             NUM_WG: gl.constexpr = 2, P16: gl.constexpr = False, SCHED: gl.constexpr = False):
+    gl.static_assert(NUM_WG == 2 or NUM_WG == 3, "two or three consumer warpgroups")
+    BMW: gl.constexpr = BM // NUM_WG
+    if CAUSAL:  # the longest rows first
+        pid_m = gl.num_programs(0) - 1 - gl.program_id(0)
+    else:
+        pid_m = gl.program_id(0)
+    bh = gl.program_id(1)
+    m0, h, q_tok0, k_tok0, len_q, len_k, lse_base, n_kv, n_full = _tile_bounds(pid_m, bh, H, S_q, S_k, cu_q_ptr,
+                                                                              cu_k_ptr, BM, BN, CAUSAL, VARLEN)
     q_s = gl.allocate_shared_memory(q_desc.dtype, [NUM_WG, BMW, D], q_desc.layout)
     k_s = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BN, D], k_desc.layout)
     v_s = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BN, D], v_desc.layout)
