@@ -85,9 +85,8 @@ def run(B, H, S, D, causal, gluon=True, triton_tiles=True):
             return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
 
     fns = {"cudnn": cudnn, "triton": lambda: triforge.flash_attn_func(q, k, v, causal=causal)}
-    cands = [(f"gluon w{c.get('NUM_WG', 2)} n{c['BLOCK_N']} s{c['num_stages']} e{c['EMU']} p{c.get('P16', '-')}"
-              f" sc{c.get('SCHED', 0)}", c,
-              attn_fwd_ws) for c in grid(D) if gluon]
+    cands = [(f"gluon w{c.get('NUM_WG', 2)} n{c['BLOCK_N']} s{c['num_stages']} e{c['EMU']} sc{c.get('SCHED', 0)}", c,
+              attn_fwd_ws) for c in (grid(D) if gluon else [])]
     if gluon:  # benchmarks/attn_ws_persist.py: the same kernel walking work items, one (pe0) or persistent (pe1)
         for c in grid(D):
             for pe in (0, 1):
@@ -95,7 +94,8 @@ def run(B, H, S, D, causal, gluon=True, triton_tiles=True):
                 cands.append((f"walk w{c.get('NUM_WG', 2)} s{cp['num_stages']} sc{c.get('SCHED', 0)} pe{pe}", cp,
                               attn_ws_persist.attn_fwd_ws))
     cands += [(f"triton {c['BLOCK_M']}x{c['BLOCK_N']}w{c['num_warps']}s{c['num_stages']}t{c.get('TMA', 0)}"
-               f"g{c.get('GUARD', 1)} e{c['EMU']}", c, attention.attn_fwd) for c in (triton_grid(D, causal) if triton_tiles else [])]
+               f"g{c.get('GUARD', 1)} e{c['EMU']}", c, attention.attn_fwd)
+              for c in (triton_grid(D, causal) if triton_tiles else [])]
     for name, cfg, fn in cands:
         try:
             o, _, _ = fn(q, k, v, causal, scale, cfg)
