@@ -20,8 +20,6 @@ import triforge
 from triforge.ops import attention
 from triforge.ops.attention.forward_ws import attn_fwd_ws
 
-import attn_ws_persist  # noqa: E402,I001  (benchmarks/, this script's folder, is on the path)
-
 SHAPES = ["16x16x2048x64", "8x16x4096x64", "4x16x8192x128", "2x16x16384x128"]
 
 
@@ -85,14 +83,12 @@ def run(B, H, S, D, causal, gluon=True, triton_tiles=True):
             return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
 
     fns = {"cudnn": cudnn, "triton": lambda: triforge.flash_attn_func(q, k, v, causal=causal)}
-    cands = [(f"gluon w{c.get('NUM_WG', 2)} n{c['BLOCK_N']} s{c['num_stages']} e{c['EMU']} sc{c.get('SCHED', 0)}", c,
-              attn_fwd_ws) for c in (grid(D) if gluon else [])]
-    if gluon:  # benchmarks/attn_ws_persist.py: the same kernel walking work items, one (pe0) or persistent (pe1)
-        for c in grid(D):
-            for pe in (0, 1):
-                cp = dict(c, PERSIST=pe, RECOMP=1, num_stages=c["num_stages"] - (pe and D == 128))
-                cands.append((f"walk w{c.get('NUM_WG', 2)} s{cp['num_stages']} sc{c.get('SCHED', 0)} pe{pe}", cp,
-                              attn_ws_persist.attn_fwd_ws))
+    cands = []
+    for c in (grid(D) if gluon else []):
+        for pe in (0, 1):  # pe1: the persistent kernel (two Q buffers: one slot fewer at D = 128)
+            cp = dict(c, PERSIST=pe, num_stages=c["num_stages"] - (pe and D == 128))
+            cands.append((f"gluon w{c.get('NUM_WG', 2)} n{c['BLOCK_N']} s{cp['num_stages']} e{c['EMU']} "
+                          f"sc{c.get('SCHED', 0)} pe{pe}", cp, attn_fwd_ws))
     cands += [(f"triton {c['BLOCK_M']}x{c['BLOCK_N']}w{c['num_warps']}s{c['num_stages']}t{c.get('TMA', 0)}"
                f"g{c.get('GUARD', 1)} e{c['EMU']}", c, attention.attn_fwd)
               for c in (triton_grid(D, causal) if triton_tiles else [])]

@@ -1205,7 +1205,7 @@ for case in json.loads(sys.argv[1]):
     D, bn, st, dt = case["D"], case["BLOCK_N"], case["num_stages"], case["dtype"]
     g = gl.bfloat16 if dt == "bf16" else gl.float16
     ql, kl = gl.NVMMASharedLayout.get_default_for([64, D], g), gl.NVMMASharedLayout.get_default_for([bn, D], g)
-    fn = W.flash_attn_fwd_ws_kernel
+    fn = W.flash_attn_fwd_ws_persist_kernel if case.get("PERSIST") else W.flash_attn_fwd_ws_kernel
     n_wg = case.get("NUM_WG", 2)
     consts = dict(BM=64 * n_wg, BN=bn, D=D, STAGES=st, CAUSAL=case["causal"], STORE_RES=case["res"],
                   VARLEN=case.get("varlen", False), CONS_REGS=240 if n_wg == 2 else 160, LOADER_REGS=24,
@@ -1235,7 +1235,8 @@ for case in json.loads(sys.argv[1]):
                 if c.get("HGMMA.64", 0) == (16 if D == 128 else 12):
                     loops.append(dict(c))
     spill = re.search(r"(\d+) bytes spill stores", v)
-    rows.append(dict(case, loops=loops, shared=k.metadata.shared, serialized="C7515" in v or "C7512" in v,
+    n_instr = sum(1 for line in sass if INSTR.match(line))
+    rows.append(dict(case, loops=loops, shared=k.metadata.shared, n_instr=n_instr, serialized="C7515" in v or "C7512" in v,
                      spill_stores=int(spill.group(1)) if spill else -1))
 print("RESULT" + json.dumps(rows))
 """
@@ -1270,8 +1271,13 @@ def test_gluon_forward_three_warpgroups_compiles_for_sm90():
     cases = [dict(D=64, BLOCK_N=128, num_stages=st, dtype=dt, causal=c, res=r, NUM_WG=3, SCHED=sc)
              for dt, c, r, st, sc in (("bf16", False, False, 4, 1), ("fp16", True, True, 4, 1),
                                       ("bf16", False, True, 3, 0))]
+    # the persistent form (the H200's entry since session 53): a few spilled bytes outside the key loops (the work
+    # item's loop), none inside them
+    cases.append(dict(D=64, BLOCK_N=128, num_stages=4, dtype="bf16", causal=False, res=True, NUM_WG=3, SCHED=1,
+                      PERSIST=1))
     for r in _sm90_compile(cases, _SM90_GLUON):
-        assert r["shared"] <= 227 * 1024 and not r["serialized"] and r["spill_stores"] == 0, r
+        assert r["shared"] <= 227 * 1024 and not r["serialized"], r
+        assert r["spill_stores"] == 0 or (r.get("PERSIST") and r["spill_stores"] <= 64), r
         hot = [lp for lp in r["loops"] if "FSEL" not in lp]
         assert len(hot) == 3, r
         for lp in hot:

@@ -42,13 +42,18 @@ CFGS = [{"BLOCK_N": 128, "num_stages": 2}, {"BLOCK_N": 128, "num_stages": 3}, {"
         {"BLOCK_N": 128, "num_stages": 3, "EMU": 3}, {"BLOCK_N": 128, "num_stages": 3, "NUM_WG": 3},
         {"BLOCK_N": 64, "num_stages": 4, "NUM_WG": 3, "P16": 0}, {"BLOCK_N": 128, "num_stages": 2, "P16": 1},
         {"BLOCK_N": 128, "num_stages": 3, "SCHED": 1}, {"BLOCK_N": 128, "num_stages": 2, "NUM_WG": 3, "SCHED": 1},
-        {"BLOCK_N": 128, "num_stages": 4, "NUM_WG": 3, "SCHED": 1}]  # the last: the H200's D = 64 entry
+        {"BLOCK_N": 128, "num_stages": 4, "NUM_WG": 3, "SCHED": 1},
+        # PERSIST: the persistent kernel; a few programs (PROGRAMS), so that each walks many work items whose key-tile
+        # counts differ (causal), the K/V ring, the two Q buffers and the scheduler's turns running on across them
+        {"BLOCK_N": 128, "num_stages": 4, "NUM_WG": 3, "SCHED": 1, "PERSIST": 1, "PROGRAMS": 3},  # the H200's D = 64
+        {"BLOCK_N": 128, "num_stages": 2, "PERSIST": 1, "PROGRAMS": 2},
+        {"BLOCK_N": 64, "num_stages": 3, "PERSIST": 1, "PROGRAMS": 5, "SCHED": 1}]
 
 
 def _cfg_id(c):
     p16 = c.get("P16", int(c.get("NUM_WG", 2) == 3))
     return (f"w{c.get('NUM_WG', 2)}n{c['BLOCK_N']}s{c['num_stages']}e{c.get('EMU', 0)}p{p16}"
-            f"sc{c.get('SCHED', 0)}")
+            f"sc{c.get('SCHED', 0)}" + (f"pe{c['PROGRAMS']}" if c.get("PERSIST") else ""))
 
 
 def _qkv(B, Sq, Sk, H, Hkv, D, dtype, seed, q_scale=1.0):
@@ -61,7 +66,8 @@ def _check(q, k, v, causal, dtype, cfg, residual=False):
     from triforge.ops.attention.forward_ws import attn_fwd_ws
 
     D = q.shape[-1]
-    if cfg["BLOCK_N"] * D * 2 * 2 * cfg["num_stages"] + 64 * cfg.get("NUM_WG", 2) * D * 2 > 227 * 1024:
+    q_bufs = 2 if cfg.get("PERSIST") else 1
+    if cfg["BLOCK_N"] * D * 2 * 2 * cfg["num_stages"] + q_bufs * 64 * cfg.get("NUM_WG", 2) * D * 2 > 227 * 1024:
         pytest.skip("does not fit in shared memory")
     with poisoned():
         o, lse, o_res = attn_fwd_ws(q, k, v, causal, D ** -0.5, cfg, residual)
@@ -99,7 +105,8 @@ def test_large_scores(dtype, causal):
 # (D, causal, cfg): the last is the H200's D = 64 non-causal entry (a training forward stores the residual there)
 RES_FORMS = [(128, True, {"BLOCK_N": 128, "num_stages": 3}),
              (128, True, {"BLOCK_N": 128, "num_stages": 2, "NUM_WG": 3}),
-             (64, False, {"BLOCK_N": 128, "num_stages": 4, "NUM_WG": 3, "SCHED": 1})]
+             (64, False, {"BLOCK_N": 128, "num_stages": 4, "NUM_WG": 3, "SCHED": 1}),
+             (64, False, {"BLOCK_N": 128, "num_stages": 4, "NUM_WG": 3, "SCHED": 1, "PERSIST": 1, "PROGRAMS": 7})]
 
 
 @pytest.mark.parametrize("form", RES_FORMS, ids=lambda f: f"D{f[0]}-{'causal' if f[1] else 'full'}-{_cfg_id(f[2])}")
@@ -200,13 +207,15 @@ def test_public_function_and_gradients(causal, monkeypatch):
 VARLEN_CASES = [([37, 0, 129, 1, 200], [37, 0, 129, 1, 200]), ([300, 17, 64], [129, 250, 64]), ([0, 5], [3, 0])]
 
 
+@pytest.mark.parametrize("persist", [0, 1], ids=["grid", "persist"])
 @pytest.mark.parametrize("n_wg", [2, 3])
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("case", range(len(VARLEN_CASES)))
-def test_varlen_matches_reference(case, causal, D, n_wg):
+def test_varlen_matches_reference(case, causal, D, n_wg, persist):
     """Packed sequences (empty ones, Sq != Sk per sequence, tiles crossing sequence ends) against the reference run
-    per sequence; o and lse (rows that see no key: 0 and -inf)."""
+    per sequence; o and lse (rows that see no key: 0 and -inf). persist: the persistent kernel with two programs
+    walking every item, those past a sequence's end (no key tile) among them."""
     from triforge.ops.attention import Varlen, varlen_attention_ref
     from triforge.ops.attention.forward_ws import attn_fwd_ws
 
@@ -221,7 +230,8 @@ def test_varlen_matches_reference(case, causal, D, n_wg):
     vl = Varlen(cq, ck, max(lq), max(lk))
     with poisoned():
         o, lse, _ = attn_fwd_ws(q[None], k[None], v[None], causal, D ** -0.5,
-                                {"BLOCK_N": 128, "num_stages": 5 - n_wg, "NUM_WG": n_wg}, False, vl)
+                                {"BLOCK_N": 128, "num_stages": 5 - n_wg - (persist and D == 128), "NUM_WG": n_wg,
+                                 "PERSIST": persist, "PROGRAMS": 2}, False, vl)
     ref = varlen_attention_ref(q.double(), k.double(), v.double(), cq.cpu(), ck.cpu(), causal)
     for name, r, got in (("o", ref["o"], o[0]), ("lse", ref["lse"], lse[0])):
         res = compare(name, r, got, dtype=dtype, verbose=False)

@@ -76,9 +76,9 @@ def _c(bm, bn, w, s, **variant):
 # - WARP_SPEC (forward, needs TMA): Triton's Hopper warp specialization: a producer warpgroup issues
 #   the TMA loads, num_warps compute warps form two consumer warpgroups of BLOCK_M / 2 rows each
 #   (3 warpgroups in all); one key loop with every tile masked when causal or Sk % BLOCK_N != 0.
-# - GLUON (forward, sm90 configs only): {BLOCK_N, num_stages[, NUM_WG, SCHED, ...]} of forward_ws.py's warp-specialized
-#   Gluon kernel (a TMA loader warp, two or three consumer warpgroups of 64 query rows, FA3's overlap of softmax and PV
-#   product; attn_fwd_ws lists the keys), which then takes
+# - GLUON (forward, sm90 configs only): {BLOCK_N, num_stages[, NUM_WG, SCHED, PERSIST, ...]} of forward_ws.py's
+#   warp-specialized Gluon kernel (a TMA loader warp, two or three consumer warpgroups of 64 query rows, FA3's overlap
+#   of softmax and PV product; PERSIST: one program per SM walking the tiles; attn_fwd_ws lists the keys), which takes
 #   compiled launches of contiguous 16-bit [B, S, H, D] inputs at D = 64 / 128; TRIFORGE_ATTN_GLUON=0 / 1 turns it
 #   off / on everywhere it can run (=1 also for packed sequences, which otherwise keep the Triton kernel). `triforge
 #   tune` keeps it across re-tunes (tune.write_config keeps an entry's keys that are outside the tuning space) and

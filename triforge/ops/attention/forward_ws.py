@@ -30,7 +30,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from triforge import launch
+from triforge import _runtime, launch
 from triforge.ops._tl import EXP2_ASM, EXP2_CONSTRAINTS, EXP2_PACK
 from triforge.ops.attention.forward import LN2, LOG2E
 
@@ -192,20 +192,30 @@ def _consumer(q_s, k_s, v_s, q_bar, k_ready, v_ready, kv_empty, sched, o_ptr, re
         acc, m_i, l_i = _pipeline(q, k_s, v_s, k_ready, v_ready, kv_empty, sched, acc, m_i, l_i, n_kv, n_full,
                                   zero, zero, rows, S_k, diag, qk_scale, BMW, BN, STAGES, CAUSAL, s_l, o_l, p_l, EMU,
                                   P16, WG, NUM_WG, SCHED)
+    _epilogue(acc, m_i, l_i, o_ptr, res_ptr, lse_ptr, WG, m0, q_tok0, o_col, lse_base, S_q, stride_o, BMW, D,
+              STORE_RES, s_l, o_l)
+
+
+@gluon.jit
+def _epilogue(acc, m_i, l_i, o_ptr, res_ptr, lse_ptr, WG: gl.constexpr, m0, q_tok0, o_col, lse_base, len_q, stride_o,
+              BMW: gl.constexpr, D: gl.constexpr, STORE_RES: gl.constexpr, s_l: gl.constexpr, o_l: gl.constexpr):
+    """o = acc / l (rows with no key: acc = 0, o = 0), its rounding residual, lse = m + log2(l) (-inf where no key)
+    for warpgroup WG's 64 rows of the query tile at row m0; rows >= len_q are not stored."""
+    rows = m0 + WG * BMW + gl.arange(0, BMW, layout=gl.SliceLayout(1, s_l))
     seen = l_i > 0.0
     l_safe = gl.where(seen, l_i, 1.0)
     l_o = gl.convert_layout(l_safe, gl.SliceLayout(1, o_l))
-    o = acc / l_o[:, None]  # rows with no key: acc = 0
+    o = acc / l_o[:, None]
     r_o = m0 + WG * BMW + gl.arange(0, BMW, layout=gl.SliceLayout(1, o_l))
     c_o = gl.arange(0, D, layout=gl.SliceLayout(0, o_l))
     off = (q_tok0 + r_o).to(gl.int64)[:, None] * stride_o + o_col + c_o[None, :]
-    m_o = (r_o < S_q)[:, None]
+    m_o = (r_o < len_q)[:, None]
     o16 = o.to(o_ptr.dtype.element_ty)
     gl.store(o_ptr + off, o16, mask=m_o)
     if STORE_RES:  # o's rounding error, for the backward's delta
         gl.store(res_ptr + off, (o - o16.to(gl.float32)).to(o_ptr.dtype.element_ty), mask=m_o)
     lse = gl.where(seen, (m_i + gl.log2(l_safe)) * LN2, float("-inf"))
-    gl.store(lse_ptr + lse_base + rows, lse, mask=rows < S_q)
+    gl.store(lse_ptr + lse_base + rows, lse, mask=rows < len_q)
 
 
 @gluon.jit
@@ -308,6 +318,167 @@ def flash_attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_ptr, res_ptr, lse_ptr, cu
         mbarrier.invalidate(kv_empty.index(s))
 
 
+@gluon.jit
+def _item(t, n_m, n_bh, H, S_q, S_k, cu_q_ptr, cu_k_ptr, BM: gl.constexpr, BN: gl.constexpr, CAUSAL: gl.constexpr,
+          VARLEN: gl.constexpr):
+    """Work item t of the persistent kernel's n_m x n_bh query tiles, as _tile_bounds returns it: t = pid_m + n_m bh,
+    or under causal masking every head's longest rows before any shorter ones (t = bh + n_bh (n_m - 1 - pid_m)), so
+    the programs, taking items in turn, meet the short tiles last."""
+    if CAUSAL:
+        pid_m = n_m - 1 - t // n_bh
+        bh = t % n_bh
+    else:
+        pid_m = t % n_m
+        bh = t // n_m
+    return _tile_bounds(pid_m, bh, H, S_q, S_k, cu_q_ptr, cu_k_ptr, BM, BN, CAUSAL, VARLEN)
+
+
+@gluon.jit
+def _loader_persist(q_desc, k_desc, v_desc, q_s, k_s, v_s, q_bar, q_empty, k_ready, v_ready, kv_empty, n_m, n_bh, H,
+                    GROUP, S_q, S_k, cu_q_ptr, cu_k_ptr, D: gl.constexpr, BM: gl.constexpr, BMW: gl.constexpr,
+                    BN: gl.constexpr, STAGES: gl.constexpr, NUM_WG: gl.constexpr, CAUSAL: gl.constexpr,
+                    VARLEN: gl.constexpr):
+    """The persistent loader: for each work item Q into one of two buffers (once the consumers released it), then its
+    K/V tiles through the ring, whose position runs on across items."""
+    it = 0  # K/V tiles loaded so far (the ring's position)
+    i = 0  # work items so far (Q's buffer and phase)
+    for t in range(gl.program_id(0), n_m * n_bh, gl.num_programs(0)):
+        m0, h, q_tok0, k_tok0, len_q, len_k, lse_base, n_kv, n_full = _item(t, n_m, n_bh, H, S_q, S_k, cu_q_ptr,
+                                                                            cu_k_ptr, BM, BN, CAUSAL, VARLEN)
+        qb = i % 2
+        mbarrier.wait(q_empty.index(qb), ((i // 2) & 1) ^ 1)  # every consumer done with this buffer's last Q
+        mbarrier.expect(q_bar.index(qb), NUM_WG * q_desc.block_type.nbytes)
+        for w in gl.static_range(NUM_WG):
+            tma.async_copy_global_to_shared(q_desc, [q_tok0 + m0 + w * BMW, h * D], q_bar.index(qb),
+                                            q_s.index(qb * NUM_WG + w))
+        kv_col = (h // GROUP) * D
+        for j in range(n_kv):
+            s = it % STAGES
+            mbarrier.wait(kv_empty.index(s), ((it // STAGES) & 1) ^ 1)  # every consumer freed slot s (first pass: free)
+            row = k_tok0 + j * BN
+            mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(k_desc, [row, kv_col], k_ready.index(s), k_s.index(s))
+            mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(v_desc, [row, kv_col], v_ready.index(s), v_s.index(s))
+            it += 1
+        i += 1
+
+
+@gluon.jit
+def _consumer_persist(q_s, k_s, v_s, q_bar, q_empty, k_ready, v_ready, kv_empty, sched, o_ptr, res_ptr, lse_ptr,
+                      WG: gl.constexpr, n_m, n_bh, H, S_q, S_k, cu_q_ptr, cu_k_ptr, qk_scale, BM: gl.constexpr,
+                      BMW: gl.constexpr, BN: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, GUARD: gl.constexpr,
+                      CAUSAL: gl.constexpr, VARLEN: gl.constexpr, STORE_RES: gl.constexpr, EMU: gl.constexpr,
+                      P16: gl.constexpr, NUM_WG: gl.constexpr, SCHED: gl.constexpr):
+    """A persistent consumer warpgroup: the work items in turn, each as _consumer runs its one; the epilogue's tile
+    values are computed again after the key loop rather than held in registers across it."""
+    s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
+    o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
+    p_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
+    stride_o = H * D
+    # the ring position of this item's first key tile and the scheduler turns taken so far: unsigned, so that the
+    # ring's slot and phase are a mask and a shift (int32: signed-division fix-ups in the key loop)
+    it0 = gl.to_tensor(0).to(gl.uint32)
+    sc0 = gl.to_tensor(0).to(gl.uint32)
+    i = 0
+    for t in range(gl.program_id(0), n_m * n_bh, gl.num_programs(0)):
+        m0, h, q_tok0, k_tok0, len_q, len_k, lse_base, n_kv, n_full = _item(t, n_m, n_bh, H, S_q, S_k, cu_q_ptr,
+                                                                            cu_k_ptr, BM, BN, CAUSAL, VARLEN)
+        qb = i % 2
+        q = q_s.index(qb * NUM_WG + WG)
+        rows = m0 + WG * BMW + gl.arange(0, BMW, layout=gl.SliceLayout(1, s_l))  # query positions in the sequence
+        m_i = gl.full([BMW], float("-inf"), gl.float32, gl.SliceLayout(1, s_l))
+        l_i = gl.zeros([BMW], gl.float32, gl.SliceLayout(1, s_l))
+        acc = gl.zeros([BMW, D], gl.float32, o_l)
+        mbarrier.wait(q_bar.index(qb), (i // 2) & 1)
+        if GUARD:  # causal or packed: a tile may see no key at all
+            if n_kv > 0:
+                acc, m_i, l_i = _pipeline(q, k_s, v_s, k_ready, v_ready, kv_empty, sched, acc, m_i, l_i, n_kv, n_full,
+                                          it0, sc0, rows, len_k, len_k - len_q, qk_scale, BMW, BN, STAGES, CAUSAL,
+                                          s_l, o_l, p_l, EMU, P16, WG, NUM_WG, SCHED)
+        else:  # dense, S_k >= 1: every tile has keys
+            acc, m_i, l_i = _pipeline(q, k_s, v_s, k_ready, v_ready, kv_empty, sched, acc, m_i, l_i, n_kv, n_full,
+                                      it0, sc0, rows, len_k, len_k - len_q, qk_scale, BMW, BN, STAGES, CAUSAL, s_l,
+                                      o_l, p_l, EMU, P16, WG, NUM_WG, SCHED)
+        mbarrier.arrive(q_empty.index(qb))  # this Q read: the loader may refill its buffer
+        m0, h, q_tok0, k_tok0, len_q, len_k, lse_base, n_kv, n_full = _item(t, n_m, n_bh, H, S_q, S_k, cu_q_ptr,
+                                                                            cu_k_ptr, BM, BN, CAUSAL, VARLEN)
+        _epilogue(acc, m_i, l_i, o_ptr, res_ptr, lse_ptr, WG, m0, q_tok0, h * D, lse_base, len_q, stride_o, BMW, D,
+                  STORE_RES, s_l, o_l)
+        it0 += n_kv.to(gl.uint32)
+        sc0 += gl.maximum(n_kv - 1, 0).to(gl.uint32)
+        i += 1
+
+
+@gluon.jit
+def flash_attn_fwd_ws_persist_kernel(q_desc, k_desc, v_desc, o_ptr, res_ptr, lse_ptr, cu_q_ptr, cu_k_ptr, S_q, S_k, H,
+                                     GROUP, n_m, n_bh, qk_scale, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr,
+                                     STAGES: gl.constexpr, CAUSAL: gl.constexpr, STORE_RES: gl.constexpr,
+                                     VARLEN: gl.constexpr, CONS_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
+                                     EMU: gl.constexpr = 0, NUM_WG: gl.constexpr = 2, P16: gl.constexpr = False,
+                                     SCHED: gl.constexpr = False):
+    """flash_attn_fwd_ws_kernel's persistent form: a grid of resident programs (one per SM) takes the n_m x n_bh work
+    items (query tiles x batch-heads) t = pid, pid + programs, ...; Q has two buffers, so the loader fetches the next
+    item's Q and first K/V tiles while the consumers finish the current one (the K/V ring runs on across items)."""
+    gl.static_assert(NUM_WG == 2 or NUM_WG == 3, "two or three consumer warpgroups")
+    BMW: gl.constexpr = BM // NUM_WG
+    q_s = gl.allocate_shared_memory(q_desc.dtype, [2 * NUM_WG, BMW, D], q_desc.layout)
+    k_s = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BN, D], k_desc.layout)
+    v_s = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BN, D], v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    sched = gl.allocate_shared_memory(gl.int64, [NUM_WG, 1], mbarrier.MBarrierLayout())
+    for b in gl.static_range(2):
+        mbarrier.init(q_bar.index(b), count=1)
+        mbarrier.init(q_empty.index(b), count=NUM_WG)
+    for w in gl.static_range(NUM_WG):
+        mbarrier.init(sched.index(w), count=1)
+    for s in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(s), count=1)
+        mbarrier.init(v_ready.index(s), count=1)
+        mbarrier.init(kv_empty.index(s), count=NUM_WG)
+    GUARD: gl.constexpr = CAUSAL or VARLEN
+    if NUM_WG == 2:  # (a partition list cannot be built from tuples here)
+        gl.warp_specialize([
+            (_consumer_persist, (q_s, k_s, v_s, q_bar, q_empty, k_ready, v_ready, kv_empty, sched, o_ptr, res_ptr,
+                                 lse_ptr, 0, n_m, n_bh, H, S_q, S_k, cu_q_ptr, cu_k_ptr, qk_scale, BM, BMW, BN, D,
+                                 STAGES, GUARD, CAUSAL, VARLEN, STORE_RES, EMU, P16, NUM_WG, SCHED)),
+            (_consumer_persist, (q_s, k_s, v_s, q_bar, q_empty, k_ready, v_ready, kv_empty, sched, o_ptr, res_ptr,
+                                 lse_ptr, 1, n_m, n_bh, H, S_q, S_k, cu_q_ptr, cu_k_ptr, qk_scale, BM, BMW, BN, D,
+                                 STAGES, GUARD, CAUSAL, VARLEN, STORE_RES, EMU, P16, NUM_WG, SCHED)),
+            (_loader_persist, (q_desc, k_desc, v_desc, q_s, k_s, v_s, q_bar, q_empty, k_ready, v_ready, kv_empty,
+                               n_m, n_bh, H, GROUP, S_q, S_k, cu_q_ptr, cu_k_ptr, D, BM, BMW, BN, STAGES, NUM_WG,
+                               CAUSAL, VARLEN)),
+        ], [4, 1], [CONS_REGS, LOADER_REGS])
+    else:
+        gl.warp_specialize([
+            (_consumer_persist, (q_s, k_s, v_s, q_bar, q_empty, k_ready, v_ready, kv_empty, sched, o_ptr, res_ptr,
+                                 lse_ptr, 0, n_m, n_bh, H, S_q, S_k, cu_q_ptr, cu_k_ptr, qk_scale, BM, BMW, BN, D,
+                                 STAGES, GUARD, CAUSAL, VARLEN, STORE_RES, EMU, P16, NUM_WG, SCHED)),
+            (_consumer_persist, (q_s, k_s, v_s, q_bar, q_empty, k_ready, v_ready, kv_empty, sched, o_ptr, res_ptr,
+                                 lse_ptr, 1, n_m, n_bh, H, S_q, S_k, cu_q_ptr, cu_k_ptr, qk_scale, BM, BMW, BN, D,
+                                 STAGES, GUARD, CAUSAL, VARLEN, STORE_RES, EMU, P16, NUM_WG, SCHED)),
+            (_consumer_persist, (q_s, k_s, v_s, q_bar, q_empty, k_ready, v_ready, kv_empty, sched, o_ptr, res_ptr,
+                                 lse_ptr, 2, n_m, n_bh, H, S_q, S_k, cu_q_ptr, cu_k_ptr, qk_scale, BM, BMW, BN, D,
+                                 STAGES, GUARD, CAUSAL, VARLEN, STORE_RES, EMU, P16, NUM_WG, SCHED)),
+            (_loader_persist, (q_desc, k_desc, v_desc, q_s, k_s, v_s, q_bar, q_empty, k_ready, v_ready, kv_empty,
+                               n_m, n_bh, H, GROUP, S_q, S_k, cu_q_ptr, cu_k_ptr, D, BM, BMW, BN, STAGES, NUM_WG,
+                               CAUSAL, VARLEN)),
+        ], [4, 4, 1], [CONS_REGS, CONS_REGS, LOADER_REGS])
+    for b in gl.static_range(2):
+        mbarrier.invalidate(q_bar.index(b))
+        mbarrier.invalidate(q_empty.index(b))
+    for w in gl.static_range(NUM_WG):
+        mbarrier.invalidate(sched.index(w))
+    for s in gl.static_range(STAGES):
+        mbarrier.invalidate(k_ready.index(s))
+        mbarrier.invalidate(v_ready.index(s))
+        mbarrier.invalidate(kv_empty.index(s))
+
+
 def attn_fwd_ws(q, k, v, causal, softmax_scale, cfg, residual=False, varlen=None):
     """(o, lse, o_res) as ``attn_fwd`` returns them, by ``flash_attn_fwd_ws_kernel`` (the inputs ``attention._gluon_cfg``
     admits: contiguous 16-bit [B, S, H, D], head_dim 64 or 128, sm90); with ``varlen`` (attention.Varlen) the packed
@@ -317,6 +488,9 @@ def attn_fwd_ws(q, k, v, causal, softmax_scale, cfg, residual=False, varlen=None
     - P16: P carried across key tiles as the 16-bit wgmma operand (the default at NUM_WG 3, where an fp32 P does not
       fit in the registers);
     - SCHED: the warpgroups take turns issuing their products (a scheduler barrier);
+    - PERSIST: flash_attn_fwd_ws_persist_kernel, one program per SM walking the work items with two Q buffers (its
+      shared memory: 2 x NUM_WG 64-row Q blocks beside the ring); PROGRAMS caps its grid (default: the SM count;
+      the tests take a few programs, so that each walks many items);
     - CONS_REGS / LOADER_REGS: setmaxnreg of the worker consumer warpgroups / the loader, 240 / 24 at two warpgroups,
       160 / 24 at three (the loader warp's group is padded to four warps; the default partition's warpgroup takes the
       rest of the launch's 128 x 512 registers, 168);
@@ -337,13 +511,18 @@ def attn_fwd_ws(q, k, v, causal, softmax_scale, cfg, residual=False, varlen=None
     lse = launch.new_output((B, H, S_q), torch.float32, q.device)
     e = q.element_size()
     if varlen is None:
-        grid, cu = (launch.cdiv(S_q, bm), B * H), (lse, lse)
+        n_m, n_bh, cu = launch.cdiv(S_q, bm), B * H, (lse, lse)
     else:
-        grid = (launch.cdiv(varlen.max_seqlen_q, bm), (varlen.cu_seqlens_q.numel() - 1) * H)
+        n_m, n_bh = launch.cdiv(varlen.max_seqlen_q, bm), (varlen.cu_seqlens_q.numel() - 1) * H
         cu = (varlen.cu_seqlens_q, varlen.cu_seqlens_k)
+    if cfg.get("PERSIST", 0):  # one program per SM (each holds an SM's registers and most of its shared memory)
+        programs = min(n_m * n_bh, cfg.get("PROGRAMS", _runtime.num_sms()))
+        kernel, grid, items = flash_attn_fwd_ws_persist_kernel, (programs,), (n_m, n_bh)
+    else:
+        kernel, grid, items = flash_attn_fwd_ws_kernel, (n_m, n_bh), ()
     launch.launch(
-        "flash_attn_fwd", flash_attn_fwd_ws_kernel, grid,
-        q_desc, k_desc, v_desc, o, o_res if residual else o, lse, *cu, S_q, S_k, H, H // H_kv,
+        "flash_attn_fwd", kernel, grid,
+        q_desc, k_desc, v_desc, o, o_res if residual else o, lse, *cu, S_q, S_k, H, H // H_kv, *items,
         softmax_scale * LOG2E,
         nbytes=e * ((3 if residual else 2) * q.numel() + k.numel() + v.numel()) + 4 * lse.numel(),
         BM=bm, BN=bn, D=D, STAGES=stages, CAUSAL=bool(causal), STORE_RES=bool(residual), VARLEN=varlen is not None,
