@@ -85,10 +85,14 @@ def run(B, H, S, D, causal, gluon=True, triton_tiles=True):
     fns = {"cudnn": cudnn, "triton": lambda: triforge.flash_attn_func(q, k, v, causal=causal)}
     cands = []
     for c in (grid(D) if gluon else []):
-        for pe in (0, 1):  # pe1: the persistent kernel (two Q buffers: one slot fewer at D = 128)
-            cp = dict(c, PERSIST=pe, num_stages=c["num_stages"] - (pe and D == 128))
+        # pe1: the persistent kernel (two Q buffers: one slot fewer at D = 128); x: XITEM (non-causal only: an item's
+        # first S product issued with the previous item's last P V)
+        for pe, xi in ((0, 0), (1, 0), (1, 1)):
+            if xi and causal:
+                continue
+            cp = dict(c, PERSIST=pe, XITEM=xi, num_stages=c["num_stages"] - (pe and D == 128))
             cands.append((f"gluon w{c.get('NUM_WG', 2)} n{c['BLOCK_N']} s{cp['num_stages']} e{c['EMU']} "
-                          f"sc{c.get('SCHED', 0)} pe{pe}", cp, attn_fwd_ws))
+                          f"sc{c.get('SCHED', 0)} pe{pe}{'x' if xi else ''}", cp, attn_fwd_ws))
     cands += [(f"triton {c['BLOCK_M']}x{c['BLOCK_N']}w{c['num_warps']}s{c['num_stages']}t{c.get('TMA', 0)}"
                f"g{c.get('GUARD', 1)} e{c['EMU']}", c, attention.attn_fwd)
               for c in (triton_grid(D, causal) if triton_tiles else [])]

@@ -1210,6 +1210,8 @@ for case in json.loads(sys.argv[1]):
     consts = dict(BM=64 * n_wg, BN=bn, D=D, STAGES=st, CAUSAL=case["causal"], STORE_RES=case["res"],
                   VARLEN=case.get("varlen", False), CONS_REGS=240 if n_wg == 2 else 160, LOADER_REGS=24,
                   EMU=case.get("EMU", 0), NUM_WG=n_wg, P16=n_wg == 3, SCHED=bool(case.get("SCHED", 0)))
+    if case.get("PERSIST"):
+        consts["XITEM"] = bool(case.get("XITEM", 0))
     types = {"q_desc": f"tensordesc<{dt}[64, {D}],{ql!r}>", "k_desc": f"tensordesc<{dt}[{bn}, {D}],{kl!r}>",
              "v_desc": f"tensordesc<{dt}[{bn}, {D}],{kl!r}>", "o_ptr": f"*{dt}", "res_ptr": f"*{dt}",
              "lse_ptr": "*fp32", "cu_q_ptr": "*i32", "cu_k_ptr": "*i32", "qk_scale": "fp32"}

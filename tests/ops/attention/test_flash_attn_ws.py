@@ -45,7 +45,11 @@ CFGS = [{"BLOCK_N": 128, "num_stages": 2}, {"BLOCK_N": 128, "num_stages": 3}, {"
         {"BLOCK_N": 128, "num_stages": 4, "NUM_WG": 3, "SCHED": 1},
         # PERSIST: the persistent kernel; a few programs (PROGRAMS), so that each walks many work items whose key-tile
         # counts differ (causal), the K/V ring, the two Q buffers and the scheduler's turns running on across them
-        {"BLOCK_N": 128, "num_stages": 4, "NUM_WG": 3, "SCHED": 1, "PERSIST": 1, "PROGRAMS": 3},  # the H200's D = 64
+        {"BLOCK_N": 128, "num_stages": 4, "NUM_WG": 3, "SCHED": 1, "PERSIST": 1, "PROGRAMS": 3},
+        # XITEM: an item's first S product issued with the previous one's last P V (dense non-causal inputs; causal
+        # launches walk the items one by one)
+        {"BLOCK_N": 128, "num_stages": 4, "NUM_WG": 3, "SCHED": 1, "PERSIST": 1, "PROGRAMS": 3, "XITEM": 1},
+        {"BLOCK_N": 128, "num_stages": 2, "PERSIST": 1, "PROGRAMS": 2, "XITEM": 1},
         {"BLOCK_N": 128, "num_stages": 2, "PERSIST": 1, "PROGRAMS": 2},
         {"BLOCK_N": 64, "num_stages": 3, "PERSIST": 1, "PROGRAMS": 5, "SCHED": 1}]
 
@@ -53,7 +57,8 @@ CFGS = [{"BLOCK_N": 128, "num_stages": 2}, {"BLOCK_N": 128, "num_stages": 3}, {"
 def _cfg_id(c):
     p16 = c.get("P16", int(c.get("NUM_WG", 2) == 3))
     return (f"w{c.get('NUM_WG', 2)}n{c['BLOCK_N']}s{c['num_stages']}e{c.get('EMU', 0)}p{p16}"
-            f"sc{c.get('SCHED', 0)}" + (f"pe{c['PROGRAMS']}" if c.get("PERSIST") else ""))
+            f"sc{c.get('SCHED', 0)}" + (f"pe{c['PROGRAMS']}" if c.get("PERSIST") else "")
+            + ("x" if c.get("XITEM") else ""))
 
 
 def _qkv(B, Sq, Sk, H, Hkv, D, dtype, seed, q_scale=1.0):
@@ -106,7 +111,9 @@ def test_large_scores(dtype, causal):
 RES_FORMS = [(128, True, {"BLOCK_N": 128, "num_stages": 3}),
              (128, True, {"BLOCK_N": 128, "num_stages": 2, "NUM_WG": 3}),
              (64, False, {"BLOCK_N": 128, "num_stages": 4, "NUM_WG": 3, "SCHED": 1}),
-             (64, False, {"BLOCK_N": 128, "num_stages": 4, "NUM_WG": 3, "SCHED": 1, "PERSIST": 1, "PROGRAMS": 7})]
+             (64, False, {"BLOCK_N": 128, "num_stages": 4, "NUM_WG": 3, "SCHED": 1, "PERSIST": 1, "PROGRAMS": 7}),
+             (64, False, {"BLOCK_N": 128, "num_stages": 4, "NUM_WG": 3, "SCHED": 1, "PERSIST": 1, "PROGRAMS": 7,
+                          "XITEM": 1})]
 
 
 @pytest.mark.parametrize("form", RES_FORMS, ids=lambda f: f"D{f[0]}-{'causal' if f[1] else 'full'}-{_cfg_id(f[2])}")

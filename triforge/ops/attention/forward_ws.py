@@ -141,7 +141,19 @@ def _pipeline(q, k_s, v_s, k_ready, v_ready, kv_empty, sched, acc, m_i, l_i, n_k
     p, alpha, m_i, l_i = _softmax(s0, m_i, l_i, 0, rows, S_k, diag, qk_scale, BN, CAUSAL, True, s_l, 0)
     if P16:
         p = gl.convert_layout(p.to(q.dtype), p_l)
-    # tiles every row sees whole, then the masked ones (the causal diagonal, keys past S_k)
+    acc, p, m_i, l_i = _keys(q, k_s, v_s, k_ready, v_ready, kv_empty, sched, acc, p, m_i, l_i, n_kv, n_full, it0, sc0,
+                             rows, S_k, diag, qk_scale, BMW, BN, STAGES, CAUSAL, s_l, o_l, p_l, EMU, P16, WG, NUM_WG,
+                             SCHED)
+    return _last_pv(q, v_s, v_ready, kv_empty, acc, p, it0 + n_kv - 1, STAGES, p_l, P16), m_i, l_i
+
+
+@gluon.jit
+def _keys(q, k_s, v_s, k_ready, v_ready, kv_empty, sched, acc, p, m_i, l_i, n_kv, n_full, it0, sc0, rows, S_k, diag,
+          qk_scale, BMW: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, s_l: gl.constexpr,
+          o_l: gl.constexpr, p_l: gl.constexpr, EMU: gl.constexpr, P16: gl.constexpr, WG: gl.constexpr,
+          NUM_WG: gl.constexpr, SCHED: gl.constexpr):
+    """Key tiles 1 .. n_kv - 1 (tile 0's P given): the tiles every row sees whole, then the masked ones (the causal
+    diagonal, keys past S_k); (acc, p, m, l) with the last tile's P V still to add."""
     for j in range(1, n_full):
         acc, p, m_i, l_i = _step(q, k_s, v_s, k_ready, v_ready, kv_empty, sched, acc, p, m_i, l_i, j, it0 + j,
                                  sc0 + j - 1, rows, S_k,
@@ -152,16 +164,22 @@ def _pipeline(q, k_s, v_s, k_ready, v_ready, kv_empty, sched, acc, m_i, l_i, n_k
                                  sc0 + j - 1, rows, S_k,
                                  diag, qk_scale, BMW, BN, STAGES, CAUSAL, True, s_l, o_l, p_l, 0, P16, WG, NUM_WG,
                                  SCHED)
-    sl = ((it0 + n_kv - 1) % STAGES).to(gl.int32)
+    return acc, p, m_i, l_i
+
+
+@gluon.jit
+def _last_pv(q, v_s, v_ready, kv_empty, acc, p, it, STAGES: gl.constexpr, p_l: gl.constexpr, P16: gl.constexpr):
+    """acc + P V for the key tile at ring position it (the last of a work item), its slot then released."""
+    sl = (it % STAGES).to(gl.int32)
     if P16:
         pa = p
     else:
         pa = gl.convert_layout(p.to(q.dtype), p_l)
-    mbarrier.wait(v_ready.index(sl), (((it0 + n_kv - 1) // STAGES) & 1).to(gl.int32))
+    mbarrier.wait(v_ready.index(sl), ((it // STAGES) & 1).to(gl.int32))
     acc = warpgroup_mma(pa, v_s.index(sl), acc, is_async=True)
     acc, pa = warpgroup_mma_wait(0, deps=[acc, pa])
     mbarrier.arrive(kv_empty.index(sl))
-    return acc, m_i, l_i
+    return acc
 
 
 @gluon.jit
@@ -369,12 +387,29 @@ def _consumer_persist(q_s, k_s, v_s, q_bar, q_empty, k_ready, v_ready, kv_empty,
                       WG: gl.constexpr, n_m, n_bh, H, S_q, S_k, cu_q_ptr, cu_k_ptr, qk_scale, BM: gl.constexpr,
                       BMW: gl.constexpr, BN: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, GUARD: gl.constexpr,
                       CAUSAL: gl.constexpr, VARLEN: gl.constexpr, STORE_RES: gl.constexpr, EMU: gl.constexpr,
-                      P16: gl.constexpr, NUM_WG: gl.constexpr, SCHED: gl.constexpr):
+                      P16: gl.constexpr, NUM_WG: gl.constexpr, SCHED: gl.constexpr, XITEM: gl.constexpr):
     """A persistent consumer warpgroup: the work items in turn, each as _consumer runs its one; the epilogue's tile
-    values are computed again after the key loop rather than held in registers across it."""
+    values are computed again after the key loop rather than held in registers across it. XITEM: _walk_overlapped."""
     s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
     o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
     p_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
+    if XITEM:
+        _walk_overlapped(q_s, k_s, v_s, q_bar, q_empty, k_ready, v_ready, kv_empty, sched, o_ptr, res_ptr, lse_ptr, WG,
+                         n_m, n_bh, H, S_q, S_k, cu_q_ptr, cu_k_ptr, qk_scale, BM, BMW, BN, D, STAGES, GUARD, CAUSAL,
+                         VARLEN, STORE_RES, EMU, P16, NUM_WG, SCHED, s_l, o_l, p_l)
+    else:
+        _walk(q_s, k_s, v_s, q_bar, q_empty, k_ready, v_ready, kv_empty, sched, o_ptr, res_ptr, lse_ptr, WG, n_m, n_bh,
+              H, S_q, S_k, cu_q_ptr, cu_k_ptr, qk_scale, BM, BMW, BN, D, STAGES, GUARD, CAUSAL, VARLEN, STORE_RES, EMU,
+              P16, NUM_WG, SCHED, s_l, o_l, p_l)
+
+
+@gluon.jit
+def _walk(q_s, k_s, v_s, q_bar, q_empty, k_ready, v_ready, kv_empty, sched, o_ptr, res_ptr, lse_ptr, WG: gl.constexpr,
+          n_m, n_bh, H, S_q, S_k, cu_q_ptr, cu_k_ptr, qk_scale, BM: gl.constexpr, BMW: gl.constexpr, BN: gl.constexpr,
+          D: gl.constexpr, STAGES: gl.constexpr, GUARD: gl.constexpr, CAUSAL: gl.constexpr, VARLEN: gl.constexpr,
+          STORE_RES: gl.constexpr, EMU: gl.constexpr, P16: gl.constexpr, NUM_WG: gl.constexpr, SCHED: gl.constexpr,
+          s_l: gl.constexpr, o_l: gl.constexpr, p_l: gl.constexpr):
+    """The work items one after another, each with its own key loop (_pipeline) and epilogue."""
     stride_o = H * D
     # the ring position of this item's first key tile and the scheduler turns taken so far: unsigned, so that the
     # ring's slot and phase are a mask and a shift (int32: signed-division fix-ups in the key loop)
@@ -411,12 +446,104 @@ def _consumer_persist(q_s, k_s, v_s, q_bar, q_empty, k_ready, v_ready, kv_empty,
 
 
 @gluon.jit
+def _walk_overlapped(q_s, k_s, v_s, q_bar, q_empty, k_ready, v_ready, kv_empty, sched, o_ptr, res_ptr, lse_ptr,
+                     WG: gl.constexpr, n_m, n_bh, H, S_q, S_k, cu_q_ptr, cu_k_ptr, qk_scale, BM: gl.constexpr,
+                     BMW: gl.constexpr, BN: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, GUARD: gl.constexpr,
+                     CAUSAL: gl.constexpr, VARLEN: gl.constexpr, STORE_RES: gl.constexpr, EMU: gl.constexpr,
+                     P16: gl.constexpr, NUM_WG: gl.constexpr, SCHED: gl.constexpr, s_l: gl.constexpr,
+                     o_l: gl.constexpr, p_l: gl.constexpr):
+    """The work items as one stream of key tiles: an item's first S = Q K^T is issued together with the previous
+    item's last P V (a step like the key loop's, a scheduler turn with SCHED), the new item's first softmax runs while
+    that product is on the tensor cores, and the previous item's output is stored after it. Dense inputs only (every
+    item has a key tile: not GUARD)."""
+    gl.static_assert(not GUARD, "every work item needs a key tile")
+    stride_o = H * D
+    pid = gl.program_id(0)
+    n_prog = gl.num_programs(0)
+    m0, h, q_tok0, k_tok0, len_q, len_k, lse_base, n_kv, n_full = _item(pid, n_m, n_bh, H, S_q, S_k, cu_q_ptr,
+                                                                        cu_k_ptr, BM, BN, CAUSAL, VARLEN)
+    q0 = q_s.index(WG)
+    rows0 = m0 + WG * BMW + gl.arange(0, BMW, layout=gl.SliceLayout(1, s_l))
+    m_i = gl.full([BMW], float("-inf"), gl.float32, gl.SliceLayout(1, s_l))
+    l_i = gl.zeros([BMW], gl.float32, gl.SliceLayout(1, s_l))
+    acc = gl.zeros([BMW, D], gl.float32, o_l)
+    it0 = gl.to_tensor(0).to(gl.uint32)  # the ring position of the item's first key tile
+    sc0 = gl.to_tensor(0).to(gl.uint32)  # scheduler turns taken
+    mbarrier.wait(q_bar.index(0), 0)
+    mbarrier.wait(k_ready.index(0), 0)
+    s0 = warpgroup_mma(q0, k_s.index(0).permute((1, 0)), gl.zeros([BMW, BN], gl.float32, s_l), use_acc=False,
+                       is_async=True)
+    s0 = warpgroup_mma_wait(0, deps=[s0])
+    p, alpha, m_i, l_i = _softmax(s0, m_i, l_i, 0, rows0, len_k, len_k - len_q, qk_scale, BN, CAUSAL, True, s_l, 0)
+    if P16:
+        p = gl.convert_layout(p.to(q0.dtype), p_l)
+    acc, p, m_i, l_i = _keys(q0, k_s, v_s, k_ready, v_ready, kv_empty, sched, acc, p, m_i, l_i, n_kv, n_full, it0, sc0,
+                             rows0, len_k, len_k - len_q, qk_scale, BMW, BN, STAGES, CAUSAL, s_l, o_l, p_l, EMU, P16,
+                             WG, NUM_WG, SCHED)
+    it0 += n_kv.to(gl.uint32)
+    sc0 += (n_kv - 1).to(gl.uint32)
+    i = 1
+    for t in range(pid + n_prog, n_m * n_bh, n_prog):
+        mbarrier.arrive(q_empty.index((i - 1) % 2))  # the previous item's last S is done: its Q buffer may refill
+        m0, h, q_tok0, k_tok0, len_q, len_k, lse_base, n_kv, n_full = _item(t, n_m, n_bh, H, S_q, S_k, cu_q_ptr,
+                                                                            cu_k_ptr, BM, BN, CAUSAL, VARLEN)
+        qb = i % 2
+        q = q_s.index(qb * NUM_WG + WG)
+        rows = m0 + WG * BMW + gl.arange(0, BMW, layout=gl.SliceLayout(1, s_l))
+        mbarrier.wait(q_bar.index(qb), (i // 2) & 1)
+        st = (it0 % STAGES).to(gl.int32)
+        sp = ((it0 - 1) % STAGES).to(gl.int32)
+        if P16:
+            pa = p
+        else:
+            pa = gl.convert_layout(p.to(q.dtype), p_l)
+        mbarrier.wait(k_ready.index(st), ((it0 // STAGES) & 1).to(gl.int32))
+        if SCHED:
+            if WG == 0:
+                mbarrier.wait(sched.index(WG), ((sc0 & 1) ^ 1).to(gl.int32))
+            else:
+                mbarrier.wait(sched.index(WG), (sc0 & 1).to(gl.int32))
+        s0 = warpgroup_mma(q, k_s.index(st).permute((1, 0)), gl.zeros([BMW, BN], gl.float32, s_l), use_acc=False,
+                           is_async=True)
+        mbarrier.wait(v_ready.index(sp), (((it0 - 1) // STAGES) & 1).to(gl.int32))
+        acc = warpgroup_mma(pa, v_s.index(sp), acc, is_async=True)
+        if SCHED:
+            mbarrier.arrive(sched.index((WG + 1) % NUM_WG))
+        s0 = warpgroup_mma_wait(1, deps=[s0])
+        m_n = gl.full([BMW], float("-inf"), gl.float32, gl.SliceLayout(1, s_l))
+        l_n = gl.zeros([BMW], gl.float32, gl.SliceLayout(1, s_l))
+        p, alpha, m_n, l_n = _softmax(s0, m_n, l_n, 0, rows, len_k, len_k - len_q, qk_scale, BN, CAUSAL, True, s_l, 0)
+        acc, pa = warpgroup_mma_wait(0, deps=[acc, pa])
+        mbarrier.arrive(kv_empty.index(sp))
+        pm0, ph, pq_tok0, pk_tok0, plen_q, plen_k, plse_base, pn_kv, pn_full = _item(
+            t - n_prog, n_m, n_bh, H, S_q, S_k, cu_q_ptr, cu_k_ptr, BM, BN, CAUSAL, VARLEN)
+        _epilogue(acc, m_i, l_i, o_ptr, res_ptr, lse_ptr, WG, pm0, pq_tok0, ph * D, plse_base, plen_q, stride_o, BMW,
+                  D, STORE_RES, s_l, o_l)
+        acc = gl.zeros([BMW, D], gl.float32, o_l)
+        if P16:
+            p = gl.convert_layout(p.to(q.dtype), p_l)
+        acc, p, m_i, l_i = _keys(q, k_s, v_s, k_ready, v_ready, kv_empty, sched, acc, p, m_n, l_n, n_kv, n_full, it0,
+                                 sc0 + 1, rows, len_k, len_k - len_q, qk_scale, BMW, BN, STAGES, CAUSAL, s_l, o_l, p_l,
+                                 EMU, P16, WG, NUM_WG, SCHED)
+        it0 += n_kv.to(gl.uint32)
+        sc0 += n_kv.to(gl.uint32)
+        i += 1
+    mbarrier.arrive(q_empty.index((i - 1) % 2))
+    acc = _last_pv(q0, v_s, v_ready, kv_empty, acc, p, it0 - 1, STAGES, p_l, P16)
+    m0, h, q_tok0, k_tok0, len_q, len_k, lse_base, n_kv, n_full = _item(pid + (i - 1) * n_prog, n_m, n_bh, H, S_q,
+                                                                        S_k, cu_q_ptr, cu_k_ptr, BM, BN, CAUSAL,
+                                                                        VARLEN)
+    _epilogue(acc, m_i, l_i, o_ptr, res_ptr, lse_ptr, WG, m0, q_tok0, h * D, lse_base, len_q, stride_o, BMW, D,
+              STORE_RES, s_l, o_l)
+
+
+@gluon.jit
 def flash_attn_fwd_ws_persist_kernel(q_desc, k_desc, v_desc, o_ptr, res_ptr, lse_ptr, cu_q_ptr, cu_k_ptr, S_q, S_k, H,
                                      GROUP, n_m, n_bh, qk_scale, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr,
                                      STAGES: gl.constexpr, CAUSAL: gl.constexpr, STORE_RES: gl.constexpr,
                                      VARLEN: gl.constexpr, CONS_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
                                      EMU: gl.constexpr = 0, NUM_WG: gl.constexpr = 2, P16: gl.constexpr = False,
-                                     SCHED: gl.constexpr = False):
+                                     SCHED: gl.constexpr = False, XITEM: gl.constexpr = False):
     """flash_attn_fwd_ws_kernel's persistent form: a grid of resident programs (one per SM) takes the n_m x n_bh work
     items (query tiles x batch-heads) t = pid, pid + programs, ...; Q has two buffers, so the loader fetches the next
     item's Q and first K/V tiles while the consumers finish the current one (the K/V ring runs on across items)."""
@@ -445,10 +572,10 @@ def flash_attn_fwd_ws_persist_kernel(q_desc, k_desc, v_desc, o_ptr, res_ptr, lse
         gl.warp_specialize([
             (_consumer_persist, (q_s, k_s, v_s, q_bar, q_empty, k_ready, v_ready, kv_empty, sched, o_ptr, res_ptr,
                                  lse_ptr, 0, n_m, n_bh, H, S_q, S_k, cu_q_ptr, cu_k_ptr, qk_scale, BM, BMW, BN, D,
-                                 STAGES, GUARD, CAUSAL, VARLEN, STORE_RES, EMU, P16, NUM_WG, SCHED)),
+                                 STAGES, GUARD, CAUSAL, VARLEN, STORE_RES, EMU, P16, NUM_WG, SCHED, XITEM)),
             (_consumer_persist, (q_s, k_s, v_s, q_bar, q_empty, k_ready, v_ready, kv_empty, sched, o_ptr, res_ptr,
                                  lse_ptr, 1, n_m, n_bh, H, S_q, S_k, cu_q_ptr, cu_k_ptr, qk_scale, BM, BMW, BN, D,
-                                 STAGES, GUARD, CAUSAL, VARLEN, STORE_RES, EMU, P16, NUM_WG, SCHED)),
+                                 STAGES, GUARD, CAUSAL, VARLEN, STORE_RES, EMU, P16, NUM_WG, SCHED, XITEM)),
             (_loader_persist, (q_desc, k_desc, v_desc, q_s, k_s, v_s, q_bar, q_empty, k_ready, v_ready, kv_empty,
                                n_m, n_bh, H, GROUP, S_q, S_k, cu_q_ptr, cu_k_ptr, D, BM, BMW, BN, STAGES, NUM_WG,
                                CAUSAL, VARLEN)),
@@ -457,13 +584,13 @@ def flash_attn_fwd_ws_persist_kernel(q_desc, k_desc, v_desc, o_ptr, res_ptr, lse
         gl.warp_specialize([
             (_consumer_persist, (q_s, k_s, v_s, q_bar, q_empty, k_ready, v_ready, kv_empty, sched, o_ptr, res_ptr,
                                  lse_ptr, 0, n_m, n_bh, H, S_q, S_k, cu_q_ptr, cu_k_ptr, qk_scale, BM, BMW, BN, D,
-                                 STAGES, GUARD, CAUSAL, VARLEN, STORE_RES, EMU, P16, NUM_WG, SCHED)),
+                                 STAGES, GUARD, CAUSAL, VARLEN, STORE_RES, EMU, P16, NUM_WG, SCHED, XITEM)),
             (_consumer_persist, (q_s, k_s, v_s, q_bar, q_empty, k_ready, v_ready, kv_empty, sched, o_ptr, res_ptr,
                                  lse_ptr, 1, n_m, n_bh, H, S_q, S_k, cu_q_ptr, cu_k_ptr, qk_scale, BM, BMW, BN, D,
-                                 STAGES, GUARD, CAUSAL, VARLEN, STORE_RES, EMU, P16, NUM_WG, SCHED)),
+                                 STAGES, GUARD, CAUSAL, VARLEN, STORE_RES, EMU, P16, NUM_WG, SCHED, XITEM)),
             (_consumer_persist, (q_s, k_s, v_s, q_bar, q_empty, k_ready, v_ready, kv_empty, sched, o_ptr, res_ptr,
                                  lse_ptr, 2, n_m, n_bh, H, S_q, S_k, cu_q_ptr, cu_k_ptr, qk_scale, BM, BMW, BN, D,
-                                 STAGES, GUARD, CAUSAL, VARLEN, STORE_RES, EMU, P16, NUM_WG, SCHED)),
+                                 STAGES, GUARD, CAUSAL, VARLEN, STORE_RES, EMU, P16, NUM_WG, SCHED, XITEM)),
             (_loader_persist, (q_desc, k_desc, v_desc, q_s, k_s, v_s, q_bar, q_empty, k_ready, v_ready, kv_empty,
                                n_m, n_bh, H, GROUP, S_q, S_k, cu_q_ptr, cu_k_ptr, D, BM, BMW, BN, STAGES, NUM_WG,
                                CAUSAL, VARLEN)),
@@ -490,7 +617,8 @@ def attn_fwd_ws(q, k, v, causal, softmax_scale, cfg, residual=False, varlen=None
     - SCHED: the warpgroups take turns issuing their products (a scheduler barrier);
     - PERSIST: flash_attn_fwd_ws_persist_kernel, one program per SM walking the work items with two Q buffers (its
       shared memory: 2 x NUM_WG 64-row Q blocks beside the ring); PROGRAMS caps its grid (default: the SM count;
-      the tests take a few programs, so that each walks many items);
+      the tests take a few programs, so that each walks many items); XITEM (dense non-causal inputs): an item's first
+      S product issued with the previous item's last P V (_walk_overlapped);
     - CONS_REGS / LOADER_REGS: setmaxnreg of the worker consumer warpgroups / the loader, 240 / 24 at two warpgroups,
       160 / 24 at three (the loader warp's group is padded to four warps; the default partition's warpgroup takes the
       rest of the launch's 128 x 512 registers, 168);
@@ -518,8 +646,10 @@ def attn_fwd_ws(q, k, v, causal, softmax_scale, cfg, residual=False, varlen=None
     if cfg.get("PERSIST", 0):  # one program per SM (each holds an SM's registers and most of its shared memory)
         programs = min(n_m * n_bh, cfg.get("PROGRAMS", _runtime.num_sms()))
         kernel, grid, items = flash_attn_fwd_ws_persist_kernel, (programs,), (n_m, n_bh)
+        # (the overlapped walk needs a key tile in every item: dense inputs, not causal)
+        xitem = dict(XITEM=bool(cfg.get("XITEM", 0)) and not causal and varlen is None)
     else:
-        kernel, grid, items = flash_attn_fwd_ws_kernel, (n_m, n_bh), ()
+        kernel, grid, items, xitem = flash_attn_fwd_ws_kernel, (n_m, n_bh), (), {}
     launch.launch(
         "flash_attn_fwd", kernel, grid,
         q_desc, k_desc, v_desc, o, o_res if residual else o, lse, *cu, S_q, S_k, H, H // H_kv, *items,
@@ -528,6 +658,6 @@ def attn_fwd_ws(q, k, v, causal, softmax_scale, cfg, residual=False, varlen=None
         BM=bm, BN=bn, D=D, STAGES=stages, CAUSAL=bool(causal), STORE_RES=bool(residual), VARLEN=varlen is not None,
         CONS_REGS=cfg.get("CONS_REGS", 240 if n_wg == 2 else 160), LOADER_REGS=cfg.get("LOADER_REGS", 24),
         EMU=cfg.get("EMU", 0), NUM_WG=n_wg, P16=bool(cfg.get("P16", n_wg == 3)),
-        SCHED=bool(cfg.get("SCHED", 0)), num_warps=4,
+        SCHED=bool(cfg.get("SCHED", 0)), num_warps=4, **xitem,
     )
     return o, lse, o_res
