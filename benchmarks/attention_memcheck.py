@@ -69,9 +69,30 @@ def main():
         ok &= check(f"D={D} varlen causal",
                     lambda q, k, v: flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), causal=True),
                     ref_vl, leaves, do)
-    if DEV == "cuda":
+    if DEV == "cuda" and torch.cuda.get_device_capability() == (9, 0):
+        ok &= persistent_walks()
         torch.cuda.synchronize()
     sys.exit(0 if ok else 1)
+
+
+def persistent_walks():
+    """The persistent Gluon forward (forward_ws.py, PERSIST) with 3 programs, so that each walks many work items (the
+    library's launches give one item to each program at these lengths), causal and not, with and without XITEM."""
+    from triforge.ops.attention.forward_ws import attn_fwd_ws
+
+    ok = True
+    for D, cfg in ((64, {"BLOCK_N": 128, "num_stages": 4, "NUM_WG": 3, "SCHED": 1}),
+                   (128, {"BLOCK_N": 128, "num_stages": 2})):
+        for causal in (False, True):
+            for xitem in (0, 1):
+                q, k, v = (torch.randn(2, n, h, D, device=DEV, dtype=torch.bfloat16)
+                           for n, h in ((301, 4), (333, 2), (333, 2)))
+                o, _, _ = attn_fwd_ws(q, k, v, causal, D ** -0.5, dict(cfg, PERSIST=1, PROGRAMS=3, XITEM=xitem))
+                e = rel(o, attention_ref(q.double(), k.double(), v.double(), causal)["o"])
+                good = e == e and e < 2e-2
+                print(f"persistent D={D} causal={causal} XITEM={xitem}: {'ok' if good else 'WRONG'} {e:.1e}", flush=True)
+                ok &= good
+    return ok
 
 
 if __name__ == "__main__":

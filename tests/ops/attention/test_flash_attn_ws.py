@@ -83,7 +83,10 @@ def _check(q, k, v, causal, dtype, cfg, residual=False):
     return o, lse, o_res, ref
 
 
-@pytest.mark.parametrize("cfg", CFGS, ids=_cfg_id)
+# each config's cases on one xdist worker under --dist loadgroup (the GPU run's): a worker then compiles that config's
+# kernels alone, where spread cases had every worker compile nearly every variant (~10 s each for the persistent ones)
+@pytest.mark.parametrize("cfg", [pytest.param(c, marks=pytest.mark.xdist_group(_cfg_id(c))) for c in CFGS],
+                         ids=_cfg_id)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", F16, ids=F16_IDS)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "B{}-Sq{}-Sk{}-H{}-Hkv{}-D{}".format(*s))
@@ -214,7 +217,8 @@ def test_public_function_and_gradients(causal, monkeypatch):
 VARLEN_CASES = [([37, 0, 129, 1, 200], [37, 0, 129, 1, 200]), ([300, 17, 64], [129, 250, 64]), ([0, 5], [3, 0])]
 
 
-@pytest.mark.parametrize("persist", [0, 1], ids=["grid", "persist"])
+@pytest.mark.parametrize("persist", [pytest.param(p, marks=pytest.mark.xdist_group(f"varlen{p}")) for p in (0, 1)],
+                         ids=["grid", "persist"])
 @pytest.mark.parametrize("n_wg", [2, 3])
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
