@@ -1285,3 +1285,17 @@ def test_gluon_forward_three_warpgroups_compiles_for_sm90():
         for lp in hot:
             assert not any(op.startswith(("LDL", "STL")) for op in lp), lp
             assert lp.get("PRMT", 0) <= 32 and lp["MUFU.EX2"] == 66, lp
+
+
+@pytest.mark.parametrize("bad, key", [({"num_stages": 1}, "num_stages"), ({"num_stages": 2.0}, "num_stages"),
+                                      ({"BLOCK_N": 32}, "BLOCK_N"), ({"NUM_WG": 4}, "NUM_WG"),
+                                      ({"XITEM": 1}, "XITEM"), ({"PERSIST": 1, "PROGRAMS": 0}, "PROGRAMS")])
+def test_gluon_forward_rejects_bad_configs(bad, key):
+    """attn_fwd_ws refuses a config its kernels cannot run, naming the key, before any launch (a one-slot ring would
+    hang the GPU: each key step waits for tile j's K before releasing tile j - 1's slot; session 53's varlen test with
+    one slot did)."""
+    from triforge.ops.attention.forward_ws import attn_fwd_ws
+
+    q = torch.randn(1, 8, 2, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=key):
+        attn_fwd_ws(q, q, q, False, 0.125, dict({"BLOCK_N": 128, "num_stages": 3}, **bad))

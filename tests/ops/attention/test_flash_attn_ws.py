@@ -239,6 +239,8 @@ def test_varlen_matches_reference(case, causal, D, n_wg, persist):
     k = torch.randn(sum(lk), 2, D, generator=g).to("cuda", dtype)
     v = torch.randn(sum(lk), 2, D, generator=g).to("cuda", dtype)
     vl = Varlen(cq, ck, max(lq), max(lk))
+    if persist and D == 128 and n_wg == 3:  # two Q buffers of 192 x 128 leave room for one slot (the kernel needs 2)
+        pytest.skip("does not fit in shared memory")
     with poisoned():
         o, lse, _ = attn_fwd_ws(q[None], k[None], v[None], causal, D ** -0.5,
                                 {"BLOCK_N": 128, "num_stages": 5 - n_wg - (persist and D == 128), "NUM_WG": n_wg,

@@ -606,6 +606,22 @@ def flash_attn_fwd_ws_persist_kernel(q_desc, k_desc, v_desc, o_ptr, res_ptr, lse
         mbarrier.invalidate(kv_empty.index(s))
 
 
+def _check_cfg(cfg):
+    """A config the kernels can run, else ValueError naming the key (a ring of one slot would hang the GPU: a key step
+    waits for tile j's K before it releases tile j - 1's slot)."""
+    if cfg.get("BLOCK_N") not in (64, 128):
+        raise ValueError(f"flash_attn_fwd GLUON config: BLOCK_N must be 64 or 128, got {cfg.get('BLOCK_N')!r}")
+    if not isinstance(cfg.get("num_stages"), int) or cfg["num_stages"] < 2:
+        raise ValueError(f"flash_attn_fwd GLUON config: num_stages must be an int >= 2 (the key loop holds two K/V "
+                         f"tiles), got {cfg.get('num_stages')!r}")
+    if cfg.get("NUM_WG", 2) not in (2, 3):
+        raise ValueError(f"flash_attn_fwd GLUON config: NUM_WG must be 2 or 3, got {cfg.get('NUM_WG')!r}")
+    if cfg.get("XITEM") and not cfg.get("PERSIST"):
+        raise ValueError("flash_attn_fwd GLUON config: XITEM needs PERSIST (it overlaps a program's work items)")
+    if "PROGRAMS" in cfg and not (isinstance(cfg["PROGRAMS"], int) and cfg["PROGRAMS"] >= 1):
+        raise ValueError(f"flash_attn_fwd GLUON config: PROGRAMS must be an int >= 1, got {cfg['PROGRAMS']!r}")
+
+
 def attn_fwd_ws(q, k, v, causal, softmax_scale, cfg, residual=False, varlen=None):
     """(o, lse, o_res) as ``attn_fwd`` returns them, by ``flash_attn_fwd_ws_kernel`` (the inputs ``attention._gluon_cfg``
     admits: contiguous 16-bit [B, S, H, D], head_dim 64 or 128, sm90); with ``varlen`` (attention.Varlen) the packed
@@ -625,6 +641,7 @@ def attn_fwd_ws(q, k, v, causal, softmax_scale, cfg, residual=False, varlen=None
     - EMU: of every 8 exponentials of unmasked tiles, how many the FMA pipes compute (_tl.exp2_emu).
     Session 52 (H200): three warpgroups with SCHED ran 1.05-1.10x the Triton kernel at D = 64 non-causal (session 37's
     three warpgroups, with 64-key tiles, had not; benchmarks/NOTES.md)."""
+    _check_cfg(cfg)
     B, S_q, H, D = q.shape
     S_k, H_kv = k.shape[1], k.shape[2]
     n_wg = cfg.get("NUM_WG", 2)
