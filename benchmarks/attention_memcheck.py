@@ -77,14 +77,14 @@ def main():
 
 def persistent_walks():
     """The persistent Gluon forward (forward_ws.py, PERSIST) with 3 programs, so that each walks many work items (the
-    library's launches give one item to each program at these lengths), causal and not, with and without XITEM."""
+    library's launches give one item to each program at these lengths), causal and not, with XITEM 0 / 1 / 2."""
     from triforge.ops.attention.forward_ws import attn_fwd_ws
 
     ok = True
     for D, cfg in ((64, {"BLOCK_N": 128, "num_stages": 4, "NUM_WG": 3, "SCHED": 1}),
                    (128, {"BLOCK_N": 128, "num_stages": 2})):
         for causal in (False, True):
-            for xitem in (0, 1):
+            for xitem in (0, 1, 2):
                 q, k, v = (torch.randn(2, n, h, D, device=DEV, dtype=torch.bfloat16)
                            for n, h in ((301, 4), (333, 2), (333, 2)))
                 o, _, _ = attn_fwd_ws(q, k, v, causal, D ** -0.5, dict(cfg, PERSIST=1, PROGRAMS=3, XITEM=xitem))

@@ -85,14 +85,12 @@ def run(B, H, S, D, causal, gluon=True, triton_tiles=True):
     fns = {"cudnn": cudnn, "triton": lambda: triforge.flash_attn_func(q, k, v, causal=causal)}
     cands = []
     for c in (grid(D) if gluon else []):
-        # pe1: the persistent kernel (two Q buffers: one slot fewer at D = 128); x: XITEM (non-causal only: an item's
-        # first S product issued with the previous item's last P V)
-        for pe, xi in ((0, 0), (1, 0), (1, 1)):
-            if xi and causal:
-                continue
+        # pe1: the persistent kernel (two Q buffers: one slot fewer at D = 128); x1 / x2: XITEM (an item's first S
+        # product issued with the previous item's last P V: S first / P V first)
+        for pe, xi in ((0, 0), (1, 0), (1, 1), (1, 2)):
             cp = dict(c, PERSIST=pe, XITEM=xi, num_stages=c["num_stages"] - (pe and D == 128))
             cands.append((f"gluon w{c.get('NUM_WG', 2)} n{c['BLOCK_N']} s{cp['num_stages']} e{c['EMU']} "
-                          f"sc{c.get('SCHED', 0)} pe{pe}{'x' if xi else ''}", cp, attn_fwd_ws))
+                          f"sc{c.get('SCHED', 0)} pe{pe}{f'x{xi}' if xi else ''}", cp, attn_fwd_ws))
     cands += [(f"triton {c['BLOCK_M']}x{c['BLOCK_N']}w{c['num_warps']}s{c['num_stages']}t{c.get('TMA', 0)}"
                f"g{c.get('GUARD', 1)} e{c['EMU']}", c, attention.attn_fwd)
               for c in (triton_grid(D, causal) if triton_tiles else [])]

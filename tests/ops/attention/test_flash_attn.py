@@ -1211,7 +1211,7 @@ for case in json.loads(sys.argv[1]):
                   VARLEN=case.get("varlen", False), CONS_REGS=240 if n_wg == 2 else 160, LOADER_REGS=24,
                   EMU=case.get("EMU", 0), NUM_WG=n_wg, P16=n_wg == 3, SCHED=bool(case.get("SCHED", 0)))
     if case.get("PERSIST"):
-        consts["XITEM"] = bool(case.get("XITEM", 0))
+        consts["XITEM"] = int(case.get("XITEM", 0))
     types = {"q_desc": f"tensordesc<{dt}[64, {D}],{ql!r}>", "k_desc": f"tensordesc<{dt}[{bn}, {D}],{kl!r}>",
              "v_desc": f"tensordesc<{dt}[{bn}, {D}],{kl!r}>", "o_ptr": f"*{dt}", "res_ptr": f"*{dt}",
              "lse_ptr": "*fp32", "cu_q_ptr": "*i32", "cu_k_ptr": "*i32", "qk_scale": "fp32"}
@@ -1287,9 +1287,24 @@ def test_gluon_forward_three_warpgroups_compiles_for_sm90():
             assert lp.get("PRMT", 0) <= 32 and lp["MUFU.EX2"] == 66, lp
 
 
+def test_gluon_forward_overlapped_walk_compiles_for_sm90():
+    """The persistent forward's overlapped walk (XITEM 1 and 2, two warpgroups, causal and not; not yet in an entry)
+    as the H100 builds it: fits, the wgmma pipeline asynchronous, and each consumer warpgroup's unmasked key loop,
+    compiled twice (the first item's and the walk's), with its 12 wgmma and no local-memory traffic."""
+    cases = [dict(D=64, BLOCK_N=128, num_stages=4, dtype="bf16", causal=c, res=r, PERSIST=1, XITEM=x)
+             for c, r, x in ((False, False, 1), (True, True, 1), (False, True, 2), (True, False, 2))]
+    for r in _sm90_compile(cases, _SM90_GLUON):
+        assert r["shared"] <= 227 * 1024 and not r["serialized"], r
+        hot = [lp for lp in r["loops"] if "FSEL" not in lp]
+        assert len(hot) == 4, r
+        for lp in hot:
+            assert not any(op.startswith(("LDL", "STL")) for op in lp), lp
+
+
 @pytest.mark.parametrize("bad, key", [({"num_stages": 1}, "num_stages"), ({"num_stages": 2.0}, "num_stages"),
                                       ({"BLOCK_N": 32}, "BLOCK_N"), ({"NUM_WG": 4}, "NUM_WG"),
-                                      ({"XITEM": 1}, "XITEM"), ({"PERSIST": 1, "PROGRAMS": 0}, "PROGRAMS")])
+                                      ({"XITEM": 1}, "XITEM"), ({"PERSIST": 1, "XITEM": 3}, "XITEM"),
+                                      ({"PERSIST": 1, "PROGRAMS": 0}, "PROGRAMS")])
 def test_gluon_forward_rejects_bad_configs(bad, key):
     """attn_fwd_ws refuses a config its kernels cannot run, naming the key, before any launch (a one-slot ring would
     hang the GPU: each key step waits for tile j's K before releasing tile j - 1's slot; session 53's varlen test with

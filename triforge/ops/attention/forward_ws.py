@@ -396,7 +396,7 @@ def _consumer_persist(q_s, k_s, v_s, q_bar, q_empty, k_ready, v_ready, kv_empty,
     if XITEM:
         _walk_overlapped(q_s, k_s, v_s, q_bar, q_empty, k_ready, v_ready, kv_empty, sched, o_ptr, res_ptr, lse_ptr, WG,
                          n_m, n_bh, H, S_q, S_k, cu_q_ptr, cu_k_ptr, qk_scale, BM, BMW, BN, D, STAGES, GUARD, CAUSAL,
-                         VARLEN, STORE_RES, EMU, P16, NUM_WG, SCHED, s_l, o_l, p_l)
+                         VARLEN, STORE_RES, EMU, P16, NUM_WG, SCHED, XITEM, s_l, o_l, p_l)
     else:
         _walk(q_s, k_s, v_s, q_bar, q_empty, k_ready, v_ready, kv_empty, sched, o_ptr, res_ptr, lse_ptr, WG, n_m, n_bh,
               H, S_q, S_k, cu_q_ptr, cu_k_ptr, qk_scale, BM, BMW, BN, D, STAGES, GUARD, CAUSAL, VARLEN, STORE_RES, EMU,
@@ -450,13 +450,14 @@ def _walk_overlapped(q_s, k_s, v_s, q_bar, q_empty, k_ready, v_ready, kv_empty, 
                      WG: gl.constexpr, n_m, n_bh, H, S_q, S_k, cu_q_ptr, cu_k_ptr, qk_scale, BM: gl.constexpr,
                      BMW: gl.constexpr, BN: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, GUARD: gl.constexpr,
                      CAUSAL: gl.constexpr, VARLEN: gl.constexpr, STORE_RES: gl.constexpr, EMU: gl.constexpr,
-                     P16: gl.constexpr, NUM_WG: gl.constexpr, SCHED: gl.constexpr, s_l: gl.constexpr,
-                     o_l: gl.constexpr, p_l: gl.constexpr):
+                     P16: gl.constexpr, NUM_WG: gl.constexpr, SCHED: gl.constexpr, XITEM: gl.constexpr,
+                     s_l: gl.constexpr, o_l: gl.constexpr, p_l: gl.constexpr):
     """The work items as one stream of key tiles: an item's first S = Q K^T is issued together with the previous
     item's last P V (a step like the key loop's, a scheduler turn with SCHED), the new item's first softmax runs while
-    that product is on the tensor cores, and the previous item's output is stored after it. Dense inputs only (every
-    item has a key tile: not GUARD)."""
-    gl.static_assert(not GUARD, "every work item needs a key tile")
+    that product is on the tensor cores, and the previous item's output is stored after it (XITEM 1; XITEM 2 issues
+    the P V first and stores the output under the S product). Every item needs a key tile: dense inputs, under causal
+    masking only with S_q <= S_k (attn_fwd_ws takes the one-by-one walk otherwise)."""
+    gl.static_assert(not VARLEN, "every work item needs a key tile")
     stride_o = H * D
     pid = gl.program_id(0)
     n_prog = gl.num_programs(0)
@@ -503,22 +504,38 @@ def _walk_overlapped(q_s, k_s, v_s, q_bar, q_empty, k_ready, v_ready, kv_empty, 
                 mbarrier.wait(sched.index(WG), ((sc0 & 1) ^ 1).to(gl.int32))
             else:
                 mbarrier.wait(sched.index(WG), (sc0 & 1).to(gl.int32))
-        s0 = warpgroup_mma(q, k_s.index(st).permute((1, 0)), gl.zeros([BMW, BN], gl.float32, s_l), use_acc=False,
-                           is_async=True)
-        mbarrier.wait(v_ready.index(sp), (((it0 - 1) // STAGES) & 1).to(gl.int32))
-        acc = warpgroup_mma(pa, v_s.index(sp), acc, is_async=True)
-        if SCHED:
-            mbarrier.arrive(sched.index((WG + 1) % NUM_WG))
-        s0 = warpgroup_mma_wait(1, deps=[s0])
         m_n = gl.full([BMW], float("-inf"), gl.float32, gl.SliceLayout(1, s_l))
         l_n = gl.zeros([BMW], gl.float32, gl.SliceLayout(1, s_l))
-        p, alpha, m_n, l_n = _softmax(s0, m_n, l_n, 0, rows, len_k, len_k - len_q, qk_scale, BN, CAUSAL, True, s_l, 0)
-        acc, pa = warpgroup_mma_wait(0, deps=[acc, pa])
-        mbarrier.arrive(kv_empty.index(sp))
         pm0, ph, pq_tok0, pk_tok0, plen_q, plen_k, plse_base, pn_kv, pn_full = _item(
             t - n_prog, n_m, n_bh, H, S_q, S_k, cu_q_ptr, cu_k_ptr, BM, BN, CAUSAL, VARLEN)
-        _epilogue(acc, m_i, l_i, o_ptr, res_ptr, lse_ptr, WG, pm0, pq_tok0, ph * D, plse_base, plen_q, stride_o, BMW,
-                  D, STORE_RES, s_l, o_l)
+        if XITEM == 1:  # S first: the new item's softmax under the P V product, then the previous item's output
+            s0 = warpgroup_mma(q, k_s.index(st).permute((1, 0)), gl.zeros([BMW, BN], gl.float32, s_l),
+                               use_acc=False, is_async=True)
+            mbarrier.wait(v_ready.index(sp), (((it0 - 1) // STAGES) & 1).to(gl.int32))
+            acc = warpgroup_mma(pa, v_s.index(sp), acc, is_async=True)
+            if SCHED:
+                mbarrier.arrive(sched.index((WG + 1) % NUM_WG))
+            s0 = warpgroup_mma_wait(1, deps=[s0])
+            p, alpha, m_n, l_n = _softmax(s0, m_n, l_n, 0, rows, len_k, len_k - len_q, qk_scale, BN, CAUSAL, True, s_l,
+                                          0)
+            acc, pa = warpgroup_mma_wait(0, deps=[acc, pa])
+            mbarrier.arrive(kv_empty.index(sp))
+            _epilogue(acc, m_i, l_i, o_ptr, res_ptr, lse_ptr, WG, pm0, pq_tok0, ph * D, plse_base, plen_q, stride_o,
+                      BMW, D, STORE_RES, s_l, o_l)
+        else:  # P V first: the previous item's output under the S product (fewer registers live at once)
+            mbarrier.wait(v_ready.index(sp), (((it0 - 1) // STAGES) & 1).to(gl.int32))
+            acc = warpgroup_mma(pa, v_s.index(sp), acc, is_async=True)
+            s0 = warpgroup_mma(q, k_s.index(st).permute((1, 0)), gl.zeros([BMW, BN], gl.float32, s_l),
+                               use_acc=False, is_async=True)
+            if SCHED:
+                mbarrier.arrive(sched.index((WG + 1) % NUM_WG))
+            acc, pa = warpgroup_mma_wait(1, deps=[acc, pa])
+            mbarrier.arrive(kv_empty.index(sp))
+            _epilogue(acc, m_i, l_i, o_ptr, res_ptr, lse_ptr, WG, pm0, pq_tok0, ph * D, plse_base, plen_q, stride_o,
+                      BMW, D, STORE_RES, s_l, o_l)
+            s0 = warpgroup_mma_wait(0, deps=[s0])
+            p, alpha, m_n, l_n = _softmax(s0, m_n, l_n, 0, rows, len_k, len_k - len_q, qk_scale, BN, CAUSAL, True, s_l,
+                                          0)
         acc = gl.zeros([BMW, D], gl.float32, o_l)
         if P16:
             p = gl.convert_layout(p.to(q.dtype), p_l)
@@ -543,7 +560,7 @@ def flash_attn_fwd_ws_persist_kernel(q_desc, k_desc, v_desc, o_ptr, res_ptr, lse
                                      STAGES: gl.constexpr, CAUSAL: gl.constexpr, STORE_RES: gl.constexpr,
                                      VARLEN: gl.constexpr, CONS_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
                                      EMU: gl.constexpr = 0, NUM_WG: gl.constexpr = 2, P16: gl.constexpr = False,
-                                     SCHED: gl.constexpr = False, XITEM: gl.constexpr = False):
+                                     SCHED: gl.constexpr = False, XITEM: gl.constexpr = 0):
     """flash_attn_fwd_ws_kernel's persistent form: a grid of resident programs (one per SM) takes the n_m x n_bh work
     items (query tiles x batch-heads) t = pid, pid + programs, ...; Q has two buffers, so the loader fetches the next
     item's Q and first K/V tiles while the consumers finish the current one (the K/V ring runs on across items)."""
@@ -616,6 +633,8 @@ def _check_cfg(cfg):
                          f"tiles), got {cfg.get('num_stages')!r}")
     if cfg.get("NUM_WG", 2) not in (2, 3):
         raise ValueError(f"flash_attn_fwd GLUON config: NUM_WG must be 2 or 3, got {cfg.get('NUM_WG')!r}")
+    if cfg.get("XITEM", 0) not in (0, 1, 2):
+        raise ValueError(f"flash_attn_fwd GLUON config: XITEM must be 0, 1 or 2, got {cfg.get('XITEM')!r}")
     if cfg.get("XITEM") and not cfg.get("PERSIST"):
         raise ValueError("flash_attn_fwd GLUON config: XITEM needs PERSIST (it overlaps a program's work items)")
     if "PROGRAMS" in cfg and not (isinstance(cfg["PROGRAMS"], int) and cfg["PROGRAMS"] >= 1):
@@ -633,8 +652,8 @@ def attn_fwd_ws(q, k, v, causal, softmax_scale, cfg, residual=False, varlen=None
     - SCHED: the warpgroups take turns issuing their products (a scheduler barrier);
     - PERSIST: flash_attn_fwd_ws_persist_kernel, one program per SM walking the work items with two Q buffers (its
       shared memory: 2 x NUM_WG 64-row Q blocks beside the ring); PROGRAMS caps its grid (default: the SM count;
-      the tests take a few programs, so that each walks many items); XITEM (dense non-causal inputs): an item's first
-      S product issued with the previous item's last P V (_walk_overlapped);
+      the tests take a few programs, so that each walks many items); XITEM (dense inputs, causal ones with S_q <= S_k): an
+      item's first S product issued with the previous item's last P V (_walk_overlapped; 1: S first, 2: P V first);
     - CONS_REGS / LOADER_REGS: setmaxnreg of the worker consumer warpgroups / the loader, 240 / 24 at two warpgroups,
       160 / 24 at three (the loader warp's group is padded to four warps; the default partition's warpgroup takes the
       rest of the launch's 128 x 512 registers, 168);
@@ -663,8 +682,9 @@ def attn_fwd_ws(q, k, v, causal, softmax_scale, cfg, residual=False, varlen=None
     if cfg.get("PERSIST", 0):  # one program per SM (each holds an SM's registers and most of its shared memory)
         programs = min(n_m * n_bh, cfg.get("PROGRAMS", _runtime.num_sms()))
         kernel, grid, items = flash_attn_fwd_ws_persist_kernel, (programs,), (n_m, n_bh)
-        # (the overlapped walk needs a key tile in every item: dense inputs, not causal)
-        xitem = dict(XITEM=bool(cfg.get("XITEM", 0)) and not causal and varlen is None)
+        # the overlapped walk needs a key tile in every item: dense inputs, and under causal masking no query row
+        # without a key (S_q <= S_k: row i sees keys 0 .. i + S_k - S_q)
+        xitem = dict(XITEM=int(cfg.get("XITEM", 0)) if varlen is None and (not causal or S_q <= S_k) else 0)
     else:
         kernel, grid, items, xitem = flash_attn_fwd_ws_kernel, (n_m, n_bh), (), {}
     launch.launch(
