@@ -28,6 +28,8 @@ if ls "$root"/.peers/*.whl > /dev/null 2>&1; then
 fi
 cd "$work" || exit 1
 export PYTHONPATH=.:/tmp/site PYTHONUNBUFFERED=1
+# a test that runs past this (a hung kernel) ends its worker, named, instead of the step (tests/conftest.py)
+export TRIFORGE_TEST_TIMEOUT=${TRIFORGE_TEST_TIMEOUT:-240}
 export TRIFORGE_COMMIT=${TRIFORGE_COMMIT:-$(cat .commit 2> /dev/null || echo unknown)}
 echo "devrun: commit $TRIFORGE_COMMIT in $work"
 limit=300

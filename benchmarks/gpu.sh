@@ -19,6 +19,8 @@ if ls .peers/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .peers/*.whl
 fi
 export PYTHONPATH=.:/tmp/site PYTHONUNBUFFERED=1 TRIFORGE_CACHE=/tmp/triforge-cache TRIFORGE_FAILLOG=$OUT/failures.log
+# a test that runs past this (a hung kernel) ends its worker, named, instead of the step (tests/conftest.py)
+export TRIFORGE_TEST_TIMEOUT=${TRIFORGE_TEST_TIMEOUT:-240}
 # the copy on the GPU machine has no .git: the caller writes the commit to .commit
 export TRIFORGE_COMMIT=${TRIFORGE_COMMIT:-$(cat .commit 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 STEPS=${*:-tests sanitize tune bench}

@@ -51,3 +51,16 @@ def pytest_runtest_logreport(report):
         text = text[:1500] + "\n...\n" + text[-4500:]
     with open(path, "a") as f:
         f.write(f"===== {report.when} FAILED {report.nodeid} ({report.duration:.1f}s)\n{text}\n")
+
+
+@pytest.fixture(autouse=True)
+def _test_time_limit():
+    """With TRIFORGE_TEST_TIMEOUT=SECONDS each test runs under triforge.testing.time_limit: a test that hangs (a GPU
+    wait that never returns, which pytest cannot interrupt) ends its process with every thread's stack dumped; under
+    xdist the controller reports that test as crashed by name and starts a fresh worker, so one hang costs SECONDS
+    rather than the whole run (session 53: a one-slot ring config hung the Gluon attention forward, unnamed, through
+    two device calls' limits)."""
+    from triforge.testing import time_limit
+
+    with time_limit(float(os.environ.get("TRIFORGE_TEST_TIMEOUT", "0") or 0)):
+        yield

@@ -1181,3 +1181,21 @@ def test_sm_clock_reads_torch_or_gives_none(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "clock_rate", unreadable)
     assert bench.sm_clock_mhz() is None
+
+
+def test_time_limit_ends_a_hung_process_and_lets_a_quick_one_finish():
+    """triforge.testing.time_limit (the test suite's TRIFORGE_TEST_TIMEOUT): a block that overruns ends its process
+    with a stack dump within about the limit; one that finishes in time leaves the process running; 0: no limit."""
+    import subprocess
+    import sys
+    import time
+
+    prog = ("import sys, time\nfrom triforge.testing import time_limit\n"
+            "with time_limit(float(sys.argv[1])):\n    time.sleep(float(sys.argv[2]))\nprint('after')\n")
+    t0 = time.monotonic()
+    hung = subprocess.run([sys.executable, "-c", prog, "1", "30"], capture_output=True, text=True, timeout=60)
+    assert hung.returncode != 0 and "after" not in hung.stdout and "Timeout" in hung.stderr, hung
+    assert time.monotonic() - t0 < 25
+    for limit in ("5", "0"):
+        quick = subprocess.run([sys.executable, "-c", prog, limit, "0.1"], capture_output=True, text=True, timeout=60)
+        assert quick.returncode == 0 and quick.stdout.strip() == "after", quick

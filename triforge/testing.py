@@ -5,6 +5,8 @@ at the first that fails, so a failure points at one stage. ``poisoned()`` (from 
 every output a launcher allocates start as NaN, so elements a kernel never writes cannot pass.
 """
 
+import contextlib
+import faulthandler
 import json
 import math
 import os
@@ -17,6 +19,21 @@ import torch
 from triforge.launch import new_output, poisoned
 
 
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float):
+    """Within the block, a run longer than ``seconds`` dumps every thread's stack to stderr and ends the process
+    (exit code 1; faulthandler's timer: a hung CUDA wait cannot be interrupted by a signal handler in Python).
+    ``seconds <= 0``: no limit."""
+    if seconds <= 0:
+        yield
+        return
+    faulthandler.dump_traceback_later(seconds, exit=True)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
 
 
 @dataclass(frozen=True)

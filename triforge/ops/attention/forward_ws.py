@@ -506,8 +506,6 @@ def _walk_overlapped(q_s, k_s, v_s, q_bar, q_empty, k_ready, v_ready, kv_empty, 
                 mbarrier.wait(sched.index(WG), (sc0 & 1).to(gl.int32))
         m_n = gl.full([BMW], float("-inf"), gl.float32, gl.SliceLayout(1, s_l))
         l_n = gl.zeros([BMW], gl.float32, gl.SliceLayout(1, s_l))
-        pm0, ph, pq_tok0, pk_tok0, plen_q, plen_k, plse_base, pn_kv, pn_full = _item(
-            t - n_prog, n_m, n_bh, H, S_q, S_k, cu_q_ptr, cu_k_ptr, BM, BN, CAUSAL, VARLEN)
         if XITEM == 1:  # S first: the new item's softmax under the P V product, then the previous item's output
             s0 = warpgroup_mma(q, k_s.index(st).permute((1, 0)), gl.zeros([BMW, BN], gl.float32, s_l),
                                use_acc=False, is_async=True)
@@ -520,6 +518,8 @@ def _walk_overlapped(q_s, k_s, v_s, q_bar, q_empty, k_ready, v_ready, kv_empty, 
                                           0)
             acc, pa = warpgroup_mma_wait(0, deps=[acc, pa])
             mbarrier.arrive(kv_empty.index(sp))
+            pm0, ph, pq_tok0, pk_tok0, plen_q, plen_k, plse_base, pn_kv, pn_full = _item(
+                t - n_prog, n_m, n_bh, H, S_q, S_k, cu_q_ptr, cu_k_ptr, BM, BN, CAUSAL, VARLEN)
             _epilogue(acc, m_i, l_i, o_ptr, res_ptr, lse_ptr, WG, pm0, pq_tok0, ph * D, plse_base, plen_q, stride_o,
                       BMW, D, STORE_RES, s_l, o_l)
         else:  # P V first: the previous item's output under the S product (fewer registers live at once)
@@ -531,6 +531,8 @@ def _walk_overlapped(q_s, k_s, v_s, q_bar, q_empty, k_ready, v_ready, kv_empty, 
                 mbarrier.arrive(sched.index((WG + 1) % NUM_WG))
             acc, pa = warpgroup_mma_wait(1, deps=[acc, pa])
             mbarrier.arrive(kv_empty.index(sp))
+            pm0, ph, pq_tok0, pk_tok0, plen_q, plen_k, plse_base, pn_kv, pn_full = _item(
+                t - n_prog, n_m, n_bh, H, S_q, S_k, cu_q_ptr, cu_k_ptr, BM, BN, CAUSAL, VARLEN)
             _epilogue(acc, m_i, l_i, o_ptr, res_ptr, lse_ptr, WG, pm0, pq_tok0, ph * D, plse_base, plen_q, stride_o,
                       BMW, D, STORE_RES, s_l, o_l)
             s0 = warpgroup_mma_wait(0, deps=[s0])
