@@ -1199,3 +1199,71 @@ def test_time_limit_ends_a_hung_process_and_lets_a_quick_one_finish():
     for limit in ("5", "0"):
         quick = subprocess.run([sys.executable, "-c", prog, limit, "0.1"], capture_output=True, text=True, timeout=60)
         assert quick.returncode == 0 and quick.stdout.strip() == "after", quick
+
+
+def test_a_tunable_stored_as_another_kernels_field_reads_and_writes_it_there(config_dir, monkeypatch):
+    """Tunable.entry_of (kernel, field): the config in use is that field of the kernel's entry (the attention
+    forward's GLUON), the best is written there whole, the entry's other keys and the field's provenance note beside
+    the kernel's own stay; a device write holds the field alone and reads merged over the arch's entry; an entry in
+    use that measured at least as fast is kept."""
+    arch = "sm_test_arch_field"
+    _use_arch(monkeypatch, arch)
+    monkeypatch.setattr(_runtime, "device_tag", lambda: "h200")
+    (config_dir / f"{arch}.json").write_text(json.dumps({
+        "arch": arch, "kernels": {"fake_parent": {"k": {"tile": 64, "SUB": {"p": 3}}}},
+        "provenance": {"fake_parent[k]": {"ms": 1.0}}}))
+    launch.reload()
+    ran = []
+
+    def setup(shape, dtype, device):
+        def run(cfg):
+            ran.append(cfg if cfg is None else dict(cfg))
+            return torch.full((2,), 1.0)
+        return run, "k"
+
+    def timer(fn):
+        fn()
+        cfg = ran[-1] or launch.stored_config("fake_parent", "k")["SUB"]
+        return float(cfg["p"])
+
+    t = tune.Tunable(kernel="fake_sub", space={"p": [1, 2, 4]}, setup=setup, shape_names=("M",),
+                     entry_of=("fake_parent", "SUB"))
+    assert tune.stored_entry(t, "k") == {"p": 3} and tune.stored_entry(t, "other") is None
+    res = tune.tune(t, {"M": 1}, torch.float32, timer=timer)
+    assert res["in_use"]["config"] == {"p": 3} and res["best"]["config"] == {"p": 1}
+    assert res["entry_of"] == ["fake_parent", "SUB"]
+    path = tune.write_config(res)
+    data = json.loads((config_dir / f"{arch}.json").read_text())
+    assert path == str(config_dir / f"{arch}.json")
+    assert data["kernels"]["fake_parent"]["k"] == {"tile": 64, "SUB": {"p": 1}} and "fake_sub" not in data["kernels"]
+    note = data["provenance"]["fake_parent[k]"]
+    assert note["ms"] == 1.0 and note["sub"]["tuned_as"] == "fake_sub" and note["sub"]["ms"] == 1.0
+    assert launch.stored_config("fake_parent", "k") == {"tile": 64, "SUB": {"p": 1}}
+
+    res = tune.tune(dataclasses.replace(t, space={"p": [2, 4]}), {"M": 1}, torch.float32, timer=timer)
+    assert res["in_use"]["ms"] == 1.0 and tune.write_config(res) is None  # the entry in use (p 1) is faster
+    tune.write_config(res, force=True, for_device=True)
+    dev = json.loads((config_dir / f"{arch}.h200.json").read_text())
+    assert dev["kernels"] == {"fake_parent": {"k": {"SUB": {"p": 2}}}} and dev["device"] == res["device"]
+    assert launch.stored_config("fake_parent", "k") == {"tile": 64, "SUB": {"p": 2}}
+
+
+def test_the_gluon_attention_tunable_grid():
+    """flash_attn_fwd_gluon's grid: every config one the Gluon launcher accepts, XITEM only with PERSIST (48 distinct
+    launches), stored as flash_attn_fwd's GLUON; where Gluon cannot run (here) each config fails with a clear error."""
+    from triforge.ops.attention.forward_ws import _check_cfg
+
+    t = tune.get("flash_attn_fwd_gluon")
+    assert t.entry_of == ("flash_attn_fwd", "GLUON")
+    g = tune.distinct_grid(t)
+    assert len(g) == 48
+    for c in g:
+        _check_cfg(c)
+        assert ("XITEM" in c) == bool(c["PERSIST"])
+    if _runtime.INTERPRET:
+        run, key = t.setup({"B": 1, "H": 2, "S": 40, "D": 64, "causal": 1}, torch.bfloat16, torch.device("cpu"))
+        assert key == "causal=1,d=64,dtype=bf16"
+        o, lse = run(None)  # the launcher's own choice: the Triton kernel here
+        assert o.shape == (1, 40, 2, 64) and torch.isfinite(o).all()
+        with pytest.raises(RuntimeError, match="sm90"):
+            run(g[0])

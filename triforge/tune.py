@@ -50,6 +50,18 @@ class Tunable:
     # per call measures its host launch path: session 50's ternary_tc tune at M = 1 read 32 us for the 10.5 us that
     # the bench measures, and ranked configs by host time
     graph: bool = False
+    # (kernel, field): this tunable's configs live in another kernel's entry, as its ``field`` (the attention
+    # forward's Gluon kernel: flash_attn_fwd's GLUON), read there as the config in use and written there
+    entry_of: tuple | None = None
+
+
+def stored_entry(tunable: Tunable, key: str) -> dict | None:
+    """The stored config of ``tunable`` at ``key`` (launch.stored_config; with ``entry_of`` that entry's field)."""
+    if tunable.entry_of is None:
+        return launch.stored_config(tunable.kernel, key)
+    parent = launch.stored_config(tunable.entry_of[0], key)
+    found = (parent or {}).get(tunable.entry_of[1])
+    return None if found is None else dict(found)
 
 
 _TUNABLES: dict[str, Tunable] = {}
@@ -213,7 +225,7 @@ def tune(tunable: Tunable, shape: dict, dtype: torch.dtype, *, top: int = 5, tim
         timer = default_timer(tunable, n_sets)
         timing = "cuda_graph" if graph_timed(tunable) else "per_call"
     want = [t.clone() for t in _tensors(run(None))]
-    stored = launch.stored_config(tunable.kernel, key)
+    stored = stored_entry(tunable, key)
     try:  # the config in use, timed beside the grid (same process, same inputs), again after it (below)
         in_use = {"config": stored, "ms": timer(lambda: timed_run(None))}
     except Exception as e:
@@ -281,6 +293,7 @@ def tune(tunable: Tunable, shape: dict, dtype: torch.dtype, *, top: int = 5, tim
         "failed": failed,
         "timing": timing,  # cuda_graph / per_call (the default timers), given (a caller's timer)
         "n_sets": n_sets,  # input sets the timed calls rotate through
+        "entry_of": list(tunable.entry_of) if tunable.entry_of else None,  # (where write_config stores it)
     }
 
 
@@ -292,6 +305,25 @@ def keeps_entry_in_use(result: dict) -> bool:
     best = result.get("best")
     guarded = in_use.get("config") is not None or result.get("n_skipped", 0) > 0
     return bool(guarded and in_use.get("ms") is not None and best and in_use["ms"] <= best["ms"])
+
+
+def _write_field(result: dict, data: dict, path) -> str:
+    """write_config for a tunable with ``entry_of`` (kernel, field): the best config, whole, as that field of the
+    kernel's entry at the key (the entry created if this file has none: launch merges a device file's entry over the
+    arch's field by field), its provenance under the field's lower-case name in the kernel's provenance."""
+    kernel, field_name = result["entry_of"]
+    entry = data.setdefault("kernels", {}).setdefault(kernel, {}).setdefault(result["key"], {})
+    entry[field_name] = dict(result["best"]["config"])
+    note = {"device": result["device"], "shape": result["shape"], "ms": result["best"]["ms"],
+            "tuned_as": result["kernel"]}
+    if result.get("n_skipped"):
+        note["n_tried"], note["n_skipped"] = result["n_tried"], result["n_skipped"]
+    if result.get("timing") == "cuda_graph":
+        note["timing"] = "cuda_graph"
+    data.setdefault("provenance", {}).setdefault(f"{kernel}[{result['key']}]", {})[field_name.lower()] = note
+    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    launch.reload()
+    return str(path)
 
 
 def write_config(result: dict, arch: str | None = None, force: bool = False, for_device: bool = False) -> str | None:
@@ -310,6 +342,8 @@ def write_config(result: dict, arch: str | None = None, force: bool = False, for
     data = json.loads(path.read_text()) if path.exists() else {"arch": arch, "kernels": {}}
     if for_device:
         data.setdefault("device", result["device"])
+    if result.get("entry_of"):
+        return _write_field(result, data, path)
     # keys outside the space go to this file only where its entry had them: the grid ran with the merged entry's
     # (device file over the arch's), so a key of the other file stays there (a device entry holds what its tune
     # varied, and an arch write on a device with its own file does not take the device's keys)

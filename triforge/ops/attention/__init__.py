@@ -81,8 +81,9 @@ def _c(bm, bn, w, s, **variant):
 #   of softmax and PV product; PERSIST: one program per SM walking the tiles; attn_fwd_ws lists the keys), which takes
 #   compiled launches of contiguous 16-bit [B, S, H, D] inputs at D = 64 / 128; TRIFORGE_ATTN_GLUON=0 / 1 turns it
 #   off / on everywhere it can run (=1 also for packed sequences, which otherwise keep the Triton kernel). `triforge
-#   tune` keeps it across re-tunes (tune.write_config keeps an entry's keys that are outside the tuning space) and
-#   times its grid without it (the Triton kernel's tiles: Tunable.not_inherited).
+#   tune flash_attn_fwd` keeps it across re-tunes (tune.write_config keeps an entry's keys that are outside the tuning
+#   space) and times its grid without it (the Triton kernel's tiles: Tunable.not_inherited); `triforge tune
+#   flash_attn_fwd_gluon` tunes the field itself (Tunable.entry_of).
 # - EMU (forward, compiled 16-bit launches): of every 8 exponentials of an unmasked key tile, how many the FMA pipes
 #   compute (a degree-4 polynomial in inline PTX, _tl.exp2_emu) instead of the MUFU unit, whose 16 results per clock
 #   per SM equal the tensor cores' time at D = 64 (FlashAttention-4's offload). Measured slower on the H100 (session
@@ -962,6 +963,44 @@ for _kernel, _space in TUNE_SPACES.items():
         kernel=_kernel, space=_space, setup=_tune_setup(_kernel), shape_names=_SHAPE_NAMES,
         default_shape=dict(_TUNE_SHAPE), not_inherited=("GLUON",),  # (the grid tunes the Triton kernel's tiles)
     ))
+
+
+def _gluon_tune_setup(shape, dtype, device):
+    """The Gluon forward (forward_ws.py) at ``shape``: run(cfg) launches it with cfg; run(None) is the launcher's own
+    choice (the GLUON entry in use, else the Triton kernel), the outputs every config is checked against."""
+    q, k, v = (torch.randn(shape["B"], shape["S"], h, shape["D"], device=device, dtype=dtype)
+               for h in (shape["H"], shape.get("Hkv", shape["H"]), shape.get("Hkv", shape["H"])))
+    causal, scale = bool(shape.get("causal", 0)), shape["D"] ** -0.5
+    key = config_key(shape["D"], causal, dtype)
+
+    def gluon(cfg):
+        if cfg is None:
+            return attn_fwd(q, k, v, causal, scale)[:2]
+        if _runtime.INTERPRET or device.type != "cuda" or _runtime.arch() != "sm90":
+            raise RuntimeError("the Gluon attention forward needs a compiled sm90 GPU")
+        from triforge.ops.attention.forward_ws import attn_fwd_ws
+
+        return attn_fwd_ws(q, k, v, causal, scale, cfg)[:2]
+
+    return gluon, key
+
+
+def _gluon_canonical(cfg):
+    """The Gluon forward's config as it launches: XITEM only with PERSIST."""
+    return cfg if cfg.get("PERSIST") else {k: v for k, v in cfg.items() if k != "XITEM"}
+
+
+# `triforge tune flash_attn_fwd_gluon [--D 64 --S 2048 --B 16 --causal 0]`: the Gluon forward's configs (two or three
+# consumer warpgroups, the scheduler barrier, the persistent walk and its overlap across items), stored as the GLUON
+# field of flash_attn_fwd's entry (the field that makes the launcher take the Gluon kernel); configs that do not fit
+# in shared memory fail to compile and are counted as failures
+register_tunable(Tunable(
+    kernel="flash_attn_fwd_gluon", setup=_gluon_tune_setup, shape_names=_SHAPE_NAMES,
+    space={"BLOCK_N": [128], "num_stages": [2, 3, 4], "NUM_WG": [2, 3], "SCHED": [0, 1], "PERSIST": [0, 1],
+           "XITEM": [0, 1, 2]},
+    default_shape={"B": 16, "H": 16, "S": 2048, "D": 64, "causal": 0}, canonical=_gluon_canonical,
+    entry_of=("flash_attn_fwd", "GLUON"),
+))
 
 
 def _ref_stages(q, k, v, causal):
