@@ -84,6 +84,26 @@ def _softmax(s, m_i, l_i, j, rows, S_k, diag, qk_scale, BN: gl.constexpr, CAUSAL
 
 
 @gluon.jit
+def _turn(q, k_ready, sched, p, it, sc, STAGES: gl.constexpr, p_l: gl.constexpr, P16: gl.constexpr, WG: gl.constexpr,
+          SCHED: gl.constexpr):
+    """The start of a key step at ring position it (this warpgroup's turn sc): (slot of this tile, slot of the tile
+    before, the previous P as the 16-bit operand), once this tile's K has landed and, with SCHED, the turn has come."""
+    st = (it % STAGES).to(gl.int32)
+    sp = ((it - 1) % STAGES).to(gl.int32)
+    if P16:
+        pa = p
+    else:
+        pa = gl.convert_layout(p.to(q.dtype), p_l)
+    mbarrier.wait(k_ready.index(st), ((it // STAGES) & 1).to(gl.int32))
+    if SCHED:
+        if WG == 0:
+            mbarrier.wait(sched.index(WG), ((sc & 1) ^ 1).to(gl.int32))
+        else:
+            mbarrier.wait(sched.index(WG), (sc & 1).to(gl.int32))
+    return st, sp, pa
+
+
+@gluon.jit
 def _step(q, k_s, v_s, k_ready, v_ready, kv_empty, sched, acc, p, m_i, l_i, j, it, sc, rows, S_k, diag, qk_scale,
           BMW: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASK: gl.constexpr,
           s_l: gl.constexpr, o_l: gl.constexpr, p_l: gl.constexpr, EMU: gl.constexpr, P16: gl.constexpr,
@@ -96,18 +116,8 @@ def _step(q, k_s, v_s, k_ready, v_ready, kv_empty, sched, acc, p, m_i, l_i, j, i
     SCHED: the warpgroups issue their two products in turn (FlashAttention-3's scheduler barrier: warpgroup WG waits
     for its turn on sched[WG] and passes it on to the next), so one warpgroup's softmax runs while another's products
     hold the tensor cores; warpgroup 0's first wait passes at once (the parity of the phase before the first)."""
-    st = (it % STAGES).to(gl.int32)  # it: the ring position of key tile j (sc: this warpgroup's turns so far)
-    sp = ((it - 1) % STAGES).to(gl.int32)
-    if P16:
-        pa = p
-    else:
-        pa = gl.convert_layout(p.to(q.dtype), p_l)
-    mbarrier.wait(k_ready.index(st), ((it // STAGES) & 1).to(gl.int32))
-    if SCHED:
-        if WG == 0:
-            mbarrier.wait(sched.index(WG), ((sc & 1) ^ 1).to(gl.int32))
-        else:
-            mbarrier.wait(sched.index(WG), (sc & 1).to(gl.int32))
+    # it: the ring position of key tile j (sc: this warpgroup's turns so far)
+    st, sp, pa = _turn(q, k_ready, sched, p, it, sc, STAGES, p_l, P16, WG, SCHED)
     s_j = warpgroup_mma(q, k_s.index(st).permute((1, 0)), gl.zeros([BMW, BN], gl.float32, s_l), use_acc=False,
                         is_async=True)
     mbarrier.wait(v_ready.index(sp), (((it - 1) // STAGES) & 1).to(gl.int32))
@@ -492,18 +502,7 @@ def _walk_overlapped(q_s, k_s, v_s, q_bar, q_empty, k_ready, v_ready, kv_empty, 
         q = q_s.index(qb * NUM_WG + WG)
         rows = m0 + WG * BMW + gl.arange(0, BMW, layout=gl.SliceLayout(1, s_l))
         mbarrier.wait(q_bar.index(qb), (i // 2) & 1)
-        st = (it0 % STAGES).to(gl.int32)
-        sp = ((it0 - 1) % STAGES).to(gl.int32)
-        if P16:
-            pa = p
-        else:
-            pa = gl.convert_layout(p.to(q.dtype), p_l)
-        mbarrier.wait(k_ready.index(st), ((it0 // STAGES) & 1).to(gl.int32))
-        if SCHED:
-            if WG == 0:
-                mbarrier.wait(sched.index(WG), ((sc0 & 1) ^ 1).to(gl.int32))
-            else:
-                mbarrier.wait(sched.index(WG), (sc0 & 1).to(gl.int32))
+        st, sp, pa = _turn(q, k_ready, sched, p, it0, sc0, STAGES, p_l, P16, WG, SCHED)
         m_n = gl.full([BMW], float("-inf"), gl.float32, gl.SliceLayout(1, s_l))
         l_n = gl.zeros([BMW], gl.float32, gl.SliceLayout(1, s_l))
         if XITEM == 1:  # S first: the new item's softmax under the P V product, then the previous item's output
