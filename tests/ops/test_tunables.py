@@ -21,6 +21,7 @@ _DN_K, _DN_V = padded_dims(32, 32)
 
 # tiny shapes per family (prefix of the kernel name, longest first): odd sizes where the kernels allow
 _TINY = {
+    "flash_attn_fwd_gluon": {"B": 1, "H": 2, "S": 200, "D": 64, "causal": 0},
     "flash_attn": {"B": 1, "H": 2, "S": 24, "D": 32, "causal": 0},
     "flash_decode_split": {"B": 1, "S": 63, "H": 4, "Hkv": 2, "D": 32},
     "gated_delta_rule": {"B": 1, "T": 40, "H": 1, "HV": 2, "K": _DN_K, "V": _DN_V},
@@ -57,10 +58,19 @@ def _outputs(run, cfg):
         return None
 
 
+# the Gluon attention forward: 16-bit inputs on a compiled sm90 GPU only (Gluon has no interpreter)
+_GLUON = {"flash_attn_fwd_gluon"}
+
+
 @pytest.mark.parametrize("kernel", tune.all_tunables())
 def test_tunable_runs_return_outputs_that_agree_across_configs(kernel):
     t = tune.get(kernel)
-    run, key = t.setup(_tiny(kernel), torch.float32, _runtime.default_device())
+    dtype = torch.float32
+    if kernel in _GLUON:
+        if _runtime.INTERPRET or not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+            pytest.skip("the Gluon forward needs a compiled sm90 GPU")
+        dtype = torch.bfloat16
+    run, key = t.setup(_tiny(kernel), dtype, _runtime.default_device())
     assert isinstance(key, str) and key
     want = [w.clone() for w in tune._tensors(run(None))]
     assert want, f"{kernel}: run returns no tensors; the tuner could not check its configs"
