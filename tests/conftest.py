@@ -53,14 +53,24 @@ def pytest_runtest_logreport(report):
         f.write(f"===== {report.when} FAILED {report.nodeid} ({report.duration:.1f}s)\n{text}\n")
 
 
+_STDERR_FD = None  # a copy of the real stderr, taken while pytest's capture is suspended (pytest_configure)
+
+
+def pytest_configure(config):
+    global _STDERR_FD
+    if float(os.environ.get("TRIFORGE_TEST_TIMEOUT", "0") or 0) > 0:
+        _STDERR_FD = os.dup(2)
+
+
 @pytest.fixture(autouse=True)
 def _test_time_limit():
     """With TRIFORGE_TEST_TIMEOUT=SECONDS each test runs under triforge.testing.time_limit: a test that hangs (a GPU
-    wait that never returns, which pytest cannot interrupt) ends its process with every thread's stack dumped; under
-    xdist the controller reports that test as crashed by name and starts a fresh worker, so one hang costs SECONDS
-    rather than the whole run (session 53: a one-slot ring config hung the Gluon attention forward, unnamed, through
-    two device calls' limits)."""
+    wait that never returns, which pytest cannot interrupt) ends its process with every thread's stack (the test's
+    file, line and function among them) written to the real stderr (pytest's capture would lose them with the
+    process); under xdist the controller also reports the test as crashed by name and starts a fresh worker, so one
+    hang costs SECONDS rather than the whole run (session 53: a one-slot ring config hung the Gluon attention
+    forward, unnamed, through two device calls' limits)."""
     from triforge.testing import time_limit
 
-    with time_limit(float(os.environ.get("TRIFORGE_TEST_TIMEOUT", "0") or 0)):
+    with time_limit(float(os.environ.get("TRIFORGE_TEST_TIMEOUT", "0") or 0), file=_STDERR_FD):
         yield

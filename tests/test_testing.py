@@ -7,6 +7,7 @@ Each test here must be able to fail: the harness is what every kernel test trust
 import dataclasses
 import json
 import math
+import os
 from pathlib import Path
 
 import numpy as np
@@ -1245,7 +1246,24 @@ def test_a_tunable_stored_as_another_kernels_field_reads_and_writes_it_there(con
     tune.write_config(res, force=True, for_device=True)
     dev = json.loads((config_dir / f"{arch}.h200.json").read_text())
     assert dev["kernels"] == {"fake_parent": {"k": {"SUB": {"p": 2}}}} and dev["device"] == res["device"]
+    assert dev["provenance"]["fake_parent[k]"]["device"] == res["device"]
     assert launch.stored_config("fake_parent", "k") == {"tile": 64, "SUB": {"p": 2}}
+
+    # no field stored at another key: the launcher runs another kernel there (config in use None); a grid that does
+    # not beat it is not written, since writing the field would switch the launcher over to a slower kernel
+    ran.clear()
+    monkeypatch.setattr(launch, "stored_config", lambda kernel, key: {"tile": 64} if key == "k2" else None)
+
+    def setup2(shape, dtype, device):
+        def run(cfg):
+            ran.append(cfg)
+            return torch.full((2,), 1.0)
+        return run, "k2"
+
+    res = tune.tune(dataclasses.replace(t, setup=setup2), {"M": 1}, torch.float32,
+                    timer=lambda fn: (fn(), 0.5 if ran[-1] is None else float(ran[-1]["p"]))[1])
+    assert res["in_use"]["config"] is None and res["in_use"]["ms"] == 0.5 and res["best"]["ms"] == 1.0
+    assert tune.keeps_entry_in_use(res) and tune.write_config(res) is None
 
 
 def test_the_gluon_attention_tunable_grid():
@@ -1267,3 +1285,20 @@ def test_the_gluon_attention_tunable_grid():
         assert o.shape == (1, 40, 2, 64) and torch.isfinite(o).all()
         with pytest.raises(RuntimeError, match="sm90"):
             run(g[0])
+
+
+def test_the_suites_time_limit_names_a_hung_test_under_pytests_capture(tmp_path):
+    """tests/conftest.py under TRIFORGE_TEST_TIMEOUT: a hung test's process ends with its stack (file, line and test
+    function) on the real stderr, though pytest captures the test's output (a dump to the captured stderr was lost)."""
+    import subprocess
+    import sys
+
+    (tmp_path / "test_hang.py").write_text("import time\n\ndef test_quick():\n    pass\n\n"
+                                           "def test_hangs_here():\n    time.sleep(60)\n")
+    root = Path(__file__).resolve().parent.parent
+    env = dict(os.environ, TRIFORGE_TEST_TIMEOUT="3", PYTHONPATH=str(root))
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "tests.conftest",
+                          str(tmp_path / "test_hang.py")], capture_output=True, text=True, cwd=root, env=env,
+                         timeout=120)
+    text = out.stdout + out.stderr
+    assert out.returncode != 0 and "Timeout" in text and "in test_hangs_here" in text, text[-2000:]

@@ -10,6 +10,7 @@ import faulthandler
 import json
 import math
 import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,14 +23,15 @@ from triforge.launch import new_output, poisoned
 
 
 @contextlib.contextmanager
-def time_limit(seconds: float):
-    """Within the block, a run longer than ``seconds`` dumps every thread's stack to stderr and ends the process
-    (exit code 1; faulthandler's timer: a hung CUDA wait cannot be interrupted by a signal handler in Python).
-    ``seconds <= 0``: no limit."""
+def time_limit(seconds: float, file=None):
+    """Within the block, a run longer than ``seconds`` dumps every thread's stack to ``file`` (a file object or a file
+    descriptor; default sys.stderr) and ends the process (exit code 1; faulthandler's timer: a hung CUDA wait cannot
+    be interrupted by a signal handler in Python). ``seconds <= 0``: no limit. Under pytest's output capture pass a
+    descriptor of the real stderr (tests/conftest.py does): what goes to the captured one is lost with the process."""
     if seconds <= 0:
         yield
         return
-    faulthandler.dump_traceback_later(seconds, exit=True)
+    faulthandler.dump_traceback_later(seconds, exit=True, file=sys.stderr if file is None else file)
     try:
         yield
     finally:

@@ -300,10 +300,13 @@ def tune(tunable: Tunable, shape: dict, dtype: torch.dtype, *, top: int = 5, tim
 def keeps_entry_in_use(result: dict) -> bool:
     """Whether ``write_config`` keeps the config in use: a stored entry that measured at least as fast as the grid's
     best in the same run; and after a tune cut short by its budget (a corner of the grid), the launcher's fallback
-    too when it measured at least as fast."""
+    too when it measured at least as fast. A tunable stored as another kernel's field (``entry_of``) is always
+    guarded: with no field stored the launcher runs another kernel (the attention forward without GLUON: the Triton
+    kernel), and writing the field switches it over, so the grid's best must beat what ran."""
     in_use = result.get("in_use") or {}
     best = result.get("best")
-    guarded = in_use.get("config") is not None or result.get("n_skipped", 0) > 0
+    guarded = (in_use.get("config") is not None or result.get("n_skipped", 0) > 0
+               or bool(result.get("entry_of")))
     return bool(guarded and in_use.get("ms") is not None and best and in_use["ms"] <= best["ms"])
 
 
@@ -313,14 +316,24 @@ def _write_field(result: dict, data: dict, path) -> str:
     arch's field by field), its provenance under the field's lower-case name in the kernel's provenance."""
     kernel, field_name = result["entry_of"]
     entry = data.setdefault("kernels", {}).setdefault(kernel, {}).setdefault(result["key"], {})
-    entry[field_name] = dict(result["best"]["config"])
+    # the grid ran with the merged field's keys outside the space (device file over the arch's): of those, this file
+    # takes only the ones its own field had (as write_config does for whole entries)
+    space = set(result.get("space_keys") or ()) | set(result.get("space_override") or ())
+    old = entry.get(field_name) or {}
+    entry[field_name] = {k: v for k, v in result["best"]["config"].items() if k in space or k in old or not space}
     note = {"device": result["device"], "shape": result["shape"], "ms": result["best"]["ms"],
             "tuned_as": result["kernel"]}
+    if result["best"].get("spills"):
+        note["spills"] = result["best"]["spills"]
     if result.get("n_skipped"):
         note["n_tried"], note["n_skipped"] = result["n_tried"], result["n_skipped"]
+    if result.get("space_override"):
+        note["space_override"] = result["space_override"]
     if result.get("timing") == "cuda_graph":
         note["timing"] = "cuda_graph"
-    data.setdefault("provenance", {}).setdefault(f"{kernel}[{result['key']}]", {})[field_name.lower()] = note
+    prov = data.setdefault("provenance", {}).setdefault(f"{kernel}[{result['key']}]", {})
+    prov.setdefault("device", result["device"])  # (an entry this write created: where its file's values come from)
+    prov[field_name.lower()] = note
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
     launch.reload()
     return str(path)

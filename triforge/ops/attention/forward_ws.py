@@ -6,8 +6,9 @@ the interpreter.
 Gluon (triton.experimental.gluon) states layouts, shared memory, mbarriers and the warp partition explicitly; it has
 no interpreter, so this file is imported only on that path.
 
-One program = one (batch, head, 64 NUM_WG query rows) tile, heaviest tiles first under causal masking; partitions:
-- a loader warp: Q's NUM_WG 64-row blocks once, then K and V tiles of BN keys by TMA into a ring of STAGES slots
+One program = one (batch, head, 64 NUM_WG query rows) tile, heaviest tiles first under causal masking (PERSIST:
+flash_attn_fwd_ws_persist_kernel, one program per SM walking the tiles, each as below); partitions:
+- a loader warp: a tile's NUM_WG 64-row Q blocks, then K and V tiles of BN keys by TMA into a ring of STAGES slots
   (``k_ready`` / ``v_ready`` mbarriers with the byte count; a slot is refilled once every consumer released it on
   ``kv_empty``);
 - NUM_WG (2, or 3: FlashAttention-3's 192-row tiles at head dim 64) consumer warpgroups, 64 query rows each: S = Q K^T
@@ -147,7 +148,7 @@ def _pipeline(q, k_s, v_s, k_ready, v_ready, kv_empty, sched, acc, m_i, l_i, n_k
     s0 = warpgroup_mma(q, k_s.index(s_first).permute((1, 0)), gl.zeros([BMW, BN], gl.float32, s_l), use_acc=False,
                        is_async=True)
     s0 = warpgroup_mma_wait(0, deps=[s0])
-    # the first tile takes the masked path whether or not it needs it (once per program: no branch)
+    # the first tile takes the masked path whether or not it needs it (once per work item: no branch)
     p, alpha, m_i, l_i = _softmax(s0, m_i, l_i, 0, rows, S_k, diag, qk_scale, BN, CAUSAL, True, s_l, 0)
     if P16:
         p = gl.convert_layout(p.to(q.dtype), p_l)
