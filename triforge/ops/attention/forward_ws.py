@@ -143,6 +143,18 @@ def _pipeline(q, k_s, v_s, k_ready, v_ready, kv_empty, sched, acc, m_i, l_i, n_k
               NUM_WG: gl.constexpr, SCHED: gl.constexpr):
     """One warpgroup's key loop over n_kv >= 1 tiles, the first at ring position it0 (sc0: scheduler turns taken
     before): (acc, m, l)."""
+    acc, p, m_i, l_i = _open(q, k_s, v_s, k_ready, v_ready, kv_empty, sched, acc, m_i, l_i, n_kv, n_full, it0, sc0,
+                             rows, S_k, diag, qk_scale, BMW, BN, STAGES, CAUSAL, s_l, o_l, p_l, EMU, P16, WG, NUM_WG,
+                             SCHED)
+    return _last_pv(q, v_s, v_ready, kv_empty, acc, p, it0 + n_kv - 1, STAGES, p_l, P16), m_i, l_i
+
+
+@gluon.jit
+def _open(q, k_s, v_s, k_ready, v_ready, kv_empty, sched, acc, m_i, l_i, n_kv, n_full, it0, sc0, rows, S_k, diag,
+          qk_scale, BMW: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, s_l: gl.constexpr,
+          o_l: gl.constexpr, p_l: gl.constexpr, EMU: gl.constexpr, P16: gl.constexpr, WG: gl.constexpr,
+          NUM_WG: gl.constexpr, SCHED: gl.constexpr):
+    """_pipeline without its last P V: the first tile's S product and softmax, then _keys; (acc, p, m, l)."""
     s_first = (it0 % STAGES).to(gl.int32)
     mbarrier.wait(k_ready.index(s_first), ((it0 // STAGES) & 1).to(gl.int32))
     s0 = warpgroup_mma(q, k_s.index(s_first).permute((1, 0)), gl.zeros([BMW, BN], gl.float32, s_l), use_acc=False,
@@ -152,10 +164,8 @@ def _pipeline(q, k_s, v_s, k_ready, v_ready, kv_empty, sched, acc, m_i, l_i, n_k
     p, alpha, m_i, l_i = _softmax(s0, m_i, l_i, 0, rows, S_k, diag, qk_scale, BN, CAUSAL, True, s_l, 0)
     if P16:
         p = gl.convert_layout(p.to(q.dtype), p_l)
-    acc, p, m_i, l_i = _keys(q, k_s, v_s, k_ready, v_ready, kv_empty, sched, acc, p, m_i, l_i, n_kv, n_full, it0, sc0,
-                             rows, S_k, diag, qk_scale, BMW, BN, STAGES, CAUSAL, s_l, o_l, p_l, EMU, P16, WG, NUM_WG,
-                             SCHED)
-    return _last_pv(q, v_s, v_ready, kv_empty, acc, p, it0 + n_kv - 1, STAGES, p_l, P16), m_i, l_i
+    return _keys(q, k_s, v_s, k_ready, v_ready, kv_empty, sched, acc, p, m_i, l_i, n_kv, n_full, it0, sc0, rows, S_k,
+                 diag, qk_scale, BMW, BN, STAGES, CAUSAL, s_l, o_l, p_l, EMU, P16, WG, NUM_WG, SCHED)
 
 
 @gluon.jit
@@ -482,14 +492,7 @@ def _walk_overlapped(q_s, k_s, v_s, q_bar, q_empty, k_ready, v_ready, kv_empty, 
     it0 = gl.to_tensor(0).to(gl.uint32)  # the ring position of the item's first key tile
     sc0 = gl.to_tensor(0).to(gl.uint32)  # scheduler turns taken
     mbarrier.wait(q_bar.index(0), 0)
-    mbarrier.wait(k_ready.index(0), 0)
-    s0 = warpgroup_mma(q0, k_s.index(0).permute((1, 0)), gl.zeros([BMW, BN], gl.float32, s_l), use_acc=False,
-                       is_async=True)
-    s0 = warpgroup_mma_wait(0, deps=[s0])
-    p, alpha, m_i, l_i = _softmax(s0, m_i, l_i, 0, rows0, len_k, len_k - len_q, qk_scale, BN, CAUSAL, True, s_l, 0)
-    if P16:
-        p = gl.convert_layout(p.to(q0.dtype), p_l)
-    acc, p, m_i, l_i = _keys(q0, k_s, v_s, k_ready, v_ready, kv_empty, sched, acc, p, m_i, l_i, n_kv, n_full, it0, sc0,
+    acc, p, m_i, l_i = _open(q0, k_s, v_s, k_ready, v_ready, kv_empty, sched, acc, m_i, l_i, n_kv, n_full, it0, sc0,
                              rows0, len_k, len_k - len_q, qk_scale, BMW, BN, STAGES, CAUSAL, s_l, o_l, p_l, EMU, P16,
                              WG, NUM_WG, SCHED)
     it0 += n_kv.to(gl.uint32)
