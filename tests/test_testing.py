@@ -766,10 +766,21 @@ def test_tune_runs_the_grid_with_the_entrys_keys_outside_the_space_and_times_the
     entry_times = iter([9.0, 2.5])
     t_off = dataclasses.replace(t, not_inherited=("X",))  # (the attention forward's GLUON: another kernel)
     res = tune.tune(t_off, {"M": 1}, torch.float32, timer=timer)
-    grid_runs = [c for c in ran if "X" not in c]  # (each config runs for its outputs, then is timed)
-    assert sorted(c["p"] for c in grid_runs) == [1, 1, 2, 2, 3, 3] and all(len(c) == 1 for c in grid_runs)
-    assert len(ran) - len(grid_runs) == 3  # the entry, with X: its reference outputs, timed before and after
+    no_x = [c for c in ran if "X" not in c]  # (each config runs for its outputs, then is timed)
+    # the grid's 3 configs twice each, and the entry without X (its tiles, like for like): checked, timed twice
+    assert sorted(c["p"] for c in no_x) == [1, 1, 2, 2, 2, 2, 2, 3, 3] and all(len(c) == 1 for c in no_x)
+    assert len(ran) - len(no_x) == 1  # the entry as the launcher runs it, with X: the reference outputs only
     assert res["best"]["config"] == {"p": 1}
+    assert res["in_use"]["timed_without"] == ["X"] and res["in_use"]["ms_runs"] == [2.0, 2.0]
+    assert res["in_use"]["config"] == {"p": 2, "X": 7}  # (what the launcher runs, recorded whole)
+    # the grid's best beat the entry's tiles: written, and the entry keeps its X
+    path = tune.write_config(res, arch=arch)
+    assert json.loads(Path(path).read_text())["kernels"]["fake_fixed"]["k"] == {"p": 1, "X": 7}
+    # where the entry's tiles are the fastest, nothing is written (the X kernel's own time does not guard them)
+    launch.reload()
+    ran.clear()
+    res = tune.tune(t_off, {"M": 1}, torch.float32, timer=lambda fn: (fn(), 0.5 if ran[-1] == {"p": 1} else 3.0)[1])
+    assert res["in_use"]["ms"] == 0.5 and tune.write_config(res, arch=arch) is None
 
 
 def test_tune_runs_each_canonical_launch_once():

@@ -17,6 +17,11 @@ if not HAS_CUDA and os.environ.get("TRITON_INTERPRET") is None:
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
+if INTERPRET:
+    from triforge import _interp
+
+    _interp.install()  # device-function calls patch the language once per launch (see _interp)
+
 
 def default_device() -> torch.device:
     """The device triforge kernels run on in this process."""

@@ -259,6 +259,8 @@ def _tune_one(args, t) -> int:
         console.print(f"timed by CUDA-graph replays over {result.get('n_sets', 1)} input set(s)")
     in_use = result["in_use"]
     where = json.dumps(in_use["config"]) if in_use["config"] is not None else "the fallback"
+    if in_use.get("timed_without"):
+        where += f", timed without {', '.join(in_use['timed_without'])}"
     runs = in_use.get("ms_runs")
     console.print(f"in use ({where}): " + (f"{in_use['ms']:.4f} ms" if in_use["ms"] is not None else in_use.get("error", ""))
                   + (f" (before / after the grid: {runs[0]:.4f} / {runs[1]:.4f})" if runs else ""))
