@@ -277,7 +277,9 @@ def test_fused_mlp_generates_hf_tokens(model, monkeypatch):
     and 2, and the fused path is the one that ran."""
     import triforge.models.qwen2 as Q
 
-    cfg = {"BN_GU": 2, "BK_GU": 128, "BN_D": 2, "BK_D": 64, "PPS": 4, "num_warps": 4}
+    # 4 programs (the interpreter's 4 SMs x PPS 1) over 24 gate/up units and 16 down units of 3 K steps: each walks
+    # several of both (the kernel's own tests in test_gemv.py cover the unit and step edge cases)
+    cfg = {"BN_GU": 8, "BK_GU": 128, "BN_D": 8, "BK_D": 64, "PPS": 1, "num_warps": 4}
     monkeypatch.setattr(Q, "mlp_config", lambda M, C, I, dtype: dict(cfg) if M <= 2 else None)
     calls = []
     launch_mlp = Q.gemv_mlp_launch

@@ -125,7 +125,9 @@ def ternary_matmul_kernel(
             b_act = tl.load(active_ptr + o_n.to(tl.int64) * n_chunks + c, mask=m_n, other=0)
             run = tl.max(b_act, axis=0) > 0
         if run:
-            for j in range(0, 64, BLOCK_W):
+            # the chunk's words that exist (K's last chunk is short: at K = 896, 28 of 64 words; the masked rest
+            # would still be expanded and multiplied)
+            for j in range(0, tl.minimum(KW - c * 64, 64), BLOCK_W):
                 w0 = c * 64 + j
                 b_t = _expand(plus_ptr, minus_ptr, o_n, m_n, w0, KW, BLOCK_W, BLOCK_N)  # [BN, BW*32]
                 o_k = w0 * 32 + tl.arange(0, BLOCK_W * 32)
