@@ -240,7 +240,7 @@ def test_gemv_splits_fill_the_sms(monkeypatch):
 
 
 def _gemv_sm90_cases():
-    """The decode kernels as the H100 builds them at N = K = 8192 with the fallback configs."""
+    """The decode kernels as the H100 builds them at N = K = 8192 with the fallback configs, and the plane GEMM."""
     from triforge.ops.ternary import kernels as TK
 
     mod = "triforge.ops.ternary.kernels"
@@ -263,6 +263,16 @@ def _gemv_sm90_cases():
         cases.append({"kernel": f"{mod}:ternary_gemv_bitmajor_kernel",
                       "signature": {"x_ptr": "*bf16", "xt_ptr": "*fp32"}, "constexprs": {"BLOCK_M": bm, "BLOCK_W": bw},
                       "divisible": ["x_ptr", "xt_ptr", "K"], "options": {"num_warps": 4}})
+    # the plane GEMM as matmul() builds it for bf16 activations (fp32 activations, DOT_F32: the fp32 FMA dot spills at
+    # every tile tried, 0.4-8.6 KB from BLOCK_M 16-64 x BLOCK_W 1-8 x 4-8 warps: a known gap of that path, NOTES)
+    for skip, x_ty in [(False, "*bf16"), (True, "*bf16")]:
+        cases.append({"kernel": f"{mod}:ternary_matmul_kernel",
+                      "signature": {"x_ptr": x_ty, "plus_ptr": "*i32", "minus_ptr": "*i32", "active_ptr": "*i32",
+                                    "part_ptr": "*fp32"},
+                      "constexprs": {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_W": 8, "SKIP": skip,
+                                     "DOT_F32": x_ty == "*fp32"},
+                      "divisible": ["x_ptr", "plus_ptr", "minus_ptr", "active_ptr", "part_ptr", "K", "KW"],
+                      "options": {"num_warps": 4}})
     cases.append({"kernel": f"{mod}:ternary_gemv_reduce_kernel",
                   "signature": {"part_ptr": "*fp32", "scale_ptr": "*fp32", "bias_ptr": "*bf16", "y_ptr": "*bf16"},
                   "constexprs": {"BLOCK": 1024, "HAS_BIAS": True, "RNE": False},
