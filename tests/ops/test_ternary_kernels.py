@@ -263,14 +263,15 @@ def _gemv_sm90_cases():
         cases.append({"kernel": f"{mod}:ternary_gemv_bitmajor_kernel",
                       "signature": {"x_ptr": "*bf16", "xt_ptr": "*fp32"}, "constexprs": {"BLOCK_M": bm, "BLOCK_W": bw},
                       "divisible": ["x_ptr", "xt_ptr", "K"], "options": {"num_warps": 4}})
-    # the plane GEMM as matmul() builds it for bf16 activations (fp32 activations, DOT_F32: the fp32 FMA dot spills at
-    # every tile tried, 0.4-8.6 KB from BLOCK_M 16-64 x BLOCK_W 1-8 x 4-8 warps: a known gap of that path, NOTES)
-    for skip, x_ty in [(False, "*bf16"), (True, "*bf16")]:
+    # the plane GEMM as matmul() builds it: bf16 x at BLOCK_W 8; fp32 x as three bf16 parts (SPLIT3) at BLOCK_W 2 (the
+    # fp32 FMA dot, DOT_F32, spilled 0.4-8.6 KB at every tile tried: BLOCK_M 16-64, BLOCK_W 1-8, 4-8 warps)
+    for skip, x_ty, bm in [(False, "*bf16", 64), (True, "*bf16", 64), (False, "*fp32", 64), (True, "*fp32", 16)]:
+        split3 = x_ty == "*fp32"
         cases.append({"kernel": f"{mod}:ternary_matmul_kernel",
                       "signature": {"x_ptr": x_ty, "plus_ptr": "*i32", "minus_ptr": "*i32", "active_ptr": "*i32",
                                     "part_ptr": "*fp32"},
-                      "constexprs": {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_W": 8, "SKIP": skip,
-                                     "DOT_F32": x_ty == "*fp32"},
+                      "constexprs": {"BLOCK_M": bm, "BLOCK_N": 64, "BLOCK_W": 2 if split3 else 8, "SKIP": skip,
+                                     "DOT_F32": False, "SPLIT3": split3},
                       "divisible": ["x_ptr", "plus_ptr", "minus_ptr", "active_ptr", "part_ptr", "K", "KW"],
                       "options": {"num_warps": 4}})
     cases.append({"kernel": f"{mod}:ternary_gemv_reduce_kernel",

@@ -109,6 +109,7 @@ def ternary_matmul_kernel(
     BLOCK_W: tl.constexpr,
     SKIP: tl.constexpr,
     DOT_F32: tl.constexpr,
+    SPLIT3: tl.constexpr = False,
 ):
     """A program per (BLOCK_M rows of x, BLOCK_N weight rows, run of 2048-column chunks): split-K
     keeps decode (M = 1) busy; weight tiles are expanded to {-1, 0, 1} in x's dtype for tl.dot."""
@@ -133,7 +134,25 @@ def ternary_matmul_kernel(
                 o_k = w0 * 32 + tl.arange(0, BLOCK_W * 32)
                 b_x = tl.load(x_ptr + o_m.to(tl.int64)[:, None] * K + o_k[None, :],
                               mask=m_m[:, None] & (o_k < K)[None, :], other=0.0)
-                if DOT_F32:
+                if SPLIT3:
+                    # fp32 x as the sum of three bf16 parts (hi = x rounded, mid and lo the rounded remainders: 24
+                    # bits of x's 24), each times the exact {-1, 0, 1} weights on the tensor cores with fp32
+                    # accumulation; the fp32 FMA dot (DOT_F32) spills at every tile (sm90 build: 0.4-8.6 KB)
+                    x_hi = b_x.to(tl.bfloat16)
+                    r = b_x - x_hi.to(tl.float32)
+                    x_mid = r.to(tl.bfloat16)
+                    x_lo = (r - x_mid.to(tl.float32)).to(tl.bfloat16)
+                    if DOT_F32:  # (the interpreter, whose bf16 dot is wrong: the same parts, exact in fp32)
+                        b_w = tl.trans(b_t)
+                        b_acc = tl.dot(x_lo.to(tl.float32), b_w, b_acc, input_precision="ieee")
+                        b_acc = tl.dot(x_mid.to(tl.float32), b_w, b_acc, input_precision="ieee")
+                        b_acc = tl.dot(x_hi.to(tl.float32), b_w, b_acc, input_precision="ieee")
+                    else:
+                        b_w = tl.trans(b_t.to(tl.bfloat16))
+                        b_acc = tl.dot(x_lo, b_w, b_acc)
+                        b_acc = tl.dot(x_mid, b_w, b_acc)
+                        b_acc = tl.dot(x_hi, b_w, b_acc)
+                elif DOT_F32:
                     b_acc = tl.dot(b_x.to(tl.float32), tl.trans(b_t), b_acc, input_precision="ieee")
                 else:
                     b_acc = tl.dot(b_x, tl.trans(b_t.to(x_ptr.dtype.element_ty)), b_acc)
@@ -195,7 +214,8 @@ def ternary_matmul(x2d, plus, minus, scales, bias=None, active=None):
     skip = active is not None
     bm = 16 if M <= 16 or _runtime.INTERPRET else 64
     bn = 16 if _runtime.INTERPRET else 64
-    bw = 2 if _runtime.INTERPRET else 8
+    split3 = x2d.dtype == torch.float32  # fp32 x as three bf16 parts on the tensor cores (the kernel's SPLIT3)
+    bw = 2 if _runtime.INTERPRET or split3 else 8  # (SPLIT3 at BLOCK_W 4: 12 B of spills in the sm90 build; 2: none)
     tiles = launch.cdiv(M, bm) * launch.cdiv(N, bn)
     splits = max(1, min(n_chunks, launch.cdiv(_runtime.num_sms() * 4, tiles)))  # split K while tiles are few
     per_split = launch.cdiv(n_chunks, splits)
@@ -206,7 +226,8 @@ def ternary_matmul(x2d, plus, minus, scales, bias=None, active=None):
         x2d, plus, minus, active if skip else plus, part, M, N, K, KW, n_chunks, per_split,
         nbytes=x2d.numel() * x2d.element_size() + 2 * plus.numel() * 4 + M * N * x2d.element_size(),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_W=bw, SKIP=skip,
-        DOT_F32=x2d.dtype == torch.float32 or (_runtime.INTERPRET and x2d.dtype == torch.bfloat16), num_warps=4,
+        # DOT_F32: the interpreter's dot in fp32 (its bf16 dot is wrong); bf16 x there, and SPLIT3's parts
+        SPLIT3=split3, DOT_F32=_runtime.INTERPRET and x2d.dtype in (torch.bfloat16, torch.float32), num_warps=4,
     )
     y = (part[0] if splits == 1 else part.sum(0)) * scales.float()
     if bias is not None:
