@@ -479,8 +479,7 @@ def test_expanded_weight(gen):
     # dw0 = sum over 7 * 300 terms g * x_hat of both signs, so it cancels to a value far below its terms: its
     # float32 rounding error scales with the terms' root sum of squares (a random walk of per-term roundings),
     # not with dw0 itself (CI: 0.3397 against terms' rss 37, error 7e-6 = 2e-7 of the rss, 2e-5 of dw0)
-    x64 = _to64(x)
-    x_hat = x64 * rms_norm_ref(x64, torch.ones(N, dtype=torch.float64, device=x64.device))["rstd"].unsqueeze(-1)
+    x_hat = rms_norm_ref(_to64(x), torch.ones(N, dtype=torch.float64, device=x.device))["y"]
     terms_rss = (x_hat * _to64(g)).square().sum().sqrt().reshape(1)
     _assert_ok(compare("dw0", w64.grad, w0.grad, scale=terms_rss, verbose=False))
 
