@@ -92,6 +92,15 @@ def _expand(plus_ptr, minus_ptr, o_n, m_n, w0, KW, BLOCK_W: tl.constexpr, BLOCK_
 
 
 @triton.jit
+def _dot_w(b_x, b_t, b_acc, DOT_F32: tl.constexpr):
+    """b_acc + b_x @ b_t^T, b_t the expanded {-1, 0, 1} weights: in b_x's dtype on the tensor cores, or (DOT_F32: the
+    interpreter, whose bf16 dot is wrong, and fp32 x) both in fp32 with an IEEE dot (exact parts stay exact)."""
+    if DOT_F32:
+        return tl.dot(b_x.to(tl.float32), tl.trans(b_t), b_acc, input_precision="ieee")
+    return tl.dot(b_x, tl.trans(b_t.to(b_x.dtype)), b_acc)
+
+
+@triton.jit
 def ternary_matmul_kernel(
     x_ptr,  # [M, K] activations, fp16/bf16/fp32
     plus_ptr,  # [N, KW] int32
@@ -142,20 +151,11 @@ def ternary_matmul_kernel(
                     r = b_x - x_hi.to(tl.float32)
                     x_mid = r.to(tl.bfloat16)
                     x_lo = (r - x_mid.to(tl.float32)).to(tl.bfloat16)
-                    if DOT_F32:  # (the interpreter, whose bf16 dot is wrong: the same parts, exact in fp32)
-                        b_w = tl.trans(b_t)
-                        b_acc = tl.dot(x_lo.to(tl.float32), b_w, b_acc, input_precision="ieee")
-                        b_acc = tl.dot(x_mid.to(tl.float32), b_w, b_acc, input_precision="ieee")
-                        b_acc = tl.dot(x_hi.to(tl.float32), b_w, b_acc, input_precision="ieee")
-                    else:
-                        b_w = tl.trans(b_t.to(tl.bfloat16))
-                        b_acc = tl.dot(x_lo, b_w, b_acc)
-                        b_acc = tl.dot(x_mid, b_w, b_acc)
-                        b_acc = tl.dot(x_hi, b_w, b_acc)
-                elif DOT_F32:
-                    b_acc = tl.dot(b_x.to(tl.float32), tl.trans(b_t), b_acc, input_precision="ieee")
+                    b_acc = _dot_w(x_lo, b_t, b_acc, DOT_F32)
+                    b_acc = _dot_w(x_mid, b_t, b_acc, DOT_F32)
+                    b_acc = _dot_w(x_hi, b_t, b_acc, DOT_F32)
                 else:
-                    b_acc = tl.dot(b_x, tl.trans(b_t.to(x_ptr.dtype.element_ty)), b_acc)
+                    b_acc = _dot_w(b_x, b_t, b_acc, DOT_F32)
     o_out = (i_s.to(tl.int64) * M + o_m[:, None]) * N + o_n[None, :]
     tl.store(part_ptr + o_out, b_acc, mask=m_m[:, None] & m_n[None, :])
 
